@@ -1,0 +1,44 @@
+"""Errors a user can cause, each carrying one line that names the problem and the fix.
+
+The trainer prints ``str(err)`` and exits non-zero; a traceback is reserved for bugs,
+so every message here must make sense on its own at 3 a.m.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SnapshotError",
+    "SnapshotCorruptError",
+    "SnapshotMismatchError",
+    "SnapshotDirError",
+    "SnapshotDiskFullError",
+    "SnapshotExistsError",
+]
+
+
+class SnapshotError(Exception):
+    """Base class; ``str(err)`` is a single line suitable for a log or a terminal."""
+
+    def __init__(self, message: str) -> None:
+        # Collapse accidental newlines so "one clear line" holds whatever the caller passed.
+        super().__init__(" ".join(str(message).split()))
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot's manifest or one of its files does not match what was written."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """A snapshot was written by a different model/optimizer (keys or shapes differ)."""
+
+
+class SnapshotDirError(SnapshotError):
+    """The snapshot directory is missing, not a directory, or not writable."""
+
+
+class SnapshotDiskFullError(SnapshotError):
+    """The filesystem ran out of space (ENOSPC/EDQUOT) while a snapshot was written."""
+
+
+class SnapshotExistsError(SnapshotError):
+    """A valid snapshot for this step already exists and the store was told not to skip it."""

@@ -1,0 +1,96 @@
+"""One snapshot file: torch.save'd with its sha256 computed on the bytes as they hit the disk.
+
+Hashing the stream being written (rather than re-reading the file) avoids a second pass
+over hundreds of MB; the hash runs on a helper thread in parallel with the write, since
+both release the GIL, so it costs little on top of the disk (see docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_READ_CHUNK = 8 << 20
+_PARALLEL_HASH_MIN = 256 << 10
+
+
+class _HashingWriter:
+    """File-like sink for torch.save that hashes and writes each chunk, remembering OS errors.
+
+    torch.save wraps an exception from ``write`` in a RuntimeError; we keep the original
+    OSError so ENOSPC can be reported as a full disk rather than an enforce failure.
+    """
+
+    def __init__(self, fd: int, hasher_pool: ThreadPoolExecutor) -> None:
+        self._fd = fd
+        self._pool = hasher_pool
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.os_error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        fut = self._pool.submit(self.sha.update, mv) if mv.nbytes >= _PARALLEL_HASH_MIN else None
+        try:
+            if fut is None:
+                self.sha.update(mv)
+            off = 0
+            while off < mv.nbytes:
+                off += os.write(self._fd, mv[off:])
+        except OSError as e:
+            self.os_error = e
+            raise
+        finally:
+            if fut is not None:
+                fut.result()  # the chunk's memory is only valid until we return
+        self.size += mv.nbytes
+        return mv.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def write_file(path: Path, obj: Any, hasher_pool: ThreadPoolExecutor) -> tuple[int, str]:
+    """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        w = _HashingWriter(fd, hasher_pool)
+        try:
+            torch.save(obj, w)
+        except RuntimeError:
+            if w.os_error is not None:
+                raise w.os_error from None
+            raise
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return w.size, w.sha.hexdigest()
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        mv = memoryview(buf)
+        while n := f.readinto(buf):
+            sha.update(mv[:n])
+            size += n
+    return size, sha.hexdigest()
+
+
+def read_bytes(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def load_bytes(data: bytes, map_location: Any) -> Any:
+    # weights_only=True: the unpickler only rebuilds tensors and plain containers, so a
+    # tampered snapshot cannot run code. BytesIO(bytes) shares the buffer, no copy.
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)

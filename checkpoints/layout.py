@@ -1,0 +1,101 @@
+"""On-disk naming and the few filesystem primitives that make a snapshot atomic.
+
+A snapshot is the directory ``step-<12 digits>/``. Anything else in the root is either
+a temp dir (``.tmp-step-...``, leading dot so globbing ``step-*`` can never pick it up)
+or a quarantined corrupt snapshot (``.corrupt-step-...``).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "MANIFEST.json"
+STEP_DIGITS = 12
+_MAX_STEP = 10**STEP_DIGITS - 1
+
+_STEP_RE = re.compile(r"^step-(\d{%d})$" % STEP_DIGITS)
+_TMP_RE = re.compile(r"^\.tmp-step-(\d{%d})-([0-9a-f]{8})-(\d+)-([0-9a-f]{8})$" % STEP_DIGITS)
+_CORRUPT_PREFIX = ".corrupt-step-"
+
+
+def check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP:
+        raise ValueError(f"step must be an int in [0, {_MAX_STEP}], got {step!r}")
+    return step
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{check_step(step):0{STEP_DIGITS}d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def host_tag() -> str:
+    """Short stable tag of this host so a pid is only ever judged on the host that owns it."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temp_dirname(step: int) -> str:
+    return f".tmp-{step_dirname(step)}-{host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class TempDirName:
+    step: int
+    host: str
+    pid: int
+
+
+def parse_temp_dirname(name: str) -> TempDirName | None:
+    m = _TMP_RE.match(name)
+    if not m:
+        return None
+    return TempDirName(step=int(m.group(1)), host=m.group(2), pid=int(m.group(3)))
+
+
+def quarantine_dirname(step: int) -> str:
+    return f"{_CORRUPT_PREFIX}{check_step(step):0{STEP_DIGITS}d}-{secrets.token_hex(4)}"
+
+
+def is_quarantine_dirname(name: str) -> bool:
+    return name.startswith(_CORRUPT_PREFIX)
+
+
+def key_filename(index: int, key: str) -> str:
+    """File for one top-level key: index keeps names unique, the sanitised key keeps them readable."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:48].lstrip(".") or "key"
+    return f"{index:03d}-{safe}.pt"
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creates, renames, unlinks) durable, not just its files."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on directories; nothing more we can do
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,101 @@
+"""MANIFEST.json: the single source of truth for what a snapshot contains.
+
+The manifest is written last, so its presence means every file it names was fsync'd first.
+It carries its own sha256 (over the canonical JSON of everything else) so a flipped byte in
+the manifest itself - say in ``world_size`` - is caught even by quick verification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_NAME = "elastic-trainer-snapshot"
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be trusted; the message says why (one line)."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    key: str  # top-level key of the saved state
+    file: str  # file name inside the snapshot dir
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    written_at: float
+    torch_version: str
+    files: tuple[FileEntry, ...]
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "written_at": self.written_at,
+            "torch_version": self.torch_version,
+            "files": [
+                {"key": f.key, "file": f.file, "size": f.size, "sha256": f.sha256} for f in self.files
+            ],
+            "extra_meta": self.extra_meta,
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        body["manifest_sha256"] = _digest(body)
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"not valid JSON ({e.__class__.__name__})") from None
+        if not isinstance(body, dict):
+            raise ManifestError("not a JSON object")
+        recorded = body.pop("manifest_sha256", None)
+        if recorded != _digest(body):
+            raise ManifestError("self-checksum mismatch (the manifest itself is damaged)")
+        if body.get("format") != FORMAT_NAME:
+            raise ManifestError(f"unknown format {body.get('format')!r}")
+        if body.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(
+                f"format version {body.get('format_version')!r} is not supported "
+                f"(this build reads version {FORMAT_VERSION}); upgrade elastic-trainer"
+            )
+        try:
+            files = tuple(
+                FileEntry(key=str(f["key"]), file=str(f["file"]), size=int(f["size"]), sha256=str(f["sha256"]))
+                for f in body["files"]
+            )
+            return cls(
+                step=int(body["step"]),
+                world_size=int(body["world_size"]),
+                written_at=float(body["written_at"]),
+                torch_version=str(body["torch_version"]),
+                files=files,
+                extra_meta=dict(body.get("extra_meta") or {}),
+                format_version=int(body["format_version"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"missing or malformed field ({e})") from None
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -1,0 +1,506 @@
+"""The snapshot store: atomic, durable, checksummed, one directory per step.
+
+Write protocol (a snapshot without a valid manifest does not exist):
+  1. write every file into ``.tmp-step-<step>-<host>-<pid>-<rand>/``, fsync each;
+  2. write and fsync ``MANIFEST.json`` (sizes + sha256 of every file, plus its own checksum);
+  3. fsync the temp dir, rename it to ``step-<step>/``, fsync the root.
+Only then is it "newest"; only then are old snapshots pruned. A crash at any point leaves
+either the previous state or a temp dir that later saves clean up.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import torch
+
+from . import files, layout
+from .errors import (
+    SnapshotCorruptError,
+    SnapshotDirError,
+    SnapshotDiskFullError,
+    SnapshotError,
+    SnapshotExistsError,
+)
+from .manifest import FileEntry, Manifest, ManifestError
+from .tree import check_state
+
+log = logging.getLogger(__name__)
+
+# Temp dirs this process is writing right now; a temp dir carrying our own pid that is not
+# in here was left by an earlier process that had the same pid (common in containers).
+_ACTIVE_TEMPS: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    step: int
+    path: Path
+    world_size: int
+    written_at: float
+    size_bytes: int
+    torch_version: str = field(default="", compare=False)
+    extra_meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """One ``step-*`` dir as found on disk, valid or not (what ``ls``/``verify`` show)."""
+
+    step: int
+    path: Path
+    info: SnapshotInfo | None
+    problems: tuple[str, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class TempDirStatus:
+    path: Path
+    step: int
+    pid: int
+    same_host: bool
+    stale: bool
+
+
+def _info(path: Path, m: Manifest) -> SnapshotInfo:
+    return SnapshotInfo(
+        step=m.step,
+        path=path,
+        world_size=m.world_size,
+        written_at=m.written_at,
+        size_bytes=m.size_bytes,
+        torch_version=m.torch_version,
+        extra_meta=m.extra_meta,
+    )
+
+
+class SnapshotStore:
+    """Snapshots under ``root``; safe against crashes, torn writes, bit rot and full disks.
+
+    ``if_exists`` decides what ``save`` does when ``step-<step>/`` already holds a valid
+    snapshot (e.g. a resumed job reaching the step it resumed from): ``"skip"`` keeps the
+    existing one and returns its info, ``"error"`` raises SnapshotExistsError. It is never
+    overwritten in place. An existing *invalid* dir for that step is moved aside to
+    ``.corrupt-step-...`` so the new snapshot can take its name.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep: int = 3,
+        *,
+        if_exists: Literal["skip", "error"] = "skip",
+        create: bool = True,
+        io_threads: int = 2,
+        stale_temp_grace_s: float = 600.0,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        if if_exists not in ("skip", "error"):
+            raise ValueError(f"if_exists must be 'skip' or 'error', got {if_exists!r}")
+        self.root = Path(root)
+        self.keep = keep
+        self.if_exists = if_exists
+        self.stale_temp_grace_s = stale_temp_grace_s
+        self._io_threads = max(1, io_threads)
+        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._pools_lock = threading.Lock()
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SnapshotDirError(
+                    f"cannot create snapshot directory {self.root}: {e.strerror or e}; "
+                    "pass a directory you can write (or create it first)"
+                ) from None
+        if not self.root.is_dir():
+            what = "does not exist" if not self.root.exists() else "is not a directory"
+            raise SnapshotDirError(f"snapshot directory {self.root} {what}; pass the directory snapshots live in")
+        if create and not os.access(self.root, os.W_OK | os.X_OK):
+            raise SnapshotDirError(
+                f"snapshot directory {self.root} is not writable (read-only filesystem or permissions); "
+                "make it writable or pass another directory"
+            )
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({str(self.root)!r}, keep={self.keep})"
+
+    # ------------------------------------------------------------------ write
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        world_size: int,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> SnapshotInfo:
+        """Write ``state`` as snapshot ``step``; durable on return; prunes afterwards."""
+        layout.check_step(step)
+        check_state(state)
+        final = self.root / layout.step_dirname(step)
+        if final.exists():
+            existing = self._handle_existing(step, final)
+            if existing is not None:
+                return existing
+        tmp = self.root / layout.temp_dirname(step)
+        with _ACTIVE_LOCK:
+            _ACTIVE_TEMPS.add(tmp.name)
+        try:
+            try:
+                info = self._write(step, state, world_size, extra_meta or {}, tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        except OSError as e:
+            raise self._os_error(e, step) from None
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE_TEMPS.discard(tmp.name)
+        if info.path != final:  # lost a race with another writer of the same step
+            return info
+        try:
+            self.prune()
+            self.clean_stale_temps()
+        except OSError as e:  # the snapshot is durable; housekeeping can wait for the next save
+            log.warning("snapshot step %d is durable but pruning %s failed: %s", step, self.root, e)
+        return info
+
+    def _write(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        world_size: int,
+        extra_meta: dict[str, Any],
+        tmp: Path,
+        final: Path,
+    ) -> SnapshotInfo:
+        tmp.mkdir()
+        file_pool, hash_pool = self._get_pools()
+        names = [layout.key_filename(i, k) for i, k in enumerate(state)]
+        futures = [
+            file_pool.submit(files.write_file, tmp / name, value, hash_pool)
+            for name, value in zip(names, state.values())
+        ]
+        results = []
+        first_error: BaseException | None = None
+        for fut in futures:  # wait for all before cleanup, so none writes into a removed dir
+            try:
+                results.append(fut.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        manifest = Manifest(
+            step=step,
+            world_size=int(world_size),
+            written_at=time.time(),
+            torch_version=torch.__version__,
+            files=tuple(
+                FileEntry(key=k, file=n, size=size, sha256=sha)
+                for k, n, (size, sha) in zip(state.keys(), names, results)
+            ),
+            extra_meta=dict(extra_meta),
+        )
+        fd = os.open(tmp / layout.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            data = manifest.to_bytes()
+            off = 0
+            while off < len(data):
+                off += os.write(fd, data[off:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        layout.fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)  # fails (ENOTEMPTY/EEXIST) rather than clobbering a snapshot
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            existing = self._handle_existing(step, final)
+            if existing is None:
+                raise SnapshotError(f"another writer raced us to {final}; retry the save") from None
+            return existing
+        layout.fsync_dir(self.root)
+        return _info(final, manifest)
+
+    def _handle_existing(self, step: int, final: Path) -> SnapshotInfo | None:
+        problems = self.verify(step, full=False)
+        if not problems:
+            if self.if_exists == "error":
+                raise SnapshotExistsError(
+                    f"snapshot {final} already exists and is valid; snapshots are never overwritten "
+                    "(delete it or use if_exists='skip')"
+                )
+            log.info("snapshot %s already exists and is valid; keeping it (if_exists='skip')", final)
+            return self._info_of(final)
+        aside = self.root / layout.quarantine_dirname(step)
+        os.rename(final, aside)
+        layout.fsync_dir(self.root)
+        log.warning("moved invalid snapshot %s aside to %s (%s) before rewriting it", final, aside.name, problems[0])
+        return None
+
+    def _os_error(self, e: OSError, step: int) -> SnapshotError:
+        reason = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return SnapshotDiskFullError(
+                f"disk full writing snapshot step {step} to {self.root} ({reason}); "
+                "free space or lower keep= - earlier snapshots are intact"
+            )
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return SnapshotDirError(
+                f"cannot write snapshot step {step} to {self.root} ({reason}); "
+                "make the directory writable or pass another one"
+            )
+        return SnapshotError(
+            f"writing snapshot step {step} to {self.root} failed ({reason}: {e.filename or ''}); "
+            "earlier snapshots are intact; check the filesystem"
+        )
+
+    def _get_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        with self._pools_lock:
+            if self._pools is None:
+                self._pools = (
+                    ThreadPoolExecutor(self._io_threads, thread_name_prefix="snapshot-io"),
+                    ThreadPoolExecutor(self._io_threads, thread_name_prefix="snapshot-hash"),
+                )
+            return self._pools
+
+    # ------------------------------------------------------------------ read
+
+    def _steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except OSError as e:
+            raise SnapshotDirError(f"cannot read snapshot directory {self.root}: {e.strerror or e}") from None
+        return sorted(s for s in map(layout.parse_step_dirname, names) if s is not None)
+
+    def _read_manifest(self, path: Path) -> Manifest:
+        """Raise ManifestError (one line, names MANIFEST.json) if the manifest cannot be trusted."""
+        try:
+            data = (path / layout.MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            raise ManifestError(
+                f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not a snapshot)"
+            ) from None
+        except OSError as e:
+            raise ManifestError(f"{layout.MANIFEST_NAME}: unreadable ({e.strerror or e})") from None
+        try:
+            m = Manifest.from_bytes(data)
+        except ManifestError as e:
+            raise ManifestError(f"{layout.MANIFEST_NAME}: {e}") from None
+        dir_step = layout.parse_step_dirname(path.name)
+        if dir_step is not None and m.step != dir_step:
+            raise ManifestError(f"{layout.MANIFEST_NAME}: records step {m.step} but the directory is {path.name}")
+        return m
+
+    def _info_of(self, path: Path) -> SnapshotInfo:
+        return _info(path, self._read_manifest(path))
+
+    def verify(self, step: int, *, full: bool = True) -> list[str]:
+        """Problems with snapshot ``step``; empty means valid. Quick checks sizes, full also sha256."""
+        path = self.root / layout.step_dirname(step)
+        if not path.is_dir():
+            return [f"{path.name}: no such snapshot"]
+        try:
+            m = self._read_manifest(path)
+        except ManifestError as e:
+            return [str(e)]
+        problems = []
+        for entry in m.files:
+            f = path / entry.file
+            try:
+                size = f.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{entry.file}: missing (listed in {layout.MANIFEST_NAME})")
+                continue
+            if size != entry.size:
+                problems.append(f"{entry.file}: size {size} bytes, manifest says {entry.size} (truncated or overwritten)")
+                continue
+            if full:
+                _, sha = files.hash_file(f)
+                if sha != entry.sha256:
+                    problems.append(f"{entry.file}: sha256 mismatch (corrupted on disk)")
+        return problems
+
+    def status(self, *, full: bool = False) -> list[SnapshotStatus]:
+        """Every ``step-*`` dir, valid or not, oldest first."""
+        out = []
+        for step in self._steps():
+            path = self.root / layout.step_dirname(step)
+            problems = tuple(self.verify(step, full=full))
+            try:
+                info: SnapshotInfo | None = self._info_of(path)
+            except ManifestError:
+                info = None
+            out.append(SnapshotStatus(step=step, path=path, info=info, problems=problems))
+        return out
+
+    def list(self) -> list[SnapshotInfo]:
+        """Snapshots with a trustworthy manifest, oldest first (files are not checked; see verify)."""
+        out = []
+        for step in self._steps():
+            try:
+                out.append(self._info_of(self.root / layout.step_dirname(step)))
+            except ManifestError:
+                continue
+        return out
+
+    def newest_valid(self, *, full: bool = True) -> SnapshotInfo | None:
+        """Newest snapshot that verifies; logs one line for each newer invalid one it skips."""
+        for step in reversed(self._steps()):
+            problems = self.verify(step, full=full)
+            if not problems:
+                return self._info_of(self.root / layout.step_dirname(step))
+            self._log_skip(self.root / layout.step_dirname(step), problems)
+        return None
+
+    def _log_skip(self, path: Path, problems: list[str] | tuple[str, ...]) -> None:
+        more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        log.warning("skipping invalid snapshot %s: %s%s; falling back to an older one", path, problems[0], more)
+
+    def load(
+        self,
+        info_or_step: SnapshotInfo | int,
+        *,
+        map_location: Any = "cpu",
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """Load a snapshot into the nested structure that was saved.
+
+        With ``verify`` every file's sha256 is checked on the very bytes that are then
+        deserialised (read once, hashed, loaded), so a file cannot change in between.
+        """
+        step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
+        path = self.root / layout.step_dirname(step)
+        if not path.is_dir():
+            raise SnapshotCorruptError(f"snapshot {path} does not exist; run 'python -m checkpoints ls {self.root}'")
+        try:
+            m = self._read_manifest(path)
+        except ManifestError as e:
+            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
+        out: dict[str, Any] = {}
+        for entry in m.files:
+            f = path / entry.file
+            try:
+                data = files.read_bytes(f)
+            except FileNotFoundError:
+                raise SnapshotCorruptError(f"snapshot {path}: {entry.file}: missing") from None
+            if len(data) != entry.size:
+                raise SnapshotCorruptError(
+                    f"snapshot {path}: {entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)"
+                )
+            if verify:
+                if hashlib.sha256(data).hexdigest() != entry.sha256:
+                    raise SnapshotCorruptError(f"snapshot {path}: {entry.file}: sha256 mismatch (corrupted on disk)")
+            try:
+                out[entry.key] = files.load_bytes(data, map_location)
+            except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise SnapshotCorruptError(f"snapshot {path}: {entry.file} does not load ({first})") from None
+        return out
+
+    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
+        """Newest snapshot that loads with full verification, hashing each file exactly once.
+
+        This is what a restarting worker should call: ``newest_valid()`` followed by
+        ``load(verify=True)`` would hash the candidate twice.
+        """
+        for step in reversed(self._steps()):
+            path = self.root / layout.step_dirname(step)
+            problems = self.verify(step, full=False)
+            if problems:
+                self._log_skip(path, problems)
+                continue
+            try:
+                state = self.load(step, map_location=map_location, verify=True)
+            except SnapshotCorruptError as e:
+                log.warning("skipping invalid %s; falling back to an older one", str(e))
+                continue
+            return self._info_of(path), state
+        return None
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def prune(self, keep: int | None = None) -> list[int]:
+        """Keep the newest ``keep`` snapshots that pass quick verification; remove older ones.
+
+        Invalid snapshots newer than the oldest kept one are left for a human to see (every
+        start logs them); anything older goes. With no valid snapshot nothing is removed.
+        Quarantined ``.corrupt-step-*`` dirs are removed too.
+        """
+        keep = self.keep if keep is None else keep
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        steps = self._steps()
+        valid = [s for s in steps if not self.verify(s, full=False)]
+        if not valid:
+            return []
+        oldest_kept = valid[-keep:][0]
+        doomed = [s for s in steps if s < oldest_kept]
+        for s in doomed:
+            self._remove(self.root / layout.step_dirname(s), s)
+        for name in os.listdir(self.root):
+            if layout.is_quarantine_dirname(name):
+                shutil.rmtree(self.root / name, ignore_errors=True)
+        if doomed:
+            layout.fsync_dir(self.root)
+            log.info("pruned snapshots %s from %s (keep=%d)", doomed, self.root, keep)
+        return doomed
+
+    def _remove(self, path: Path, step: int) -> None:
+        # Rename first (atomic), then delete: a crash mid-delete leaves a temp dir that
+        # cleanup removes, never a half-deleted dir that still looks like a snapshot.
+        doomed = self.root / layout.temp_dirname(step)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def temp_dirs(self) -> list[TempDirStatus]:
+        newest = max(self._steps(), default=-1)
+        me, host, now = os.getpid(), layout.host_tag(), time.time()
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            t = layout.parse_temp_dirname(name)
+            if t is None:
+                continue
+            path = self.root / name
+            try:
+                age = now - path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            same_host = t.host == host
+            with _ACTIVE_LOCK:
+                ours_active = name in _ACTIVE_TEMPS
+            owner_gone = same_host and (
+                not layout.pid_alive(t.pid) or (t.pid == me and not ours_active)
+            )
+            superseded = t.step < newest and age > self.stale_temp_grace_s and not ours_active
+            out.append(TempDirStatus(path, t.step, t.pid, same_host, owner_gone or superseded))
+        return out
+
+    def clean_stale_temps(self) -> list[Path]:
+        """Remove temp dirs left by crashed writers, never one a live writer is filling."""
+        removed = []
+        for t in self.temp_dirs():
+            if t.stale:
+                shutil.rmtree(t.path, ignore_errors=True)
+                removed.append(t.path)
+        if removed:
+            log.info("removed %d stale temp dir(s) left by crashed writers in %s", len(removed), self.root)
+        return removed

@@ -1,0 +1,259 @@
+"""Background snapshot writer: training stalls for the capture, not for the disk.
+
+``submit`` takes references, copies the small tensors and returns; a writer thread copies
+the large tensors into reusable staging buffers while the next forward/backward runs,
+then serialises, hashes, fsyncs and renames. Parameters and optimizer state only change
+in ``optimizer.step``, so that is where the trainer waits (``wait_capture``, wired up by
+``attach_optimizer``) - usually not at all, because the copy finished during backward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+
+from . import layout
+from .capture import Capture, Stager
+from .errors import SnapshotError
+from .store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    """Plain counters for metrics; read a consistent copy through ``writer.stats``."""
+
+    snapshots_written: int = 0
+    snapshots_skipped: int = 0  # due while the previous one was in flight, policy "skip"
+    snapshots_waited: int = 0  # due while the previous one was in flight, policy "wait"
+    last_stall_s: float = 0.0  # time training was blocked for the last snapshot
+    total_stall_s: float = 0.0
+    last_capture_s: float = 0.0  # background copy into staging buffers
+    last_write_s: float = 0.0  # serialise + hash + fsync + rename, after the capture
+    last_bytes: int = 0
+    last_durable_step: int | None = None
+    last_durable_time: float | None = None  # time.time() when it became durable
+    errors: int = 0
+    last_error: str | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    step: int
+    world_size: int
+    extra_meta: dict[str, Any] | None
+    capture: Capture
+    captured: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    stall_s: float = 0.0
+    device_waited: bool = False
+
+
+class AsyncSnapshotWriter:
+    """Write snapshots in the background, one at a time.
+
+    ``overlap_policy`` decides what happens when a snapshot is due while the previous one
+    is still being written: ``"skip"`` (default) drops the new one and counts it in
+    ``stats.snapshots_skipped`` - training never waits for the disk; ``"wait"`` blocks
+    until the previous one is durable (counted in ``snapshots_waited``, and the wait is
+    part of the stall).
+
+    Call ``flush()`` from the trainer's SIGTERM handler; ``close()`` (or leaving the
+    ``with`` block, or interpreter exit) flushes too.
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        overlap_policy: Literal["skip", "wait"] = "skip",
+        *,
+        sync_copy_max_bytes: int = 1 << 20,
+        on_durable: Callable[[WriterStats], None] | None = None,
+    ) -> None:
+        if overlap_policy not in ("skip", "wait"):
+            raise ValueError(f"overlap_policy must be 'skip' or 'wait', got {overlap_policy!r}")
+        self.store = store
+        self.overlap_policy = overlap_policy
+        self.on_durable = on_durable
+        self._stager = Stager(sync_copy_max_bytes)
+        self._stats = WriterStats()
+        self._lock = threading.Lock()
+        self._job: _Job | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self._atexit)
+
+    # ---------------------------------------------------------------- training thread
+
+    def submit(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        world_size: int,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> bool:
+        """Start snapshot ``step``; returns False if skipped by the overlap policy."""
+        t0 = time.perf_counter()
+        if self._closed:
+            raise SnapshotError("snapshot writer is closed; create a new AsyncSnapshotWriter")
+        layout.check_step(step)
+        prev = self._job
+        waited = 0.0
+        if prev is not None and not prev.done.is_set():
+            if self.overlap_policy == "skip":
+                with self._lock:
+                    self._stats.snapshots_skipped += 1
+                log.info("snapshot step %d skipped: step %d is still being written (policy 'skip')", step, prev.step)
+                return False
+            prev.done.wait()
+            waited = time.perf_counter() - t0
+            with self._lock:
+                self._stats.snapshots_waited += 1
+        # The previous job is done, so the staging buffers are free to overwrite.
+        capture = self._stager.stage(state)
+        job = _Job(step=step, world_size=world_size, extra_meta=extra_meta, capture=capture)
+        self._job = job
+        self._queue.put(job)
+        job.stall_s = time.perf_counter() - t0
+        with self._lock:
+            self._stats.last_stall_s = job.stall_s
+            self._stats.total_stall_s += job.stall_s
+        if waited:
+            log.info("snapshot step %d waited %.3fs for step %d to become durable", step, waited, prev.step if prev else -1)
+        return True
+
+    def wait_capture(self) -> None:
+        """Block until the in-flight capture is copied; call before mutating saved tensors."""
+        job = self._job
+        if job is None:
+            return
+        if not job.captured.is_set():
+            t0 = time.perf_counter()
+            job.captured.wait()
+            dt = time.perf_counter() - t0
+            job.stall_s += dt
+            with self._lock:
+                self._stats.last_stall_s = job.stall_s
+                self._stats.total_stall_s += dt
+        if job.capture.cuda_event is not None and not job.device_waited:
+            # GPU-side wait: the optimizer's kernels queue behind the copy; the CPU does not block.
+            torch.cuda.current_stream().wait_event(job.capture.cuda_event)
+            job.device_waited = True
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for the capture; returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait_capture())
+
+    @property
+    def pending_step(self) -> int | None:
+        """Step being written right now, or None."""
+        job = self._job
+        return job.step if job is not None and not job.done.is_set() else None
+
+    @property
+    def stats(self) -> WriterStats:
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything submitted is durable; re-raise a background failure."""
+        job = self._job
+        if job is not None and not job.done.wait(timeout):
+            raise SnapshotError(
+                f"snapshot step {job.step} is still not durable after {timeout:.1f}s; "
+                f"the filesystem under {self.store.root} is very slow or hung"
+            )
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, SnapshotError):
+                raise err
+            raise SnapshotError(f"background snapshot write failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            self._stager.release()
+            atexit.unregister(self._atexit)
+
+    def __enter__(self) -> "AsyncSnapshotWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _atexit(self) -> None:
+        if self.pending_step is not None:
+            log.info("waiting for snapshot step %d to become durable before exit", self.pending_step)
+        try:
+            self.close()
+        except SnapshotError as e:
+            log.error("%s", e)
+
+    # ---------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(job)
+            except BaseException as e:  # noqa: BLE001 - reported through flush() and stats
+                with self._lock:
+                    self._error = e
+                    self._stats.errors += 1
+                    self._stats.last_error = str(e)
+                log.error("snapshot step %d failed: %s", job.step, e)
+            finally:
+                job.captured.set()
+                job.done.set()
+                job.capture = dataclasses.replace(job.capture, staged={})  # staging stays in the Stager
+
+    def _write(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.capture.finish_copies()
+        finally:
+            job.captured.set()
+        t1 = time.perf_counter()
+        info = self.store.save(job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta)
+        t2 = time.perf_counter()
+        with self._lock:
+            s = self._stats
+            s.snapshots_written += 1
+            s.last_capture_s = t1 - t0
+            s.last_write_s = t2 - t1
+            s.last_bytes = info.size_bytes
+            s.last_durable_step = info.step
+            s.last_durable_time = time.time()
+            snapshot = dataclasses.replace(s)
+        log.info(
+            "snapshot step %d durable: %.1f MB in %.2fs (%.2f GB/s), training stalled %.1f ms",
+            info.step,
+            info.size_bytes / 1e6,
+            t2 - t1,
+            info.size_bytes / max(t2 - t1, 1e-9) / 1e9,
+            job.stall_s * 1e3,
+        )
+        if self.on_durable is not None:
+            try:
+                self.on_durable(snapshot)
+            except Exception:  # noqa: BLE001 - a metrics bug must not fail snapshots
+                log.exception("on_durable callback failed")
