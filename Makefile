@@ -1,0 +1,28 @@
+# Two entry points for a new user: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+# torch/torchvision are pinned here (not in pyproject) to the wheels this
+# project is tested with; pyproject declares looser ranges for users elsewhere.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) -m agent.demo
+
+clean:
+	rm -rf $(VENV) *.egg-info
