@@ -1,0 +1,263 @@
+"""A python3-etcd3 client that survives etcd blips and fails with one clear line.
+
+python3-etcd3 leaves three things to its caller, and each matters for fault tolerance:
+
+* It marks a failed endpoint unusable for ``time_retry`` seconds (300 by default), so one
+  restart of a one-member etcd would lock every agent out for five minutes. We build the
+  endpoints ourselves with a sub-second retry window.
+* It never retries. We retry transient errors (unavailable, deadline, no server) with
+  bounded, jittered backoff through ``tenacity`` and then give up with
+  :class:`EtcdUnavailableError`, so callers can tell "etcd unreachable" from a real answer.
+* Its auth token is fetched once. etcd expires simple tokens (5 minutes by default), so
+  a long-running agent must re-authenticate when it is told the token is invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+import etcd3
+import etcd3.exceptions as etcd_exc
+import grpc
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from .settings import EtcdSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_TRANSIENT_TYPES = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+# An endpoint that failed is skipped only this long; etcd restarts must not lock us out.
+_ENDPOINT_RETRY_S = 0.3
+
+
+class EtcdError(RuntimeError):
+    """Base class; the message is one line a user can act on."""
+
+
+class EtcdUnavailableError(EtcdError):
+    """No endpoint answered within the retry budget."""
+
+
+class EtcdAccessError(EtcdError):
+    """etcd answered but refused us: bad credentials, bad certificate or missing permission."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT_TYPES):
+        return True
+    if isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES:
+        return not _is_tls_failure(exc)
+    return False
+
+
+def _is_tls_failure(exc: grpc.RpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return any(word in details for word in ("ssl", "tls", "handshake", "certificate"))
+
+
+def _is_expired_token(exc: BaseException) -> bool:
+    return (
+        isinstance(exc, grpc.RpcError)
+        and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        and "token" in (exc.details() or "").lower()
+    )
+
+
+class EtcdClient:
+    """A thread-safe handle on an etcd cluster with retries and re-authentication.
+
+    Use :meth:`call` for every request: ``client.call(lambda c: c.get(key))``. The
+    lambda receives the underlying ``etcd3`` client, so the full v3 API stays available.
+    """
+
+    def __init__(self, settings: EtcdSettings, retry_deadline: float = 10.0) -> None:
+        self.settings = settings
+        self.retry_deadline = retry_deadline
+        self._lock = threading.Lock()
+        self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._local = threading.local()
+
+    @contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Cap the retry budget of this thread's requests, e.g. in a monitoring loop that
+        must keep its pace while etcd is away."""
+        previous = getattr(self._local, "deadline", None)
+        self._local.deadline = seconds
+        try:
+            yield
+        finally:
+            self._local.deadline = previous
+
+    # -- connection -------------------------------------------------------------------
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        s = self.settings
+        if not s.secure:
+            return None
+        assert s.cacert is not None
+        try:
+            return etcd3.MultiEndpointEtcd3Client.get_secure_creds(
+                str(s.cacert),
+                str(s.key) if s.key else None,
+                str(s.cert) if s.cert else None,
+            )
+        except OSError as exc:
+            raise EtcdAccessError(f"cannot read etcd TLS file: {exc}") from exc
+
+    def _build(self) -> etcd3.MultiEndpointEtcd3Client:
+        creds = self._credentials()
+        endpoints = [
+            etcd3.Endpoint(
+                host,
+                port,
+                secure=creds is not None,
+                creds=creds,
+                time_retry=_ENDPOINT_RETRY_S,
+                opts=[("grpc.enable_retries", 0)],
+            )
+            for host, port in self.settings.endpoints
+        ]
+        return etcd3.MultiEndpointEtcd3Client(
+            endpoints=endpoints,
+            timeout=self.settings.request_timeout,
+            user=self.settings.user,
+            password=self.settings.password,
+            failover=True,
+        )
+
+    def _raw(self) -> etcd3.MultiEndpointEtcd3Client:
+        with self._lock:
+            if self._client is None:
+                self._client = self._build()
+            return self._client
+
+    def _reset(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:  # closing a broken channel must not mask the real error
+                    pass
+                self._client = None
+
+    def close(self) -> None:
+        self._reset()
+
+    # -- requests ---------------------------------------------------------------------
+    def call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], *, deadline: float | None = None) -> T:
+        """Run ``request`` with bounded retries of transient failures.
+
+        Raises :class:`EtcdUnavailableError` once ``deadline`` seconds (default
+        ``retry_deadline``) have passed without an answer, and :class:`EtcdAccessError`
+        at once for answers that retrying cannot change (auth, TLS, permissions).
+        """
+        if deadline is None:
+            deadline = getattr(self._local, "deadline", None)
+        budget = self.retry_deadline if deadline is None else deadline
+        reauthenticated = False
+        retrying = Retrying(
+            retry=retry_if_exception(_is_transient),
+            stop=stop_after_delay(budget),
+            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            reraise=False,
+        )
+        while True:
+            try:
+                for attempt in retrying:
+                    with attempt:
+                        try:
+                            return request(self._raw())
+                        except BaseException as exc:
+                            if _is_transient(exc) and isinstance(exc, grpc.RpcError):
+                                self._reset()  # raw gRPC errors bypass etcd3's failover
+                            raise
+            except RetryError as exc:
+                last = exc.last_attempt.exception()
+                raise EtcdUnavailableError(
+                    f"etcd at {self.settings.describe()} did not answer for {budget:.0f} s "
+                    f"({_short(last)}); check that etcd is running and reachable"
+                ) from last
+            except grpc.RpcError as exc:
+                if _is_expired_token(exc) and not reauthenticated:
+                    log.info("etcd auth token expired; re-authenticating")
+                    self._reset()
+                    reauthenticated = True
+                    continue
+                raise self._access_error(exc) from exc
+
+    def _access_error(self, exc: grpc.RpcError) -> EtcdError:
+        code, details = exc.code(), (exc.details() or "").strip()
+        where = self.settings.describe()
+        if "authentication failed" in details or code == grpc.StatusCode.UNAUTHENTICATED:
+            return EtcdAccessError(
+                f"etcd at {where} rejected user {self.settings.user!r}: wrong user or password; "
+                "check ELASTIC_ETCD_PASSWORD / password_file"
+            )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return EtcdAccessError(
+                f"etcd at {where} denied user {self.settings.user!r} access to the job's keys; "
+                "grant its role readwrite on the key prefix"
+            )
+        if code in _TRANSIENT_CODES and _is_tls_failure(exc):
+            return EtcdAccessError(
+                f"TLS handshake with etcd at {where} failed ({details}); "
+                "check cacert/cert/key and that etcd serves https"
+            )
+        return EtcdError(f"etcd at {where} refused the request: {code.name}: {details}")
+
+    def wait_for_event(
+        self,
+        key: bytes | str,
+        timeout: float,
+        start_revision: int,
+        range_end: bytes | str | None = None,
+    ) -> bool:
+        """Block until ``key`` (or the range) changes after ``start_revision``.
+
+        Returns ``False`` on timeout. Watching from a revision misses nothing that happened
+        between the caller's read and this call, so callers never need to poll.
+        """
+        events: queue.Queue[Any] = queue.Queue()
+        kwargs: dict[str, Any] = {"start_revision": start_revision}
+        if range_end is not None:
+            kwargs["range_end"] = range_end
+        watch_id = self.call(lambda c: c.add_watch_callback(key, events.put, **kwargs))
+        try:
+            item = events.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return False
+        finally:
+            try:
+                self.call(lambda c: c.cancel_watch(watch_id), deadline=1.0)
+            except EtcdError:
+                pass
+        if isinstance(item, BaseException):
+            if isinstance(item, etcd_exc.RevisionCompactedError):
+                return True  # history is gone; the caller re-reads the current value
+            raise EtcdUnavailableError(f"etcd watch failed: {_short(item)}") from item
+        return True
+
+
+def _short(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no error"
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
