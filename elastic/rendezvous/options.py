@@ -1,0 +1,103 @@
+"""``--rdzv-conf`` for the etcd-v3 backend: parsing, validation and tuned defaults.
+
+torch's defaults (30 s last call, 5 s x 3 keep-alives) favour large jobs that trickle in
+over minutes; they make every node loss cost tens of seconds. Ours favour fast recovery:
+
+* ``last_call_timeout=1``: once ``min_nodes`` are in, wait one more second for stragglers
+  (torch reads whole seconds, so 1 is the floor). Larger values let slow-starting nodes
+  join the same round instead of triggering a scale-up restart later.
+* ``keep_alive_interval=1``, ``keep_alive_max_attempt=2``: a dead node is dropped from the
+  rendezvous after about 2 s. The cost is one compare-and-set on the state key per node
+  per second, and a node paused for more than ~2 s (swap, a debugger) is evicted.
+* ``close_timeout=10``, ``join_timeout=600``.
+
+Users override any of them with ``--rdzv-conf key=value``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic.etcd import EtcdConfigError, EtcdSettings, settings_from_options
+
+from .backend import DEFAULT_STATE_TTL
+from .signing import load_hmac_key
+
+log = logging.getLogger(__name__)
+
+TUNED_DEFAULTS: dict[str, int] = {
+    "join_timeout": 600,
+    "last_call_timeout": 1,
+    "close_timeout": 10,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 2,
+}
+_ETCD_KEYS = {"cacert", "cert", "key", "user", "password", "password_file", "request_timeout"}
+_OWN_KEYS = {"key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout"}
+_TORCH_KEYS = set(TUNED_DEFAULTS) | {"heartbeat_timeout", "timeout", "rank", "is_host", "local_addr"}
+KNOWN_KEYS = frozenset(_ETCD_KEYS | _OWN_KEYS | _TORCH_KEYS)
+
+
+@dataclass(frozen=True)
+class RendezvousOptions:
+    etcd: EtcdSettings
+    key_prefix: str
+    state_ttl: int
+    hmac_key: bytes | None
+    connect_timeout: float
+    etcd_retry_timeout: float
+    timings: dict[str, int]
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> "RendezvousOptions":
+        config = {k: str(v) for k, v in params.config.items() if v is not None}
+        unknown = sorted(set(config) - KNOWN_KEYS)
+        if unknown:
+            log.warning(
+                "ignoring unknown --rdzv-conf keys %s (known: %s)", unknown, ", ".join(sorted(KNOWN_KEYS))
+            )
+        timings = {name: _positive_int(config, name, default) for name, default in TUNED_DEFAULTS.items()}
+        key_prefix = config.get("key_prefix", "/elastic")
+        if not key_prefix.startswith("/"):
+            raise EtcdConfigError(f"key_prefix={key_prefix!r} must start with '/', e.g. /elastic")
+        return cls(
+            etcd=settings_from_options(params.endpoint, config, env),
+            key_prefix=key_prefix.rstrip("/") or "/elastic",
+            state_ttl=_positive_int(config, "state_ttl", DEFAULT_STATE_TTL, minimum=2),
+            hmac_key=load_hmac_key(config.get("hmac_key_file"), env),
+            connect_timeout=min(
+                _positive_float(config, "connect_timeout", 10.0), float(timings["join_timeout"])
+            ),
+            etcd_retry_timeout=_positive_float(config, "etcd_retry_timeout", 30.0),
+            timings=timings,
+        )
+
+
+def _positive_int(config: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
+    text = config.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise EtcdConfigError(f"--rdzv-conf {name}={text!r} is not a whole number of seconds") from None
+    if value < minimum:
+        raise EtcdConfigError(f"--rdzv-conf {name}={value} must be at least {minimum}")
+    return value
+
+
+def _positive_float(config: Mapping[str, str], name: str, default: float) -> float:
+    text = config.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise EtcdConfigError(f"--rdzv-conf {name}={text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise EtcdConfigError(f"--rdzv-conf {name} must be positive")
+    return value

@@ -1,0 +1,205 @@
+"""A ``torch.distributed.Store`` on etcd v3, so torch's rendezvous handler runs unchanged.
+
+Blocking reads watch from the revision of the read that found the key missing, so a
+waiter wakes the moment the key is written and can never miss a write that races its
+read. Counters (``add``) and ``compare_set`` are transactions on the mod revision.
+Values are sealed like the rendezvous state: a forged ``MASTER_ADDR`` is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch.distributed as dist
+from etcd3 import transactions as tx
+
+from elastic.etcd import EtcdClient, EtcdError
+from elastic.etcd.kv import ExpiringLease, is_lease_not_found, transact
+
+from .signing import SignatureError, StateSigner
+
+# Each watch is re-armed at least this often, so a watch stream broken by an etcd
+# restart costs at most this long; a healthy one wakes immediately on the write.
+_WATCH_SLICE_S = 2.0
+
+
+def _as_bytes(value: str | bytes | bytearray) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdV3Store(dist.Store):
+    """Keys live under ``prefix``; each value is sealed with the job's signer."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        signer: StateSigner,
+        ttl: int = 7200,
+        timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._client = client
+        self._prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._signer = signer
+        self._lease = ExpiringLease(client, ttl)
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    # -- helpers ----------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def _open(self, full_key: str, value: bytes) -> bytes:
+        try:
+            return self._signer.open(full_key.encode(), value)
+        except SignatureError as exc:
+            raise dist.DistStoreError(f"refusing store value at {full_key}: {exc}") from exc
+
+    def _seal(self, full_key: str, value: str | bytes) -> bytes:
+        return self._signer.seal(full_key.encode(), _as_bytes(value))
+
+    def _put(self, full_key: str, value: str | bytes) -> None:
+        def attempt() -> None:
+            self._client.call(
+                lambda c: c.put(full_key, self._seal(full_key, value), lease=self._lease.current())
+            )
+
+        self._with_lease_retry(attempt)
+
+    def _with_lease_retry(self, attempt):  # type: ignore[no-untyped-def]
+        try:
+            return attempt()
+        except EtcdError as exc:
+            if not is_lease_not_found(exc):
+                raise
+            self._lease.forget()
+            return attempt()
+
+    def _read(self, full_keys: Sequence[str]) -> tuple[dict[str, bytes], int]:
+        """Values of the keys that exist, and the revision the read saw."""
+        result = transact(self._client, [], success=[tx.Get(k) for k in full_keys])
+        found: dict[str, bytes] = {}
+        for key, rows in zip(full_keys, result.responses):
+            if rows:
+                found[key] = self._open(key, rows[0][0])
+        return found, result.revision
+
+    def _wait_for(self, full_keys: Sequence[str], timeout: timedelta) -> dict[str, bytes]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            found, revision = self._read(full_keys)
+            missing = [k for k in full_keys if k not in found]
+            if not missing:
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise dist.DistStoreError(
+                    f"timed out after {timeout.total_seconds():.1f} s waiting for store keys {missing}"
+                )
+            self._client.wait_for_event(
+                missing[0], min(remaining, _WATCH_SLICE_S), start_revision=revision + 1
+            )
+
+    # -- the Store interface ----------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self._put(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        return self._wait_for([full], self.timeout)[full]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        full = [self._key(k) for k in keys]
+        found = self._wait_for(full, self.timeout)
+        return [found[k] for k in full]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        full = [self._key(k) for k in keys]
+
+        def attempt() -> None:
+            lease = self._lease.current()
+            transact(
+                self._client,
+                [],
+                success=[tx.Put(k, self._seal(k, v), lease=lease) for k, v in zip(full, values)],
+            )
+
+        self._with_lease_retry(attempt)
+
+    def _rows(self, full: str) -> list:  # type: ignore[type-arg]
+        return transact(self._client, [], success=[tx.Get(full)]).responses[0]
+
+    def add(self, key: str, amount: int) -> int:
+        full = self._key(key)
+        while True:
+            rows = self._rows(full)
+            if rows:
+                value, meta = rows[0]
+                new_value = int(self._open(full, value)) + amount
+                guard = tx.Mod(full) == meta.mod_revision
+            else:
+                new_value, guard = amount, tx.Version(full) == 0
+            if self._swap(full, guard, str(new_value).encode()):
+                return new_value
+
+    def _swap(self, full: str, guard: object, new_value: bytes) -> bool:
+        def attempt() -> bool:
+            sealed = self._seal(full, new_value)
+            return transact(
+                self._client, [guard], success=[tx.Put(full, sealed, lease=self._lease.current())]
+            ).succeeded
+
+        return bool(self._with_lease_retry(attempt))
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """TCPStore's semantics: set if the value equals ``expected`` (or is absent and
+        ``expected`` is empty); return the value now stored, or ``expected`` if absent."""
+        full = self._key(key)
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        while True:
+            rows = self._rows(full)
+            if not rows:
+                if expected:
+                    return expected
+                guard = tx.Version(full) == 0
+            else:
+                value, meta = rows[0]
+                current = self._open(full, value)
+                if current != expected:
+                    return current
+                guard = tx.Mod(full) == meta.mod_revision
+            if self._swap(full, guard, desired):
+                return desired
+
+    def append(self, key: str, value: str | bytes) -> None:
+        full = self._key(key)
+        while True:
+            rows = self._rows(full)
+            if rows:
+                current, meta = rows[0]
+                combined = self._open(full, current) + _as_bytes(value)
+                guard = tx.Mod(full) == meta.mod_revision
+            else:
+                combined, guard = _as_bytes(value), tx.Version(full) == 0
+            if self._swap(full, guard, combined):
+                return
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        self._wait_for([self._key(k) for k in keys], timeout or self.timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        full = [self._key(k) for k in keys]
+        found, _ = self._read(full)
+        return len(found) == len(full)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._client.call(lambda c: c.delete(self._key(key))))
+
+    def num_keys(self) -> int:
+        response = self._client.call(
+            lambda c: c.get_prefix_response(self._prefix, keys_only=True, count_only=True)
+        )
+        return int(response.count)
