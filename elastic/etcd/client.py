@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import etcd3
 import etcd3.exceptions as etcd_exc
+import etcd3.watch
 import grpc
 from tenacity import (
     RetryError,
@@ -36,6 +37,20 @@ from .settings import EtcdSettings
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class _SixShim:
+    """python3-etcd3 0.13's watch thread calls ``six.itervalues`` without importing six,
+    so every ended watch stream crashed that thread before pending watchers heard of the
+    error. This is the one function it needs."""
+
+    @staticmethod
+    def itervalues(mapping: dict[Any, Any]) -> Any:
+        return iter(list(mapping.values()))
+
+
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = _SixShim  # type: ignore[attr-defined]
 
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _TRANSIENT_TYPES = (
