@@ -1,0 +1,57 @@
+"""Fixtures shared by every suite: a real etcd and cleanup of every process we start."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from elastic.etcd import EmbeddedEtcd, EtcdClient
+from tests.support.nodes import TorchrunNode
+
+_run_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    """One real etcd for tests that only read and write keys (each uses its own prefix)."""
+    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def etcd_client(etcd_server: EmbeddedEtcd) -> Iterator[EtcdClient]:
+    client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"run{os.getpid()}x{next(_run_ids)}"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Callable[..., TorchrunNode]]:
+    """Start torchrun nodes; every one is killed, tree and all, when the test ends."""
+    started: list[TorchrunNode] = []
+
+    def start(**kwargs: object) -> TorchrunNode:
+        node = TorchrunNode(workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
+        started.append(node)
+        return node.start()
+
+    try:
+        yield start
+    finally:
+        for node in started:
+            node.cleanup()

@@ -1,0 +1,1 @@
+"""Test harness shared by the suites: real etcd, real torchrun nodes, polling helpers."""
