@@ -90,7 +90,7 @@ class AsyncSnapshotWriter:
         self._job: _Job | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
@@ -169,13 +169,20 @@ class AsyncSnapshotWriter:
             return dataclasses.replace(self._stats)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until everything submitted is durable; re-raise a background failure."""
-        job = self._job
-        if job is not None and not job.done.wait(timeout):
-            raise SnapshotError(
-                f"snapshot step {job.step} is still not durable after {timeout:.1f}s; "
-                f"the filesystem under {self.store.root} is very slow or hung"
-            )
+        """Wait until everything submitted is durable; re-raise a background failure.
+
+        Works from a signal handler: it queues a barrier behind whatever was submitted
+        (SimpleQueue.put is reentrant) instead of trusting state the interrupted
+        ``submit`` may have been halfway through updating.
+        """
+        if not self._closed:
+            barrier = threading.Event()
+            self._queue.put(barrier)
+            if not barrier.wait(timeout):
+                raise SnapshotError(
+                    f"snapshot step {self.pending_step} is still not durable after {timeout:.1f}s; "
+                    f"the filesystem under {self.store.root} is very slow or hung"
+                )
         with self._lock:
             err, self._error = self._error, None
         if err is not None:
@@ -190,7 +197,7 @@ class AsyncSnapshotWriter:
             self.flush()
         finally:
             self._closed = True
-            self._queue.put(None)
+            self._queue.put(None)  # FIFO: anything still queued is written before the thread exits
             self._thread.join()
             self._stager.release()
             atexit.unregister(self._atexit)
@@ -213,6 +220,9 @@ class AsyncSnapshotWriter:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if isinstance(job, threading.Event):  # flush barrier
+                job.set()
+                continue
             try:
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - reported through flush() and stats

@@ -1,0 +1,136 @@
+"""``python -m checkpoints ls|verify|prune DIR`` - what a person on call needs to see.
+
+Read-only except ``prune``: the CLI never creates the directory and never cleans up on
+its own, so looking cannot change what a running job will find.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from .errors import SnapshotError
+from .store import SnapshotStatus, SnapshotStore, TempDirStatus
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    raise AssertionError
+
+
+def _age(written_at: float | None, now: float) -> str:
+    if written_at is None:
+        return "?"
+    s = max(0, int(now - written_at))
+    if s < 60:
+        return f"{s}s ago"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s ago"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m ago"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h ago"
+
+
+def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus]) -> list[list[str]]:
+    now = time.time()
+    newest_valid = max((s.step for s in statuses if s.valid), default=None)
+    rows = []
+    for s in statuses:
+        i = s.info
+        if s.valid:
+            state = "OK (newest valid)" if s.step == newest_valid else "OK"
+        else:
+            more = f" (+{len(s.problems) - 1} more)" if len(s.problems) > 1 else ""
+            state = f"INVALID: {s.problems[0]}{more}"
+        rows.append([
+            str(s.step),
+            _size(i.size_bytes) if i else "?",
+            _age(i.written_at if i else None, now),
+            str(i.world_size) if i else "?",
+            state,
+        ])
+    for t in temps:
+        what = "stale temp dir (crashed writer; removed by the next save or prune)" if t.stale else "being written"
+        rows.append([str(t.step), "-", "-", "-", f"{what}: {t.path.name} pid {t.pid}"])
+    return rows
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    header = ["STEP", "SIZE", "AGE", "WORLD", "STATUS"]
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(*header)
+        for r in rows:
+            style = "red bold" if r[4].startswith("INVALID") else ("green" if r[4].startswith("OK") else "yellow")
+            table.add_row(*r[:4], Text(r[4], style=style))
+        Console().print(table)
+        return
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    for r in [header, *rows]:
+        print("  ".join(x.rjust(w) if i < 4 else x for i, (x, w) in enumerate(zip(r, widths))).rstrip())
+
+
+def _summary(statuses: list[SnapshotStatus], root: str) -> str:
+    valid = [s for s in statuses if s.valid]
+    bad = [s for s in statuses if not s.valid]
+    if not statuses:
+        return f"no snapshots in {root}"
+    head = f"{len(statuses)} snapshot(s), {len(valid)} valid"
+    head += f", {len(bad)} INVALID (steps {', '.join(str(s.step) for s in bad)})" if bad else ""
+    head += f"; a restart resumes from step {valid[-1].step}" if valid else "; NO valid snapshot - a restart starts from scratch"
+    return head
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m checkpoints", description="Inspect and maintain a snapshot directory.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list snapshots: step, size, age, world size, validity (sizes only; fast)")
+    ls.add_argument("dir")
+    ls.add_argument("--full", action="store_true", help="also check every file's sha256 (slow for big snapshots)")
+    ve = sub.add_parser("verify", help="check every file's sha256; exit 1 if any snapshot is invalid")
+    ve.add_argument("dir")
+    ve.add_argument("--quick", action="store_true", help="check sizes only")
+    pr = sub.add_parser("prune", help="remove all but the newest K valid snapshots, and stale temp dirs")
+    pr.add_argument("dir")
+    pr.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
+    args = p.parse_args(argv)
+
+    try:
+        store = SnapshotStore(args.dir, create=False)
+        if args.cmd == "prune":
+            if args.keep < 1:
+                print("error: --keep must be at least 1", file=sys.stderr)
+                return 2
+            removed = store.prune(args.keep)
+            temps = store.clean_stale_temps()
+            for s in removed:
+                print(f"removed step {s}")
+            for t in temps:
+                print(f"removed stale temp dir {t.name}")
+            if not removed and not temps:
+                print(f"nothing to prune in {args.dir} (keep={args.keep})")
+            statuses = store.status(full=False)
+            _print_table(_rows(statuses, store.temp_dirs()))
+            print(_summary(statuses, args.dir))
+            return 0
+        full = args.full if args.cmd == "ls" else not args.quick
+        statuses = store.status(full=full)
+        _print_table(_rows(statuses, store.temp_dirs()))
+        print(_summary(statuses, args.dir))
+        if args.cmd == "verify" and any(not s.valid for s in statuses):
+            return 1
+        return 0
+    except SnapshotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,122 @@
+"""Helpers shared by the tests and the child processes they start (no pytest import here)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def state_for(step: int, numel: int = 1 << 18) -> dict[str, Any]:
+    """A training-like state that is a deterministic function of ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            "layer.weight": torch.randn(numel, generator=g),
+            "layer.bias": torch.full((7,), float(step)),
+            "bn.num_batches_tracked": torch.tensor(step),
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(numel, generator=g)}},
+            "param_groups": [{"lr": 0.1 / (step + 1), "betas": (0.9, 0.999), "params": [0]}],
+        },
+        "sampler": {"epoch": step // 10, "offset": step * 32, "seed": 1234},
+        "step": step,
+        "note": f"step {step}",
+    }
+
+
+def assert_equal_state(a: Any, b: Any, where: str = "state") -> None:
+    """Bitwise equality of nested state, with a path in the failure message."""
+    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)), (
+        f"{where}: {type(a)} != {type(b)}"
+    )
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert torch.equal(a, b), f"{where}: tensor values differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_equal_state(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class LineReader:
+    """Reads a child's stdout on a thread so the test can wait for lines with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        assert proc.stdout is not None
+        self._t = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
+        self._t.start()
+
+    def _pump(self, f: Any) -> None:
+        for line in f:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no line starting {prefix!r} within {timeout}s; saw {self.seen[-5:]}")
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"child exited before printing {prefix!r}; saw {self.seen[-5:]}")
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+
+def start_child(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / script), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+        env=child_env(),
+        cwd=str(REPO_ROOT),
+    )
+
+
+def stop_child(proc: subprocess.Popen[str]) -> None:
+    """Kill a child we started (by its pid) and reap it; safe to call twice."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(timeout=10)
+    finally:
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass

@@ -1,0 +1,122 @@
+"""AsyncSnapshotWriter: consistent captures, overlap policy, flush/close, SIGTERM, errors."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import AsyncSnapshotWriter, SnapshotDiskFullError, SnapshotError, SnapshotStore
+from ckpt_testutil import LineReader, assert_equal_state, start_child, state_for, stop_child
+
+
+def _big_state(n_tensors: int = 16, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"p{i}": torch.randn(numel, generator=g) for i in range(n_tensors)}  # 64 MB
+
+
+def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path) -> None:
+    params = _big_state()
+    expected = {k: v.clone() for k, v in params.items()}
+    small = torch.zeros(3)  # copied synchronously in submit: may be mutated right away
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path)) as writer:
+        assert writer.submit(1, {"model": params, "bn": {"running_mean": small}}, world_size=1)
+        small.add_(1)  # like BatchNorm in the next forward
+        writer.wait_capture()
+        for p in params.values():  # like optimizer.step()
+            p.add_(1)
+        writer.flush()
+    got = SnapshotStore(tmp_path).load(1)
+    assert_equal_state(got["model"], expected)
+    assert torch.equal(got["bn"]["running_mean"], torch.zeros(3))
+
+
+def test_optimizer_step_waits_for_the_capture(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+    expected = {"model": OrderedDict((k, v.clone()) for k, v in model.state_dict().items())}
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path)) as writer:
+        writer.attach_optimizer(opt)
+        writer.submit(2, {"model": model.state_dict(), "opt": opt.state_dict()}, world_size=1)
+        opt.step()  # same grads again: every weight changes, but only after the copy
+        writer.flush()
+    assert_equal_state(SnapshotStore(tmp_path).load(2)["model"], expected["model"])
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait"])
+def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str) -> None:
+    store = SnapshotStore(tmp_path, keep=10)
+    state = _big_state(8)
+    with AsyncSnapshotWriter(store, overlap_policy=policy) as writer:  # type: ignore[arg-type]
+        results = [writer.submit(s, state, world_size=1) for s in (1, 2, 3)]
+        writer.flush()
+        stats = writer.stats
+    steps = [i.step for i in store.list()]
+    if policy == "skip":
+        # 2 and 3 arrive while 1 is still being written (64 MB to disk takes far longer than a submit).
+        assert results == [True, False, False] and steps == [1]
+        assert (stats.snapshots_written, stats.snapshots_skipped, stats.snapshots_waited) == (1, 2, 0)
+    else:
+        assert results == [True, True, True] and steps == [1, 2, 3]
+        assert (stats.snapshots_written, stats.snapshots_skipped, stats.snapshots_waited) == (3, 0, 2)
+    assert stats.last_durable_step == steps[-1] and stats.errors == 0
+    assert stats.last_bytes == store.list()[-1].size_bytes
+    assert stats.last_durable_time is not None and abs(stats.last_durable_time - time.time()) < 60
+    assert stats.last_write_s > 0 and stats.last_stall_s > 0
+
+
+def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    seen = []
+    writer = AsyncSnapshotWriter(store, on_durable=lambda s: seen.append((s.last_durable_step, store.verify(s.last_durable_step))))
+    writer.submit(5, state_for(5), world_size=3)
+    writer.close()
+    writer.close()  # idempotent
+    assert seen == [(5, [])]
+    assert_equal_state(store.load(5), state_for(5))
+    assert store.list()[0].world_size == 3
+    with pytest.raises(SnapshotError, match="closed"):
+        writer.submit(6, state_for(6), world_size=1)
+
+
+def test_background_disk_full_surfaces_at_flush(tiny_fs: Path) -> None:
+    store = SnapshotStore(tiny_fs)
+    with AsyncSnapshotWriter(store) as writer:
+        writer.submit(1, {"x": torch.zeros(1000)}, world_size=1)
+        writer.flush()
+        writer.submit(2, {"x": torch.zeros(1 << 20)}, world_size=1)  # 4 MB > 2 MiB filesystem
+        with pytest.raises(SnapshotDiskFullError, match="disk full writing snapshot step 2"):
+            writer.flush()
+        assert writer.stats.errors == 1 and writer.stats.last_durable_step == 1
+        writer.flush()  # the error was reported once
+    assert [i.step for i in store.list()] == [1]
+    assert [p.name for p in tiny_fs.iterdir()] == ["step-000000000001"]
+
+
+def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
+    proc = start_child("_ckpt_sigterm_child.py", str(tmp_path))
+    try:
+        out = LineReader(proc)
+        out.wait_for("submitted 2", timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        line = out.wait_for("flushed", timeout=60)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        stop_child(proc)
+    pending = line.split("=")[1]
+    assert pending != "None", "SIGTERM did not land during a write; the test proved nothing"
+    store = SnapshotStore(tmp_path)
+    newest = store.newest_valid(full=True)
+    assert newest is not None and newest.step >= int(pending)
+    got = store.load(int(pending))
+    assert int(got["model"]["marker"]) == int(pending) == got["step"]
+    assert all(s.valid for s in store.status(full=True))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
