@@ -120,6 +120,8 @@ class SnapshotStore:
         self._io_threads = max(1, io_threads)
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._pools_lock = threading.Lock()
+        if self.root.exists() and not self.root.is_dir():
+            raise SnapshotDirError(f"snapshot directory {self.root} is not a directory; pass the directory snapshots live in")
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
