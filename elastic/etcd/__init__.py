@@ -1,8 +1,14 @@
 """etcd v3 plumbing shared by the rendezvous, the agent and the tools."""
 
-from .client import EtcdAccessError, EtcdClient, EtcdError, EtcdUnavailableError
-from .server import EmbeddedEtcd, EtcdNotFoundError, ServerTLS, find_etcd_binary, free_port
-from .settings import EtcdConfigError, EtcdSettings, parse_endpoints, settings_from_options
+import os
+
+# gRPC logs every failed TLS handshake at INFO to stderr; our errors already say it in
+# one line. Must be set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from .client import EtcdAccessError, EtcdClient, EtcdError, EtcdUnavailableError  # noqa: E402
+from .server import EmbeddedEtcd, EtcdNotFoundError, ServerTLS, find_etcd_binary, free_port  # noqa: E402
+from .settings import EtcdConfigError, EtcdSettings, parse_endpoints, settings_from_options  # noqa: E402
 
 __all__ = [
     "EmbeddedEtcd",

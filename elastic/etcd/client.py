@@ -75,17 +75,31 @@ class EtcdAccessError(EtcdError):
     """etcd answered but refused us: bad credentials, bad certificate or missing permission."""
 
 
+def _rpc_error(exc: BaseException | None) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc``: etcd3 re-raises its own types and drops the details."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, grpc.RpcError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _is_tls_failure(exc: BaseException) -> bool:
+    rpc = _rpc_error(exc)
+    if rpc is None or rpc.code() not in _TRANSIENT_CODES:
+        return False
+    details = (rpc.details() or "").lower()
+    return any(word in details for word in ("ssl", "tls", "handshake", "certificate"))
+
+
 def _is_transient(exc: BaseException) -> bool:
+    if _is_tls_failure(exc):
+        return False  # a certificate does not get better by asking again
     if isinstance(exc, _TRANSIENT_TYPES):
         return True
-    if isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES:
-        return not _is_tls_failure(exc)
-    return False
-
-
-def _is_tls_failure(exc: grpc.RpcError) -> bool:
-    details = (exc.details() or "").lower()
-    return any(word in details for word in ("ssl", "tls", "handshake", "certificate"))
+    return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
 
 
 def _is_expired_token(exc: BaseException) -> bool:
@@ -209,6 +223,10 @@ class EtcdClient:
                     f"etcd at {self.settings.describe()} did not answer for {budget:.0f} s "
                     f"({_short(last)}); check that etcd is running and reachable"
                 ) from last
+            except _TRANSIENT_TYPES as exc:
+                if _is_tls_failure(exc):
+                    raise self._access_error(_rpc_error(exc)) from exc  # type: ignore[arg-type]
+                raise
             except grpc.RpcError as exc:
                 if _is_expired_token(exc) and not reauthenticated:
                     log.info("etcd auth token expired; re-authenticating")

@@ -6,9 +6,12 @@ over minutes; they make every node loss cost tens of seconds. Ours favour fast r
 * ``last_call_timeout=1``: once ``min_nodes`` are in, wait one more second for stragglers
   (torch reads whole seconds, so 1 is the floor). Larger values let slow-starting nodes
   join the same round instead of triggering a scale-up restart later.
-* ``keep_alive_interval=1``, ``keep_alive_max_attempt=2``: a dead node is dropped from the
-  rendezvous after about 2 s. The cost is one compare-and-set on the state key per node
-  per second, and a node paused for more than ~2 s (swap, a debugger) is evicted.
+* ``keep_alive_interval=1``, ``keep_alive_max_attempt=3``: a dead node is dropped from the
+  rendezvous after about 3 s. The cost is one compare-and-set on the state key per node
+  per second, and a node paused for more than ~3 s (swap, a debugger) is evicted.
+  Fewer than 3 attempts is refused: torch only heartbeats once the last beat is older
+  than one interval, and its timer ticks land just short of that, so with 2 attempts a
+  healthy node's second tick finds its own beat two intervals old and evicts itself.
 * ``close_timeout=10``, ``join_timeout=600``.
 
 Users override any of them with ``--rdzv-conf key=value``.
@@ -34,7 +37,7 @@ TUNED_DEFAULTS: dict[str, int] = {
     "last_call_timeout": 1,
     "close_timeout": 10,
     "keep_alive_interval": 1,
-    "keep_alive_max_attempt": 2,
+    "keep_alive_max_attempt": 3,
 }
 _ETCD_KEYS = {"cacert", "cert", "key", "user", "password", "password_file", "request_timeout"}
 _OWN_KEYS = {"key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout"}
@@ -61,6 +64,11 @@ class RendezvousOptions:
                 "ignoring unknown --rdzv-conf keys %s (known: %s)", unknown, ", ".join(sorted(KNOWN_KEYS))
             )
         timings = {name: _positive_int(config, name, default) for name, default in TUNED_DEFAULTS.items()}
+        if timings["keep_alive_max_attempt"] < 3:
+            raise EtcdConfigError(
+                "keep_alive_max_attempt must be at least 3: with fewer, torch's rendezvous "
+                "evicts healthy nodes between two of their own heartbeats"
+            )
         key_prefix = config.get("key_prefix", "/elastic")
         if not key_prefix.startswith("/"):
             raise EtcdConfigError(f"key_prefix={key_prefix!r} must start with '/', e.g. /elastic")

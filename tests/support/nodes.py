@@ -18,7 +18,10 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 @dataclass
 class TorchrunNode:
-    """``torchrun --rdzv-backend etcd-v3`` running ``module`` as node ``name``."""
+    """``torchrun --rdzv-backend etcd-v3`` running ``module`` as node ``name``.
+
+    ``{progress}`` in ``module_args`` becomes this node's progress file.
+    """
 
     name: str
     endpoint: str
@@ -55,7 +58,8 @@ class TorchrunNode:
         ]
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf.items())]
-        return cmd + ["-m", self.module, *self.module_args]
+        args = [a.replace("{progress}", str(self.progress_path)) for a in self.module_args]
+        return cmd + ["-m", self.module, *args]
 
     def start(self) -> "TorchrunNode":
         env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}
