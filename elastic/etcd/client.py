@@ -163,13 +163,18 @@ class EtcdClient:
             )
             for host, port in self.settings.endpoints
         ]
-        return etcd3.MultiEndpointEtcd3Client(
+        client = etcd3.MultiEndpointEtcd3Client(
             endpoints=endpoints,
             timeout=self.settings.request_timeout,
             user=self.settings.user,
             password=self.settings.password,
             failover=True,
         )
+        if creds is None:
+            # gRPC refuses call credentials on a plaintext channel ("insufficient security
+            # level"); etcd also reads the token from the metadata etcd3 sends anyway.
+            client.call_credentials = None
+        return client
 
     def _raw(self) -> etcd3.MultiEndpointEtcd3Client:
         with self._lock:
@@ -238,7 +243,7 @@ class EtcdClient:
     def _access_error(self, exc: grpc.RpcError) -> EtcdError:
         code, details = exc.code(), (exc.details() or "").strip()
         where = self.settings.describe()
-        if "authentication failed" in details or code == grpc.StatusCode.UNAUTHENTICATED:
+        if "authentication failed" in details:
             return EtcdAccessError(
                 f"etcd at {where} rejected user {self.settings.user!r}: wrong user or password; "
                 "check ELASTIC_ETCD_PASSWORD / password_file"
