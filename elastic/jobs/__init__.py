@@ -1,0 +1,42 @@
+"""Example jobs for the runner: a model, a dataset whose sample id is its index, a loss.
+
+``mlp`` is a small deterministic classification problem that trains in seconds on a CPU
+(the tests use it); ``resnet`` is torchvision's ResNet-18 on FakeData or an ImageFolder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+JOBS = ("mlp", "resnet")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    model: nn.Module
+    dataset: Dataset[Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss over the batch
+    make_optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+    default_lr: float
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
+def build_job(name: str, *, seed: int, dataset_size: int | None = None, data: str | None = None,
+              image_size: int = 64) -> Job:
+    """Model weights come from ``seed``, so every rank (and every restart) builds the same one."""
+    if name == "mlp":
+        from .mlp import build
+        return build(seed=seed, dataset_size=dataset_size)
+    if name == "resnet":
+        from .resnet import build as build_resnet
+        return build_resnet(seed=seed, dataset_size=dataset_size, data=data, image_size=image_size)
+    raise ValueError(f"unknown job {name!r}; choose one of {', '.join(JOBS)}")
+
+
+__all__ = ["JOBS", "Job", "build_job"]

@@ -1,0 +1,118 @@
+"""The gradient is the mean over the global batch at any world size, uneven splits included.
+
+These runs use ``torch.multiprocessing.spawn`` with gloo over a FileStore instead of
+torchrun: the property is about the training step, not about rendezvous, and this keeps
+the test to a few seconds. ``ElasticRun`` reuses the process group it finds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn import functional as F
+
+from elastic.jobs.mlp import SyntheticClassification, as_batch
+from elastic.trainer import ElasticRun, StepInfo
+
+DATASET, GLOBAL_BATCH = 11, 10  # step 1: 10 samples (4/3/3 over 3 ranks); step 2: the 1-sample tail
+PER_RANK = 3  # fixed-per-rank at world 2: global batch 6, so lr x 6/10
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+CONFIGS = [(1, "fixed-global"), (2, "fixed-global"), (3, "fixed-global"), (2, "fixed-per-rank")]
+
+
+def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
+    store = dist.FileStore(f"{tmp}/store-{world}-{policy}", world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    params: list[list[torch.Tensor]] = []
+
+    def keep(_info: StepInfo) -> None:
+        params.append([p.detach().clone() for p in model.parameters()])
+
+    run = ElasticRun(
+        model, optimizer, SyntheticClassification(DATASET, seed=1), global_batch_size=GLOBAL_BATCH,
+        steps=2, snapshot_dir=f"{tmp}/snap-{world}-{policy}", snapshot_every_steps=None,
+        on_step_end=keep, handle_sigterm=False, collate_fn=as_batch, batch_policy=policy,  # type: ignore[arg-type]
+        per_rank_batch_size=PER_RANK if policy == "fixed-per-rank" else None,
+    )
+    for x, y in run:
+        run.step(F.cross_entropy(run.model(x), y))
+    if rank == 0:
+        torch.save(params, f"{tmp}/params-{world}-{policy}.pt")
+
+
+def _worker(rank: int, tmp: str) -> None:
+    """One spawn serves every configuration (process start dominates the cost)."""
+    torch.set_num_threads(1)
+    for world, policy in CONFIGS:
+        if rank < world:
+            _train_one(rank, world, tmp, policy)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("grads")
+    mp.spawn(_worker, args=(str(tmp),), nprocs=max(w for w, _ in CONFIGS), join=True)
+    return tmp
+
+
+def _params(tmp: Path, world: int, policy: str = "fixed-global") -> list[list[torch.Tensor]]:
+    return torch.load(tmp / f"params-{world}-{policy}.pt")
+
+
+def _reference(batch: int = GLOBAL_BATCH, lr: float = 0.5) -> list[list[torch.Tensor]]:
+    """The single-process definition: SGD on the mean loss over each global batch."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = SyntheticClassification(DATASET, seed=1)
+    from elastic.sampler import ElasticSampler
+
+    sampler, out = ElasticSampler(DATASET, seed=0), []
+    for _ in range(2):
+        ids = sampler.global_batch(batch)
+        x, y = data.__getitems__(ids)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        sampler.advance(len(ids))
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[torch.Tensor]]:
+    return _reference()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_update_equals_the_global_batch_mean_at_any_world_size(
+    trained: Path, world: int, reference: list[list[torch.Tensor]]
+) -> None:
+    """Step 1 splits 10 samples 4/3/3 at world 3; step 2 is the 1-sample tail (two ranks empty)."""
+    got = _params(trained, world)
+    assert len(got) == 2
+    for step, (want, have) in enumerate(zip(reference, got), start=1):
+        for w, h in zip(want, have):
+            # float summation order differs across world sizes; 1e-6 is far below one update
+            torch.testing.assert_close(h, w, rtol=0, atol=1e-6, msg=f"world {world}, step {step}")
+
+
+def test_fixed_per_rank_scales_the_learning_rate_with_the_global_batch(trained: Path) -> None:
+    """3 per rank at world 2 is a global batch of 6: the update of lr 0.5 x 6/10 on 6 samples."""
+    got = _params(trained, 2, "fixed-per-rank")
+    want = _reference(batch=2 * PER_RANK, lr=0.5 * 2 * PER_RANK / GLOBAL_BATCH)
+    for step in range(2):
+        for w, h in zip(want[step], got[step]):
+            torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
