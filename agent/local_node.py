@@ -1,0 +1,131 @@
+"""One local "node": a real torchrun agent and its workers, as one process tree.
+
+The one-machine demo and the tests use it to stand for a machine: it can be killed
+(SIGKILL of the whole tree, since torchrun puts workers in their own sessions), frozen
+and thawed, and it reports each completed step through a progress file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+@dataclass
+class LocalNode:
+    """``torchrun --rdzv-backend etcd-v3`` running ``module`` as node ``name``.
+
+    ``{progress}`` in ``module_args`` becomes this node's progress file.
+    """
+
+    name: str
+    endpoint: str
+    run_id: str
+    workdir: Path
+    module: str = "elastic.examples.tiny_ddp"
+    module_args: Sequence[str] = ()
+    nnodes: str = "1:3"
+    nproc_per_node: int = 1
+    max_restarts: int = 20
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    frozen: list[int] = field(default_factory=list)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def progress_path(self) -> Path:
+        return self.workdir / f"{self.name}.progress.jsonl"
+
+    def command(self) -> list[str]:
+        cmd = [
+            TORCHRUN,
+            "--nnodes", self.nnodes,
+            "--nproc-per-node", str(self.nproc_per_node),
+            "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", self.endpoint,
+            "--rdzv-id", self.run_id,
+            "--max-restarts", str(self.max_restarts),
+            "--monitor-interval", "0.1",
+        ]
+        if self.rdzv_conf:
+            cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf.items())]
+        args = [a.replace("{progress}", str(self.progress_path)) for a in self.module_args]
+        return cmd + ["-m", self.module, *args]
+
+    def start(self) -> "LocalNode":
+        env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=self.workdir, start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> list[int]:
+        """Node loss: SIGKILL the agent and all its workers at once."""
+        pids = kill_tree(self.pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait(timeout=10)
+        return pids
+
+    def freeze(self) -> None:
+        self.frozen = freeze_tree(self.pid)
+
+    def thaw(self) -> None:
+        thaw_tree(self.frozen)
+        self.frozen = []
+
+    def cleanup(self) -> None:
+        if self.process is None:
+            return
+        if self.frozen:
+            self.thaw()
+        if process_tree(self.pid):
+            kill_tree(self.pid, signal.SIGKILL)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def progress(self) -> list[dict[str, Any]]:
+        return self.read_progress(self.progress_path)
+
+    @staticmethod
+    def read_progress(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by SIGKILL
+        return rows
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return f"{self.name}: no log"
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return f"--- {self.name} log (last {lines} lines) ---\n" + "\n".join(text[-lines:])
