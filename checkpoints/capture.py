@@ -30,10 +30,26 @@ class Capture:
     def finish_copies(self) -> None:
         """Run on the writer thread: the CPU copies, then wait for the device copies."""
         for dst, src in self.pending:
-            dst.copy_(src)
+            _serial_copy(dst, src)
         self.pending.clear()  # drop references to live tensors as soon as they are copied
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
+
+
+# Below torch's parallel grain size (32768 elements) a copy runs inline on the calling
+# thread. A big copy_ from the writer thread would otherwise start a second OpenMP team
+# that fights the training thread's team for the same cores (both spin-wait), which
+# slows training far more than the copy's own CPU time.
+_SERIAL_CHUNK = 32768
+
+
+def _serial_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if not (dst.is_contiguous() and src.is_contiguous()) or src.numel() <= _SERIAL_CHUNK:
+        dst.copy_(src)
+        return
+    d, s = dst.view(-1), src.view(-1)
+    for i in range(0, d.numel(), _SERIAL_CHUNK):
+        d[i : i + _SERIAL_CHUNK].copy_(s[i : i + _SERIAL_CHUNK])
 
 
 class Stager:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .layout import set_thread_nice
+
 _READ_CHUNK = 8 << 20
 _PARALLEL_HASH_MIN = 256 << 10
 
@@ -27,8 +29,9 @@ class _HashingWriter:
     OSError so ENOSPC can be reported as a full disk rather than an enforce failure.
     """
 
-    def __init__(self, fd: int, hasher_pool: ThreadPoolExecutor) -> None:
+    def __init__(self, fd: int, hasher_pool: ThreadPoolExecutor, nice: int) -> None:
         self._fd = fd
+        self._nice = nice
         self._pool = hasher_pool
         self.sha = hashlib.sha256()
         self.size = 0
@@ -36,7 +39,7 @@ class _HashingWriter:
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
-        fut = self._pool.submit(self.sha.update, mv) if mv.nbytes >= _PARALLEL_HASH_MIN else None
+        fut = self._pool.submit(self._hash, mv) if mv.nbytes >= _PARALLEL_HASH_MIN else None
         try:
             if fut is None:
                 self.sha.update(mv)
@@ -52,15 +55,24 @@ class _HashingWriter:
         self.size += mv.nbytes
         return mv.nbytes
 
+    def _hash(self, mv: memoryview) -> None:
+        set_thread_nice(self._nice)
+        self.sha.update(mv)
+
     def flush(self) -> None:
         pass
 
 
-def write_file(path: Path, obj: Any, hasher_pool: ThreadPoolExecutor) -> tuple[int, str]:
-    """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex)."""
+def write_file(path: Path, obj: Any, hasher_pool: ThreadPoolExecutor, nice: int = 0) -> tuple[int, str]:
+    """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex).
+
+    ``nice`` is the submitting thread's niceness, applied to the pool threads doing the
+    work, so a background writer's deprioritisation is not lost in a thread pool.
+    """
+    set_thread_nice(nice)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        w = _HashingWriter(fd, hasher_pool)
+        w = _HashingWriter(fd, hasher_pool, nice)
         try:
             torch.save(obj, w)
         except RuntimeError:

@@ -99,3 +99,20 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def thread_nice() -> int:
+    """Nice value of the calling thread (Linux: PRIO_PROCESS with who=0 means this thread)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        return 0
+
+
+def set_thread_nice(value: int) -> None:
+    """Best effort: lowering the value needs privileges, and only Linux niceness is per thread."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != value:
+            os.setpriority(os.PRIO_PROCESS, 0, value)
+    except (AttributeError, OSError):
+        pass

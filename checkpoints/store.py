@@ -194,9 +194,10 @@ class SnapshotStore:
     ) -> SnapshotInfo:
         tmp.mkdir()
         file_pool, hash_pool = self._get_pools()
+        nice = layout.thread_nice()
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
         futures = [
-            file_pool.submit(files.write_file, tmp / name, value, hash_pool)
+            file_pool.submit(files.write_file, tmp / name, value, hash_pool, nice)
             for name, value in zip(names, state.values())
         ]
         results = []

@@ -78,12 +78,14 @@ class AsyncSnapshotWriter:
         *,
         sync_copy_max_bytes: int = 1 << 20,
         on_durable: Callable[[WriterStats], None] | None = None,
+        nice: int = 10,
     ) -> None:
         if overlap_policy not in ("skip", "wait"):
             raise ValueError(f"overlap_policy must be 'skip' or 'wait', got {overlap_policy!r}")
         self.store = store
         self.overlap_policy = overlap_policy
         self.on_durable = on_durable
+        self.nice = nice
         self._stager = Stager(sync_copy_max_bytes)
         self._stats = WriterStats()
         self._lock = threading.Lock()
@@ -219,6 +221,9 @@ class AsyncSnapshotWriter:
     # ---------------------------------------------------------------- writer thread
 
     def _run(self) -> None:
+        # Lower this thread's (and, via the store, its helpers') CPU priority: when training
+        # keeps every core busy, the snapshot should take longer rather than training.
+        layout.set_thread_nice(self.nice)
         while (job := self._queue.get()) is not None:
             if isinstance(job, threading.Event):  # flush barrier
                 job.set()

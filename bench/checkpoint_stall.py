@@ -1,0 +1,281 @@
+"""How much does a snapshot stall training, and how close to the disk does it write?
+
+State: torchvision ResNet-50 (weights=None) + Adam after one step (~300 MB). Every figure
+is printed beside its anchor, measured in the same run: memcpy bandwidth and fsync'd
+write bandwidth of the same directory, and a synchronous torch.save + fsync of the same
+state. Medians of --repeats runs. Timings live here, never in tests.
+
+    python bench/checkpoint_stall.py            # full run (~2 min on 2 cores)
+    python bench/checkpoint_stall.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpoints import AsyncSnapshotWriter, SnapshotStore, capture_rng_state  # noqa: E402
+from checkpoints.tree import iter_tensors, tensor_bytes  # noqa: E402
+
+GB = 1e9
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def resnet50_state() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    from torchvision.models import resnet50
+
+    torch.manual_seed(0)
+    model = resnet50(weights=None)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    opt.step()  # so exp_avg / exp_avg_sq exist
+    return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng_state(), "step": 1}
+
+
+def measure_memcpy(nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes // 4).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in once
+    return nbytes / median_time(lambda: dst.copy_(src), repeats) / GB
+
+
+def measure_disk(d: Path, nbytes: int, repeats: int) -> float:
+    buf = memoryview(os.urandom(8 << 20))
+    p = d / "disk-probe"
+
+    def once() -> None:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, buf[: min(left, len(buf))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t = median_time(once, repeats)
+    p.unlink()
+    return nbytes / t / GB
+
+
+def measure_dcp(state: dict[str, Any], d: Path, repeats: int) -> tuple[float, float] | str:
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+    except Exception as e:  # noqa: BLE001
+        return f"import failed: {e}"
+    created_pg = False
+    try:
+        if not dist.is_initialized():
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            created_pg = True
+        dcp_state = {"model": state["model"], "optimizer": state["optimizer"]}
+        stalls, totals = [], []
+        for i in range(repeats):
+            target = d / f"dcp-{i}"
+            t0 = time.perf_counter()
+            fut = dcp.async_save(dcp_state, checkpoint_id=str(target))
+            t1 = time.perf_counter()
+            fut.result()
+            t2 = time.perf_counter()
+            stalls.append(t1 - t0)
+            totals.append(t2 - t0)
+            shutil.rmtree(target, ignore_errors=True)
+        return statistics.median(stalls), statistics.median(totals)
+    except Exception as e:  # noqa: BLE001 - report why, keep the other figures
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        if created_pg:
+            dist.destroy_process_group()
+
+
+class StepModel(nn.Module):
+    """Small MLP for the step-time comparison: ~100 MB of model+Adam state, ~30 ms steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
+            nn.Linear(1024, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def step_time(d: Path, blocks: int, every: int) -> tuple[float, float, int]:
+    """Median seconds per step: runs of 2*``every`` steps with a snapshot every ``every`` steps
+    (the final flush counted, so no write escapes the clock) against runs without."""
+    torch.manual_seed(0)
+    model = StepModel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = torch.randn(32, 1024), torch.randint(0, 10, (32,))
+    store = SnapshotStore(d / "steps", keep=2)
+    writer = AsyncSnapshotWriter(store)
+    writer.attach_optimizer(opt)
+    step = 0
+
+    def train(n: int, snapshot: bool) -> float:
+        nonlocal step
+        t0 = time.perf_counter()
+        for i in range(n):
+            if snapshot and i % every == 0:
+                writer.submit(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, world_size=1)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+        if snapshot:
+            writer.flush()
+        return (time.perf_counter() - t0) / n
+
+    train(every, True)  # warm up: allocator, staging buffers, page cache
+    train(every, False)
+    plain, snap = [], []
+    for _ in range(blocks):  # interleaved so drift on a shared machine hits both alike
+        plain.append(train(2 * every, False))
+        snap.append(train(2 * every, True))
+    nbytes = writer.stats.last_bytes
+    skipped = writer.stats.snapshots_skipped
+    writer.close()
+    if skipped:
+        print(f"  note: {skipped} snapshot(s) skipped because the previous write was still running")
+    return statistics.median(plain), statistics.median(snap), nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, short step-time comparison")
+    ap.add_argument("--dir", default=None, help="parent of the temp dir to write into (default: system temp)")
+    ap.add_argument("--every", type=int, default=50, help="snapshot interval for the step-time comparison")
+    args = ap.parse_args()
+    repeats = 2 if args.quick else args.repeats
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    root = Path(tempfile.mkdtemp(prefix="checkpoint-stall-", dir=args.dir))
+    try:
+        run(root, repeats, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
+    model, opt, state = resnet50_state()
+    nbytes = tensor_bytes(state)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus (figures are noisy when it exceeds that)")
+    print(f"state: ResNet-50 + Adam, {nbytes / 1e6:.1f} MB of tensors; dir {root}; median of {repeats}; "
+          f"torch {torch.__version__}, {os.cpu_count()} cpus")
+
+    memcpy = measure_memcpy(nbytes, repeats)
+    disk = measure_disk(root, nbytes, repeats)
+    print("\nanchors")
+    print(f"  memcpy bandwidth (warm buffers)          {memcpy:8.2f} GB/s")
+    print(f"  fsync'd write bandwidth (os.write+fsync) {disk:8.2f} GB/s")
+
+    # Synchronous torch.save + fsync of the same state: the anchor for the stall.
+    sync_path = root / "sync.pt"
+
+    def sync_save() -> None:
+        torch.save(state, sync_path)
+        fsync_path(sync_path)
+
+    t_sync = median_time(sync_save, repeats)
+    sync_size = sync_path.stat().st_size
+    sync_path.unlink()
+    t_clone = median_time(lambda: [t.clone() for t in iter_tensors(state)], repeats)
+    print(f"  sync torch.save + fsync                  {t_sync:8.3f} s   {sync_size / t_sync / GB:5.2f} GB/s "
+          f"= {sync_size / t_sync / GB / disk:4.0%} of fsync'd disk")
+    print(f"  plain clone (fresh memory)               {t_clone:8.3f} s   = {t_clone / t_sync:5.1%} of sync save")
+
+    store = SnapshotStore(root / "store", keep=2)
+    step = iter(range(1, 10**6))
+    t_store = median_time(lambda: store.save(next(step), state, world_size=1), repeats)
+    size = store.list()[-1].size_bytes
+    print("\nSnapshotStore.save (synchronous; sha256 + fsync + manifest + rename + dir fsync)")
+    print(f"  time {t_store:.3f} s = {t_store / t_sync:.2f}x sync torch.save; {size / t_store / GB:.2f} GB/s "
+          f"= {size / t_store / GB / disk:.0%} of fsync'd disk")
+
+    # Async: stall = submit + wait_capture at optimizer.step, after a real forward/backward.
+    x = torch.randn(2, 3, 64, 64)
+    stalls, nooverlap, writes, captures = [], [], [], []
+    with AsyncSnapshotWriter(SnapshotStore(root / "async", keep=2), overlap_policy="wait") as writer:
+        writer.submit(next(step), state, world_size=1)  # warm-up: allocates the staging buffers
+        writer.flush()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            writer.submit(next(step), state, world_size=1)
+            t_submit = time.perf_counter() - t0
+            opt.zero_grad()
+            model(x).sum().backward()  # the next step's forward/backward overlaps the copy
+            t1 = time.perf_counter()
+            writer.wait_capture()  # what the optimizer step pre-hook does
+            stalls.append(t_submit + time.perf_counter() - t1)
+            writer.flush()
+            s = writer.stats
+            writes.append(s.last_write_s)
+            captures.append(s.last_capture_s)
+            t0 = time.perf_counter()
+            writer.submit(next(step), state, world_size=1)
+            writer.wait_capture()  # worst case: trainer waits right away, nothing overlaps
+            nooverlap.append(time.perf_counter() - t0)
+            writer.flush()
+    stall, write, capture, worst = map(statistics.median, (stalls, writes, captures, nooverlap))
+    goal_stall = "PASS" if stall <= 0.05 * t_sync else "MISS"
+    goal_bw = "PASS" if size / write / GB >= 0.7 * disk else "MISS"
+    print("\nAsyncSnapshotWriter (background copy overlapped with the next forward/backward)")
+    print(f"  stall per snapshot        {stall * 1e3:8.2f} ms = {stall / t_sync:6.2%} of sync torch.save+fsync"
+          f"   [goal <= 5%: {goal_stall}]")
+    print(f"  stall if nothing overlaps {worst * 1e3:8.2f} ms = {worst / t_sync:6.2%} of sync torch.save+fsync"
+          f"   (capture copy {capture * 1e3:.1f} ms in the background)")
+    print(f"  background write          {write:8.3f} s  {size / write / GB:5.2f} GB/s = {size / write / GB / disk:4.0%} "
+          f"of fsync'd disk, {size / write / GB / memcpy:4.1%} of memcpy   [goal >= 70% of disk: {goal_bw}]")
+
+    dcp = measure_dcp(state, root, repeats)
+    if isinstance(dcp, str):
+        print(f"\ntorch.distributed.checkpoint.async_save: did not run ({dcp})")
+    else:
+        print("\ntorch.distributed.checkpoint.async_save (single process, gloo world of 1)")
+        print(f"  stall {dcp[0] * 1e3:8.2f} ms = {dcp[0] / t_sync:6.2%} of sync torch.save+fsync "
+              f"(ours: {stall / dcp[0]:.3f}x of it); durable after {dcp[1]:.3f} s")
+
+    blocks = 2 if args.quick else repeats
+    plain, snap, step_bytes = step_time(root, blocks, args.every)
+    overhead = snap / plain - 1
+    print(f"\nstep time: MLP + Adam ({step_bytes / 1e6:.0f} MB snapshot), snapshot every {args.every} steps vs never, "
+          f"median of {blocks} interleaved runs of {2 * args.every} steps")
+    print(f"  never {plain * 1e3:.2f} ms/step, every {args.every}: {snap * 1e3:.2f} ms/step -> {overhead:+.1%}"
+          f"   [goal <= 2%: {'PASS' if overhead <= 0.02 else 'MISS'}]")
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
