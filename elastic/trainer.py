@@ -16,8 +16,9 @@ What happens, top to bottom:
    batch. The loss is rescaled by ``local_n * world / global_n`` so that DDP's average over
    ranks equals the mean over the global batch, uneven splits included; a rank whose share
    is empty (the epoch's tail) trains on one stand-in sample with its loss scaled by zero,
-   so it still joins the all-reduce and contributes an exact zero. torch's RNG is reseeded
-   from ``(seed, step, rank)``, so dropout does not depend on how often a process restarted.
+   so it still joins the all-reduce and contributes an exact zero. Every RNG (torch, Python,
+   NumPy) is reseeded from ``(seed, step, rank)`` before each step, so dropout and random
+   augmentation do not depend on how often, or at which step, a process restarted.
 3. **Commit.** After ``optimizer.step`` the step is committed: the sampler cursor moves, rank
    0 appends to the ledger and, every N steps / T seconds, hands a snapshot to the
    background writer (which must finish copying before the next ``optimizer.step``).
@@ -29,7 +30,9 @@ What happens, top to bottom:
 from __future__ import annotations
 
 import logging
+import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -91,6 +94,15 @@ class StepInfo:
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     return epoch_seed(epoch_seed(seed, step), rank)
+
+
+def seed_everything(seed: int) -> None:
+    """torch (CPU and CUDA), Python's ``random`` and NumPy's global RNG, if NumPy is loaded."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % (1 << 32))
 
 
 class _LocalBatches:
@@ -287,7 +299,7 @@ class ElasticRun:
                     ids = self.sampler.global_batch(batch_size)
                     start, stop = self.sampler.local_range(len(ids), d.rank, d.world_size)
                     self._pending = (ids, stop - start)
-                    torch.manual_seed(step_seed(self.seed, self.step_count, d.rank))
+                    seed_everything(step_seed(self.seed, self.step_count, d.rank))
                     batch = self._to_device(batch)
                     self._step_started = t0
                     self._data_wait = time.perf_counter() - t0
