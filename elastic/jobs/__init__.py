@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
-from torch import nn
-from torch.utils.data import Dataset
+if TYPE_CHECKING:  # the runner parses its flags before paying for ``import torch``
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
 
 JOBS = ("mlp", "resnet")
 
@@ -19,10 +20,10 @@ JOBS = ("mlp", "resnet")
 @dataclass(frozen=True)
 class Job:
     name: str
-    model: nn.Module
-    dataset: Dataset[Any]
-    loss: Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss over the batch
-    make_optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+    model: "nn.Module"
+    dataset: "Dataset[Any]"
+    loss: "Callable[[nn.Module, Any], torch.Tensor]"  # (model, batch) -> mean loss over the batch
+    make_optimizer: "Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]"
     default_lr: float
     collate_fn: Callable[[list[Any]], Any] | None = None
 
