@@ -186,6 +186,7 @@ class ElasticRun:
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
+        self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
         self.dist: DistInfo = init_distributed(backend, collective_timeout)
         d = self.dist
         self._where = f"[{d.node} rank {d.rank}]"
@@ -443,7 +444,7 @@ class ElasticRun:
         raise SystemExit(128 + signum)
 
     def close(self) -> None:
-        """Flush the pending snapshot, close the ledger, leave the process group. Idempotent."""
+        """Flush the pending snapshot, close the ledger, leave the process group if we joined it."""
         if self._closed:
             return
         self._closed = True
@@ -453,7 +454,7 @@ class ElasticRun:
         finally:
             if self.ledger is not None:
                 self.ledger.close()
-            if dist.is_initialized():
+            if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
 
     def __enter__(self) -> "ElasticRun":

@@ -49,6 +49,8 @@ def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
     )
     for x, y in run:
         run.step(F.cross_entropy(run.model(x), y))
+    assert dist.is_initialized(), "ElasticRun must leave a process group it did not create"
+    dist.destroy_process_group()
     if rank == 0:
         torch.save(params, f"{tmp}/params-{world}-{policy}.pt")
 
