@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from elastic.jobs.mlp import SyntheticClassification, as_batch
+from elastic.distributed import ElasticRunError
 from elastic.trainer import ElasticRun, StepInfo
 
 DATASET, GLOBAL_BATCH = 11, 10  # step 1: 10 samples (4/3/3 over 3 ranks); step 2: the 1-sample tail
@@ -55,12 +56,24 @@ def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
         torch.save(params, f"{tmp}/params-{world}-{policy}.pt")
 
 
+def _unshared_dir(rank: int, world: int, tmp: str) -> None:
+    """Each rank sees its own directory at "the same path": the start must refuse, on every rank."""
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store-unshared", world), rank=rank, world_size=world)
+    try:
+        ElasticRun(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), SyntheticClassification(4, seed=1),
+                   global_batch_size=2, steps=1, snapshot_dir=f"{tmp}/node-local-{rank}", handle_sigterm=False)
+    except ElasticRunError as e:
+        Path(f"{tmp}/unshared-{rank}.txt").write_text(str(e))
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, tmp: str) -> None:
     """One spawn serves every configuration (process start dominates the cost)."""
     torch.set_num_threads(1)
     for world, policy in CONFIGS:
         if rank < world:
             _train_one(rank, world, tmp, policy)
+    _unshared_dir(rank, 3, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +131,9 @@ def test_fixed_per_rank_scales_the_learning_rate_with_the_global_batch(trained: 
     for step in range(2):
         for w, h in zip(want[step], got[step]):
             torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
+
+
+def test_a_snapshot_dir_not_shared_by_all_ranks_is_refused_on_every_rank(trained: Path) -> None:
+    for rank in range(3):
+        message = (trained / f"unshared-{rank}.txt").read_text()
+        assert "is not shared: rank(s) [1, 2] cannot see files rank 0 writes there" in message, message
