@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .layout import set_thread_nice
+from .workers import DaemonPool
 
 _READ_CHUNK = 8 << 20
 _PARALLEL_HASH_MIN = 256 << 10
@@ -29,7 +29,7 @@ class _HashingWriter:
     OSError so ENOSPC can be reported as a full disk rather than an enforce failure.
     """
 
-    def __init__(self, fd: int, hasher_pool: ThreadPoolExecutor, nice: int) -> None:
+    def __init__(self, fd: int, hasher_pool: DaemonPool, nice: int) -> None:
         self._fd = fd
         self._nice = nice
         self._pool = hasher_pool
@@ -63,7 +63,7 @@ class _HashingWriter:
         pass
 
 
-def write_file(path: Path, obj: Any, hasher_pool: ThreadPoolExecutor, nice: int = 0) -> tuple[int, str]:
+def write_file(path: Path, obj: Any, hasher_pool: DaemonPool, nice: int = 0) -> tuple[int, str]:
     """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex).
 
     ``nice`` is the submitting thread's niceness, applied to the pool threads doing the

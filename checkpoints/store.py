@@ -17,7 +17,6 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -25,6 +24,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from . import files, layout
+from .workers import DaemonPool
 from .errors import (
     SnapshotCorruptError,
     SnapshotDirError,
@@ -118,7 +118,7 @@ class SnapshotStore:
         self.if_exists = if_exists
         self.stale_temp_grace_s = stale_temp_grace_s
         self._io_threads = max(1, io_threads)
-        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._pools_lock = threading.Lock()
         if self.root.exists() and not self.root.is_dir():
             raise SnapshotDirError(f"snapshot directory {self.root} is not a directory; pass the directory snapshots live in")
@@ -276,12 +276,12 @@ class SnapshotStore:
             "earlier snapshots are intact; check the filesystem"
         )
 
-    def _get_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    def _get_pools(self) -> tuple[DaemonPool, DaemonPool]:
         with self._pools_lock:
             if self._pools is None:
                 self._pools = (
-                    ThreadPoolExecutor(self._io_threads, thread_name_prefix="snapshot-io"),
-                    ThreadPoolExecutor(self._io_threads, thread_name_prefix="snapshot-hash"),
+                    DaemonPool(self._io_threads, "snapshot-file"),
+                    DaemonPool(self._io_threads, "snapshot-hash"),
                 )
             return self._pools
 

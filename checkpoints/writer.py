@@ -24,6 +24,7 @@ from . import layout
 from .capture import Capture, Stager
 from .errors import SnapshotError
 from .store import SnapshotStore
+from .workers import DaemonPool
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class AsyncSnapshotWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._queue: queue.SimpleQueue[_Job | threading.Event | None] = queue.SimpleQueue()
+        # The capture copy runs on the writer thread at normal priority: training waits for it
+        # in optimizer.step, so deprioritising it would be a priority inversion. Serialising,
+        # hashing and fsyncing run on the io thread at ``nice``: when training keeps every
+        # core busy, the write should take longer rather than training.
+        self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(nice))
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
@@ -221,9 +227,6 @@ class AsyncSnapshotWriter:
     # ---------------------------------------------------------------- writer thread
 
     def _run(self) -> None:
-        # Lower this thread's (and, via the store, its helpers') CPU priority: when training
-        # keeps every core busy, the snapshot should take longer rather than training.
-        layout.set_thread_nice(self.nice)
         while (job := self._queue.get()) is not None:
             if isinstance(job, threading.Event):  # flush barrier
                 job.set()
@@ -248,7 +251,9 @@ class AsyncSnapshotWriter:
         finally:
             job.captured.set()
         t1 = time.perf_counter()
-        info = self.store.save(job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta)
+        info = self._io.submit(
+            self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta
+        ).result()
         t2 = time.perf_counter()
         with self._lock:
             s = self._stats

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from checkpoints import AsyncSnapshotWriter, SnapshotDiskFullError, SnapshotError, SnapshotStore
-from ckpt_testutil import LineReader, assert_equal_state, start_child, state_for, stop_child
+from ckpt_testutil import REPO_ROOT, LineReader, assert_equal_state, child_env, start_child, state_for, stop_child
 
 
 def _big_state(n_tensors: int = 16, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
@@ -120,3 +122,22 @@ def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
     assert int(got["model"]["marker"]) == int(pending) == got["step"]
     assert all(s.valid for s in store.status(full=True))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_normal_exit_with_a_pending_snapshot_makes_it_durable(tmp_path: Path) -> None:
+    """No close(), no flush(): the atexit hook must still finish the write."""
+    code = (
+        "import sys, torch\n"
+        "from checkpoints import AsyncSnapshotWriter, SnapshotStore\n"
+        "w = AsyncSnapshotWriter(SnapshotStore(sys.argv[1]))\n"
+        "assert w.submit(9, {'w': torch.arange(4 << 20, dtype=torch.float32), 'step': 9}, world_size=1)\n"
+        "print('pending', w.pending_step, flush=True)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True, text=True, env=child_env(), cwd=str(REPO_ROOT), timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "pending 9", "the write finished before exit; the test proved nothing"
+    got = SnapshotStore(tmp_path).load(9)
+    assert torch.equal(got["w"], torch.arange(4 << 20, dtype=torch.float32)) and got["step"] == 9
