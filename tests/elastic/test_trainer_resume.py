@@ -1,11 +1,12 @@
 """Bitwise resume: losing a node mid-run changes nothing in the final model and optimizer.
 
 Two 2-node runs of the mlp job (dropout + AdamW, so RNG and optimizer state matter) with
-the same seed: one undisturbed, one whose node ``b`` is SIGKILLed mid-run and started again.
+the same seed: one undisturbed, one whose node ``a`` (rank 0) is SIGKILLed mid-run and
+replaced; afterwards the survivor ``b`` is rank 0.
 ``--nnodes 2:2`` keeps the world at 2, so the survivor waits for the replacement. The final
 snapshots (written at the last step) must be bit-identical, every key of them.
 
-Why this holds although rank assignment may change after the restart: a rank's data is
+Why this holds although rank 0 moved to another node: a rank's data is
 fixed by its rank number (contiguous share of the global batch), not by its node; torch's
 RNG is reseeded from (seed, step, rank) every step; and gloo reduces in rank order, so the
 floating-point summation order is that of the undisturbed run whichever node is rank 0.
@@ -44,15 +45,18 @@ def test_node_loss_then_restart_resumes_bit_identically(
     # Both runs at once (separate rendezvous ids and snapshot dirs): wall time, not a dependency.
     ref = [start_runner(nodes, n, run_id=f"{run_id}ref", args=_args(ref_dir), **common) for n in ("ref-a", "ref-b")]
     a, b = (start_runner(nodes, n, run_id=f"{run_id}kill", args=_args(chaos_dir), **common) for n in ("a", "b"))
-    killed_at = wait_for_step(a, 12, b)
-    b.kill()
-    b2 = start_runner(nodes, "b2", run_id=f"{run_id}kill", args=_args(chaos_dir), **common)
-    wait_all_exit([*ref, a, b2])
+    killed_at = wait_for_step(b, 12, a)
+    assert [r["rank"] for r in a.progress()][:1] == [0], "a (started first, lowest pid) should be rank 0"
+    a.kill()  # lose rank 0's node: the hardest case, rank 0 moves to another node
+    a2 = start_runner(nodes, "a2", run_id=f"{run_id}kill", args=_args(chaos_dir), **common)
+    wait_all_exit([*ref, b, a2])
 
-    rows = a.progress()
+    rows = b.progress()
     resumed = [r for r in rows if r["restart"] > 0]
-    assert resumed, "node a's workers never restarted after b was killed"
+    assert resumed, "node b's workers never restarted after a was killed"
     assert resumed[0]["step"] <= killed_at["step"] + 1, "the survivor did not go back to a snapshot"
+    # torch's rendezvous ranks nodes by (host, agent pid): the survivor now outranks the newcomer
+    assert {r["rank"] for r in resumed} == {0}, "rank 0 did not move to the surviving node"
     assert max(r["step"] for r in rows) == STEPS and all(r["world_size"] == 2 for r in rows)
 
     want = SnapshotStore(ref_dir, create=False).load(STEPS)
