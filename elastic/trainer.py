@@ -63,7 +63,7 @@ from .distributed import (
     check_shared_dir,
     init_distributed,
 )
-from .ledger import Ledger
+from .ledger import Ledger, LedgerError
 from .sampler import ElasticSampler, epoch_seed, split_sizes
 
 log = logging.getLogger(__name__)
@@ -194,12 +194,12 @@ class ElasticRun:
         self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
         self.step_count, self.total_samples, self.resumed_from = 0, 0, 0
         self._module = model.to(d.device)
-        self.store, self.writer = self._open_store(Path(snapshot_dir), keep_snapshots)
+        self.ledger: Ledger | None = None
+        self.store, self.writer = self._open_store(Path(snapshot_dir), keep_snapshots, ledger)
         self._restore()
         self.model: nn.Module = DistributedDataParallel(
             self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
         )
-        self.ledger = Ledger(ledger) if ledger is not None and d.is_main else None
         self._last_snapshot_time = time.monotonic()
         self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
         self._step_started = self._data_wait = 0.0
@@ -207,17 +207,21 @@ class ElasticRun:
 
     # ------------------------------------------------------------------ start
 
-    def _open_store(self, root: Path, keep: int) -> tuple[SnapshotStore, AsyncSnapshotWriter | None]:
+    def _open_store(
+        self, root: Path, keep: int, ledger: str | Path | None
+    ) -> tuple[SnapshotStore, AsyncSnapshotWriter | None]:
+        """Rank 0 opens what only it writes; a failure there is broadcast so every rank stops."""
         d = self.dist
         problem = ""
         store: SnapshotStore | None = None
         if d.is_main:
             try:
                 store = SnapshotStore(root, keep=keep)
-            except SnapshotError as e:
+                self.ledger = Ledger(ledger) if ledger is not None else None
+            except (SnapshotError, LedgerError) as e:
                 problem = str(e)
         if broadcast_int(int(bool(problem)), d):
-            raise ElasticRunError(problem or f"rank 0 cannot use snapshot directory {root}; see rank 0's log")
+            raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {root} or ledger; see rank 0's log")
         check_shared_dir(root, d)
         if store is None:
             store = SnapshotStore(root, keep=keep, create=False)
