@@ -132,7 +132,7 @@ class StepModel(nn.Module):
         return self.net(x)
 
 
-def step_time(d: Path, blocks: int, every: int) -> tuple[float, float, int]:
+def step_time(d: Path, blocks: int, every: int, nice: int) -> tuple[float, float, int]:
     """Median seconds per step: runs of 2*``every`` steps with a snapshot every ``every`` steps
     (the final flush counted, so no write escapes the clock) against runs without."""
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def step_time(d: Path, blocks: int, every: int) -> tuple[float, float, int]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, y = torch.randn(32, 1024), torch.randint(0, 10, (32,))
     store = SnapshotStore(d / "steps", keep=2)
-    writer = AsyncSnapshotWriter(store)
+    writer = AsyncSnapshotWriter(store, nice=nice)
     writer.attach_optimizer(opt)
     step = 0
 
@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, short step-time comparison")
     ap.add_argument("--dir", default=None, help="parent of the temp dir to write into (default: system temp)")
     ap.add_argument("--every", type=int, default=50, help="snapshot interval for the step-time comparison")
+    ap.add_argument("--nice", type=int, default=10, help="AsyncSnapshotWriter(nice=...) for the background write")
     args = ap.parse_args()
     repeats = 2 if args.quick else args.repeats
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -227,7 +228,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
     # Async: stall = submit + wait_capture at optimizer.step, after a real forward/backward.
     x = torch.randn(2, 3, 64, 64)
     stalls, nooverlap, writes, captures = [], [], [], []
-    with AsyncSnapshotWriter(SnapshotStore(root / "async", keep=2), overlap_policy="wait") as writer:
+    with AsyncSnapshotWriter(SnapshotStore(root / "async", keep=2), overlap_policy="wait", nice=args.nice) as writer:
         writer.submit(next(step), state, world_size=1)  # warm-up: allocates the staging buffers
         writer.flush()
         for _ in range(repeats):
@@ -251,7 +252,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
     stall, write, capture, worst = map(statistics.median, (stalls, writes, captures, nooverlap))
     goal_stall = "PASS" if stall <= 0.05 * t_sync else "MISS"
     goal_bw = "PASS" if size / write / GB >= 0.7 * disk else "MISS"
-    print("\nAsyncSnapshotWriter (background copy overlapped with the next forward/backward)")
+    print(f"\nAsyncSnapshotWriter (background copy overlapped with the next forward/backward; write at nice {args.nice})")
     print(f"  stall per snapshot        {stall * 1e3:8.2f} ms = {stall / t_sync:6.2%} of sync torch.save+fsync"
           f"   [goal <= 5%: {goal_stall}]")
     print(f"  stall if nothing overlaps {worst * 1e3:8.2f} ms = {worst / t_sync:6.2%} of sync torch.save+fsync"
@@ -268,7 +269,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
               f"(ours: {stall / dcp[0]:.3f}x of it); durable after {dcp[1]:.3f} s")
 
     blocks = 2 if args.quick else repeats
-    plain, snap, step_bytes = step_time(root, blocks, args.every)
+    plain, snap, step_bytes = step_time(root, blocks, args.every, args.nice)
     overhead = snap / plain - 1
     print(f"\nstep time: MLP + Adam ({step_bytes / 1e6:.0f} MB snapshot), snapshot every {args.every} steps vs never, "
           f"median of {blocks} interleaved runs of {2 * args.every} steps")
