@@ -12,14 +12,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import etcd3
 from etcd3.client import KVMetadata
 import grpc
 from etcd3 import etcdrpc
 
-from .client import EtcdClient
+from .client import EtcdClient, EtcdError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,17 @@ class ExpiringLease:
                 self._lease_id, self._granted_at = lease.id, time.monotonic()
             return self._lease_id
 
-    def forget(self) -> None:
-        """Drop a lease etcd no longer knows (e.g. after a restore); the next write grants anew."""
-        with self._lock:
-            self._lease_id = None
+    def write(self, put: Callable[[int], T]) -> T:
+        """Run ``put(lease_id)``; if etcd no longer knows the lease (revoked, or lost in
+        a restore), grant a fresh one and run it once more."""
+        try:
+            return put(self.current())
+        except EtcdError as exc:
+            if not is_lease_not_found(exc):
+                raise
+            with self._lock:
+                self._lease_id = None
+            return put(self.current())
 
 
 def is_lease_not_found(exc: BaseException) -> bool:

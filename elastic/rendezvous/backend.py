@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import ExpiringLease, is_lease_not_found, transact
+from elastic.etcd.kv import ExpiringLease, transact
 
 from .signing import SignatureError, StateSigner
 
@@ -86,21 +86,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._open(value), meta.mod_revision, False
 
     def _write(self, guard: object, sealed: bytes):  # type: ignore[no-untyped-def]
-        def attempt():  # type: ignore[no-untyped-def]
-            return transact(
+        return self._lease.write(
+            lambda lease: transact(
                 self._client,
                 [guard],
-                success=[tx.Put(self._key, sealed, lease=self._lease.current())],
+                success=[tx.Put(self._key, sealed, lease=lease)],
                 failure=[tx.Get(self._key)],
             )
-
-        try:
-            return attempt()
-        except EtcdError as exc:
-            if not is_lease_not_found(exc):
-                raise
-            self._lease.forget()
-            return attempt()
+        )
 
     def _current_with(self, succeeded: bool) -> tuple[bytes, Token, bool] | None:
         current = self.get_state()

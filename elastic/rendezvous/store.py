@@ -15,8 +15,8 @@ from typing import Sequence
 import torch.distributed as dist
 from etcd3 import transactions as tx
 
-from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import ExpiringLease, is_lease_not_found, transact
+from elastic.etcd import EtcdClient
+from elastic.etcd.kv import ExpiringLease, transact
 
 from .signing import SignatureError, StateSigner
 
@@ -62,21 +62,8 @@ class EtcdV3Store(dist.Store):
         return self._signer.seal(full_key.encode(), _as_bytes(value))
 
     def _put(self, full_key: str, value: str | bytes) -> None:
-        def attempt() -> None:
-            self._client.call(
-                lambda c: c.put(full_key, self._seal(full_key, value), lease=self._lease.current())
-            )
-
-        self._with_lease_retry(attempt)
-
-    def _with_lease_retry(self, attempt):  # type: ignore[no-untyped-def]
-        try:
-            return attempt()
-        except EtcdError as exc:
-            if not is_lease_not_found(exc):
-                raise
-            self._lease.forget()
-            return attempt()
+        sealed = self._seal(full_key, value)
+        self._lease.write(lambda lease: self._client.call(lambda c: c.put(full_key, sealed, lease=lease)))
 
     def _read(self, full_keys: Sequence[str]) -> tuple[dict[str, bytes], int]:
         """Values of the keys that exist, and the revision the read saw."""
@@ -117,17 +104,10 @@ class EtcdV3Store(dist.Store):
         return [found[k] for k in full]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        full = [self._key(k) for k in keys]
-
-        def attempt() -> None:
-            lease = self._lease.current()
-            transact(
-                self._client,
-                [],
-                success=[tx.Put(k, self._seal(k, v), lease=lease) for k, v in zip(full, values)],
-            )
-
-        self._with_lease_retry(attempt)
+        sealed = [(k, self._seal(k, v)) for k, v in zip((self._key(k) for k in keys), values)]
+        self._lease.write(
+            lambda lease: transact(self._client, [], success=[tx.Put(k, v, lease=lease) for k, v in sealed])
+        )
 
     def _rows(self, full: str) -> list:  # type: ignore[type-arg]
         return transact(self._client, [], success=[tx.Get(full)]).responses[0]
@@ -146,13 +126,10 @@ class EtcdV3Store(dist.Store):
                 return new_value
 
     def _swap(self, full: str, guard: object, new_value: bytes) -> bool:
-        def attempt() -> bool:
-            sealed = self._seal(full, new_value)
-            return transact(
-                self._client, [guard], success=[tx.Put(full, sealed, lease=self._lease.current())]
-            ).succeeded
-
-        return bool(self._with_lease_retry(attempt))
+        sealed = self._seal(full, new_value)
+        return self._lease.write(
+            lambda lease: transact(self._client, [guard], success=[tx.Put(full, sealed, lease=lease)]).succeeded
+        )
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """TCPStore's semantics: set if the value equals ``expected`` (or is absent and
