@@ -36,10 +36,6 @@ class Event:
     seconds: float
 
 
-def steps_at(node: LocalNode, world: int, after: float = 0.0) -> list[dict[str, Any]]:
-    return [r for r in node.progress() if r["world_size"] == world and r["time"] > after]
-
-
 def wait_for(console: Console, what: str, probe: Callable[[], bool], timeout: float, nodes: list[LocalNode]) -> float:
     started = time.monotonic()
     with console.status(f"[bold]{what}[/bold]") as status:
@@ -75,27 +71,27 @@ def run(console: Console, run_dir: Path, timeout: float) -> list[Event]:
                 node.start()
                 console.print(f"started {node.name} (torchrun pid {node.pid}, log {node.log_path})")
             took = wait_for(console, "both nodes training in a world of 2",
-                            lambda: len(steps_at(a, 2)) >= 20 and len(steps_at(b, 2)) >= 20, timeout, nodes)
+                            lambda: len(a.steps_at(2)) >= 20 and len(b.steps_at(2)) >= 20, timeout, nodes)
             events.append(Event("2 nodes formed a world and trained 20 steps", took))
 
             killed_at = time.time()
             pids = b.kill()
             console.print(f"[red]killed node-b[/red]: SIGKILL to its whole process tree {pids}")
             took = wait_for(console, "node-a to recover alone",
-                            lambda: bool(steps_at(a, 1, after=killed_at)), timeout, nodes)
+                            lambda: bool(a.steps_at(1, after=killed_at)), timeout, nodes)
             events.append(Event("node-b killed -> node-a trains alone (first step)", took))
             wait_for(console, "node-a to train 20 steps alone",
-                     lambda: len(steps_at(a, 1, after=killed_at)) >= 20, timeout, nodes)
+                     lambda: len(a.steps_at(1, after=killed_at)) >= 20, timeout, nodes)
 
             rejoin_at = time.time()
             b.start()
             console.print(f"restarted node-b (torchrun pid {b.pid})")
             took = wait_for(console, "node-b to rejoin",
-                            lambda: bool(steps_at(a, 2, after=rejoin_at)) and bool(steps_at(b, 2, after=rejoin_at)),
+                            lambda: bool(a.steps_at(2, after=rejoin_at)) and bool(b.steps_at(2, after=rejoin_at)),
                             timeout, nodes)
             events.append(Event("node-b restarted -> world of 2 again (first step)", took))
             wait_for(console, "20 more steps together",
-                     lambda: len(steps_at(b, 2, after=rejoin_at)) >= 20, timeout, nodes)
+                     lambda: len(b.steps_at(2, after=rejoin_at)) >= 20, timeout, nodes)
         finally:
             for node in nodes:
                 node.cleanup()

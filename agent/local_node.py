@@ -112,6 +112,10 @@ class LocalNode:
     def progress(self) -> list[dict[str, Any]]:
         return self.read_progress(self.progress_path)
 
+    def steps_at(self, world_size: int, after: float = 0.0) -> list[dict[str, Any]]:
+        """Steps this node completed in a world of ``world_size`` after time ``after``."""
+        return [r for r in self.progress() if r["world_size"] == world_size and r["time"] > after]
+
     @staticmethod
     def read_progress(path: Path) -> list[dict[str, Any]]:
         if not path.exists():

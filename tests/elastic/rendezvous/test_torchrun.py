@@ -25,10 +25,6 @@ def start_node(nodes: Callable[..., TorchrunNode], name: str, etcd: EmbeddedEtcd
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, module_args=JOB_ARGS, **kw)
 
 
-def steps_at(node: TorchrunNode, world: int, after: float = 0.0) -> list[dict]:  # type: ignore[type-arg]
-    return [r for r in node.progress() if r["world_size"] == world and r["time"] > after]
-
-
 def logs(*nodes: TorchrunNode) -> Callable[[], str]:
     return lambda: "\n".join(n.log_tail() for n in nodes)
 
@@ -41,24 +37,24 @@ def test_survivor_reforms_a_world_of_one_and_trains_on(
     wait_until(lambda: first.progress(), FORM_TIMEOUT, "the first node to train alone", on_timeout=logs(first))
     second = start_node(nodes, "second", etcd_server, run_id)
     wait_until(
-        lambda: len(steps_at(first, 2)) >= 5 and len(steps_at(second, 2)) >= 5,
+        lambda: len(first.steps_at(2)) >= 5 and len(second.steps_at(2)) >= 5,
         FORM_TIMEOUT, "both nodes to train in a world of 2", on_timeout=logs(first, second),
     )
     dead, survivor = (first, second) if victim == "first-up" else (second, first)
-    dead_rank = steps_at(dead, 2)[-1]["rank"]
+    dead_rank = dead.steps_at(2)[-1]["rank"]
 
     killed_at = time.time()
     dead.kill()
     assert not dead.alive()
 
     wait_until(
-        lambda: len(steps_at(survivor, 1, after=killed_at)) >= 10,
+        lambda: len(survivor.steps_at(1, after=killed_at)) >= 10,
         RECOVER_TIMEOUT, f"the survivor to train 10 steps alone after rank {dead_rank} died",
         on_timeout=logs(survivor),
     )
-    alone = steps_at(survivor, 1, after=killed_at)
+    alone = survivor.steps_at(1, after=killed_at)
     assert {r["rank"] for r in alone} == {0}
-    assert alone[0]["restart"] > steps_at(survivor, 2)[-1]["restart"]  # a new round, not the old one
+    assert alone[0]["restart"] > survivor.steps_at(2)[-1]["restart"]  # a new round, not the old one
     assert survivor.alive()
 
 
@@ -69,15 +65,15 @@ def test_losing_rank_zeros_node_in_a_world_of_three(
     names = ["n0", "n1", "n2"]
     started = [start_node(nodes, n, etcd_server, run_id, nnodes="2:3") for n in names]
     wait_until(
-        lambda: all(len(steps_at(n, 3)) >= 5 for n in started),
+        lambda: all(len(n.steps_at(3)) >= 5 for n in started),
         FORM_TIMEOUT * 2, "three nodes to train together", on_timeout=logs(*started),
     )
-    rank0 = next(n for n in started if steps_at(n, 3)[-1]["rank"] == 0)
+    rank0 = next(n for n in started if n.steps_at(3)[-1]["rank"] == 0)
     survivors = [n for n in started if n is not rank0]
     killed_at = time.time()
     rank0.kill()
     wait_until(
-        lambda: all(len(steps_at(n, 2, after=killed_at)) >= 5 for n in survivors),
+        lambda: all(len(n.steps_at(2, after=killed_at)) >= 5 for n in survivors),
         RECOVER_TIMEOUT, "the two survivors to train in a world of 2", on_timeout=logs(*survivors),
     )
-    assert sorted(steps_at(n, 2, after=killed_at)[-1]["rank"] for n in survivors) == [0, 1]
+    assert sorted(n.steps_at(2, after=killed_at)[-1]["rank"] for n in survivors) == [0, 1]
