@@ -49,7 +49,7 @@ class Trainer:
         self.sched.step()
         self.sampler["offset"] += 8
 
-    def state(self) -> dict[str, Any]:
+    def components(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "sgd": self.sgd.state_dict(),
@@ -57,10 +57,10 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": dict(self.sampler),
-            "rng": capture_rng_state(),
-            "step": 3,
-            "epoch": 0,
         }
+
+    def state(self) -> dict[str, Any]:
+        return {**self.components(), "rng": capture_rng_state(), "step": 3, "epoch": 0}
 
     def restore(self, s: dict[str, Any]) -> None:
         check_state_compatible(self.model.state_dict(), s["model"], "model")
@@ -74,12 +74,7 @@ class Trainer:
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
-            "sgd": self.sgd.state_dict(),
-            "adam": self.adam.state_dict(),
-            "scheduler": self.sched.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "sampler": dict(self.sampler),
+            **self.components(),
             "next": (torch.rand(4), random.random(), float(np.random.rand()), random.gauss(0, 1)),
         }
 
