@@ -29,6 +29,7 @@ What happens, top to bottom:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import random
 import signal
@@ -63,6 +64,7 @@ from .distributed import (
     check_shared_dir,
     init_distributed,
 )
+from .heartbeat import Heartbeat
 from .ledger import Ledger, LedgerError
 from .sampler import ElasticSampler, epoch_seed, split_sizes
 
@@ -204,6 +206,9 @@ class ElasticRun:
         self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
         self._step_started = self._data_wait = 0.0
         self._closed = False
+        self._heartbeat = Heartbeat.from_env()  # the agent's hang watchdog reads it
+        if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
 
     # ------------------------------------------------------------------ start
 
@@ -358,6 +363,8 @@ class ElasticRun:
         self.step_count += 1
         self.total_samples += len(ids)
         self._pending = None
+        if self._heartbeat is not None:
+            self._heartbeat.beat(self.step_count)
         if self.ledger is not None:
             self.ledger.record(epoch=epoch, step=self.step_count, world_size=d.world_size, samples=ids,
                                resumed_from=self.resumed_from)

@@ -1,0 +1,183 @@
+"""The node registry: one key per live agent, ``{prefix}/{run_id}/nodes/{node}``.
+
+Each key lives under its node's lease (TTL of a few seconds, refreshed about four times
+per TTL), so a killed, frozen or partitioned node drops out of the registry on its own,
+without anyone having to notice it first. The value is a signed JSON :class:`NodeRecord`
+that tells tools (``elastic kill``, ``elastic top``, ``elastic sd``) where the node is
+and what it is doing; the rendezvous uses the key's mere presence as "this node is alive".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+from elastic.etcd import EtcdClient, EtcdError
+
+from .signing import SignatureError, StateSigner
+
+log = logging.getLogger(__name__)
+
+
+def run_prefix(key_prefix: str, run_id: str) -> str:
+    return f"{key_prefix.rstrip('/')}/{run_id}"
+
+
+def nodes_prefix(key_prefix: str, run_id: str) -> str:
+    return f"{run_prefix(key_prefix, run_id)}/nodes/"
+
+
+def default_node_name() -> str:
+    """Host name, plus the pid where several agents share a host (``elastic local``)."""
+    return os.environ.get("ELASTIC_NODE_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node says about itself. ``state`` is the agent's worker-group state."""
+
+    node: str
+    host: str
+    pid: int
+    addr: str | None = None
+    metrics_url: str | None = None
+    state: str = "starting"
+    round: int | None = None
+    rank: int | None = None
+    world: int | None = None
+    started_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "NodeRecord":
+        data = json.loads(raw)
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def decode_node(signer: StateSigner, key: bytes | str, value: bytes) -> NodeRecord | None:
+    """A registry value, or None if it is forged, from another key, or not ours at all."""
+    key_bytes = key.encode() if isinstance(key, str) else key
+    try:
+        return NodeRecord.from_json(signer.open(key_bytes, value))
+    except (SignatureError, ValueError, TypeError, KeyError) as exc:
+        log.warning("ignoring registry entry %s: %s", key_bytes.decode(errors="replace"), exc)
+        return None
+
+
+def list_nodes(client: EtcdClient, run_id: str, signer: StateSigner, key_prefix: str = "/elastic") -> list[NodeRecord]:
+    """Every node that holds a live lease in ``run_id``, in name order."""
+    prefix = nodes_prefix(key_prefix, run_id)
+    rows = client.call(lambda c: list(c.get_prefix(prefix)))
+    records = [decode_node(signer, meta.key, value) for value, meta in rows]
+    return sorted((r for r in records if r is not None), key=lambda r: r.node)
+
+
+class NodeLease:
+    """This node's lease and registry key, kept alive by a daemon thread.
+
+    If the lease is lost (the process was frozen past the TTL, or etcd lost it), a new
+    lease is granted and the key rewritten; ``generation`` counts those losses so the
+    rendezvous can tell that this node's place in its round is void.
+    """
+
+    def __init__(self, client: EtcdClient, key_prefix: str, run_id: str, record: NodeRecord,
+                 signer: StateSigner, ttl: int) -> None:
+        if ttl < 2:
+            raise ValueError("the node lease TTL must be at least 2 seconds (etcd's minimum)")
+        self.client, self.signer, self.ttl = client, signer, ttl
+        self.key = nodes_prefix(key_prefix, run_id) + record.node
+        self._record = record
+        self._lock = threading.Lock()
+        self._lease_id: int | None = None
+        self.generation = 0
+        self.on_lost: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def record(self) -> NodeRecord:
+        return self._record
+
+    def lease_id(self) -> int:
+        with self._lock:
+            if self._lease_id is None:
+                self._grant()
+            assert self._lease_id is not None
+            return self._lease_id
+
+    def _grant(self) -> None:
+        lease = self.client.call(lambda c: c.lease(self.ttl))
+        self._lease_id = lease.id
+        self._put()
+
+    def _put(self) -> None:
+        lease_id, value = self._lease_id, self.signer.seal(self.key.encode(), self._record.to_json())
+        self.client.call(lambda c: c.put(self.key, value, lease=lease_id))
+
+    def start(self) -> "NodeLease":
+        self.lease_id()
+        self._thread = threading.Thread(target=self._keep_alive, name="elastic-node-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def update(self, **changes: Any) -> None:
+        """Rewrite the record (state, round, rank...); best effort while etcd is away."""
+        with self._lock:
+            self._record = replace(self._record, **changes)
+            if self._lease_id is None:
+                return
+            try:
+                with self.client.deadline(1.0):
+                    self._put()
+            except EtcdError as exc:
+                log.debug("registry update deferred: %s", exc)
+
+    def _keep_alive(self) -> None:
+        interval = self.ttl / 4
+        while not self._stop.wait(interval):
+            try:
+                with self.client.deadline(interval):
+                    lease_id = self.lease_id()
+                    reply = self.client.call(lambda c: next(iter(c.refresh_lease(lease_id))))
+                alive = reply.TTL > 0
+            except EtcdError as exc:
+                log.debug("lease refresh failed (etcd unreachable?): %s", exc)
+                continue  # etcd away: not a verdict on us; etcd extends leases when it returns
+            except StopIteration:
+                continue
+            if not alive:
+                self._lost()
+
+    def _lost(self) -> None:
+        log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
+                    self._record.node, self.ttl)
+        with self._lock:
+            self.generation += 1
+            self._lease_id = None
+            try:
+                self._grant()
+            except EtcdError as exc:
+                log.warning("could not re-register yet: %s", exc)
+        for callback in list(self.on_lost):
+            callback()
+
+    def close(self) -> None:
+        """Revoke the lease: peers see this node leave at once instead of after the TTL."""
+        self._stop.set()
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
+            try:
+                self.client.call(lambda c: c.revoke_lease(lease_id), deadline=2.0)
+            except EtcdError:
+                pass
