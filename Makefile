@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# promtool/prometheus (Debian's prometheus package) back the deploy/ tests.
 test: $(STAMP)
+	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)
