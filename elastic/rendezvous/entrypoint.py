@@ -14,20 +14,30 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 
-def _create_for_torchrun(params: "RendezvousParameters") -> "RendezvousHandler":
+def _create(params: "RendezvousParameters", dynamic: bool) -> "RendezvousHandler":
     """torchrun's creator: user errors end the process with one line, not a traceback."""
     from elastic.etcd import EtcdConfigError, EtcdError
 
-    from .handler import create_handler
     from .signing import HmacKeyError
 
     try:
+        if dynamic:
+            from .dynamic import create_dynamic_handler
+
+            return create_dynamic_handler(params)
+        from .handler import create_handler
+
         return create_handler(params)
-    except (EtcdConfigError, HmacKeyError, EtcdError) as exc:
-        print(f"error: etcd-v3 rendezvous: {exc}", file=sys.stderr, flush=True)
+    except (EtcdConfigError, HmacKeyError, EtcdError, ValueError) as exc:
+        print(f"error: {params.backend} rendezvous: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
 def handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
-    """A zero-argument function returning the handler creator, as torch expects."""
-    return _create_for_torchrun
+    """``etcd-v3``: a zero-argument function returning the handler creator, as torch expects."""
+    return lambda params: _create(params, dynamic=False)
+
+
+def dynamic_handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
+    """``etcd-v3-dynamic``: torch's DynamicRendezvousHandler over our backend (comparisons)."""
+    return lambda params: _create(params, dynamic=True)

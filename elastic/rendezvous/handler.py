@@ -1,75 +1,307 @@
-"""The ``etcd-v3`` rendezvous handler that torchrun finds through its entry point.
+"""The ``etcd-v3`` rendezvous: watch-driven and lease-aware, on torch's ``RendezvousHandler``.
 
-It is torch's ``DynamicRendezvousHandler`` over our backend and store, with two fixes
-for node loss:
+torch's ``DynamicRendezvousHandler`` polls its backend once a second and can only learn
+that a node is dead by missing its heartbeats; a node loss costs seconds in rendezvous
+alone. This handler keeps per-node keys under short etcd leases and a round record
+updated by transaction (JSON, HMAC-sealed), and learns of every change through one watch:
 
-* torch caches the address of the TCPStore that rank 0's agent hosts after the first
-  round. If rank 0's node dies, a survivor that stays non-zero keeps sending its workers
-  to the dead store. We rebuild that address every round.
-* torch's monitor loop calls ``num_nodes_waiting`` unguarded, so one failed etcd read
-  would end a healthy job. We treat "etcd unreachable" as "nobody waiting" and keep
-  training; a real peer loss still surfaces through the workers and the agent.
+* ``{run}/nodes/{node}``: the node registry (:mod:`.registry`), one key per live agent.
+* ``{run}/rdzv/round``: the current round: number, ``open``/``closed``, participants.
+* ``{run}/rdzv/join/{round}/{node}``: "this node wants to be in that round", under the
+  node's lease, so a node that dies while joining leaves no ghost.
+* ``{run}/rdzv/closed``: the job is over (:meth:`set_closed`).
+
+A later round closes the moment every surviving member has joined; only a member that
+looks alive but has not moved (its lease outlives a SIGKILL by up to the TTL) costs a
+short ``rejoin_timeout``. ``num_nodes_waiting`` answers from memory, so torch's monitor
+loop sees a new round, a lost peer or a lost own lease within one monitor interval, and
+an etcd outage cannot stall or kill a healthy job.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
+import threading
 import time
-from datetime import timedelta
+from typing import Callable
 
+import torch.distributed as dist
+from etcd3 import transactions as tx
 from torch.distributed.elastic.rendezvous import (
-    RendezvousConnectionError,
+    RendezvousClosedError,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousTimeout,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
 )
 
-from elastic.etcd import EtcdClient
+from elastic.etcd import EtcdClient, EtcdError
+from elastic.etcd.kv import transact
+from elastic.etcd.mirror import PrefixMirror
 
-from .backend import EtcdV3RendezvousBackend
 from .options import RendezvousOptions
-from .signing import StateSigner
+from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
+from .rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
+from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
-# While etcd is away, the monitor loop asks again at most this often.
-_UNREACHABLE_BACKOFF_S = 1.0
-_MONITOR_DEADLINE_S = 0.5
+_TICK_S = 0.1  # re-check time-based close rules at least this often
+
+# Why num_nodes_waiting asked for a restart; the agent exports and logs it.
+PEER_LOST, LEASE_LOST, NEW_ROUND = "peer_lost", "lease_lost", "scale_up"
 
 
-class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
-    """``DynamicRendezvousHandler`` made safe for losing rank 0's node and etcd blips."""
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """One node's view of the job's rounds. Thread-safe for torch's agent and our watchdog."""
 
-    _etcd: EtcdClient
-    _unreachable_since: float | None = None
+    def __init__(
+        self,
+        run_id: str,
+        options: RendezvousOptions,
+        client: EtcdClient,
+        signer: StateSigner,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None,
+        node_name: str,
+    ) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
+        self.run_id, self.options, self.client, self.signer = run_id, options, client, signer
+        self.node, self.local_addr = node_name, local_addr
+        self.timings = Timings(min_nodes, max_nodes, options.last_call, options.rejoin_timeout)
+        prefix = run_prefix(options.key_prefix, run_id)
+        self._round_key = f"{prefix}/rdzv/round"
+        self._join_prefix = f"{prefix}/rdzv/join/"
+        self._closed_key = f"{prefix}/rdzv/closed"
+        self._nodes_prefix = nodes_prefix(options.key_prefix, run_id)
+        self._store_prefix = f"{prefix}/store"
+        self._store = EtcdV3Store(client, self._store_prefix, signer, ttl=options.state_ttl)
+        self.lease = NodeLease(
+            client, options.key_prefix, run_id,
+            NodeRecord(node=node_name, host=socket.gethostname(), pid=os.getpid(), addr=local_addr),
+            signer, options.lease_ttl,
+        )
+        self.mirror = PrefixMirror(client, prefix + "/")
+        self._lock = threading.Lock()
+        self.round: RoundRecord | None = None  # the round our current workers belong to
+        self._lease_generation = 0
+        self._started = False
+        self.on_round: list[Callable[[RoundRecord], None]] = []
+
+    # --------------------------------------------------------------- torch's ABC
 
     def get_backend(self) -> str:
         return "etcd-v3"
 
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # workers bootstrap their own TCPStore on rank 0; nothing to keep alive here
+
     def next_rendezvous(self) -> RendezvousInfo:
-        self._bootstrap_store_info = None  # re-read this round's MASTER_ADDR/PORT
-        return super().next_rendezvous()
+        self._start()
+        with self._lock:
+            self.round = None
+        self.lease.update(state="rendezvous", round=None, rank=None, world=None)
+        started = time.monotonic()
+        record = self._join_until_closed(started + self.options.timings["join_timeout"])
+        rank, world = record.participants.index(self.node), len(record.participants)
+        with self._lock:
+            self.round, self._lease_generation = record, self.lease.generation
+        self.lease.update(state="running", round=record.round, rank=rank, world=world)
+        log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
+                 time.monotonic() - started, rank, world, ", ".join(record.participants))
+        store = dist.PrefixStore(f"round/{record.round}", self._store)
+        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr)
+        for callback in list(self.on_round):
+            callback(record)
+        return RendezvousInfo(store, rank, world, bootstrap)
+
+    def is_closed(self) -> bool:
+        entries, _ = self.mirror.entries() if self._started else ({}, 0)
+        if self._closed_key in entries:
+            return True
+        try:
+            return bool(self.client.call(lambda c: c.get(self._closed_key), deadline=2.0)[0])
+        except EtcdError:
+            return False
+
+    def set_closed(self) -> None:
+        value = self.signer.seal(self._closed_key.encode(), json.dumps({"by": self.node}).encode())
+        self.client.call(lambda c: c.put(self._closed_key, value))
 
     def num_nodes_waiting(self) -> int:
-        now = time.monotonic()
-        if self._unreachable_since is not None and now - self._unreachable_since < _UNREACHABLE_BACKOFF_S:
-            return 0
+        reason = self.restart_reason()
+        return 1 if reason else 0
+
+    def shutdown(self) -> bool:
+        """Close the job's rendezvous (torch's contract) and leave at once rather than at TTL."""
         try:
-            with self._etcd.deadline(_MONITOR_DEADLINE_S):
-                waiting = super().num_nodes_waiting()
-        except RendezvousConnectionError as exc:
-            if self._unreachable_since is None:
-                log.warning("etcd unreachable; training goes on, will retry: %s", exc)
-            self._unreachable_since = now
-            return 0
-        if self._unreachable_since is not None:
-            log.info("etcd reachable again after %.1f s", now - self._unreachable_since)
-            self._unreachable_since = None
-        return waiting
+            self.set_closed()
+        except EtcdError as exc:
+            log.warning("could not mark the rendezvous closed: %s", exc)
+            return False
+        finally:
+            self.close()
+        return True
+
+    # --------------------------------------------------------------- beyond the ABC
+
+    def restart_reason(self) -> str | None:
+        """Why this node's workers should stop now (None: they should not).
+
+        Answered from the watch-fed mirror, so it costs no etcd request and cannot hang.
+        While the watch is broken (etcd unreachable) the answer is "no reason": a silent
+        etcd says nothing about our peers, who keep training.
+        """
+        with self._lock:
+            current, generation = self.round, self._lease_generation
+        if current is None:
+            return None
+        if self.lease.generation != generation or self.lease.suspect_lost():
+            return LEASE_LOST
+        if not self.mirror.healthy:
+            return None
+        entries, _ = self.mirror.entries()
+        if self._closed_key in entries:
+            return None
+        record = self._decode_round(entries)
+        if record is not None and record.round > current.round:
+            return NEW_ROUND
+        live = self._live(entries)
+        if any(node not in live for node in current.participants):
+            return PEER_LOST
+        return None
+
+    def close(self) -> None:
+        """Leave: revoke the lease (peers notice now, not at TTL) and stop watching."""
+        self.lease.close()
+        self.mirror.close()
+
+    # --------------------------------------------------------------- the protocol
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self.lease.start()
+        self.mirror.start(deadline=self.options.connect_timeout)
+        self._started = True
+
+    def _join_until_closed(self, deadline: float) -> RoundRecord:
+        joined_round: int | None = None
+        first_seen: dict[int, float] = {}  # round -> when the close clock started, locally
+        while True:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous for run {self.run_id!r} did not complete within "
+                    f"{self.options.timings['join_timeout']} s (min {self.timings.min_nodes} nodes); "
+                    "start more agents or raise --rdzv-conf join_timeout"
+                )
+            entries, revision = self.mirror.entries()
+            if self._closed_key in entries:
+                raise RendezvousClosedError(f"run {self.run_id!r} has finished; use a new --rdzv-id")
+            if not self.mirror.healthy:
+                self.mirror.wait(revision, _TICK_S * 5)
+                continue
+            record = self._decode_round(entries)
+            round_rev = entries[self._round_key].mod_revision if self._round_key in entries else 0
+            if record is None:
+                self._swap_round(0, RoundRecord(0, OPEN))
+            elif record.state == CLOSED:
+                if joined_round == record.round and self.node in record.participants:
+                    return record
+                if self.node in record.participants or len(record.participants) < self.timings.max_nodes:
+                    self._swap_round(round_rev, record.next_open())
+                else:
+                    self.mirror.wait(revision, 1.0)  # a full world: wait for the next round
+            elif joined_round != record.round:
+                self._join(record.round, joined_round)
+                joined_round = record.round
+            else:
+                joined, live = self._joined(entries, record.round), self._live(entries)
+                if len(joined) >= self.timings.min_nodes or record.previous:
+                    first_seen.setdefault(record.round, time.monotonic())
+                waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
+                if self.node in joined and should_close(record, joined, live, self.timings, waited):
+                    participants = rank_order(joined, record.previous, self.timings.max_nodes)
+                    if self._swap_round(round_rev, record.closed_with(participants)):
+                        self._forget_round(record.round - 2)
+                    continue
+                self.mirror.wait(revision, _TICK_S)
+                continue
+            self.mirror.wait(revision, _TICK_S)
+
+    def _swap_round(self, expected_mod_revision: int, record: RoundRecord) -> bool:
+        """Replace the round record if nobody else did since we read it."""
+        key = self._round_key
+        value = self.signer.seal(key.encode(), record.to_json())
+        guard = tx.Version(key) == 0 if expected_mod_revision == 0 else tx.Mod(key) == expected_mod_revision
+        return transact(self.client, [guard], [tx.Put(key, value)]).succeeded
+
+    def _join(self, round_number: int, previous_round: int | None) -> None:
+        key = f"{self._join_prefix}{round_number}/{self.node}"
+        value = self.signer.seal(key.encode(), json.dumps({"node": self.node, "t": time.time()}).encode())
+        stale = f"{self._join_prefix}{previous_round}/{self.node}" if previous_round is not None else None
+
+        ops = [tx.Put(key, value, lease=self.lease.lease_id())]
+        if stale:
+            ops.append(tx.Delete(stale))
+        transact(self.client, [], ops)
+
+    def _forget_round(self, round_number: int) -> None:
+        """Old rounds' store keys: nobody reads them two rounds later."""
+        if round_number < 0:
+            return
+        try:
+            self.client.call(lambda c: c.delete_prefix(f"{self._store_prefix}/round/{round_number}/"), deadline=1.0)
+            self.client.call(lambda c: c.delete_prefix(f"{self._join_prefix}{round_number}/"), deadline=1.0)
+        except EtcdError:
+            pass
+
+    # --------------------------------------------------------------- reading the mirror
+
+    def _decode_round(self, entries: dict) -> RoundRecord | None:  # type: ignore[type-arg]
+        entry = entries.get(self._round_key)
+        if entry is None:
+            return None
+        try:
+            return RoundRecord.from_json(self.signer.open(self._round_key.encode(), entry.value))
+        except (SignatureError, ValueError, KeyError) as exc:
+            raise RendezvousClosedError(
+                f"the round record of run {self.run_id!r} is corrupt or forged ({exc}); "
+                "check every agent uses the same HMAC key"
+            ) from None
+
+    def _joined(self, entries: dict, round_number: int) -> dict[str, int]:  # type: ignore[type-arg]
+        prefix = f"{self._join_prefix}{round_number}/"
+        joined: dict[str, int] = {}
+        for key, entry in entries.items():
+            if key.startswith(prefix):
+                try:
+                    self.signer.open(key.encode(), entry.value)
+                except SignatureError:
+                    log.warning("ignoring forged join key %s", key)
+                    continue
+                joined[key[len(prefix):]] = entry.create_revision
+        return joined
+
+    def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
+        live: dict[str, str] = {}
+        for key, entry in entries.items():
+            if key.startswith(self._nodes_prefix):
+                record = decode_node(self.signer, key, entry.value)
+                if record is not None:
+                    live[record.node] = record.state
+        return live
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
@@ -81,39 +313,10 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     options = RendezvousOptions.from_params(params)
     signer = StateSigner(options.hmac_key)
     client = EtcdClient(options.etcd, retry_deadline=options.etcd_retry_timeout)
-    backend = EtcdV3RendezvousBackend(
-        client, params.run_id, signer, key_prefix=options.key_prefix, ttl=options.state_ttl
-    )
     # Fail now, with a clear line, rather than deep inside the first rendezvous.
-    client.call(lambda c: c.get(backend.key), deadline=options.connect_timeout)
-
-    store = EtcdV3Store(
-        client,
-        f"{options.key_prefix}/{params.run_id}/store",
-        signer,
-        ttl=options.state_ttl,
+    prefix = run_prefix(options.key_prefix, params.run_id)
+    client.call(lambda c: c.get(f"{prefix}/rdzv/round"), deadline=options.connect_timeout)
+    return EtcdV3RendezvousHandler(
+        params.run_id, options, client, signer, params.min_nodes, params.max_nodes, params.local_addr,
+        options.node_name or default_node_name(),
     )
-    t = options.timings
-    handler = EtcdV3RendezvousHandler.from_backend(
-        params.run_id,
-        store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        params.local_addr,
-        RendezvousTimeout(
-            join=timedelta(seconds=t["join_timeout"]),
-            last_call=timedelta(seconds=t["last_call_timeout"]),
-            close=timedelta(seconds=t["close_timeout"]),
-            heartbeat=_optional_seconds(params, "heartbeat_timeout"),
-        ),
-        keep_alive_interval=t["keep_alive_interval"],
-        keep_alive_max_attempt=t["keep_alive_max_attempt"],
-    )
-    handler._etcd = client
-    return handler
-
-
-def _optional_seconds(params: RendezvousParameters, key: str) -> timedelta | None:
-    value = params.get_as_int(key)
-    return None if value is None else timedelta(seconds=value)

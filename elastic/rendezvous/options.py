@@ -20,6 +20,7 @@ Users override any of them with ``--rdzv-conf key=value``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -40,7 +41,12 @@ TUNED_DEFAULTS: dict[str, int] = {
     "keep_alive_max_attempt": 3,
 }
 _ETCD_KEYS = {"cacert", "cert", "key", "user", "password", "password_file", "request_timeout"}
-_OWN_KEYS = {"key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout"}
+_OWN_KEYS = {
+    "key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout",
+    "lease_ttl", "rejoin_timeout", "node_name",
+}
+DEFAULT_LEASE_TTL = 3
+DEFAULT_REJOIN_TIMEOUT = 0.5
 _TORCH_KEYS = set(TUNED_DEFAULTS) | {"heartbeat_timeout", "timeout", "rank", "is_host", "local_addr"}
 KNOWN_KEYS = frozenset(_ETCD_KEYS | _OWN_KEYS | _TORCH_KEYS)
 
@@ -54,6 +60,10 @@ class RendezvousOptions:
     connect_timeout: float
     etcd_retry_timeout: float
     timings: dict[str, int]
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    last_call: float = 1.0
+    rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
+    node_name: str | None = None
 
     @classmethod
     def from_params(cls, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> "RendezvousOptions":
@@ -63,6 +73,8 @@ class RendezvousOptions:
             log.warning(
                 "ignoring unknown --rdzv-conf keys %s (known: %s)", unknown, ", ".join(sorted(KNOWN_KEYS))
             )
+        last_call = _positive_float(config, "last_call_timeout", float(TUNED_DEFAULTS["last_call_timeout"]))
+        config["last_call_timeout"] = str(max(1, round(last_call)))  # torch's own handler: whole seconds
         timings = {name: _positive_int(config, name, default) for name, default in TUNED_DEFAULTS.items()}
         if timings["keep_alive_max_attempt"] < 3:
             raise EtcdConfigError(
@@ -82,7 +94,16 @@ class RendezvousOptions:
             ),
             etcd_retry_timeout=_positive_float(config, "etcd_retry_timeout", 30.0),
             timings=timings,
+            lease_ttl=_positive_int(config, "lease_ttl", int(env_or_default(env, "ELASTIC_LEASE_TTL", DEFAULT_LEASE_TTL)),
+                                    minimum=2),
+            last_call=last_call,
+            rejoin_timeout=_positive_float(config, "rejoin_timeout", DEFAULT_REJOIN_TIMEOUT),
+            node_name=config.get("node_name") or None,
         )
+
+
+def env_or_default(env: Mapping[str, str] | None, name: str, default: object) -> str:
+    return (os.environ if env is None else env).get(name) or str(default)
 
 
 def _positive_int(config: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:

@@ -103,6 +103,7 @@ class NodeLease:
         self.on_lost: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_tick = time.monotonic()
 
     @property
     def record(self) -> NodeRecord:
@@ -142,6 +143,16 @@ class NodeLease:
             except EtcdError as exc:
                 log.debug("registry update deferred: %s", exc)
 
+    def suspect_lost(self) -> bool:
+        """True right after this process was frozen (SIGSTOP, a VM pause) for over the TTL.
+
+        The keep-alive thread ticks every TTL/4 whether or not etcd answers, so a gap
+        longer than the TTL means nobody was running here: peers have already written
+        us off, before the first refresh after thawing can confirm it. An etcd outage
+        leaves no gap, and so is never mistaken for our own loss.
+        """
+        return self._thread is not None and time.monotonic() - self._last_tick > self.ttl
+
     def _keep_alive(self) -> None:
         interval = self.ttl / 4
         while not self._stop.wait(interval):
@@ -150,13 +161,14 @@ class NodeLease:
                     lease_id = self.lease_id()
                     reply = self.client.call(lambda c: next(iter(c.refresh_lease(lease_id))))
                 alive = reply.TTL > 0
-            except EtcdError as exc:
+            except (EtcdError, StopIteration) as exc:
+                # etcd away: not a verdict on us; etcd extends every lease when it returns
                 log.debug("lease refresh failed (etcd unreachable?): %s", exc)
-                continue  # etcd away: not a verdict on us; etcd extends leases when it returns
-            except StopIteration:
+                self._last_tick = time.monotonic()
                 continue
             if not alive:
                 self._lost()
+            self._last_tick = time.monotonic()
 
     def _lost(self) -> None:
         log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
@@ -164,6 +176,7 @@ class NodeLease:
         with self._lock:
             self.generation += 1
             self._lease_id = None
+            self._record = replace(self._record, state="rejoining", round=None, rank=None, world=None)
             try:
                 self._grant()
             except EtcdError as exc:

@@ -40,7 +40,7 @@ def test_handler_joins_over_tls_with_client_cert_and_password(
     finally:
         handler.shutdown()
     keys = secure.etcdctl("get", "--prefix", "--keys-only", f"/elastic/{run_id}/")
-    assert f"/elastic/{run_id}/rdzv/state" in keys
+    assert f"/elastic/{run_id}/rdzv/round" in keys
 
 
 def test_wrong_password_is_one_clear_line(secure: SecureEtcd, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:

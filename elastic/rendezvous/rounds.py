@@ -1,0 +1,96 @@
+"""The round protocol's pure decisions: when to close a round, and who gets which rank.
+
+Kept free of etcd and threads so every rule is a unit test away from being checked.
+
+A round is ``open`` while nodes join it and ``closed`` once its participants are fixed.
+Closing a round is a race every joined node may run; a transaction on the round record
+lets exactly one win.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping
+
+OPEN, CLOSED = "open", "closed"
+ON_THEIR_WAY = frozenset({"stopping", "rendezvous"})  # registry states of nodes heading to the next round
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    state: str
+    participants: tuple[str, ...] = ()
+    previous: tuple[str, ...] = ()  # the last closed round's participants, for stable ranks
+    opened_at: float = field(default_factory=time.time)
+    closed_at: float | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "RoundRecord":
+        data = json.loads(raw)
+        return cls(
+            round=int(data["round"]), state=str(data["state"]),
+            participants=tuple(data.get("participants", ())), previous=tuple(data.get("previous", ())),
+            opened_at=float(data.get("opened_at", 0.0)), closed_at=data.get("closed_at"),
+        )
+
+    def next_open(self) -> "RoundRecord":
+        return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous)
+
+    def closed_with(self, participants: Iterable[str]) -> "RoundRecord":
+        return RoundRecord(self.round, CLOSED, tuple(participants), self.previous, self.opened_at, time.time())
+
+
+@dataclass(frozen=True)
+class Timings:
+    min_nodes: int
+    max_nodes: int
+    last_call: float  # first round: after min_nodes joined, wait this long for more
+    rejoin: float  # later rounds: wait this long for a previous member that is still "running"
+    stop_grace: float = 30.0  # ...and this long for one that says it is stopping its workers
+
+
+def should_close(
+    record: RoundRecord,
+    joined: Mapping[str, int],
+    live: Mapping[str, str],
+    timings: Timings,
+    waited: float,
+) -> bool:
+    """Whether an open round may close now.
+
+    ``joined`` maps node -> join revision; ``live`` maps node -> registry state for every
+    node holding a lease; ``waited`` is how long min_nodes have been in (first round) or
+    how long this node has watched the round open (later rounds).
+
+    Later rounds close as soon as every previous member that is alive has joined. A
+    previous member still marked ``running`` may be dead with its lease not yet expired
+    (SIGKILL), or just slow to notice: it gets ``rejoin`` seconds. One marked
+    ``stopping`` or ``rendezvous`` is alive and on its way, so it is waited for (up to
+    ``stop_grace``, in case it is wedged).
+    """
+    if len(joined) >= timings.max_nodes:
+        return True
+    if len(joined) < timings.min_nodes:
+        return False
+    if not record.previous:
+        return waited >= timings.last_call
+    missing = [n for n in record.previous if n in live and n not in joined]
+    if not missing:
+        return True
+    if any(live[n] in ON_THEIR_WAY for n in missing):
+        return waited >= timings.stop_grace
+    return waited >= timings.rejoin
+
+
+def rank_order(joined: Mapping[str, int], previous: Iterable[str], max_nodes: int) -> list[str]:
+    """Previous members keep their relative order (rank 0 stays rank 0 if it survives),
+    newcomers follow in the order they joined."""
+    prior = [n for n in previous if n in joined]
+    newcomers = sorted((n for n in joined if n not in prior), key=lambda n: (joined[n], n))
+    return (prior + newcomers)[:max_nodes]
