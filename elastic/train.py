@@ -1,6 +1,8 @@
 """Ready-made elastic runner: ``torchrun ... -m elastic.train --job mlp --snapshot-dir DIR``.
 
 It wires an example job (``elastic.jobs``) into :class:`elastic.trainer.ElasticRun`.
+Metrics go to the agent, or under plain torchrun to ``$ELASTIC_METRICS_PORT`` + local rank
+(``docs/metrics.md``); ``--no-metrics`` turns them off.
 Problems a user can cause end in one ``error:`` line and exit code 2; tracebacks are bugs.
 """
 
@@ -47,6 +49,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=_positive_int, default=64, help="resnet: image side in pixels")
     p.add_argument("--num-workers", type=_non_negative_int, default=0, help="DataLoader worker processes")
     p.add_argument("--step-sleep", type=float, default=0.0, help="demos/tests: pretend work per step, seconds")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="record no Prometheus metrics and install no comm hook (see docs/metrics.md)")
     args = p.parse_args(argv)
     if not args.snapshot_dir:
         p.error("--snapshot-dir is required (or set ELASTIC_SNAPSHOT_DIR)")
@@ -142,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshot_every_seconds=args.snapshot_every_seconds, keep_snapshots=args.keep_snapshots,
             backend=args.backend, collective_timeout=args.collective_timeout, ledger=args.ledger,
             on_step_end=progress, num_workers=args.num_workers, collate_fn=job.collate_fn,
-            snapshot_meta={"job": args.job},
+            snapshot_meta={"job": args.job}, metrics=args.metrics,
+            count_tokens=getattr(job, "tokens", None),  # jobs that define tokens feed elastic_tokens_total
         )
         for batch in run:
             loss = job.loss(run.model, batch)

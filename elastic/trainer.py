@@ -25,6 +25,10 @@ What happens, top to bottom:
 4. **End.** After the last step a final snapshot is written and flushed. On SIGTERM
    (torchrun stopping its workers) the loop stops at the next step boundary, flushes the
    pending snapshot, releases the process group and exits with 128 + 15.
+
+Metrics (``elastic.metrics``, on unless ``metrics=False``): progress per step, DDP's gradient
+all-reduce through a timing comm hook, snapshot stall/write/bytes, restore time and time to
+the first step; exported as ``docs/metrics.md`` describes.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -67,6 +71,9 @@ from .distributed import (
 from .heartbeat import Heartbeat
 from .ledger import Ledger, LedgerError
 from .sampler import ElasticSampler, epoch_seed, split_sizes
+
+if TYPE_CHECKING:
+    from .metrics.training import TrainingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +145,10 @@ class ElasticRun:
     The loss passed to ``step`` must be the *mean* over the local batch (the default of
     torch's losses). BatchNorm statistics stay per rank, so models with BatchNorm match
     across world sizes only up to those statistics (use SyncBatchNorm for exactness).
+
+    ``metrics=False`` records no metrics and installs no comm hook (the overhead bench's
+    baseline). ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``; it runs on the
+    host-side batch before it moves to the device, so keep it cheap (e.g. ``numel()``).
     """
 
     def __init__(
@@ -167,6 +178,8 @@ class ElasticRun:
         max_grad_norm: float | None = None,
         handle_sigterm: bool = True,
         snapshot_meta: dict[str, Any] | None = None,
+        metrics: bool = True,
+        count_tokens: Callable[[Any], int] | None = None,
     ) -> None:
         if steps is None and epochs is None:
             raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
@@ -184,6 +197,8 @@ class ElasticRun:
         self.on_step_end, self.max_grad_norm = on_step_end, max_grad_norm
         self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
         self.snapshot_meta = dict(snapshot_meta or {})
+        self.count_tokens = count_tokens
+        self._tokens: int | None = None
         self._stop_signal: int | None = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -192,6 +207,7 @@ class ElasticRun:
         self.dist: DistInfo = init_distributed(backend, collective_timeout)
         d = self.dist
         self._where = f"[{d.node} rank {d.rank}]"
+        self.metrics: TrainingMetrics | None = self._start_metrics() if metrics else None
         self.optimizer = optimizer
         self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
         self.step_count, self.total_samples, self.resumed_from = 0, 0, 0
@@ -202,6 +218,8 @@ class ElasticRun:
         self.model: nn.Module = DistributedDataParallel(
             self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
         )
+        if self.metrics is not None:
+            self.metrics.attach(self.model)  # type: ignore[arg-type]
         self._last_snapshot_time = time.monotonic()
         self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
         self._step_started = self._data_wait = 0.0
@@ -211,6 +229,15 @@ class ElasticRun:
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
 
     # ------------------------------------------------------------------ start
+
+    def _start_metrics(self) -> "TrainingMetrics":
+        from .metrics.export import MetricsConfigError
+        from .metrics.training import TrainingMetrics
+
+        try:
+            return TrainingMetrics(self.dist)
+        except MetricsConfigError as e:
+            raise ElasticRunError(str(e)) from None
 
     def _open_store(
         self, root: Path, keep: int, ledger: str | Path | None
@@ -230,12 +257,14 @@ class ElasticRun:
         check_shared_dir(root, d)
         if store is None:
             store = SnapshotStore(root, keep=keep, create=False)
-        writer = AsyncSnapshotWriter(store, overlap_policy="skip") if d.is_main else None
+        on_durable = self.metrics.snapshot_durable if self.metrics is not None else None
+        writer = AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable) if d.is_main else None
         return store, writer
 
     def _restore(self) -> None:
         """Rank 0 picks the newest valid snapshot; every rank loads exactly that one."""
         d = self.dist
+        t0 = time.perf_counter()
         found = self.store.load_latest() if d.is_main else None
         step = broadcast_int(found[0].step if found else -1, d)
         if step >= 0:
@@ -258,6 +287,8 @@ class ElasticRun:
                 "make sure only this job writes to it"
             )
         self.resumed_from = self.step_count
+        if self.metrics is not None:
+            self.metrics.restored(time.perf_counter() - t0, found[0].written_at if found else None)
 
     def _load_state(self, state: dict[str, Any]) -> None:
         check_state_compatible(self._module.state_dict(), state["model"], "model")
@@ -310,6 +341,8 @@ class ElasticRun:
                     start, stop = self.sampler.local_range(len(ids), d.rank, d.world_size)
                     self._pending = (ids, stop - start)
                     seed_everything(step_seed(self.seed, self.step_count, d.rank))
+                    if self.count_tokens is not None:
+                        self._tokens = self.count_tokens(batch)
                     batch = self._to_device(batch)
                     self._step_started = t0
                     self._data_wait = time.perf_counter() - t0
@@ -353,7 +386,10 @@ class ElasticRun:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self._module.parameters(), self.max_grad_norm)
         if self.writer is not None:
+            t_wait = time.perf_counter()
             self.writer.wait_capture()  # the snapshot's copy of params must predate this update
+            if self.metrics is not None:
+                self.metrics.capture_waited(time.perf_counter() - t_wait)
         self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -369,8 +405,10 @@ class ElasticRun:
             self.ledger.record(epoch=epoch, step=self.step_count, world_size=d.world_size, samples=ids,
                                resumed_from=self.resumed_from)
         self._maybe_snapshot()
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.step_done(local_n, now - self._step_started, self._data_wait, loss, self._tokens)
         if self.on_step_end is not None:
-            now = time.perf_counter()
             self.on_step_end(StepInfo(
                 step=self.step_count, epoch=epoch, samples=len(ids), total_samples=self.total_samples,
                 local_samples=local_n, loss=loss.detach(), step_seconds=now - self._step_started,
@@ -423,9 +461,12 @@ class ElasticRun:
         if by_steps or by_time:
             if self.ledger is not None:
                 self.ledger.sync()  # ledger lines up to this step outlive a machine crash
+            t0 = time.perf_counter()
             if self.writer.submit(self.step_count, self.state(), world_size=self.dist.world_size,
                                   extra_meta=self._meta()):
                 self._last_snapshot_time = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.snapshot_submitted(time.perf_counter() - t0)
 
     def _final_snapshot(self) -> None:
         if self.writer is None:

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the training workers (catalogue: ``docs/metrics.md``).
+
+Workers::
+
+    metrics = TrainingMetrics(dist_info)      # ElasticRun does this unless metrics=False
+    metrics.attach(ddp_model)                 # DDP all-reduce timing, bytes and errors
+
+The node agent (multiprocess mode; no torch import on this path)::
+
+    from elastic.metrics import prepare_dir, collector_registry, mark_dead
+    root = prepare_dir(dir)                   # before workers start with PROMETHEUS_MULTIPROC_DIR=dir
+    registry = collector_registry(root)       # serve it on the node's /metrics
+    mark_dead(pid, root)                      # for every worker pid that exited
+
+Names are imported lazily so that the agent does not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "MULTIPROC_ENV": "elastic.metrics.export",
+    "PORT_ENV": "elastic.metrics.export",
+    "ADDR_ENV": "elastic.metrics.export",
+    "Export": "elastic.metrics.export",
+    "MetricsConfigError": "elastic.metrics.export",
+    "start_export": "elastic.metrics.export",
+    "families": "elastic.metrics.catalogue",
+    "WorkerMetrics": "elastic.metrics.worker",
+    "prepare_dir": "elastic.metrics.multiprocess",
+    "collector_registry": "elastic.metrics.multiprocess",
+    "mark_dead": "elastic.metrics.multiprocess",
+    "CollectiveTimer": "elastic.metrics.comm_hook",
+    "allreduce_hook": "elastic.metrics.comm_hook",
+    "register_comm_hook": "elastic.metrics.comm_hook",
+    "TrainingMetrics": "elastic.metrics.training",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .catalogue import families
+    from .comm_hook import CollectiveTimer, allreduce_hook, register_comm_hook
+    from .export import ADDR_ENV, MULTIPROC_ENV, PORT_ENV, Export, MetricsConfigError, start_export
+    from .multiprocess import collector_registry, mark_dead, prepare_dir
+    from .training import TrainingMetrics
+    from .worker import WorkerMetrics
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic.metrics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

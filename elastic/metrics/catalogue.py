@@ -1,0 +1,119 @@
+"""Every worker metric: name, type, labels and multiprocess mode, defined once per process.
+
+The names are an interface: Prometheus rules, the Grafana dashboard and ``elastic top``
+query them, so add, never rename, and describe each in ``docs/metrics.md``. Labels stay
+bounded: ``rank`` (< world size), ``op``, ``backend`` and the build-info labels.
+
+The gauges' ``multiprocess_mode`` decides what the agent's endpoint shows when several
+worker pids (live and dead) wrote the same series: ``live*`` modes drop a pid's value once
+the agent calls ``mark_dead(pid)``, so a gone rank's gauges vanish, while counters and
+histograms of dead pids keep counting so that they never go back after a restart.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+RANK = ("rank",)
+COLLECTIVE = ("op", "backend")
+BUILD = ("version", "torch_version", "backend", "device")
+
+# Histogram observe() scans the bounds linearly, so each set stays short.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+COLLECTIVE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 10.0, 30.0)
+STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
+WRITE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class Families:
+    """The metric objects, unbound; :class:`elastic.metrics.worker.WorkerMetrics` binds labels."""
+
+    registry: CollectorRegistry
+    steps: Counter
+    samples: Counter
+    tokens: Counter
+    step_duration: Histogram
+    data_wait: Histogram
+    last_step_timestamp: Gauge
+    loss: Gauge
+    world_size: Gauge
+    rank: Gauge
+    worker_restarts: Gauge
+    build_info: Gauge
+    collective_duration: Histogram
+    collective_bytes: Counter
+    collective_errors: Counter
+    snapshot_stall: Histogram
+    snapshot_write: Histogram
+    snapshot_bytes: Counter
+    snapshot_last_durable: Gauge
+    restore: Gauge
+    time_to_first_step: Gauge
+
+
+@functools.cache
+def families() -> Families:
+    """Create the families once per process, on a private registry.
+
+    Private so that a second ``ElasticRun`` in one process (tests, benchmarks) reuses them
+    instead of failing on duplicate registration in prometheus_client's global registry.
+    In multiprocess mode unlabeled series open their file here, so
+    ``PROMETHEUS_MULTIPROC_DIR`` must exist first (``export.start_export`` sees to it).
+    """
+    r = CollectorRegistry(auto_describe=True)
+    return Families(
+        registry=r,
+        steps=Counter("elastic_steps_total", "Training steps this rank completed.", RANK, registry=r),
+        samples=Counter("elastic_samples_total", "Samples this rank processed (its share of each global batch).",
+                        RANK, registry=r),
+        tokens=Counter("elastic_tokens_total", "Tokens this rank processed (jobs that define tokens only).",
+                       RANK, registry=r),
+        step_duration=Histogram("elastic_step_duration_seconds",
+                                "Host wall time of one step, data wait included.", RANK,
+                                buckets=STEP_BUCKETS, registry=r),
+        data_wait=Histogram("elastic_data_wait_seconds", "Time a step waited for its batch from the data loader.",
+                            RANK, buckets=WAIT_BUCKETS, registry=r),
+        last_step_timestamp=Gauge("elastic_last_step_timestamp_seconds",
+                                  "Unix time at which this rank last completed a step.", RANK,
+                                  multiprocess_mode="livemax", registry=r),
+        loss=Gauge("elastic_loss", "This rank's training loss at its latest step (mean over its local batch).",
+                   RANK, multiprocess_mode="livemostrecent", registry=r),
+        world_size=Gauge("elastic_world_size", "Number of ranks in the current world.",
+                         multiprocess_mode="livemostrecent", registry=r),
+        rank=Gauge("elastic_rank", "Global rank of a live worker (value = rank; presence = the rank is live).",
+                   RANK, multiprocess_mode="livemax", registry=r),
+        worker_restarts=Gauge("elastic_worker_restarts",
+                              "Times torchrun restarted this node's worker group (TORCHELASTIC_RESTART_COUNT).",
+                              multiprocess_mode="livemax", registry=r),
+        build_info=Gauge("elastic_build_info", "Always 1; labels describe the running build.", BUILD,
+                         multiprocess_mode="livemax", registry=r),
+        collective_duration=Histogram("elastic_collective_duration_seconds",
+                                      "Time of one collective, enqueue to completion (CUDA events on NCCL).",
+                                      COLLECTIVE, buckets=COLLECTIVE_BUCKETS, registry=r),
+        collective_bytes=Counter("elastic_collective_bytes_total", "Payload bytes of collectives this rank issued.",
+                                 COLLECTIVE, registry=r),
+        collective_errors=Counter("elastic_collective_errors_total", "Collectives that failed on this rank.",
+                                  COLLECTIVE, registry=r),
+        snapshot_stall=Histogram("elastic_snapshot_stall_seconds",
+                                 "Time training was blocked by one snapshot (submit and capture wait).",
+                                 buckets=STALL_BUCKETS, registry=r),
+        snapshot_write=Histogram("elastic_snapshot_write_seconds",
+                                 "Background time of one snapshot: capture copy, serialise, fsync, rename.",
+                                 buckets=WRITE_BUCKETS, registry=r),
+        snapshot_bytes=Counter("elastic_snapshot_bytes_total", "Bytes of snapshots made durable.", registry=r),
+        snapshot_last_durable=Gauge("elastic_snapshot_last_durable_timestamp_seconds",
+                                    "Unix time at which the newest snapshot became durable.",
+                                    multiprocess_mode="max", registry=r),
+        restore=Gauge("elastic_restore_seconds",
+                      "Time this worker spent finding and loading the newest snapshot at start.",
+                      multiprocess_mode="livemax", registry=r),
+        time_to_first_step=Gauge("elastic_time_to_first_step_seconds",
+                                 "Worker process start to its first completed step (0 until then).",
+                                 multiprocess_mode="livemax", registry=r),
+    )

@@ -1,0 +1,116 @@
+"""A DDP communication hook that is DDP's own all-reduce, plus timing, byte and error counts.
+
+Gradients stay bitwise identical to DDP without a hook: DDP then multiplies each gradient by
+``1 / world`` (a double scalar) while copying it into the bucket and all-reduces by sum; this
+hook multiplies the bucket by the same scalar and all-reduces by sum. (torch's reference
+``allreduce_hook`` divides instead, which differs in the last bit at world sizes that are
+not powers of two.)
+
+Timing: gloo's future completes when the all-reduce is done, so host wall time from enqueue
+to the ``then`` callback is the collective's time. NCCL's future completes when the work is
+*enqueued*; there the hook records CUDA events on the current stream before the call and in
+the callback (whose stream waits for the NCCL work), and reads them later, once the GPU has
+passed them (``drain``, also run at each hook call), so the step is never synchronised.
+
+No ``from __future__ import annotations`` here: DDP's ``register_comm_hook`` compares the
+hook's annotations with the real ``dist.GradBucket`` and ``Future[Tensor]`` objects.
+"""
+
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .catalogue import Families, families
+
+OP_ALLREDUCE = "allreduce"
+_MAX_PENDING = 4096  # CUDA event pairs not yet read; beyond this the oldest timings are dropped
+
+
+class CollectiveTimer:
+    """The hook's state: the bound series for (op, backend) and CUDA timings not yet read."""
+
+    def __init__(self, backend: str, process_group: Optional[dist.ProcessGroup] = None,
+                 op: str = OP_ALLREDUCE, fam: Optional[Families] = None) -> None:
+        f = fam or families()
+        self.backend, self.op = backend, op
+        self.process_group = process_group
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(group)
+        self.scale = 1.0 / self.world_size  # as DDP's reducer: x * (1/n), then sum
+        self.duration = f.collective_duration.labels(op, backend)
+        self.bytes = f.collective_bytes.labels(op, backend)
+        self.errors = f.collective_errors.labels(op, backend)
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._free: list[torch.cuda.Event] = []
+        self._drain_lock = threading.Lock()
+
+    def drain(self) -> None:
+        """Observe the durations of finished CUDA-timed collectives; never blocks on the GPU."""
+        if not self._pending or not self._drain_lock.acquire(blocking=False):
+            return
+        try:
+            while self._pending and self._pending[0][1].query():
+                start, end = self._pending.popleft()
+                self.duration.observe(start.elapsed_time(end) / 1000.0)
+                self._free += (start, end)
+        finally:
+            self._drain_lock.release()
+
+    def _event(self) -> torch.cuda.Event:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=True)
+
+    def _timed_on_gpu(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.popleft()
+        self._pending.append((start, end))
+
+
+def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's averaging all-reduce of one bucket, timed and counted in ``state``."""
+    tensor = bucket.buffer()
+    tensor.mul_(state.scale)
+    state.bytes.inc(tensor.numel() * tensor.element_size())
+    on_gpu = tensor.is_cuda and state.backend != "gloo"
+    start: Any = None
+    if on_gpu:
+        state.drain()
+        start = state._event()
+        start.record()
+    t0 = time.perf_counter()
+    try:
+        fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+    except Exception:
+        state.errors.inc()
+        raise
+
+    def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            result = f.value()[0]
+        except Exception:
+            state.errors.inc()
+            raise
+        if on_gpu:
+            end = state._event()
+            end.record()  # this callback's stream already waits for the NCCL work
+            state._timed_on_gpu(start, end)
+        else:
+            state.duration.observe(time.perf_counter() - t0)
+        return result
+
+    return fut.then(done)
+
+
+def register_comm_hook(model: DistributedDataParallel, backend: str,
+                       process_group: Optional[dist.ProcessGroup] = None) -> CollectiveTimer:
+    """Install the hook on ``model`` (before its first backward); call ``drain()`` once per step."""
+    state = CollectiveTimer(backend, process_group)
+    model.register_comm_hook(state, allreduce_hook)
+    return state

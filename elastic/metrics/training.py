@@ -1,0 +1,77 @@
+"""What ``ElasticRun`` records, behind the few calls it makes; the trainer stays about training."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..distributed import DistInfo
+from .comm_hook import CollectiveTimer, register_comm_hook
+from .export import Export, start_export
+from .worker import DurableStats, WorkerMetrics
+
+
+class LossReader:
+    """``float(loss)`` without synchronising the GPU.
+
+    A CUDA loss is copied into pinned memory behind an event; the value is read at a later
+    step once the event has passed, so the gauge lags by a step or so on CUDA and is exact
+    and immediate on the CPU.
+    """
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def __call__(self, loss: torch.Tensor) -> float | None:
+        if not loss.is_cuda:
+            return float(loss.detach())
+        value = None
+        if self._event is not None:
+            if not self._event.query():
+                return None  # still in flight: keep the older reading, enqueue nothing new
+            value = float(self._host)  # type: ignore[arg-type]
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._event = torch.cuda.Event()
+        self._host.copy_(loss.detach().reshape(()).float(), non_blocking=True)
+        self._event.record()  # type: ignore[union-attr]
+        return value
+
+
+class TrainingMetrics:
+    """Progress, collective, snapshot and recovery metrics of one ``ElasticRun``."""
+
+    def __init__(self, info: DistInfo) -> None:
+        self.export: Export = start_export(info.local_rank)  # before any value exists (multiprocess dir)
+        self.worker = WorkerMetrics(info.rank, info.world_size, backend=info.backend, device=info.device.type,
+                                    torch_version=torch.__version__)
+        self.backend = info.backend
+        self.collectives: CollectiveTimer | None = None
+        self._loss = LossReader()
+        self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
+
+    def attach(self, model: DistributedDataParallel) -> None:
+        """Time DDP's gradient all-reduce; before the first backward."""
+        self.collectives = register_comm_hook(model, self.backend)
+
+    def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
+        self.worker.restored(seconds, snapshot_written_at)
+
+    def snapshot_durable(self, stats: DurableStats) -> None:
+        self.worker.snapshot_durable(stats)
+
+    def snapshot_submitted(self, seconds: float) -> None:
+        """Training blocked ``seconds`` in ``submit``; the capture wait before the next update adds to it."""
+        self._stall = seconds
+
+    def capture_waited(self, seconds: float) -> None:
+        if self._stall is not None:
+            self.worker.snapshot_stalled(self._stall + seconds)
+            self._stall = None
+
+    def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
+                  loss: torch.Tensor, tokens: int | None) -> None:
+        if self.collectives is not None:
+            self.collectives.drain()
+        self.worker.step_done(local_samples, step_seconds, data_wait_seconds, self._loss(loss), tokens)
