@@ -1,0 +1,133 @@
+"""``elastic top``: the numbers from real text exposition, and ``--once`` against real HTTP.
+
+The node endpoints are STAND-INS (tests/support/metrics_standin.py): real prometheus_client
+registries served over real HTTP, with made-up steps so the expected figures are exact.
+The registry entries are real, in a real etcd.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from agent.top import main
+from agent.top_model import Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, quantile
+from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
+from elastic.rendezvous.registry import NodeLease, NodeRecord
+from elastic.rendezvous.signing import StateSigner
+from tests.support.metrics_standin import BATCH, StandinNode
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+def scrape(node: str, standin: StandinNode, at: float) -> NodeScrape:
+    return NodeScrape(node, "healthy", at, Exposition.parse(standin.exposition()))
+
+
+def test_quantile_matches_prometheus() -> None:
+    # The same buckets as the p50 case in deploy/prometheus/rules/tests.yml: 0.1875 there too.
+    assert quantile(0.5, [(0.125, 0), (0.25, 1), (0.5, 1), (math.inf, 1)]) == 0.1875
+    assert quantile(0.99, [(0.1, 0), (0.2, 0), (math.inf, 4)]) == 0.2  # in +Inf: highest finite bound
+    assert quantile(0.5, [(0.1, 0), (math.inf, 0)]) is None  # nothing observed in the window
+
+
+def test_view_from_two_scrapes() -> None:
+    a = StandinNode({0: 0.08, 1: 0.08}, world_size=4)
+    b = StandinNode({2: 0.4, 3: 0.08}, world_size=4)  # rank 2 is five times slower
+    a.step(5), b.step(5)
+    before = {"a": scrape("a", a, 100.0), "b": scrape("b", b, 100.0)}
+    a.step(20), b.step(20)
+    a.durable.set(70.0)
+    after = {"a": scrape("a", a, 102.0), "b": scrape("b", b, 102.0)}
+
+    view = build_view(after, before)
+    rows = {(r.node, r.rank): r for n in view.nodes for r in n.ranks}
+    assert sorted(rows) == [("a", "0"), ("a", "1"), ("b", "2"), ("b", "3")]
+    assert rows["a", "0"].samples_per_s == 20 * BATCH / 2.0
+    assert view.samples_per_s == 4 * 20 * BATCH / 2.0
+    assert rows["a", "0"].steps == 25
+    # 0.08 s falls in (0.05, 0.1]: p50 interpolates to 0.075; 0.4 in (0.25, 0.5]: 0.375.
+    assert rows["a", "0"].step_p50 == pytest.approx(0.075)
+    assert rows["b", "2"].step_p50 == pytest.approx(0.375)
+    assert rows["b", "2"].straggler and not rows["b", "3"].straggler
+    assert view.stragglers == ("b/2",)
+    # 4 MB in 10 ms per rank and step: algbw 400 MB/s; busbw at n=4 is 1.5x that.
+    assert rows["a", "0"].busbw == pytest.approx(600e6)
+    assert rows["a", "0"].allreduce_s_per_step == pytest.approx(0.01)
+    assert rows["a", "0"].snapshot_age_s == 32.0 and rows["b", "2"].snapshot_age_s is None
+    assert view.snapshot_age_s == 32.0 and view.world_size == 4
+
+
+def test_first_scrape_has_no_rates_and_a_restarted_node_counts_from_zero() -> None:
+    a = StandinNode({0: 0.08}, world_size=1)
+    a.step(3)
+    first = build_view({"a": scrape("a", a, 10.0)}, {})
+    assert first.nodes[0].ranks[0].samples_per_s is None and first.nodes[0].ranks[0].step_p50 is None
+
+    fresh = StandinNode({0: 0.08}, world_size=1)  # the agent restarted: counters start again
+    fresh.step(2)
+    view = build_view({"a": scrape("a", fresh, 12.0)}, {"a": scrape("a", a, 10.0)})
+    assert view.nodes[0].ranks[0].samples_per_s == 2 * BATCH / 2.0
+    assert view.nodes[0].ranks[0].busbw == 0.0  # a world of one moves nothing over a bus
+
+
+def test_formatting() -> None:
+    assert fmt_seconds(0.0754) == "75.4 ms" and fmt_seconds(None) == "-" and fmt_seconds(4000) == "66.7 min"
+    assert fmt_rate(600e6, "B/s") == "600.00 MB/s" and fmt_rate(1280.0) == "1.28k/s"
+
+
+@pytest.fixture
+def standins() -> Iterator[list[StandinNode]]:
+    made: list[StandinNode] = []
+    try:
+        yield made
+    finally:
+        for s in made:
+            s.close()
+
+
+def test_once_against_live_endpoints(etcd_server: EmbeddedEtcd, etcd_client: EtcdClient, run_id: str,
+                                     tmp_path: Path, standins: list[StandinNode],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    a = StandinNode({0: 0.08, 1: 0.08}, world_size=4)
+    b = StandinNode({2: 0.4, 3: 0.08}, world_size=4)
+    standins += [a, b]
+    urls = {"node-a": a.serve(steps_per_second=20), "node-b": b.serve(steps_per_second=20),
+            "node-c": f"http://127.0.0.1:{free_port()}/metrics"}  # registered, but its endpoint is gone
+    leases = [NodeLease(etcd_client, "/elastic", run_id,
+                        NodeRecord(node=n, host="127.0.0.1", pid=1, metrics_url=u, state="healthy"),
+                        StateSigner(KEY), ttl=5).start() for n, u in urls.items()]
+    key_file = tmp_path / "job.key"
+    key_file.write_bytes(KEY)
+    try:
+        code = main(["--once", "--interval", "1", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
+                     "--rdzv-conf", f"hmac_key_file={key_file}"])
+    finally:
+        for lease in leases:
+            lease.close()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    print(out)  # shown on failure: the table as a user sees it
+    lines = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip()[1:-1].split("│")]
+        if cells and cells[0].startswith("node-"):
+            lines[cells[0], cells[1]] = cells
+    assert sorted(lines) == [("node-a", "0"), ("node-a", "1"), ("node-b", "2"), ("node-b", "3"), ("node-c", "-")]
+    assert all(c[2] == "healthy" for c in lines.values())
+    assert lines["node-b", "2"][-1].startswith("straggler") and lines["node-b", "3"][-1] == ""
+    assert lines["node-a", "0"][8] == "600.00 MB/s"  # busbw: 4 MB per 10 ms, x1.5 at n=4
+    assert lines["node-a", "0"][4] != "-" and lines["node-a", "0"][5] == "75.0 ms"
+    assert "scrape failed" in lines["node-c", "-"][-1]
+    assert f"run {run_id} · world 4 · 3 nodes" in out
+    assert "stragglers (step p50 ≥ ratio × median): node-b/2" in out
+
+
+def test_unreachable_etcd_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--once", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",
+                 "--rdzv-conf", "connect_timeout=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: etcd at http://127.0.0.1:")

@@ -1,0 +1,86 @@
+"""A STAND-IN for a node's metrics endpoint: real prometheus_client, fake training.
+
+It serves the catalogue's metric names (worker and agent) over real HTTP from a real
+``CollectorRegistry``, so Prometheus, ``elastic sd``/``top`` and the rules see genuine
+text exposition. The numbers are made up: each :meth:`StandinNode.step` stands for one
+training step on each local rank, with a fixed step time per rank and fixed all-reduce
+bytes and time, so tests know exactly what rates, quantiles and bandwidths to expect.
+The real worker metrics are tested on real runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH = 32  # samples per rank per step
+
+
+@dataclass
+class StandinNode:
+    """One node with ``step_seconds[rank]`` per local rank, in a world of ``world_size``."""
+
+    step_seconds: dict[int, float]
+    world_size: int
+    allreduce_bytes: int = 4_000_000  # per rank per step
+    allreduce_seconds: float = 0.01  # per rank per step
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r, rank, coll = self.registry, ("rank",), ("op", "backend")
+        self.steps = Counter("elastic_steps_total", "steps", rank, registry=r)
+        self.samples = Counter("elastic_samples_total", "samples", rank, registry=r)
+        self.step_duration = Histogram("elastic_step_duration_seconds", "step time", rank,
+                                       buckets=STEP_BUCKETS, registry=r)
+        self.data_wait = Histogram("elastic_data_wait_seconds", "data wait", rank, registry=r)
+        self.last_step = Gauge("elastic_last_step_timestamp_seconds", "last step", rank, registry=r)
+        self.rank = Gauge("elastic_rank", "rank", rank, registry=r)
+        self.world = Gauge("elastic_world_size", "world", registry=r)
+        self.coll_time = Histogram("elastic_collective_duration_seconds", "collective time", coll, registry=r)
+        self.coll_bytes = Counter("elastic_collective_bytes_total", "collective bytes", coll, registry=r)
+        self.durable = Gauge("elastic_snapshot_last_durable_timestamp_seconds", "durable", registry=r)
+        self.restarts = Counter("elastic_agent_restarts_total", "restarts", ("reason",), registry=r)
+        self.world.set(self.world_size)
+        for rk in self.step_seconds:
+            self.rank.labels(str(rk)).set(rk)
+        self.restarts.labels("worker_failed").inc(0)
+        self._server: object | None = None
+        self._stop = threading.Event()
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            for rk, seconds in self.step_seconds.items():
+                label = str(rk)
+                self.steps.labels(label).inc()
+                self.samples.labels(label).inc(BATCH)
+                self.step_duration.labels(label).observe(seconds)
+                self.data_wait.labels(label).observe(seconds / 10)
+                self.last_step.labels(label).set(time.time())
+                self.coll_time.labels("allreduce", "gloo").observe(self.allreduce_seconds)
+                self.coll_bytes.labels("allreduce", "gloo").inc(self.allreduce_bytes)
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    # -- serving ---------------------------------------------------------------------------
+    def serve(self, steps_per_second: float = 0.0) -> str:
+        """Serve ``/metrics`` on a free loopback port (and step in the background); its URL."""
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self._server = server
+        if steps_per_second > 0:
+            threading.Thread(target=self._ticker, args=(1.0 / steps_per_second,), daemon=True).start()
+        return f"http://127.0.0.1:{server.server_port}/metrics"
+
+    def _ticker(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.step()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server.server_close()  # type: ignore[attr-defined]
