@@ -1,0 +1,220 @@
+"""deploy/prometheus: promtool's checks and rule tests, then a real Prometheus on the shipped configs.
+
+Real: promtool, the prometheus server, the shipped configs and rules (only intervals and
+the sd URL are shortened), etcd, ``elastic sd`` and HTTP. STAND-INS: the node endpoints
+(tests/support/metrics_standin.py) serve catalogue-named metrics from real
+prometheus_client registries, with made-up steps, instead of real training workers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from agent.etcd_args import EtcdTarget
+from agent.sd import SdServer
+from elastic.etcd import EtcdClient, free_port
+from elastic.rendezvous.registry import NodeLease, NodeRecord
+from elastic.rendezvous.signing import StateSigner
+from tests.support.metrics_standin import StandinNode
+from tests.support.waiting import wait_until
+
+PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+RULES = PROM / "rules"
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    """promtool, installed by deploy/prometheus/ensure-prometheus.sh if missing (as `make test` does)."""
+    if shutil.which("promtool") is None or shutil.which("prometheus") is None:
+        done = subprocess.run(["sh", str(PROM / "ensure-prometheus.sh")], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            pytest.fail(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no promtool")
+    return shutil.which("promtool") or "promtool"
+
+
+def run_tool(*args: str, cwd: Path = PROM) -> str:
+    done = subprocess.run(list(args), capture_output=True, text=True, timeout=60, cwd=cwd)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    return output
+
+
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-file-sd.yml"])
+def test_config_is_valid(promtool: str, config: str) -> None:
+    assert "SUCCESS: 2 rule files found" in run_tool(promtool, "check", "config", config)
+
+
+def test_rules_are_valid(promtool: str) -> None:
+    run_tool(promtool, "check", "rules", "recording.yml", "alerts.yml", cwd=RULES)
+
+
+def test_rule_unit_tests_pass(promtool: str) -> None:
+    assert "SUCCESS" in run_tool(promtool, "test", "rules", "tests.yml", cwd=RULES)
+
+
+def test_every_rule_has_a_test_case() -> None:
+    records = re.findall(r"^\s*- record:\s*(\S+)", (RULES / "recording.yml").read_text(), re.M)
+    alerts = re.findall(r"^\s*- alert:\s*(\S+)", (RULES / "alerts.yml").read_text(), re.M)
+    tests = (RULES / "tests.yml").read_text()
+    tested_exprs = set(re.findall(r"^\s*- expr:\s*([\w:]+)", tests, re.M))
+    tested_alerts = set(re.findall(r"^\s*alertname:\s*(\S+)", tests, re.M))
+    assert records and alerts
+    assert set(records) - tested_exprs == set(), "recording rules without a promql_expr_test"
+    assert set(alerts) - tested_alerts == set(), "alerts without an alert_rule_test"
+    # Bus bandwidth is checked at n=2 and n=4 (and n=1).
+    for world in ("2", "4"):
+        assert re.search(rf"elastic_world_size\{{run_id=\"n{world}\".*\n\s*values: '{world}x", tests)
+
+
+# -- a real Prometheus ------------------------------------------------------------------------
+def shortened(config: str, **urls: str) -> str:
+    """The shipped config with test-sized intervals; fails if the shipped text drifted."""
+    swaps = {"scrape_interval: 10s": "scrape_interval: 1s", "scrape_timeout: 5s": "scrape_timeout: 1s",
+             "evaluation_interval: 10s": "evaluation_interval: 1s", "refresh_interval: 15s": "refresh_interval: 1s",
+             "refresh_interval: 30s": "refresh_interval: 1s", **urls}
+    text = (PROM / config).read_text()
+    for old, new in swaps.items():
+        if old in text:
+            text = text.replace(old, new)
+        else:
+            assert old.startswith("refresh_interval"), f"{config} no longer has {old!r}"
+    return text
+
+
+class PrometheusServer:
+    """``prometheus`` on a free loopback port over a copy of deploy/prometheus."""
+
+    def __init__(self, workdir: Path, config_text: str) -> None:
+        shutil.copytree(RULES, workdir / "rules")
+        (workdir / "file_sd").mkdir()
+        (workdir / "prometheus.yml").write_text(config_text)
+        self.workdir, self.port = workdir, free_port()
+        self.log = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "PrometheusServer":
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                ["prometheus", f"--config.file={self.workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+                 "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir)
+        wait_until(lambda: self._get("/-/ready") is not None, 30, "prometheus to be ready",
+                   on_timeout=self.tail)
+        return self
+
+    def _get(self, path: str) -> Any:
+        assert self.proc is not None and self.proc.poll() is None, self.tail()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as reply:
+                body = reply.read()
+        except OSError:
+            return None
+        return json.loads(body) if body.startswith(b"{") else body
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        reply = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+        return reply["data"]["result"] if reply else []
+
+    def api(self, path: str) -> Any:
+        return self._get("/api/v1/" + path)["data"]
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Callable[[Callable[[], object]], None]]:
+    """Register closers; all run at the end, newest first, even when the test fails."""
+    closers: list[Callable[[], object]] = []
+    try:
+        yield closers.append
+    finally:
+        for close in reversed(closers):
+            close()
+
+
+def two_nodes(cleanup: Callable[[Callable[[], object]], None]) -> dict[str, StandinNode]:
+    """Stand-in endpoints of a 4-rank world; rank 2 is five times slower than the rest."""
+    nodes = {"node-a": StandinNode({0: 0.08, 1: 0.08}, world_size=4),
+             "node-b": StandinNode({2: 0.4, 3: 0.08}, world_size=4)}
+    for node in nodes.values():
+        cleanup(node.close)
+    return nodes
+
+
+def value_of(rows: list[dict[str, Any]]) -> dict[tuple[str, ...], float]:
+    return {tuple(r["metric"].get(k, "") for k in ("run_id", "node", "rank")): float(r["value"][1]) for r in rows}
+
+
+def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_client: EtcdClient, run_id: str,
+                                            cleanup: Callable[[Callable[[], object]], None]) -> None:
+    nodes = two_nodes(cleanup)
+    for name, node in nodes.items():
+        record = NodeRecord(node=name, host="127.0.0.1", pid=1, metrics_url=node.serve(steps_per_second=10))
+        cleanup(NodeLease(etcd_client, "/elastic", run_id, record, StateSigner(KEY), ttl=5).start().close)
+    sd = SdServer(EtcdTarget(etcd_client, StateSigner(KEY), "/elastic", run_id), "127.0.0.1", 0)
+    threading.Thread(target=sd.serve_forever, daemon=True).start()
+    cleanup(sd.server_close)
+    cleanup(sd.shutdown)
+    config = shortened("prometheus.yml", **{"http://127.0.0.1:9470/targets": f"http://127.0.0.1:{sd.port}/targets"})
+    prom = PrometheusServer(tmp_path, config).start()
+    cleanup(prom.stop)
+
+    samples = wait_until(lambda: value_of(prom.query("job:elastic_samples:rate1m")), 40,
+                         "samples/s from the recording rule", on_timeout=prom.tail)
+    assert list(samples) == [(run_id, "", "")] and samples[run_id, "", ""] > 0
+    busbw = wait_until(lambda: len(rows := value_of(prom.query("node:elastic_allreduce_busbw_bytes_per_second:rate1m")))
+                       == 2 and rows, 20, "all-reduce bus bandwidth of both nodes", on_timeout=prom.tail)
+    # Each rank all-reduces 4 MB in 10 ms a step: algbw 400 MB/s, busbw x 2(4-1)/4 = 600 MB/s.
+    assert busbw == {(run_id, "node-a", ""): pytest.approx(600e6), (run_id, "node-b", ""): pytest.approx(600e6)}
+    ratio = wait_until(lambda: len(rows := value_of(prom.query("rank:elastic_step_duration_seconds:straggler_ratio_rate1m")))
+                       == 4 and rows, 20, "straggler ratios of all four ranks", on_timeout=prom.tail)
+    assert ratio[run_id, "node-b", "2"] == pytest.approx(5.0) and ratio[run_id, "node-a", "0"] == pytest.approx(1.0)
+
+    targets = prom.api("targets")["activeTargets"]
+    assert sorted((t["labels"]["node"], t["labels"]["run_id"], t["health"]) for t in targets
+                  if t["labels"]["job"] == "elastic") == [("node-a", run_id, "up"), ("node-b", run_id, "up")]
+    bad = [(r["name"], r.get("lastError")) for g in prom.api("rules")["groups"] for r in g["rules"]
+           if r["health"] != "ok"]
+    assert bad == [], "rules that failed to evaluate on real data"
+
+
+def test_real_prometheus_reads_file_sd(promtool: str, tmp_path: Path,
+                                       cleanup: Callable[[Callable[[], object]], None]) -> None:
+    nodes = two_nodes(cleanup)
+    urls = {name: node.serve(steps_per_second=10) for name, node in nodes.items()}
+    prom = PrometheusServer(tmp_path, shortened("prometheus-file-sd.yml"))
+    # As docs/dashboard.md shows: one group names its node, the other is named after its host.
+    groups = [{"targets": [urllib.parse.urlsplit(urls["node-a"]).netloc], "labels": {"run_id": "file-run",
+                                                                                      "node": "node-a"}},
+              {"targets": [urllib.parse.urlsplit(urls["node-b"]).netloc], "labels": {"run_id": "file-run"}}]
+    (tmp_path / "file_sd" / "elastic-test.json").write_text(json.dumps(groups))
+    prom.start()
+    cleanup(prom.stop)
+
+    per_node = wait_until(lambda: len(rows := value_of(prom.query("node:elastic_samples:rate1m"))) == 2 and rows,
+                          40, "samples/s of both nodes", on_timeout=prom.tail)
+    assert sorted(per_node) == [("file-run", "127.0.0.1", ""), ("file-run", "node-a", "")]
+    assert all(v > 0 for v in per_node.values())
