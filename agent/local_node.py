@@ -19,13 +19,15 @@ from typing import Any, Sequence
 from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ELASTIC = [sys.executable, "-m", "agent.cli", "agent"]
 
 
 @dataclass
 class LocalNode:
-    """``torchrun --rdzv-backend etcd-v3`` running ``module`` as node ``name``.
+    """``elastic agent`` (or plain ``torchrun``) running ``module`` as node ``name``.
 
-    ``{progress}`` in ``module_args`` becomes this node's progress file.
+    ``{progress}`` in ``module_args`` becomes this node's progress file; ``agent_args``
+    are extra launcher flags (``--metrics-port``, ``--hang-timeout``...).
     """
 
     name: str
@@ -39,6 +41,9 @@ class LocalNode:
     max_restarts: int = 20
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    launcher: str = "elastic"  # or "torchrun": torch's own launcher with our rendezvous
+    agent_args: Sequence[str] = ()
+    metrics_port: int = 0
     process: subprocess.Popen[bytes] | None = None
     frozen: list[int] = field(default_factory=list)
 
@@ -51,8 +56,9 @@ class LocalNode:
         return self.workdir / f"{self.name}.progress.jsonl"
 
     def command(self) -> list[str]:
-        cmd = [
-            TORCHRUN,
+        cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", str(self.metrics_port)] \
+            if self.launcher == "elastic" else [TORCHRUN]
+        cmd += [
             "--nnodes", self.nnodes,
             "--nproc-per-node", str(self.nproc_per_node),
             "--rdzv-backend", "etcd-v3",
@@ -64,7 +70,7 @@ class LocalNode:
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf.items())]
         args = [a.replace("{progress}", str(self.progress_path)) for a in self.module_args]
-        return cmd + ["-m", self.module, *args]
+        return cmd + list(self.agent_args) + ["-m", self.module, *args]
 
     def start(self) -> "LocalNode":
         env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}

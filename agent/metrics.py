@@ -1,0 +1,77 @@
+"""The node's Prometheus endpoint: the agent's own metrics plus its workers', merged.
+
+Workers write prometheus-client multiprocess files into a directory the agent owns
+(``PROMETHEUS_MULTIPROC_DIR``); one scrape of the agent returns every local rank, and a
+killed worker's gauges are dropped (``mark_process_dead``) while its counters stay, so
+rates never go backwards across a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector
+
+log = logging.getLogger(__name__)
+
+STATES = ("init", "healthy", "unhealthy", "stopped", "succeeded", "failed", "unknown")
+RENDEZVOUS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300, 600)
+
+
+class AgentMetrics:
+    def __init__(self, node: str, version: str, worker_dir: Path) -> None:
+        self.worker_dir = worker_dir
+        self.registry = CollectorRegistry(auto_describe=True)
+        MultiProcessCollector(self.registry, path=str(worker_dir))
+        r = self.registry
+        self.rendezvous = Histogram("elastic_agent_rendezvous_duration_seconds",
+                                    "Time from entering a rendezvous round to its close, by outcome",
+                                    ["outcome"], buckets=RENDEZVOUS_BUCKETS, registry=r)
+        self.restarts = Counter("elastic_agent_restarts", "Worker-group restarts on this node, by reason",
+                                ["reason"], registry=r)
+        self.remaining_restarts = Gauge("elastic_agent_remaining_restarts",
+                                        "Restarts left before the job fails (--max-restarts)", registry=r)
+        self.state = Gauge("elastic_agent_worker_group_state",
+                           "1 for the worker group's current state", ["state"], registry=r)
+        self.nodes_in_round = Gauge("elastic_agent_nodes_in_round", "Nodes in this node's current round",
+                                    registry=r)
+        self.round = Gauge("elastic_agent_round", "Number of this node's current rendezvous round", registry=r)
+        self.etcd_errors = Counter("elastic_agent_etcd_errors", "etcd requests that failed, by operation",
+                                   ["op"], registry=r)
+        Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],
+              registry=r).labels(node=node, version=version).set(1)
+        for reason in ("worker_failed", "peer_lost", "hang", "scale_up", "lease_lost"):
+            self.restarts.labels(reason=reason)  # export zeros, so rate() works from the start
+        self.set_state("init")
+        self.url: str | None = None
+
+    def set_state(self, current: str) -> None:
+        for state in STATES:
+            self.state.labels(state=state).set(1 if state == current else 0)
+
+    def serve(self, addr: str, port: int, advertise_host: str) -> str:
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        bound = server.server_address[1]
+        self.url = f"http://{advertise_host}:{bound}/metrics"
+        log.info("metrics at %s", self.url)
+        return self.url
+
+    def forget_workers(self, worker_group: Any) -> None:
+        """Stopped workers: their live gauges go, their counters stay (see module doc)."""
+        for worker in worker_group.workers:
+            if worker.id is not None:
+                try:
+                    multiprocess.mark_process_dead(int(worker.id), str(self.worker_dir))
+                except (ValueError, OSError):
+                    pass
+
+
+def prepare_worker_dir(path: Path) -> Path:
+    """An empty directory: files from an earlier agent would be counted as ours."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
