@@ -1,0 +1,34 @@
+"""Parse Prometheus text exposition into ``{(name, labels): value}`` for assertions."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse(text: str) -> Series:
+    out: Series = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def fetch(url: str, timeout: float = 2.0) -> Series | None:
+    """One scrape over HTTP, or None while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return parse(resp.read().decode())
+    except OSError:
+        return None
+
+
+def value(series: Series, name: str, **labels: str) -> float | None:
+    return series.get((name, frozenset(labels.items())))
+
+
+def names(series: Series) -> set[str]:
+    return {name for name, _ in series}

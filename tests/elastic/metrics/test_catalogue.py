@@ -1,0 +1,46 @@
+"""The catalogue is what the docs say it is, and settings a user gets wrong fail in one line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from elastic.metrics import MetricsConfigError, families, start_export
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
+
+
+def _exposed_names() -> set[str]:
+    out = set()
+    for metric in families().registry.collect():
+        out.add(metric.name + ("_total" if metric.type == "counter" else ""))
+    return out
+
+
+def test_every_metric_is_documented_and_every_documented_metric_exists() -> None:
+    documented = set(re.findall(r"^\| `(elastic_[a-z_]+)` \|", DOCS.read_text(), flags=re.M))
+    assert documented == _exposed_names()
+
+
+def test_names_follow_the_conventions() -> None:
+    for metric in families().registry.collect():
+        assert metric.name.startswith("elastic_")
+        if metric.type == "histogram":
+            assert metric.name.endswith("_seconds"), metric.name
+        for sample in metric.samples:
+            assert not {"pid", "step", "node"} & set(sample.labels), sample
+
+
+@pytest.mark.parametrize(("env", "expect"), [
+    ({"ELASTIC_METRICS_PORT": "lots"}, "is not a port number"),
+    ({"ELASTIC_METRICS_PORT": "65535"}, "is not a valid port"),
+])
+def test_a_bad_port_setting_is_one_clear_line(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                              expect: str) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(MetricsConfigError, match=expect):
+        start_export(1)  # 65535 + local rank 1
