@@ -148,6 +148,8 @@ class NodeAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.watch.reset()
+        if self.handler is not None and self.handler.round is not None:
+            os.environ["ELASTIC_ROUND"] = str(self.handler.round.round)  # inherited by the workers
         started = super()._start_workers(worker_group)
         self.metrics.set_state("healthy")
         return started

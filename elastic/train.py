@@ -90,6 +90,7 @@ class _Progress:
     def __init__(self, path: str | None, restart: int) -> None:
         self.out: IO[str] | None = _append(path, "--progress") if path else None
         self.restart = restart
+        self.round = int(os.environ.get("ELASTIC_ROUND", "-1"))  # set by elastic agent: the rendezvous round
 
     def __call__(self, info: "StepInfo") -> None:
         if self.out is None:
@@ -98,6 +99,7 @@ class _Progress:
             "node": info.node, "rank": info.rank, "world_size": info.world_size, "step": info.step,
             "epoch": info.epoch, "samples": info.samples, "restart": self.restart, "time": time.time(),
             "loss": float(info.loss), "step_seconds": round(info.step_seconds, 6),
+            "round": self.round,
         }) + "\n")
         self.out.flush()
 
