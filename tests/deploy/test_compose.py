@@ -214,3 +214,19 @@ def test_depends_on_and_profiles_name_real_services(compose: dict[str, Any]) -> 
             source = volume.split(":")[0]
             if not source.startswith((".", "/")):
                 assert source in compose["volumes"], f"{name} uses undeclared volume {source}"
+
+
+def test_grafana_finds_prometheus_and_the_dashboards_where_provisioning_says(compose: dict[str, Any]) -> None:
+    grafana = compose["services"]["grafana"]
+    mounts = {v.split(":")[1]: (COMPOSE_DIR / v.split(":")[0]).resolve() for v in grafana["volumes"] if v.startswith(".")}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    for path in (provisioning / "datasources").glob("*.y*ml"):
+        for source in yaml.safe_load(path.read_text())["datasources"]:
+            host, port = re.match(r"https?://([^:/]+):(\d+)", source["url"]).groups()
+            assert host in compose["services"], f"{path.name}: {host} is no compose service"
+            ports = [p.split(":")[-1] for p in compose["services"][host].get("ports", [])]
+            assert port in ports
+    for path in (provisioning / "dashboards").glob("*.y*ml"):
+        for provider in yaml.safe_load(path.read_text())["providers"]:
+            target = provider["options"]["path"]
+            assert target in mounts and list(mounts[target].glob("*.json")), f"no dashboards at {target}"
