@@ -13,19 +13,23 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import prometheus_client
 import pytest
 
 from agent.etcd_args import EtcdTarget
 from agent.sd import SdServer
+from agent.top_model import Exposition
 from elastic.etcd import EtcdClient, free_port
 from elastic.rendezvous.registry import NodeLease, NodeRecord
 from elastic.rendezvous.signing import StateSigner
-from tests.support.metrics_standin import StandinNode
+from tests.support import dashboard as dash
+from tests.support.metrics_standin import StandinNode, dcgm_registry
 from tests.support.waiting import wait_until
 
 PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
@@ -161,6 +165,7 @@ def two_nodes(cleanup: Callable[[Callable[[], object]], None]) -> dict[str, Stan
              "node-b": StandinNode({2: 0.4, 3: 0.08}, world_size=4)}
     for node in nodes.values():
         cleanup(node.close)
+    nodes["node-a"].durable.set(time.time())
     return nodes
 
 
@@ -179,7 +184,14 @@ def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_
     cleanup(sd.server_close)
     cleanup(sd.shutdown)
     config = shortened("prometheus.yml", **{"http://127.0.0.1:9470/targets": f"http://127.0.0.1:{sd.port}/targets"})
-    prom = PrometheusServer(tmp_path, config).start()
+    prom = PrometheusServer(tmp_path, config)
+    # A DCGM exporter STAND-IN on node-a, listed in file_sd as docs/dashboard.md says.
+    dcgm, _ = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=dcgm_registry())
+    cleanup(dcgm.server_close)
+    cleanup(dcgm.shutdown)
+    (tmp_path / "file_sd" / "dcgm-test.json").write_text(json.dumps(
+        [{"targets": [f"127.0.0.1:{dcgm.server_port}"], "labels": {"node": "node-a", "run_id": run_id}}]))
+    prom.start()
     cleanup(prom.stop)
 
     samples = wait_until(lambda: value_of(prom.query("job:elastic_samples:rate1m")), 40,
@@ -199,6 +211,17 @@ def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_
     bad = [(r["name"], r.get("lastError")) for g in prom.api("rules")["groups"] for r in g["rules"]
            if r["health"] != "ok"]
     assert bad == [], "rules that failed to evaluate on real data"
+
+    # Every query of the Grafana dashboard, as Grafana would send it, returns data: the
+    # stand-ins serve the whole catalogue (and DCGM's names), so this checks label matching.
+    served = set(Exposition.parse(nodes["node-a"].exposition()).samples)
+    served |= set(Exposition.parse(prometheus_client.generate_latest(dcgm_registry()).decode()).samples)
+    queries = dash.expressions(dash.load())
+    assert all(dash.metrics_in(e) <= served for e in queries)
+    wait_until(lambda: prom.query(f'DCGM_FI_DEV_GPU_UTIL{{run_id="{run_id}"}}'), 20, "the DCGM stand-in's GPUs",
+               on_timeout=prom.tail)
+    empty = [e for e in queries if not prom.query(dash.concrete(e, run_id=run_id))]
+    assert empty == [], "dashboard queries without data"
 
 
 def test_real_prometheus_reads_file_sd(promtool: str, tmp_path: Path,

@@ -44,12 +44,38 @@ class StandinNode:
         self.coll_bytes = Counter("elastic_collective_bytes_total", "collective bytes", coll, registry=r)
         self.durable = Gauge("elastic_snapshot_last_durable_timestamp_seconds", "durable", registry=r)
         self.restarts = Counter("elastic_agent_restarts_total", "restarts", ("reason",), registry=r)
+        self.loss = Gauge("elastic_loss", "loss", rank, registry=r)
+        self.tokens = Counter("elastic_tokens_total", "tokens", rank, registry=r)
+        self.errors = Counter("elastic_collective_errors_total", "collective errors", coll, registry=r)
+        self._once(r)
         self.world.set(self.world_size)
         for rk in self.step_seconds:
             self.rank.labels(str(rk)).set(rk)
         self.restarts.labels("worker_failed").inc(0)
+        self.errors.labels("allreduce", "gloo").inc(0)
         self._server: object | None = None
         self._stop = threading.Event()
+
+    def _once(self, r: CollectorRegistry) -> None:
+        """The rest of the catalogue, set once: what a node shows after one rendezvous and snapshot."""
+        Gauge("elastic_build_info", "build", ("version", "torch_version", "backend", "device"),
+              registry=r).labels("0.1.0", "2.14.1", "gloo", "cpu").set(1)
+        Gauge("elastic_worker_restarts", "worker restarts", registry=r).set(0)
+        Gauge("elastic_restore_seconds", "restore", registry=r).set(0.5)
+        Gauge("elastic_time_to_first_step_seconds", "first step", registry=r).set(2.0)
+        Histogram("elastic_snapshot_stall_seconds", "stall", registry=r).observe(0.02)
+        Histogram("elastic_snapshot_write_seconds", "write", registry=r).observe(0.3)
+        Counter("elastic_snapshot_bytes_total", "snapshot bytes", registry=r).inc(1_000_000)
+        Histogram("elastic_agent_rendezvous_duration_seconds", "rendezvous", ("outcome",),
+                  registry=r).labels("ok").observe(2.1)
+        Gauge("elastic_agent_remaining_restarts", "remaining", registry=r).set(100)
+        state = Gauge("elastic_agent_worker_group_state", "state", ("state",), registry=r)
+        for name in ("init", "healthy", "unhealthy", "stopped", "succeeded", "failed"):
+            state.labels(name).set(1 if name == "healthy" else 0)
+        Gauge("elastic_agent_nodes_in_round", "nodes", registry=r).set(2)
+        Gauge("elastic_agent_round", "round", registry=r).set(1)
+        Gauge("elastic_agent_info", "agent", ("node", "version"), registry=r).labels("standin", "0.1.0").set(1)
+        Counter("elastic_agent_etcd_errors_total", "etcd errors", ("op",), registry=r).labels("put").inc(0)
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
@@ -57,6 +83,8 @@ class StandinNode:
                 label = str(rk)
                 self.steps.labels(label).inc()
                 self.samples.labels(label).inc(BATCH)
+                self.tokens.labels(label).inc(BATCH * 128)
+                self.loss.labels(label).set(1.0)
                 self.step_duration.labels(label).observe(seconds)
                 self.data_wait.labels(label).observe(seconds / 10)
                 self.last_step.labels(label).set(time.time())
@@ -84,3 +112,16 @@ class StandinNode:
         if self._server is not None:
             self._server.shutdown()  # type: ignore[attr-defined]
             self._server.server_close()  # type: ignore[attr-defined]
+
+
+def dcgm_registry(gpus: int = 2) -> CollectorRegistry:
+    """A STAND-IN for NVIDIA's DCGM exporter: its metric and label names, fixed values."""
+    r = CollectorRegistry()
+    labels = ("gpu", "UUID", "modelName", "Hostname")
+    for name, value in (("DCGM_FI_DEV_GPU_UTIL", 87), ("DCGM_FI_DEV_FB_USED", 30_000),
+                        ("DCGM_FI_DEV_POWER_USAGE", 350.5), ("DCGM_FI_DEV_GPU_TEMP", 61),
+                        ("DCGM_FI_DEV_SM_CLOCK", 1980)):
+        gauge = Gauge(name, name, labels, registry=r)
+        for gpu in range(gpus):
+            gauge.labels(str(gpu), f"GPU-{gpu:04d}", "stand-in", "standin").set(value)
+    return r
