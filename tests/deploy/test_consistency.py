@@ -211,7 +211,8 @@ def test_every_elastic_agent_command_line_parses(invocations: list[tuple[str, li
     for where, args, env in invocations:
         ns = agent_parse(args, env, where)
         assert ns.rdzv_backend == "etcd-v3", f"{where}: rendezvous backend {ns.rdzv_backend}"
-        assert ns.rdzv_endpoint and ns.rdzv_id, f"{where}: no etcd endpoint or run id"
+        assert ns.rdzv_endpoint and ns.rdzv_id not in {None, "", "none"}, f"{where}: no etcd endpoint or run id"
+        assert not str(ns.rdzv_endpoint).startswith("localhost"), f"{where}: etcd left at the default"
         assert re.fullmatch(r"\d+:\d+", str(ns.nnodes)), f"{where}: --nnodes {ns.nnodes} is not MIN:MAX"
         low, high = map(int, str(ns.nnodes).split(":"))
         assert 1 <= low <= high, where
@@ -323,3 +324,16 @@ def test_elastic_sd_command_lines_parse() -> None:
             except SystemExit:
                 pytest.fail(f"{where}: `elastic sd {shlex.join(args)}` is refused: {err.getvalue().strip().splitlines()[-1]}")
         assert ns.bind == "127.0.0.1", f"{where}: the target list names every host; keep it on loopback"
+
+
+def test_kubeflows_pet_variables_reach_the_agent() -> None:
+    """The training operator configures torchrun only through PET_*; the agent's own
+    defaults (etcd-v3, localhost:2379, its max-restarts) must not mask them."""
+    where, args, env = kubeflow_invocation()
+    ns = agent_parse(args, env, where)
+    assert ns.nnodes == env["PET_NNODES"]
+    assert ns.rdzv_backend == env["PET_RDZV_BACKEND"] == "etcd-v3"
+    assert ns.rdzv_endpoint == env["PET_RDZV_ENDPOINT"], "PET_RDZV_ENDPOINT is masked by the agent's default"
+    assert ns.rdzv_id == env["PET_RDZV_ID"]
+    assert str(ns.max_restarts) == env["PET_MAX_RESTARTS"], "PET_MAX_RESTARTS is masked by the agent's default"
+    assert ns.rdzv_conf == env["PET_RDZV_CONF"]
