@@ -1,20 +1,26 @@
-"""``make demo`` as a new user runs it: no input, a kill, a recovery, a summary, exit 0."""
+"""``make demo`` as a new user runs it: no input, faults, recoveries, a summary, exit 0."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+def test_local_cluster_runs_end_to_end_with_a_kill_and_a_freeze(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "agent.demo", "--timeout", "150", "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "300", "--faults", "2",
+         "--first-fault-after", "5", "--fault-every", "15", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "killed node-b" in output
-    assert "node-a trains alone" in output
-    assert "world of 2 again" in output
-    assert "final loss" in output
+    faults = re.findall(r"│ (\d) │ (kill|freeze) +│ (node-\d) │ +3 │ +([\d.]+) │ +(\d+) │", output)
+    assert [f[1] for f in faults] == ["kill", "freeze"], output
+    assert all(float(f[3]) < 60 for f in faults), output
+    assert "final step 300" in output, output
+    first, final = map(float, re.search(r"final loss ([\d.e-]+) \(first ([\d.e-]+)\)", output).groups()[::-1])
+    assert final < first, output
+    snapshots = sorted((tmp_path / "run" / "snapshots").glob("step-*"))
+    assert snapshots and snapshots[-1].name == "step-000000000300"

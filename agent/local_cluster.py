@@ -1,0 +1,273 @@
+"""``elastic local``: a whole elastic cluster on one machine, with faults on a schedule.
+
+An embedded etcd, N ``elastic agent`` nodes (each its own process tree), a training job,
+and a live view. Faults (SIGKILL of a node's whole tree, or SIGSTOP for longer than the
+lease TTL) land on a schedule or on a keypress (k = kill, f = freeze, q = quit); killed
+nodes come back later, so scale-up shows too. At the end: one line per fault with the
+seconds to recovery and the steps rolled back, then the final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import select
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from elastic.etcd import EmbeddedEtcd, free_port
+
+from .local_node import LocalNode
+
+KILL, FREEZE = "kill", "freeze"
+
+
+@dataclass
+class Fault:
+    kind: str
+    node: str
+    at: float  # wall time the fault landed
+    world_before: int
+    step_before: int
+    round_before: int
+    recovered_at: float | None = None
+    resumed_step: int | None = None
+
+    @property
+    def recovery_seconds(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.at
+
+    @property
+    def steps_rolled_back(self) -> int | None:
+        return None if self.resumed_step is None else max(0, self.step_before - (self.resumed_step - 1))
+
+
+@dataclass
+class ClusterNode:
+    node: LocalNode
+    state: str = "starting"  # starting | up | killed | frozen
+    back_at: float | None = None  # when a killed node restarts / a frozen one thaws
+    faults: int = 0
+
+
+@dataclass
+class Cluster:
+    nodes: list[ClusterNode]
+    run_dir: Path
+    nproc: int
+    faults: list[Fault] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every progress line of rank 0 (which speaks for the job), in time order."""
+        rows = [r for n in self.nodes for r in n.node.progress() if r["rank"] == 0]
+        return sorted(rows, key=lambda r: r["time"])
+
+    def world(self) -> int:
+        rows = self.rows()
+        return rows[-1]["world_size"] if rows else 0
+
+    def step(self) -> int:
+        rows = self.rows()
+        return rows[-1]["step"] if rows else 0
+
+    def inject(self, kind: str, target: ClusterNode, back_after: float) -> Fault:
+        rows = self.rows()
+        fault = Fault(kind, target.node.name, time.time(), self.world(), self.step(),
+                      rows[-1].get("round", -1) if rows else -1)
+        if kind == KILL:
+            target.node.kill()
+            target.state = "killed"
+        else:
+            target.node.freeze()
+            target.state = "frozen"
+        target.back_at, target.faults = time.time() + back_after, target.faults + 1
+        self.faults.append(fault)
+        return fault
+
+    def tick(self) -> None:
+        """Bring nodes back when due; note recoveries."""
+        now = time.time()
+        for n in self.nodes:
+            if n.state == "starting" and n.node.progress():
+                n.state = "up"
+            if n.back_at is not None and now >= n.back_at:
+                if n.state == "killed":
+                    n.node.start()
+                elif n.state == "frozen":
+                    n.node.thaw()
+                n.state, n.back_at = "up", None
+        rows = self.rows()
+        for fault in self.faults:
+            if fault.recovered_at is None:
+                after = [r for r in rows if r["time"] > fault.at and r.get("round", -1) > fault.round_before]
+                if after:
+                    fault.recovered_at, fault.resumed_step = after[0]["time"], after[0]["step"]
+
+    def up(self) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.state in ("up", "starting") and n.node.alive()]
+
+
+def view(cluster: Cluster, title: str) -> Group:
+    table = Table(title=title, expand=False)
+    for col in ("node", "state", "rank", "world", "step", "samples/s", "loss", "faults"):
+        table.add_column(col, justify="right" if col not in ("node", "state") else "left")
+    for n in cluster.nodes:
+        rows = n.node.progress()
+        last = rows[-1] if rows else None
+        rate = _rate(rows)
+        state = n.state if n.state != "up" or last else "starting"
+        colour = {"killed": "red", "frozen": "yellow", "up": "green"}.get(state, "white")
+        table.add_row(
+            n.node.name, f"[{colour}]{state}[/{colour}]",
+            str(last["rank"]) if last else "-", str(last["world_size"]) if last else "-",
+            str(last["step"]) if last else "-", f"{rate:.0f}" if rate else "-",
+            f"{last['loss']:.4f}" if last else "-", str(n.faults),
+        )
+    snaps = sorted((cluster.run_dir / "snapshots").glob("step-*"))
+    recoveries = [f for f in cluster.faults if f.recovered_at is not None]
+    footer = (f"last snapshot: {snaps[-1].name if snaps else 'none yet'}   faults: {len(cluster.faults)}   "
+              f"recovered: {len(recoveries)}   keys: k=kill f=freeze q=quit")
+    return Group(table, footer)
+
+
+def _rate(rows: list[dict[str, Any]], window: float = 5.0) -> float:
+    if len(rows) < 2:
+        return 0.0
+    recent = [r for r in rows if r["time"] >= rows[-1]["time"] - window]
+    if len(recent) < 2 or recent[-1]["time"] <= recent[0]["time"]:
+        return 0.0
+    samples = sum(r["samples"] for r in recent[1:])
+    return samples / (recent[-1]["time"] - recent[0]["time"]) / max(1, recent[-1]["world_size"])
+
+
+def summary(console: Console, cluster: Cluster) -> bool:
+    table = Table(title="Faults and recoveries")
+    for col in ("#", "fault", "node", "world before", "recovery s", "steps rolled back"):
+        table.add_column(col, justify="right" if col not in ("fault", "node") else "left")
+    for i, f in enumerate(cluster.faults, 1):
+        rec = f"{f.recovery_seconds:.1f}" if f.recovery_seconds is not None else "[red]not seen[/red]"
+        lost = str(f.steps_rolled_back) if f.steps_rolled_back is not None else "-"
+        table.add_row(str(i), f.kind, f.node, str(f.world_before), rec, lost)
+    console.print(table)
+    rows = cluster.rows()
+    if rows:
+        console.print(f"final step {rows[-1]['step']} in a world of {rows[-1]['world_size']}, "
+                      f"final loss {rows[-1]['loss']:.4g} (first {rows[0]['loss']:.4g})")
+    console.print(f"logs and snapshots: {cluster.run_dir}")
+    return all(f.recovered_at is not None for f in cluster.faults)
+
+
+def _keys(stop: threading.Event, pressed: list[str]) -> None:
+    """Single keypresses without Enter, when stdin is a terminal."""
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        while not stop.is_set():
+            if select.select([sys.stdin], [], [], 0.2)[0]:
+                pressed.append(sys.stdin.read(1))
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    job_args: list[str] = []
+    if "--" in argv:
+        job_args, argv = argv[argv.index("--") + 1:], argv[: argv.index("--")]
+    p = argparse.ArgumentParser(prog="elastic local", description=__doc__.splitlines()[0],
+                                epilog="Arguments after -- go to the job (python -m elastic.train).")
+    p.add_argument("--nodes", type=int, default=3, help="local nodes (default 3)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--job", choices=("mlp", "resnet"), default="mlp", help="example job (default mlp)")
+    p.add_argument("--steps", type=int, default=600, help="steps to train (default 600)")
+    p.add_argument("--chaos", default="kill,freeze",
+                   help="fault kinds to cycle through: kill, freeze, or both (default kill,freeze)")
+    p.add_argument("--faults", type=int, default=2, help="scheduled faults (default 2; 0 = only on keypress)")
+    p.add_argument("--first-fault-after", type=float, default=10.0, help="seconds of training before the first fault")
+    p.add_argument("--fault-every", type=float, default=20.0, help="seconds between scheduled faults")
+    p.add_argument("--back-after", type=float, default=15.0,
+                   help="seconds until a killed node restarts or a frozen one thaws (default 15)")
+    p.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL, seconds (default 3)")
+    p.add_argument("--timeout", type=float, default=280.0, help="give up after this many seconds")
+    p.add_argument("--run-dir", type=Path, default=None, help="logs and snapshots (default runs/local-TIME)")
+    args = p.parse_args(argv)
+    if args.nodes < 2:
+        p.error("--nodes must be at least 2: a fault needs survivors")
+    kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
+    if not kinds or any(k not in (KILL, FREEZE) for k in kinds):
+        p.error(f"--chaos {args.chaos!r}: use kill, freeze or kill,freeze")
+    args.kinds = kinds
+    return args, job_args
+
+
+def main(argv: Sequence[str]) -> int:
+    args, job_args = parse_args(argv)
+    console = Console()
+    run_dir = (args.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    module_args = ["--job", args.job, "--steps", str(args.steps), "--snapshot-dir", str(run_dir / "snapshots"),
+                   "--snapshot-every-steps", "20", "--step-sleep", "0.03", "--progress", "{progress}", *job_args]
+    with EmbeddedEtcd(data_dir=run_dir / "etcd") as etcd:
+        console.print(f"etcd at [cyan]{etcd.url}[/cyan]; {args.nodes} nodes x {args.nproc_per_node} workers; "
+                      f"job {args.job}; logs in {run_dir}")
+        cluster = Cluster([
+            ClusterNode(LocalNode(
+                name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, module="elastic.train",
+                module_args=module_args, nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node,
+                rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(),
+                agent_args=["--lease-ttl", str(args.lease_ttl)],
+            )) for i in range(args.nodes)
+        ], run_dir, args.nproc_per_node)
+        stop, pressed = threading.Event(), []
+        if sys.stdin.isatty():
+            threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
+        finished = False
+        try:
+            for n in cluster.nodes:
+                n.node.start()
+            started, trained_at = time.time(), None
+            next_fault, scheduled = None, 0
+            with Live(view(cluster, "elastic local"), console=console, refresh_per_second=4) as live:
+                while time.time() - started < args.timeout:
+                    time.sleep(0.1)
+                    cluster.tick()
+                    if trained_at is None and cluster.step() > 0:
+                        trained_at = time.time()
+                        next_fault = trained_at + args.first_fault_after
+                    key = pressed.pop(0) if pressed else ""
+                    due = next_fault is not None and scheduled < args.faults and time.time() >= next_fault
+                    candidates = [n for n in cluster.up() if n.node.progress()]
+                    if key == "q":
+                        break
+                    if (due or key in ("k", "f")) and len(candidates) >= 2 and cluster.world() == len(cluster.up()) * cluster.nproc:
+                        kind = {"k": KILL, "f": FREEZE}.get(key) or args.kinds[scheduled % len(args.kinds)]
+                        target = random.choice(candidates)
+                        cluster.inject(kind, target, args.back_after)
+                        if due:
+                            scheduled += 1
+                            next_fault = time.time() + args.fault_every
+                    live.update(view(cluster, f"elastic local  {time.time() - started:5.0f} s"))
+                    if cluster.step() >= args.steps and all(not n.node.alive() for n in cluster.nodes
+                                                            if n.state == "up"):
+                        finished = True
+                        break
+        finally:
+            stop.set()
+            for n in cluster.nodes:
+                n.node.cleanup()
+    ok = summary(console, cluster)
+    if not finished:
+        console.print(f"[yellow]stopped before step {args.steps}[/yellow] (timeout or q)")
+    return 0 if ok and (finished or args.timeout <= 0) else 1
