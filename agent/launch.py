@@ -53,7 +53,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
                            "(default auto: 20x the median step time, at least 60 s)")
     ours.add_argument("--snapshot-dir", "--snapshot_dir", dest="snapshot_dir", default=None,
                       help="shared snapshot directory, passed to workers as ELASTIC_SNAPSHOT_DIR")
-    parser.set_defaults(rdzv_backend="etcd-v3", rdzv_endpoint=DEFAULT_ENDPOINT, max_restarts=DEFAULT_MAX_RESTARTS)
+    # torchrun's PET_* variables (what Kubeflow sets) keep precedence over our defaults
+    own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
+    parser.set_defaults(**{k: v for k, v in own.items() if f"PET_{k.upper()}" not in os.environ})
     _defaults_from_env(parser, os.environ)
     return parser
 

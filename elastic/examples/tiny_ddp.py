@@ -8,7 +8,9 @@ It keeps no snapshot; exact resume is the training loop's job, not this smoke te
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import os
 import time
 from datetime import timedelta
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic.heartbeat import Heartbeat
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -25,7 +29,11 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of pretend work per step")
     parser.add_argument("--progress", help="append one JSON line per completed step here")
     parser.add_argument("--collective-timeout", type=float, default=30.0)
+    parser.add_argument("--hang-at-step", type=int, default=None,
+                        help="tests: rank 0 hangs forever inside this step, once per --hang-marker file")
+    parser.add_argument("--hang-marker", help="with --hang-at-step: hang only if this file does not exist yet")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the agent's hang watchdog dumps stacks
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -34,18 +42,26 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     node = os.environ.get("ELASTIC_NODE_NAME", os.uname().nodename)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    round_number = int(os.environ.get("ELASTIC_ROUND", "-1"))
+    heartbeat = Heartbeat.from_env()
 
     for step in range(args.steps):
         x = torch.randn(16, 8)
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
+        if step == args.hang_at_step and rank == 0 and args.hang_marker and not os.path.exists(args.hang_marker):
+            open(args.hang_marker, "w").close()
+            while True:  # a real hang inside a step: the other ranks wait in the all-reduce below
+                time.sleep(3600)
         loss.backward()
         optimizer.step()
         time.sleep(args.step_time)
+        if heartbeat is not None:
+            heartbeat.beat(step + 1)
         if args.progress and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             record = {
                 "node": node, "rank": rank, "world_size": world, "step": step,
-                "restart": restart, "time": time.time(), "loss": float(loss),
+                "restart": restart, "round": round_number, "time": time.time(), "loss": float(loss.detach()),
             }
             with open(args.progress, "a") as out:
                 out.write(json.dumps(record) + "\n")

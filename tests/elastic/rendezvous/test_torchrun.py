@@ -1,4 +1,4 @@
-"""Real torchrun agents rendezvous through the etcd-v3 entry point and survive node loss.
+"""Plain torchrun agents rendezvous through the etcd-v3 entry point and survive node loss.
 
 Each node is a separate process tree (torchrun agent + worker); node loss is a SIGKILL
 of the whole tree. The job is elastic.examples.tiny_ddp, a gloo DDP loop that logs each
@@ -22,7 +22,7 @@ RECOVER_TIMEOUT = 60
 
 
 def start_node(nodes: Callable[..., TorchrunNode], name: str, etcd: EmbeddedEtcd, run_id: str, **kw: object) -> TorchrunNode:
-    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, module_args=JOB_ARGS, **kw)
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, module_args=JOB_ARGS, launcher="torchrun", **kw)
 
 
 def logs(*nodes: TorchrunNode) -> Callable[[], str]:
