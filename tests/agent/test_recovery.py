@@ -1,0 +1,147 @@
+"""``elastic agent`` nodes against a real etcd: kills, freezes, a hang and an etcd outage.
+
+Each node is a real agent process tree (gloo workers on the CPU). A killed node is a
+SIGKILL of the whole tree, a frozen node a SIGSTOP of it. What is checked is what a user
+would look at: who trains in which world and round, the agents' /metrics, the logs, and
+that every snapshot on disk verifies.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic.etcd import EmbeddedEtcd, free_port
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+TINY = ["--step-time", "0.05", "--progress", "{progress}"]
+FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
+LEASE_TTL = 2
+
+
+def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, **kw: object) -> Node:
+    kw.setdefault("module_args", TINY)
+    agent_args = ["--lease-ttl", str(LEASE_TTL), *kw.pop("agent_args", [])]  # type: ignore[misc]
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, metrics_port=free_port(),
+                 agent_args=agent_args, **kw)
+
+
+def logs(*nodes: Node) -> Callable[[], str]:
+    return lambda: "\n".join(n.log_tail(60) for n in nodes)
+
+
+def restarts(node: Node) -> dict[str, float]:
+    """elastic_agent_restarts_total by reason, scraped from the node's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "elastic_agent_restarts_total":
+                found[sample.labels["reason"]] = sample.value
+    return found
+
+
+def pair(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, **kw: object) -> tuple[Node, Node]:
+    a, b = start(nodes, "a", etcd, run_id, **kw), start(nodes, "b", etcd, run_id, **kw)
+    wait_until(lambda: len(a.steps_at(2)) >= 5 and len(b.steps_at(2)) >= 5, FORM_TIMEOUT,
+               "two agents to train in a world of 2", on_timeout=logs(a, b))
+    return a, b
+
+
+@pytest.mark.parametrize("victim_rank", [0, 1])
+def test_killed_node_is_replaced_by_a_smaller_world_and_rejoins_when_restarted(
+    victim_rank: int, etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
+) -> None:
+    a, b = pair(nodes, etcd_server, run_id)
+    victim, survivor = (a, b) if a.steps_at(2)[-1]["rank"] == victim_rank else (b, a)
+    round_before = survivor.steps_at(2)[-1]["round"]
+
+    killed_at = time.time()
+    victim.kill()
+    wait_until(lambda: len(survivor.steps_at(1, after=killed_at)) >= 5, 60,
+               f"the survivor to train alone after rank {victim_rank}'s node was killed", on_timeout=logs(survivor))
+    alone = survivor.steps_at(1, after=killed_at)
+    assert {r["rank"] for r in alone} == {0}
+    assert all(r["round"] > round_before for r in alone)
+    counted = restarts(survivor)
+    assert counted["peer_lost"] >= 1, counted  # the peer's death is not this node's failure...
+    assert counted["worker_failed"] == 0, counted  # ...so it does not spend --max-restarts
+
+    back_at = time.time()
+    victim.start()
+    wait_until(lambda: len(victim.steps_at(2, after=back_at)) >= 5 and len(survivor.steps_at(2, after=back_at)) >= 5,
+               FORM_TIMEOUT, "the restarted node to rejoin a world of 2", on_timeout=logs(victim, survivor))
+    assert restarts(survivor)["scale_up"] >= 1
+
+
+def test_frozen_node_is_written_off_within_the_lease_ttl_and_rejoins_after_thawing(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    snapshots = tmp_path / "snapshots"
+    job = ["--job", "mlp", "--steps", "100000", "--snapshot-dir", str(snapshots), "--snapshot-every-steps", "5",
+           "--step-sleep", "0.05", "--progress", "{progress}"]
+    a, b = pair(nodes, etcd_server, run_id, module="elastic.train", module_args=job)
+    frozen, survivor = (a, b) if a.steps_at(2)[-1]["rank"] == 0 else (b, a)  # freeze the snapshot writer
+
+    frozen_at = time.time()
+    frozen.freeze()
+    # TTL, etcd's expiry sweep, a restore and a worker start; generous for 2 loaded cores
+    wait_until(lambda: bool(survivor.steps_at(1, after=frozen_at)), LEASE_TTL + 30,
+               "the survivor to train alone after its peer froze", on_timeout=logs(survivor))
+    assert restarts(survivor)["peer_lost"] >= 1
+
+    thawed_at = time.time()
+    frozen.thaw()
+    wait_until(lambda: len(frozen.steps_at(2, after=thawed_at)) >= 5 and len(survivor.steps_at(2, after=thawed_at)) >= 5,
+               FORM_TIMEOUT, "the thawed node to rejoin a world of 2", on_timeout=logs(frozen, survivor))
+    assert "lost its etcd lease" in frozen.log_path.read_text()
+    verified = subprocess.run([sys.executable, "-m", "checkpoints", "verify", str(snapshots)],
+                              capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_rank_that_hangs_inside_a_step_is_restarted_and_the_job_finishes(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    job = ["--steps", "40", "--step-time", "0.02", "--progress", "{progress}", "--collective-timeout", "300",
+           "--hang-at-step", "10", "--hang-marker", str(tmp_path / "hung-once")]
+    node = start(nodes, "solo", etcd_server, run_id, module_args=job, nnodes="1:1", nproc_per_node=2,
+                 agent_args=["--hang-timeout", "3"])
+    wait_until(lambda: not node.alive(), FORM_TIMEOUT, "the job to finish despite the hang", on_timeout=logs(node))
+    assert node.process is not None and node.process.returncode == 0, node.log_tail(80)
+    log = node.log_path.read_text()
+    assert "dumping worker stacks" in log
+    assert "tiny_ddp.py" in log and "most recent call first" in log  # faulthandler dumped the stacks
+    steps = node.progress()
+    assert max(r["step"] for r in steps) == 39
+    assert len({r["round"] for r in steps}) == 2  # the hang cost exactly one restart
+
+
+def test_an_etcd_outage_of_ten_seconds_does_not_disturb_training(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
+) -> None:
+    a, b = pair(nodes, etcd_server, run_id)
+    round_before = a.steps_at(2)[-1]["round"]
+    stopped_at = time.time()
+    etcd_server.stop()
+    try:
+        wait_until(lambda: any(r["time"] > stopped_at + 10 for r in a.steps_at(2, after=stopped_at)), 60,
+                   "ten seconds of training without etcd", on_timeout=logs(a, b))
+    finally:
+        etcd_server.start()
+    back_at = time.time()
+    wait_until(lambda: len(a.steps_at(2, after=back_at + 3)) >= 10, 60, "training on after etcd returned",
+               on_timeout=logs(a, b))
+    during = [r for n in (a, b) for r in n.steps_at(2, after=stopped_at)]
+    assert {r["round"] for r in during} == {round_before}  # same world throughout: no restart
+    for node in (a, b):
+        assert node.alive()
+        assert sum(restarts(node).values()) == 0, restarts(node)
