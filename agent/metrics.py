@@ -40,10 +40,13 @@ class AgentMetrics:
         self.nodes_in_round = Gauge("elastic_agent_nodes_in_round", "Nodes in this node's current round",
                                     registry=r)
         self.round = Gauge("elastic_agent_round", "Number of this node's current rendezvous round", registry=r)
-        self.etcd_errors = Counter("elastic_agent_etcd_errors", "etcd requests that failed, by operation",
+        self.etcd_errors = Counter("elastic_agent_etcd_errors",
+                                   "etcd requests that failed for good (after retries), by kind of failure",
                                    ["op"], registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],
               registry=r).labels(node=node, version=version).set(1)
+        for op in ("unavailable", "denied", "refused"):
+            self.etcd_errors.labels(op=op)
         for reason in ("worker_failed", "peer_lost", "hang", "scale_up", "lease_lost"):
             self.restarts.labels(reason=reason)  # export zeros, so rate() works from the start
         self.set_state("init")

@@ -56,6 +56,7 @@ class NodeAgent(LocalElasticAgent):
         self.commands = CommandWatch(self.handler, settings.node_name) if self.handler else None
         if self.handler is not None:
             self.handler.lease.update(metrics_url=metrics.url)
+            self.handler.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
         metrics.remaining_restarts.set(self._remaining_restarts)
 
     # ------------------------------------------------------------------ monitoring

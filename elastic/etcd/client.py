@@ -123,6 +123,9 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
         self._local = threading.local()
+        # Called with "unavailable", "denied" or "refused" whenever a request fails for
+        # good; the agent counts them (elastic_agent_etcd_errors_total).
+        self.error_listeners: list[Callable[[str], None]] = []
 
     @contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
@@ -196,6 +199,16 @@ class EtcdClient:
 
     # -- requests ---------------------------------------------------------------------
     def call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], *, deadline: float | None = None) -> T:
+        try:
+            return self._call(request, deadline)
+        except EtcdError as exc:
+            kind = ("unavailable" if isinstance(exc, EtcdUnavailableError)
+                    else "denied" if isinstance(exc, EtcdAccessError) else "refused")
+            for listener in list(self.error_listeners):
+                listener(kind)
+            raise
+
+    def _call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], deadline: float | None) -> T:
         """Run ``request`` with bounded retries of transient failures.
 
         Raises :class:`EtcdUnavailableError` once ``deadline`` seconds (default

@@ -1,38 +1,49 @@
 """etcd v3 rendezvous for torchrun: ``torchrun --rdzv-backend etcd-v3 ...``.
 
-Public API: the backend, the store and the handler for users who wire their own agent;
-torchrun itself finds :func:`handler_factory` through the ``torchrun.handlers`` entry point.
+Public API: the handler, the node registry, the backend and the store for users who wire
+their own agent; torchrun itself finds :func:`handler_factory` through the
+``torchrun.handlers`` entry point. Exports load lazily: the tools (``elastic top``,
+``elastic sd``, ``elastic kill``) read the registry without paying for ``import torch``.
 """
 
-from .backend import EtcdV3RendezvousBackend, state_key
-from .dynamic import EtcdV3DynamicHandler, create_dynamic_handler
-from .entrypoint import dynamic_handler_factory, handler_factory
-from .handler import EtcdV3RendezvousHandler, create_handler
-from .registry import NodeLease, NodeRecord, list_nodes
-from .options import KNOWN_KEYS, TUNED_DEFAULTS, RendezvousOptions
-from .signing import HMAC_KEY_ENV, HMAC_KEY_FILE_ENV, HmacKeyError, SignatureError, StateSigner, load_hmac_key
-from .store import EtcdV3Store
+from __future__ import annotations
 
-__all__ = [
-    "HMAC_KEY_ENV",
-    "HMAC_KEY_FILE_ENV",
-    "KNOWN_KEYS",
-    "TUNED_DEFAULTS",
-    "EtcdV3DynamicHandler",
-    "EtcdV3RendezvousBackend",
-    "EtcdV3RendezvousHandler",
-    "EtcdV3Store",
-    "HmacKeyError",
-    "RendezvousOptions",
-    "SignatureError",
-    "StateSigner",
-    "NodeLease",
-    "NodeRecord",
-    "create_dynamic_handler",
-    "create_handler",
-    "dynamic_handler_factory",
-    "handler_factory",
-    "list_nodes",
-    "load_hmac_key",
-    "state_key",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EtcdV3RendezvousBackend": ".backend", "state_key": ".backend",
+    "EtcdV3DynamicHandler": ".dynamic", "create_dynamic_handler": ".dynamic",
+    "dynamic_handler_factory": ".entrypoint", "handler_factory": ".entrypoint",
+    "EtcdV3RendezvousHandler": ".handler", "create_handler": ".handler",
+    "KNOWN_KEYS": ".options", "TUNED_DEFAULTS": ".options", "RendezvousOptions": ".options",
+    "NodeLease": ".registry", "NodeRecord": ".registry", "list_nodes": ".registry",
+    "HMAC_KEY_ENV": ".signing", "HMAC_KEY_FILE_ENV": ".signing", "HmacKeyError": ".signing",
+    "SignatureError": ".signing", "StateSigner": ".signing", "load_hmac_key": ".signing",
+    "EtcdV3Store": ".store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .backend import EtcdV3RendezvousBackend, state_key
+    from .dynamic import EtcdV3DynamicHandler, create_dynamic_handler
+    from .entrypoint import dynamic_handler_factory, handler_factory
+    from .handler import EtcdV3RendezvousHandler, create_handler
+    from .options import KNOWN_KEYS, TUNED_DEFAULTS, RendezvousOptions
+    from .registry import NodeLease, NodeRecord, list_nodes
+    from .signing import HMAC_KEY_ENV, HMAC_KEY_FILE_ENV, HmacKeyError, SignatureError, StateSigner, load_hmac_key
+    from .store import EtcdV3Store
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic.rendezvous' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
