@@ -55,14 +55,13 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
             node = LocalNode(name=name, endpoint=f"127.0.0.1:{store_port}", launcher="torchrun",
                              rdzv_conf=conf, **common)  # type: ignore[arg-type]
             node.command = _c10d_command(node)  # type: ignore[method-assign]
-        nodes.append(node.start())
-        if not ours and i == 0:
-            time.sleep(1.0)  # the store host first, as a user would
+        nodes.append(node.start())  # both at once: a 1 s last call cannot wait for a slow import
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 120
         while not all(len(n.steps_at(2)) >= 20 for n in nodes):
             if time.time() > deadline:
-                print(f"  {config}: no world of 2 within 180 s; skipping", file=sys.stderr)
+                print(f"  {config}: no world of 2 within 120 s (torch's c10d handler chases a stale "
+                      "bootstrap store after a scale-up); skipping", file=sys.stderr, flush=True)
                 return None
             time.sleep(0.1)
         host_node = nodes[0]

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous  # noqa: E40
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend as c10d_backend  # noqa: E402
 
 from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port  # noqa: E402
-from elastic.rendezvous import create_handler  # noqa: E402
+from elastic.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
 
 
 @dataclass
@@ -57,8 +57,22 @@ class _Counter:
         EtcdClient.call = self._original  # type: ignore[method-assign]
 
 
-def form(make_handler: Callable[[], RendezvousHandler], n: int) -> float:
-    handlers = [make_handler() for _ in range(n)]
+def _round_of(handler: RendezvousHandler) -> int:
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        assert handler.round is not None
+        return handler.round.round
+    return handler._state_holder.state.round  # type: ignore[attr-defined]  # torch's dynamic handler
+
+
+def _stop(handler: RendezvousHandler) -> None:
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        handler.close()
+    else:
+        handler._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def form(make_handler: Callable[[int], RendezvousHandler], n: int) -> float:
+    handlers = [make_handler(i) for i in range(n)]
     rounds: list[int] = []
     errors: list[BaseException] = []
     barrier = threading.Barrier(n + 1)
@@ -69,7 +83,7 @@ def form(make_handler: Callable[[], RendezvousHandler], n: int) -> float:
         try:
             handler.next_rendezvous()
             with lock:
-                rounds.append(handler._state_holder.state.round)  # type: ignore[attr-defined]
+                rounds.append(_round_of(handler))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -82,7 +96,7 @@ def form(make_handler: Callable[[], RendezvousHandler], n: int) -> float:
         thread.join(timeout=600)
     seconds = time.perf_counter() - started
     for handler in handlers:
-        handler._stop_heartbeats()  # type: ignore[attr-defined]
+        _stop(handler)
     if errors:
         raise RuntimeError(f"{len(errors)} nodes failed to join: {errors[0]!r}")
     if len(rounds) != n or len(set(rounds)) != 1:
@@ -92,10 +106,10 @@ def form(make_handler: Callable[[], RendezvousHandler], n: int) -> float:
 
 def etcd_trial(n: int, run: int) -> Trial:
     with EmbeddedEtcd() as etcd, _Counter() as counter:
-        params = lambda: RendezvousParameters(  # noqa: E731
-            "etcd-v3", etcd.endpoint, f"scale{n}-{run}", n, n, join_timeout=600
+        params = lambda i: RendezvousParameters(  # noqa: E731
+            "etcd-v3", etcd.endpoint, f"scale{n}-{run}", n, n, join_timeout=600, node_name=f"node{i}"
         )
-        seconds = form(lambda: create_handler(params()), n)
+        seconds = form(lambda i: create_handler(params(i)), n)
         return Trial(seconds, counter.count)
 
 
@@ -103,7 +117,7 @@ def c10d_trial(n: int, run: int) -> Trial:
     endpoint = f"127.0.0.1:{free_port()}"
     stores = []
 
-    def make() -> RendezvousHandler:
+    def make(_node: int) -> RendezvousHandler:
         params = RendezvousParameters(
             "c10d", endpoint, f"scale{n}-{run}", n, n, join_timeout=600,
             last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3,
