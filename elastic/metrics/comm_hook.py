@@ -76,7 +76,8 @@ class CollectiveTimer:
 def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's averaging all-reduce of one bucket, timed and counted in ``state``."""
     tensor = bucket.buffer()
-    tensor.mul_(state.scale)
+    if state.world_size > 1:  # x * 1.0 is x: skip a pass over the bucket
+        tensor.mul_(state.scale)
     state.bytes.inc(tensor.numel() * tensor.element_size())
     on_gpu = tensor.is_cuda and state.backend != "gloo"
     start: Any = None
