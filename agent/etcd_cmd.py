@@ -22,11 +22,11 @@ def main(argv: Sequence[str]) -> int:
     etcd = EmbeddedEtcd(args.data_dir, host=args.host)
     if args.client_port:
         etcd.client_port, etcd.peer_port = args.client_port, args.client_port + 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before etcd is up: a stop must never be lost
     etcd.start()
     print(f"etcd serving at {etcd.endpoint} (data in {args.data_dir}); Ctrl-C stops it", flush=True)
     print(f"agents: elastic agent --rdzv-endpoint {etcd.endpoint} ...", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
             if etcd.process is None or etcd.process.poll() is not None:

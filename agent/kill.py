@@ -31,6 +31,9 @@ def main(argv: Sequence[str]) -> int:
                         help="SIGSTOP instead of SIGKILL: a node that hangs without closing its sockets")
     parser.add_argument("--seconds", type=float, default=10.0,
                         help="with --freeze: thaw (SIGCONT) after this many seconds (default 10)")
+    parser.add_argument("--via-etcd", action="store_true",
+                        help="always ask the node's agent through etcd, even for a node on this machine "
+                             "(containers that share a host name)")
     add_etcd_arguments(parser)
     args = parser.parse_args(argv)
     etcd = connect(args)
@@ -49,7 +52,7 @@ def main(argv: Sequence[str]) -> int:
             return 2
         victim = found[0]
     action = FREEZE if args.freeze else KILL
-    if is_local(victim):
+    if is_local(victim) and not args.via_etcd:
         if action == KILL:
             pids = kill_tree(victim.pid)
             print(f"killed node {victim.node}: SIGKILL to {len(pids)} processes (agent pid {victim.pid})")

@@ -57,11 +57,18 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+def _self_last(pids: list[int]) -> list[int]:
+    """An agent signalling its own tree must stop or kill itself after everything else."""
+    me = os.getpid()
+    return [p for p in pids if p != me] + ([me] if me in pids else [])
+
+
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
     """Deliver ``sig`` to the whole tree under ``root``; returns the pids signalled."""
+    me = os.getpid()
     pids = process_tree(root)
-    _signal_all(pids, signal.SIGSTOP)
-    pids = sorted(set(pids) | set(process_tree(root)))  # anything forked before the stop landed
+    _signal_all([p for p in pids if p != me], signal.SIGSTOP)
+    pids = _self_last(sorted(set(pids) | set(process_tree(root))))  # anything forked before the stop landed
     _signal_all(pids, sig)
     if sig not in (signal.SIGKILL, signal.SIGSTOP):
         _signal_all(pids, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
@@ -70,7 +77,7 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
 
 def freeze_tree(root: int) -> list[int]:
     """SIGSTOP the whole tree: a node that hangs without closing its sockets."""
-    pids = process_tree(root)
+    pids = _self_last(process_tree(root))
     _signal_all(pids, signal.SIGSTOP)
     return pids
 
