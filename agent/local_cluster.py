@@ -1,16 +1,25 @@
 """``elastic local``: a whole elastic cluster on one machine, with faults on a schedule.
 
 An embedded etcd, N ``elastic agent`` nodes (each its own process tree), a training job,
-and a live view. Faults (SIGKILL of a node's whole tree, or SIGSTOP for longer than the
-lease TTL) land on a schedule or on a keypress (k = kill, f = freeze, q = quit); killed
-nodes come back later, so scale-up shows too. At the end: one line per fault with the
-seconds to recovery and the steps rolled back, then the final loss.
+and a live view. Faults land on a schedule or on a keypress (k = kill, f = freeze, q = quit);
+killed nodes come back later, so scale-up shows too. At the end: one line per fault with
+the seconds to recovery and the steps rolled back, then the final loss.
+
+Fault kinds (``bench/chaos_soak.py`` draws from the same set):
+
+* ``kill``: SIGKILL of a node's whole process tree;
+* ``freeze``: SIGSTOP of the tree for longer than the lease TTL, then SIGCONT;
+* ``kill-rank0-snapshot``: SIGKILL of rank 0's node while its snapshot writer's temp dir
+  exists (caught by polling the snapshot dir), else right after a snapshot step;
+* ``etcd-outage``: etcd stopped, then started again on the same ports and data.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import signal
 import select
 import sys
 import threading
@@ -23,11 +32,14 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from checkpoints.layout import parse_temp_dirname, pid_alive
 from elastic.etcd import EmbeddedEtcd, free_port
 
 from .local_node import LocalNode
 
-KILL, FREEZE = "kill", "freeze"
+KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE = "kill", "freeze", "kill-rank0-snapshot", "etcd-outage"
+KINDS = (KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE)
+ETCD_TARGET = "etcd"
 
 
 @dataclass
@@ -40,10 +52,14 @@ class Fault:
     round_before: int
     recovered_at: float | None = None
     resumed_step: int | None = None
+    lifted_at: float | None = None  # etcd-outage: when etcd served again
+    note: str = ""  # kill-rank0-snapshot: how the snapshot write was caught
 
     @property
     def recovery_seconds(self) -> float | None:
-        return None if self.recovered_at is None else self.recovered_at - self.at
+        """From the fault to the first step of the new world; for etcd, from etcd's return."""
+        start = self.lifted_at if self.kind == ETCD_OUTAGE and self.lifted_at is not None else self.at
+        return None if self.recovered_at is None else self.recovered_at - start
 
     @property
     def steps_rolled_back(self) -> int | None:
@@ -64,36 +80,67 @@ class Cluster:
     run_dir: Path
     nproc: int
     faults: list[Fault] = field(default_factory=list)
+    etcd: EmbeddedEtcd | None = None  # needed for etcd-outage
+    snapshot_every: int = 20  # the job's --snapshot-every-steps: kill-rank0-snapshot's fallback
+    etcd_back_at: float | None = None
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.run_dir / "snapshots"
 
     def rows(self) -> list[dict[str, Any]]:
         """Every progress line of rank 0 (which speaks for the job), in time order."""
         rows = [r for n in self.nodes for r in n.node.progress() if r["rank"] == 0]
         return sorted(rows, key=lambda r: r["time"])
 
-    def world(self) -> int:
+    def latest(self) -> dict[str, Any] | None:
+        """Rank 0's newest line of the newest round: a thawed node's stale line cannot win."""
         rows = self.rows()
-        return rows[-1]["world_size"] if rows else 0
+        return max(rows, key=lambda r: (r.get("round", -1), r["time"])) if rows else None
+
+    def world(self) -> int:
+        row = self.latest()
+        return row["world_size"] if row else 0
 
     def step(self) -> int:
-        rows = self.rows()
-        return rows[-1]["step"] if rows else 0
+        row = self.latest()
+        return row["step"] if row else 0
 
-    def inject(self, kind: str, target: ClusterNode, back_after: float) -> Fault:
-        rows = self.rows()
-        fault = Fault(kind, target.node.name, time.time(), self.world(), self.step(),
-                      rows[-1].get("round", -1) if rows else -1)
-        if kind == KILL:
-            target.node.kill()
-            target.state = "killed"
+    def rank0(self) -> ClusterNode | None:
+        """The node whose worker is rank 0 in the newest round, if it is up."""
+        row = self.latest()
+        found = [n for n in self.up() if row and n.node.name == row["node"]]
+        return found[0] if found else None
+
+    def inject(self, kind: str, target: ClusterNode | None, back_after: float) -> Fault:
+        """Land one fault; ``target`` is ignored for etcd-outage (etcd) and kill-rank0-snapshot (rank 0)."""
+        row = self.latest()
+        if kind == KILL_SNAPSHOT:
+            target = self.rank0() or target
+        name = ETCD_TARGET if kind == ETCD_OUTAGE else (target.node.name if target else "?")
+        fault = Fault(kind, name, time.time(), self.world(), self.step(), row.get("round", -1) if row else -1)
+        if kind == ETCD_OUTAGE:
+            if self.etcd is None:
+                raise ValueError("etcd-outage needs Cluster(etcd=...)")
+            self.etcd.stop()
+            self.etcd_back_at = time.time() + back_after
         else:
-            target.node.freeze()
-            target.state = "frozen"
-        target.back_at, target.faults = time.time() + back_after, target.faults + 1
+            if target is None:
+                raise ValueError(f"{kind} needs a target node")
+            if kind == KILL_SNAPSHOT:
+                fault.note = kill_during_snapshot(target, self.snapshot_dir, self.snapshot_every)
+                fault.at, fault.step_before = time.time(), self.step()
+            elif kind == KILL:
+                target.node.kill()
+            else:
+                target.node.freeze()
+            target.state = "frozen" if kind == FREEZE else "killed"
+            target.back_at, target.faults = time.time() + back_after, target.faults + 1
         self.faults.append(fault)
         return fault
 
     def tick(self) -> None:
-        """Bring nodes back when due; note recoveries."""
+        """Bring nodes (and etcd) back when due; note recoveries."""
         now = time.time()
         for n in self.nodes:
             if n.state == "starting" and n.node.progress():
@@ -104,15 +151,115 @@ class Cluster:
                 elif n.state == "frozen":
                     n.node.thaw()
                 n.state, n.back_at = "up", None
+        if self.etcd is not None and self.etcd_back_at is not None and now >= self.etcd_back_at:
+            self.etcd.start()
+            self.etcd_back_at = None
+            for fault in self.faults:
+                if fault.kind == ETCD_OUTAGE and fault.lifted_at is None:
+                    fault.lifted_at = time.time()
         rows = self.rows()
         for fault in self.faults:
             if fault.recovered_at is None:
-                after = [r for r in rows if r["time"] > fault.at and r.get("round", -1) > fault.round_before]
+                after = _recovery_rows(fault, rows)
                 if after:
                     fault.recovered_at, fault.resumed_step = after[0]["time"], after[0]["step"]
+                    if fault.kind == ETCD_OUTAGE:
+                        fault.note = _outage_note(fault, rows, after[0])
+
+    def quiet(self) -> bool:
+        """No fault in flight: every fault recovered, etcd up, nothing frozen or due back."""
+        return (all(f.recovered_at is not None for f in self.faults) and self.etcd_back_at is None
+                and all(n.back_at is None for n in self.nodes))
 
     def up(self) -> list[ClusterNode]:
         return [n for n in self.nodes if n.state in ("up", "starting") and n.node.alive()]
+
+
+def _recovery_rows(fault: Fault, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's steps that show the job over ``fault``.
+
+    A node fault is over at the first step of a later rendezvous round. An etcd outage
+    should cost no round at all: it is over at the first step after etcd is back (in
+    whatever round; a new round shows as steps rolled back).
+    """
+    if fault.kind == ETCD_OUTAGE:
+        if fault.lifted_at is None:
+            return []
+        return [r for r in rows if r["time"] > fault.lifted_at and r["step"] > fault.step_before]
+    return [r for r in rows if r["time"] > fault.at and r.get("round", -1) > fault.round_before]
+
+
+def _outage_note(fault: Fault, rows: list[dict[str, Any]], resumed: dict[str, Any]) -> str:
+    """What an etcd outage did to training: it should go on, in the same round."""
+    assert fault.lifted_at is not None
+    during = [r for r in rows if fault.at < r["time"] <= fault.lifted_at]
+    same = resumed.get("round", -1) == fault.round_before
+    return (f"etcd down {fault.lifted_at - fault.at:.1f} s, {len(during)} steps trained meanwhile, "
+            + ("same round" if same else f"round {fault.round_before} -> {resumed.get('round', -1)}"))
+
+
+def kill_during_snapshot(target: ClusterNode, snapshot_dir: Path, every: int, window: float | None = None) -> str:
+    """SIGKILL ``target`` (rank 0's node) while its snapshot writer's temp dir exists.
+
+    The writer makes ``.tmp-step-...-<pid>-...`` and renames it when durable, so a new temp
+    dir whose pid is alive is a write in progress. Its writer is SIGKILLed by pid at once
+    (scanning the process tree takes milliseconds, longer than a small write), then the
+    whole node. If no write shows within ``window`` seconds, the kill lands right after
+    the next snapshot step instead. Returns what happened, for the fault's summary line.
+    """
+    window = window if window is not None else max(10.0, 3.0 * every * _step_seconds(target))
+    seen = _temp_dirs(snapshot_dir)
+    deadline = time.monotonic() + window
+    while time.monotonic() < deadline:
+        for name, pid in _temp_dirs(snapshot_dir).items():
+            if name not in seen and pid_alive(pid):
+                _sigkill(pid)
+                target.node.kill()
+                left = (snapshot_dir / name).exists()
+                return f"caught {name[:22]}: " + ("write cut short" if left else "rename won the race")
+        time.sleep(0.0005)
+    boundary = _next_snapshot_step(target, every, timeout=window)
+    target.node.kill()
+    return f"no write seen in {window:.0f} s; killed after snapshot step {boundary}"
+
+
+def _temp_dirs(snapshot_dir: Path) -> dict[str, int]:
+    try:
+        entries = os.listdir(snapshot_dir)
+    except OSError:
+        return {}
+    found = {}
+    for name in entries:
+        parsed = parse_temp_dirname(name)
+        if parsed is not None:
+            found[name] = parsed.pid
+    return found
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _step_seconds(target: ClusterNode) -> float:
+    rows = target.node.progress()[-20:]
+    if len(rows) < 2 or rows[-1]["time"] <= rows[0]["time"]:
+        return 0.2
+    return (rows[-1]["time"] - rows[0]["time"]) / (len(rows) - 1)
+
+
+def _next_snapshot_step(target: ClusterNode, every: int, timeout: float) -> int | None:
+    """Wait until ``target`` reports a step that is a multiple of ``every``."""
+    start = len(target.node.progress())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for row in target.node.progress()[start:]:
+            if every and row["step"] % every == 0:
+                return int(row["step"])
+        time.sleep(0.005)
+    return None
 
 
 def view(cluster: Cluster, title: str) -> Group:
@@ -193,7 +340,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--job", choices=("mlp", "resnet"), default="mlp", help="example job (default mlp)")
     p.add_argument("--steps", type=int, default=600, help="steps to train (default 600)")
     p.add_argument("--chaos", default="kill,freeze",
-                   help="fault kinds to cycle through: kill, freeze, or both (default kill,freeze)")
+                   help=f"fault kinds to cycle through, comma-separated, from {', '.join(KINDS)} "
+                        "(default kill,freeze; bench/chaos_soak.py adds random timing and end-of-run checks)")
     p.add_argument("--faults", type=int, default=2, help="scheduled faults (default 2; 0 = only on keypress)")
     p.add_argument("--first-fault-after", type=float, default=10.0, help="seconds of training before the first fault")
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between scheduled faults")
@@ -206,10 +354,16 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.nodes < 2:
         p.error("--nodes must be at least 2: a fault needs survivors")
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
-    if not kinds or any(k not in (KILL, FREEZE) for k in kinds):
-        p.error(f"--chaos {args.chaos!r}: use kill, freeze or kill,freeze")
+    if not kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
     args.kinds = kinds
     return args, job_args
+
+
+def _snapshot_every(module_args: Sequence[str]) -> int:
+    """The job's last --snapshot-every-steps (arguments after -- override ours)."""
+    flags = [i for i, a in enumerate(module_args) if a == "--snapshot-every-steps"]
+    return int(module_args[flags[-1] + 1]) if flags and flags[-1] + 1 < len(module_args) else 100
 
 
 def main(argv: Sequence[str]) -> int:
@@ -229,7 +383,7 @@ def main(argv: Sequence[str]) -> int:
                 rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(),
                 agent_args=["--lease-ttl", str(args.lease_ttl)],
             )) for i in range(args.nodes)
-        ], run_dir, args.nproc_per_node)
+        ], run_dir, args.nproc_per_node, etcd=etcd, snapshot_every=_snapshot_every(module_args))
         stop, pressed = threading.Event(), []
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
@@ -251,7 +405,8 @@ def main(argv: Sequence[str]) -> int:
                     candidates = [n for n in cluster.up() if n.node.progress()]
                     if key == "q":
                         break
-                    if (due or key in ("k", "f")) and len(candidates) >= 2 and cluster.world() == len(cluster.up()) * cluster.nproc:
+                    if (((due and cluster.quiet()) or key in ("k", "f")) and len(candidates) >= 2
+                            and cluster.world() == len(cluster.up()) * cluster.nproc):
                         kind = {"k": KILL, "f": FREEZE}.get(key) or args.kinds[scheduled % len(args.kinds)]
                         target = random.choice(candidates)
                         cluster.inject(kind, target, args.back_after)
