@@ -1,8 +1,8 @@
 """Chaos soak: three local nodes train under random faults; an outside ledger proves nothing was lost.
 
 Three ``elastic agent`` nodes (``agent.local_cluster``) train the ``mlp`` job against an
-embedded etcd. Whenever the world is whole again (all three nodes in the newest round),
-the soak waits a random gap and lands the next fault:
+embedded etcd. Whenever the world is whole again (all three nodes in the newest round)
+and has trained ``--min-steps``, the soak waits a random gap and lands the next fault:
 
 * ``kill``: SIGKILL of a random node's whole process tree (rank 0's node included);
 * ``freeze``: SIGSTOP of a random node for longer than the lease TTL, then SIGCONT;
@@ -76,8 +76,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=0, help="let the job finish after this many epochs (default: "
                                                           "train until the soak ends)")
     p.add_argument("--lease-ttl", type=int, default=3, help="agents' --lease-ttl (default 3)")
-    p.add_argument("--gap", type=float, nargs=2, default=(3.0, 15.0), metavar=("MIN", "MAX"),
-                   help="seconds between the world being whole again and the next fault (default 3 15)")
+    p.add_argument("--min-steps", type=int, default=20,
+                   help="steps the whole world trains between faults, so faults land on progress and not on "
+                        "restarts when the machine is slow (default 20)")
+    p.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), metavar=("MIN", "MAX"),
+                   help="seconds between the world being whole again and the next fault (default 1 8)")
     p.add_argument("--back-after", type=float, nargs=2, default=(2.0, 10.0), metavar=("MIN", "MAX"),
                    help="seconds until a killed node restarts (default 2 10)")
     p.add_argument("--freeze-extra", type=float, nargs=2, default=(1.0, 4.0), metavar=("MIN", "MAX"),
@@ -168,7 +171,7 @@ def soak(cluster: Cluster, args: argparse.Namespace, rng: random.Random, out: Ou
     first = list(KINDS)
     rng.shuffle(first)
     started, whole_since, gap = time.time(), time.time(), rng.uniform(*args.gap)
-    trouble_since: float | None = None
+    whole_step, trouble_since = cluster.step(), None
     while time.time() - started < args.duration and not finished(cluster):
         time.sleep(0.05)
         cluster.tick()
@@ -180,11 +183,13 @@ def soak(cluster: Cluster, args: argparse.Namespace, rng: random.Random, out: Ou
             continue
         if trouble_since is not None:
             whole_since, gap, trouble_since = time.time(), rng.uniform(*args.gap), None
+            whole_step = cluster.step()
+        trained = cluster.step() - whole_step >= args.min_steps
         if args.faults and len(cluster.faults) >= args.faults:
-            if time.time() - whole_since >= 3.0:  # a few steps in the whole world, then done
+            if trained:  # the last fault is behind us and the whole world trains again: done
                 break
             continue
-        if time.time() - whole_since < gap:
+        if time.time() - whole_since < gap or not trained:
             continue
         kind = next_kind(rng, len(cluster.faults), first)
         target = rng.choice([n for n in cluster.nodes])
