@@ -198,6 +198,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _join_until_closed(self, deadline: float) -> RoundRecord:
         joined_round: int | None = None
+        join_revision = 0
         first_seen: dict[int, float] = {}  # round -> when the close clock started, locally
         while True:
             if time.monotonic() > deadline:
@@ -224,10 +225,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 else:
                     self.mirror.wait(revision, 1.0)  # a full world: wait for the next round
             elif joined_round != record.round:
-                self._join(record.round, joined_round)
+                join_revision = self._join(record.round, joined_round)
                 joined_round = record.round
             else:
                 joined, live = self._joined(entries, record.round), self._live(entries)
+                if self.node not in joined and revision >= join_revision:
+                    # our join key went with a lost lease (a freeze, a starved keep-alive)
+                    log.warning("[%s] our join of round %d vanished with our lease; joining again",
+                                self.node, record.round)
+                    join_revision = self._join(record.round, None)
+                    continue
                 if len(joined) >= self.timings.min_nodes or record.previous:
                     first_seen.setdefault(record.round, time.monotonic())
                 waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
@@ -247,15 +254,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         guard = tx.Version(key) == 0 if expected_mod_revision == 0 else tx.Mod(key) == expected_mod_revision
         return transact(self.client, [guard], [tx.Put(key, value)]).succeeded
 
-    def _join(self, round_number: int, previous_round: int | None) -> None:
+    def _join(self, round_number: int, previous_round: int | None) -> int:
+        """Put our join key (dropping the previous round's); returns the revision of the put."""
         key = f"{self._join_prefix}{round_number}/{self.node}"
         value = self.signer.seal(key.encode(), json.dumps({"node": self.node, "t": time.time()}).encode())
         stale = f"{self._join_prefix}{previous_round}/{self.node}" if previous_round is not None else None
 
-        ops = [tx.Put(key, value, lease=self.lease.lease_id())]
-        if stale:
-            ops.append(tx.Delete(stale))
-        transact(self.client, [], ops)
+        def put(lease_id: int) -> int:
+            ops = [tx.Put(key, value, lease=lease_id)]
+            if stale:
+                ops.append(tx.Delete(stale))
+            return transact(self.client, [], ops).revision
+
+        return self.lease.write(put)
 
     def _forget_round(self, round_number: int) -> None:
         """Old rounds' store keys: nobody reads them two rounds later."""

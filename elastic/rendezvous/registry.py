@@ -16,13 +16,15 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from elastic.etcd import EtcdClient, EtcdError
+from elastic.etcd.kv import is_lease_not_found
 
 from .signing import SignatureError, StateSigner
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def run_prefix(key_prefix: str, run_id: str) -> str:
@@ -167,13 +169,15 @@ class NodeLease:
                 self._last_tick = time.monotonic()
                 continue
             if not alive:
-                self._lost()
+                self._lost(lease_id)
             self._last_tick = time.monotonic()
 
-    def _lost(self) -> None:
-        log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
-                    self._record.node, self.ttl)
+    def _lost(self, lost_id: int | None) -> None:
         with self._lock:
+            if lost_id is not None and self._lease_id not in (lost_id, None):
+                return  # another thread already replaced it
+            log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
+                        self._record.node, self.ttl)
             self.generation += 1
             self._lease_id = None
             self._record = replace(self._record, state="rejoining", round=None, rank=None, world=None)
@@ -183,6 +187,18 @@ class NodeLease:
                 log.warning("could not re-register yet: %s", exc)
         for callback in list(self.on_lost):
             callback()
+
+    def write(self, put: Callable[[int], T]) -> T:
+        """``put(lease_id)`` for a key that must live and die with this node; if etcd says
+        the lease is gone, the loss is handled here and the put made under the new one."""
+        lease_id = self.lease_id()
+        try:
+            return put(lease_id)
+        except EtcdError as exc:
+            if not is_lease_not_found(exc):
+                raise
+            self._lost(lease_id)
+            return put(self.lease_id())
 
     def close(self) -> None:
         """Revoke the lease: peers see this node leave at once instead of after the TTL."""

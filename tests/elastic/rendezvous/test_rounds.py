@@ -1,0 +1,79 @@
+"""The round protocol: pure closing rules, and the handler on a real etcd when a lease is lost mid-join."""
+
+from __future__ import annotations
+
+import threading
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic.etcd import EmbeddedEtcd
+from elastic.rendezvous import create_handler
+from elastic.rendezvous.rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
+from tests.support.waiting import wait_until
+
+T = Timings(min_nodes=1, max_nodes=3, last_call=1.0, rejoin=0.5, stop_grace=30.0)
+LATER = RoundRecord(5, OPEN, previous=("a", "b", "c"))
+
+
+def test_first_round_waits_the_last_call_after_min_nodes() -> None:
+    first = RoundRecord(0, OPEN)
+    assert not should_close(first, {"a": 1}, {"a": "rendezvous", "b": "starting"}, T, waited=0.5)
+    assert should_close(first, {"a": 1}, {"a": "rendezvous", "b": "starting"}, T, waited=1.0)
+    assert should_close(first, {"a": 1, "b": 2, "c": 3}, {}, T, waited=0.0)  # max is in
+
+
+def test_later_round_closes_as_soon_as_every_live_member_is_back() -> None:
+    live = {"a": "rendezvous", "b": "rendezvous"}  # c's lease is gone
+    assert should_close(LATER, {"a": 1, "b": 2}, live, T, waited=0.0)
+
+
+def test_a_member_still_running_may_be_dead_and_gets_only_the_rejoin_timeout() -> None:
+    live = {"a": "rendezvous", "b": "running"}  # b: SIGKILLed, lease not yet expired?
+    assert not should_close(LATER, {"a": 1}, live, T, waited=0.3)
+    assert should_close(LATER, {"a": 1}, live, T, waited=0.5)
+
+
+def test_a_member_on_its_way_is_waited_for() -> None:
+    live = {"a": "rendezvous", "b": "stopping"}
+    assert not should_close(LATER, {"a": 1}, live, T, waited=5.0)
+    assert should_close(LATER, {"a": 1}, live, T, waited=30.0)  # unless it is wedged
+
+
+def test_below_min_nodes_never_closes() -> None:
+    two = Timings(min_nodes=2, max_nodes=3, last_call=1.0, rejoin=0.5)
+    assert not should_close(LATER, {"a": 1}, {"a": "rendezvous"}, two, waited=100.0)
+
+
+def test_ranks_are_stable_and_newcomers_follow_in_join_order() -> None:
+    assert rank_order({"c": 9, "a": 7, "x": 3, "w": 4}, ("c", "b", "a"), 4) == ["c", "a", "x", "w"]
+    assert rank_order({"c": 9, "a": 7, "x": 3}, ("c", "b", "a"), 2) == ["c", "a"]
+
+
+def test_round_record_round_trips_through_json() -> None:
+    closed = LATER.closed_with(["b", "a"])
+    again = RoundRecord.from_json(closed.to_json())
+    assert (again.round, again.state, again.participants, again.previous) == (5, CLOSED, ("b", "a"), ("a", "b", "c"))
+    assert again.next_open().previous == ("b", "a")
+
+
+def test_a_node_whose_lease_is_lost_while_joining_joins_again(etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """min = max = 2: the round cannot close without the node that lost its join key."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 2, 2, node_name=name, lease_ttl="2")
+    first, second = create_handler(params("first")), create_handler(params("second"))
+    results: dict[str, int] = {}
+    try:
+        joiner = threading.Thread(target=lambda: results.update(first=first.next_rendezvous().world_size),
+                                  daemon=True)
+        joiner.start()
+        join_key = f"/elastic/{run_id}/rdzv/join/0/first"
+        wait_until(lambda: join_key in first.mirror.entries()[0], 30, "first to join round 0")
+        lost = first.lease.lease_id()
+        first.client.call(lambda c: c.revoke_lease(lost))  # what etcd does to a frozen node's lease
+        wait_until(lambda: first.lease.generation == 1, 10, "first to notice its lease is gone")
+        results["second"] = second.next_rendezvous().world_size
+        joiner.join(timeout=30)
+        assert results == {"first": 2, "second": 2}
+    finally:
+        first.close()
+        second.close()
