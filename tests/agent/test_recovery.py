@@ -114,8 +114,8 @@ def test_a_rank_that_hangs_inside_a_step_is_restarted_and_the_job_finishes(
     job = ["--steps", "40", "--step-time", "0.02", "--progress", "{progress}", "--collective-timeout", "300",
            "--hang-at-step", "10", "--hang-marker", str(tmp_path / "hung-once")]
     node = start(nodes, "solo", etcd_server, run_id, module_args=job, nnodes="1:1", nproc_per_node=2,
-                 agent_args=["--hang-timeout", "3"])
-    wait_until(lambda: not node.alive(), FORM_TIMEOUT, "the job to finish despite the hang", on_timeout=logs(node))
+                 agent_args=["--hang-timeout", "5"])
+    wait_until(lambda: not node.alive(), 2 * FORM_TIMEOUT, "the job to finish despite the hang", on_timeout=logs(node))
     assert node.process is not None and node.process.returncode == 0, node.log_tail(80)
     log = node.log_path.read_text()
     assert "dumping worker stacks" in log
@@ -130,6 +130,7 @@ def test_an_etcd_outage_of_ten_seconds_does_not_disturb_training(
 ) -> None:
     a, b = pair(nodes, etcd_server, run_id)
     round_before = a.steps_at(2)[-1]["round"]
+    restarts_before = {n.name: restarts(n) for n in (a, b)}  # formation may have cost a scale-up
     stopped_at = time.time()
     etcd_server.stop()
     try:
@@ -144,4 +145,4 @@ def test_an_etcd_outage_of_ten_seconds_does_not_disturb_training(
     assert {r["round"] for r in during} == {round_before}  # same world throughout: no restart
     for node in (a, b):
         assert node.alive()
-        assert sum(restarts(node).values()) == 0, restarts(node)
+        assert restarts(node) == restarts_before[node.name]

@@ -45,17 +45,19 @@ def test_node_loss_then_restart_resumes_bit_identically(
     # Both runs at once (separate rendezvous ids and snapshot dirs): wall time, not a dependency.
     ref = [start_runner(nodes, n, run_id=f"{run_id}ref", args=_args(ref_dir), **common) for n in ("ref-a", "ref-b")]
     a, b = (start_runner(nodes, n, run_id=f"{run_id}kill", args=_args(chaos_dir), **common) for n in ("a", "b"))
-    killed_at = wait_for_step(b, 12, a)
-    assert [r["rank"] for r in a.progress()][:1] == [0], "a (started first, lowest pid) should be rank 0"
-    a.kill()  # lose rank 0's node: the hardest case, rank 0 moves to another node
+    wait_for_step(b, 12, a)
+    victim, survivor = (a, b) if a.progress()[0]["rank"] == 0 else (b, a)
+    killed_at = wait_for_step(survivor, 12, victim)
+    first_round = survivor.progress()[0]["round"]
+    victim.kill()  # lose rank 0's node: the hardest case, rank 0 moves to another node
     a2 = start_runner(nodes, "a2", run_id=f"{run_id}kill", args=_args(chaos_dir), **common)
-    wait_all_exit([*ref, b, a2])
+    wait_all_exit([*ref, survivor, a2])
 
-    rows = b.progress()
-    resumed = [r for r in rows if r["restart"] > 0]
-    assert resumed, "node b's workers never restarted after a was killed"
+    rows = survivor.progress()
+    resumed = [r for r in rows if r["round"] > first_round]
+    assert resumed, f"{survivor.name}'s workers never restarted after rank 0's node was killed"
     assert resumed[0]["step"] <= killed_at["step"] + 1, "the survivor did not go back to a snapshot"
-    # torch's rendezvous ranks nodes by (host, agent pid): the survivor now outranks the newcomer
+    # previous members keep their order in the next round: the survivor is now rank 0
     assert {r["rank"] for r in resumed} == {0}, "rank 0 did not move to the surviving node"
     assert max(r["step"] for r in rows) == STEPS and all(r["world_size"] == 2 for r in rows)
 
