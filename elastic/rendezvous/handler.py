@@ -93,6 +93,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.round: RoundRecord | None = None  # the round our current workers belong to
         self._lease_generation = 0
         self._started = False
+        self._joined_once = False
+        self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
 
     # --------------------------------------------------------------- torch's ABC
@@ -117,6 +119,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank, world = record.participants.index(self.node), len(record.participants)
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
+            self._joined_once = True
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
                  time.monotonic() - started, rank, world, ", ".join(record.participants))
@@ -128,12 +131,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         entries, _ = self.mirror.entries() if self._started else ({}, 0)
-        if self._closed_key in entries:
+        if self._closed_in(entries):
             return True
         try:
-            return bool(self.client.call(lambda c: c.get(self._closed_key), deadline=2.0)[0])
+            value = self.client.call(lambda c: c.get(self._closed_key), deadline=2.0)[0]
         except EtcdError:
             return False
+        return value is not None and self._signed(self._closed_key, value)
 
     def set_closed(self) -> None:
         value = self.signer.seal(self._closed_key.encode(), json.dumps({"by": self.node}).encode())
@@ -144,7 +148,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return 1 if reason else 0
 
     def shutdown(self) -> bool:
-        """Close the job's rendezvous (torch's contract) and leave at once rather than at TTL."""
+        """Close the job's rendezvous (torch's contract) and leave at once rather than at TTL.
+
+        A node that never got into a round (a wrong job key, bad config) only leaves: its
+        failure says nothing about the job, so it must not end it for everyone else.
+        """
+        if not self._joined_once:
+            self.close()
+            return True
         try:
             self.set_closed()
         except EtcdError as exc:
@@ -172,7 +183,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if not self.mirror.healthy:
             return None
         entries, _ = self.mirror.entries()
-        if self._closed_key in entries:
+        if self._closed_in(entries):
             return None
         record = self._decode_round(entries)
         if record is not None and record.round > current.round:
@@ -208,7 +219,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     "start more agents or raise --rdzv-conf join_timeout"
                 )
             entries, revision = self.mirror.entries()
-            if self._closed_key in entries:
+            if self._closed_in(entries):
                 raise RendezvousClosedError(f"run {self.run_id!r} has finished; use a new --rdzv-id")
             if not self.mirror.healthy:
                 self.mirror.wait(revision, _TICK_S * 5)
@@ -279,6 +290,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             pass
 
     # --------------------------------------------------------------- reading the mirror
+
+    def _signed(self, key: str, value: bytes) -> bool:
+        try:
+            self.signer.open(key.encode(), value)
+            return True
+        except SignatureError:
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning("ignoring forged %s (written with another job key?)", key)
+            return False
+
+    def _closed_in(self, entries: dict) -> bool:  # type: ignore[type-arg]
+        entry = entries.get(self._closed_key)
+        return entry is not None and self._signed(self._closed_key, entry.value)
 
     def _decode_round(self, entries: dict) -> RoundRecord | None:  # type: ignore[type-arg]
         entry = entries.get(self._round_key)
