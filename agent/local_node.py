@@ -46,6 +46,8 @@ class LocalNode:
     metrics_port: int = 0
     process: subprocess.Popen[bytes] | None = None
     frozen: list[int] = field(default_factory=list)
+    _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    _read_to: int = field(default=0, repr=False)  # bytes of the progress file already parsed
 
     @property
     def log_path(self) -> Path:
@@ -116,23 +118,26 @@ class LocalNode:
             pass
 
     def progress(self) -> list[dict[str, Any]]:
-        return self.read_progress(self.progress_path)
+        """Every complete progress line so far; only what was appended since the last call
+        is read, since the live view and the tests poll this many times a second."""
+        try:
+            with open(self.progress_path, "rb") as f:
+                f.seek(self._read_to)
+                fresh = f.read()
+        except FileNotFoundError:
+            return []
+        complete = fresh[: fresh.rfind(b"\n") + 1]  # a line still being written waits for its end
+        self._read_to += len(complete)
+        for line in complete.splitlines():
+            try:
+                self._rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by SIGKILL, with the restarted node's next line glued on
+        return list(self._rows)
 
     def steps_at(self, world_size: int, after: float = 0.0) -> list[dict[str, Any]]:
         """Steps this node completed in a world of ``world_size`` after time ``after``."""
         return [r for r in self.progress() if r["world_size"] == world_size and r["time"] > after]
-
-    @staticmethod
-    def read_progress(path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut short by SIGKILL
-        return rows
 
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
