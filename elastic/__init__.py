@@ -10,8 +10,9 @@ itself is still importing, so this module must not import torch.distributed up f
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "ElasticRun": "elastic.trainer",
@@ -36,14 +37,4 @@ if TYPE_CHECKING:
     from .trainer import ElasticRun, StepInfo
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,8 +17,9 @@ Names are imported lazily so that the agent does not pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "MULTIPROC_ENV": "elastic.metrics.export",
@@ -49,14 +50,4 @@ if TYPE_CHECKING:
     from .worker import WorkerMetrics
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic.metrics' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

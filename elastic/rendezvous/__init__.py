@@ -8,8 +8,9 @@ their own agent; torchrun itself finds :func:`handler_factory` through the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "EtcdV3RendezvousBackend": ".backend", "state_key": ".backend",
@@ -36,14 +37,4 @@ if TYPE_CHECKING:
     from .store import EtcdV3Store
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic.rendezvous' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
