@@ -20,7 +20,7 @@ from elastic.etcd import EtcdClient
 from elastic.rendezvous.registry import run_prefix
 from elastic.rendezvous.signing import SignatureError, StateSigner
 
-from .proctree import freeze_tree, kill_tree
+from .proctree import freeze_tree, kill_tree, process_tree
 
 if TYPE_CHECKING:
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
@@ -74,8 +74,6 @@ class CommandWatch:
 
 def freeze_for(root: int, seconds: float) -> None:
     """SIGSTOP the tree, with a detached process that SIGCONTs it after ``seconds``."""
-    from .proctree import process_tree
-
     pids = process_tree(root)
     thaw = (f"import os,signal,time; time.sleep({seconds!r})\n"
             f"for p in {pids!r}:\n    try: os.kill(p, signal.SIGCONT)\n    except OSError: pass")

@@ -20,11 +20,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Sequence
 
+from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
+
+from .etcd_args import DEFAULT_ENDPOINT
+
 ENV_PREFIX = "ELASTIC_"
 DEFAULT_METRICS_PORT = 9400
-DEFAULT_LEASE_TTL = 3
 DEFAULT_MAX_RESTARTS = 3
-DEFAULT_ENDPOINT = "localhost:2379"
 
 
 def build_agent_parser() -> argparse.ArgumentParser:
@@ -108,7 +110,7 @@ def package_version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_agent_parser()
     args = parser.parse_args(argv)
-    node = args.node_name or f"{socket.gethostname()}-{os.getpid()}"
+    node = args.node_name or default_node_name()
     _configure_logging(node)
     if args.snapshot_dir:
         snapshot_dir = Path(args.snapshot_dir)
@@ -120,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.access(snapshot_dir, os.W_OK):
             parser.exit(2, f"error: --snapshot-dir {snapshot_dir} is not writable; pass a writable shared directory\n")
 
-    from .metrics import AgentMetrics, prepare_worker_dir  # imports prometheus_client before the env below
+    from elastic.metrics.multiprocess import prepare_dir
+
+    from .metrics import AgentMetrics  # imports prometheus_client before the env below
     from .node_agent import NodeAgent
     from .settings import AgentSettings
 
@@ -129,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout,
         snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
-        heartbeat_dir=work / "heartbeat", metrics_dir=prepare_worker_dir(work / "metrics"),
+        heartbeat_dir=work / "heartbeat", metrics_dir=prepare_dir(work / "metrics"),
     )
     settings.heartbeat_dir.mkdir()
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from checkpoints.layout import parse_temp_dirname, pid_alive
 from elastic.etcd import EmbeddedEtcd, free_port
+from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 
 from .local_node import LocalNode
 
@@ -347,7 +348,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between scheduled faults")
     p.add_argument("--back-after", type=float, default=15.0,
                    help="seconds until a killed node restarts or a frozen one thaws (default 15)")
-    p.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL, seconds (default 3)")
+    p.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL,
+                   help=f"node lease TTL, seconds (default {DEFAULT_LEASE_TTL})")
     p.add_argument("--timeout", type=float, default=280.0, help="give up after this many seconds")
     p.add_argument("--run-dir", type=Path, default=None, help="logs and snapshots (default runs/local-TIME)")
     args = p.parse_args(argv)

@@ -9,12 +9,12 @@ rates never go backwards across a restart.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from elastic.metrics.multiprocess import collector_registry, mark_dead
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,7 @@ RENDEZVOUS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300, 600)
 class AgentMetrics:
     def __init__(self, node: str, version: str, worker_dir: Path) -> None:
         self.worker_dir = worker_dir
-        self.registry = CollectorRegistry(auto_describe=True)
-        MultiProcessCollector(self.registry, path=str(worker_dir))
+        self.registry = collector_registry(worker_dir)  # the workers' files, merged at each scrape
         r = self.registry
         self.rendezvous = Histogram("elastic_agent_rendezvous_duration_seconds",
                                     "Time from entering a rendezvous round to its close, by outcome",
@@ -68,13 +67,6 @@ class AgentMetrics:
         for worker in worker_group.workers:
             if worker.id is not None:
                 try:
-                    multiprocess.mark_process_dead(int(worker.id), str(self.worker_dir))
+                    mark_dead(int(worker.id), self.worker_dir)
                 except (ValueError, OSError):
                     pass
-
-
-def prepare_worker_dir(path: Path) -> Path:
-    """An empty directory: files from an earlier agent would be counted as ours."""
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path

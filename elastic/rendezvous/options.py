@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic.etcd import EtcdConfigError, EtcdSettings, settings_from_options
 
 from .backend import DEFAULT_STATE_TTL
+from .registry import DEFAULT_LEASE_TTL
 from .signing import load_hmac_key
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ _OWN_KEYS = {
     "key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout",
     "lease_ttl", "rejoin_timeout", "node_name",
 }
-DEFAULT_LEASE_TTL = 3
 DEFAULT_REJOIN_TIMEOUT = 0.5
 _TORCH_KEYS = set(TUNED_DEFAULTS) | {"heartbeat_timeout", "timeout", "rank", "is_host", "local_addr"}
 KNOWN_KEYS = frozenset(_ETCD_KEYS | _OWN_KEYS | _TORCH_KEYS)

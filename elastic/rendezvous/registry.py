@@ -26,6 +26,8 @@ from .signing import SignatureError, StateSigner
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DEFAULT_LEASE_TTL = 3  # seconds: how long a frozen or cut-off node keeps its place
+
 
 def run_prefix(key_prefix: str, run_id: str) -> str:
     return f"{key_prefix.rstrip('/')}/{run_id}"
