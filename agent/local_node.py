@@ -41,7 +41,8 @@ class LocalNode:
     max_restarts: int = 20
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
-    launcher: str = "elastic"  # or "torchrun": torch's own launcher with our rendezvous
+    launcher: str = "elastic"  # or "torchrun": torch's own launcher
+    rdzv_backend: str = "etcd-v3"  # "c10d" for comparisons (then endpoint is the store host's)
     agent_args: Sequence[str] = ()
     metrics_port: int = 0
     process: subprocess.Popen[bytes] | None = None
@@ -63,7 +64,7 @@ class LocalNode:
         cmd += [
             "--nnodes", self.nnodes,
             "--nproc-per-node", str(self.nproc_per_node),
-            "--rdzv-backend", "etcd-v3",
+            "--rdzv-backend", self.rdzv_backend,
             "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.run_id,
             "--max-restarts", str(self.max_restarts),

@@ -53,8 +53,7 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
             conf = dict(TUNED) if "tuned" in config or config == "torchrun-stop" else {}
             conf["is_host"] = "1" if i == 0 else "0"
             node = LocalNode(name=name, endpoint=f"127.0.0.1:{store_port}", launcher="torchrun",
-                             rdzv_conf=conf, **common)  # type: ignore[arg-type]
-            node.command = _c10d_command(node)  # type: ignore[method-assign]
+                             rdzv_backend="c10d", rdzv_conf=conf, **common)  # type: ignore[arg-type]
         nodes.append(node.start())  # both at once: a 1 s last call cannot wait for a slow import
     try:
         deadline = time.time() + 120
@@ -90,17 +89,6 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
     finally:
         for n in nodes:
             n.cleanup()
-
-
-def _c10d_command(node: LocalNode):  # type: ignore[no-untyped-def]
-    original = LocalNode.command
-
-    def command() -> list[str]:
-        cmd = original(node)
-        cmd[cmd.index("etcd-v3")] = "c10d"
-        return cmd
-
-    return command
 
 
 def main() -> int:
