@@ -31,8 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic.etcd import EtcdClient
 
 from .backend import EtcdV3RendezvousBackend
-from .options import RendezvousOptions
-from .signing import StateSigner
+from .options import connect
 from .store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -79,14 +78,10 @@ def create_dynamic_handler(params: RendezvousParameters) -> EtcdV3DynamicHandler
     Raises :class:`EtcdConfigError`, :class:`HmacKeyError` or :class:`EtcdError` with
     one line a user can act on.
     """
-    options = RendezvousOptions.from_params(params)
-    signer = StateSigner(options.hmac_key)
-    client = EtcdClient(options.etcd, retry_deadline=options.etcd_retry_timeout)
+    options, signer, client = connect(params)
     backend = EtcdV3RendezvousBackend(
         client, params.run_id, signer, key_prefix=options.key_prefix, ttl=options.state_ttl
     )
-    # Fail now, with a clear line, rather than deep inside the first rendezvous.
-    client.call(lambda c: c.get(backend.key), deadline=options.connect_timeout)
 
     store = EtcdV3Store(
         client,

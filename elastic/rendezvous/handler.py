@@ -43,7 +43,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
-from .options import RendezvousOptions
+from .options import RendezvousOptions, connect
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
 from .rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
@@ -346,12 +346,7 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     Raises :class:`EtcdConfigError`, :class:`HmacKeyError` or :class:`EtcdError` with
     one line a user can act on.
     """
-    options = RendezvousOptions.from_params(params)
-    signer = StateSigner(options.hmac_key)
-    client = EtcdClient(options.etcd, retry_deadline=options.etcd_retry_timeout)
-    # Fail now, with a clear line, rather than deep inside the first rendezvous.
-    prefix = run_prefix(options.key_prefix, params.run_id)
-    client.call(lambda c: c.get(f"{prefix}/rdzv/round"), deadline=options.connect_timeout)
+    options, signer, client = connect(params)
     return EtcdV3RendezvousHandler(
         params.run_id, options, client, signer, params.min_nodes, params.max_nodes, params.local_addr,
         options.node_name or default_node_name(),

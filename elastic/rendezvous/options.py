@@ -26,11 +26,11 @@ from typing import Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.etcd import EtcdConfigError, EtcdSettings, settings_from_options
+from elastic.etcd import EtcdClient, EtcdConfigError, EtcdSettings, settings_from_options
 
 from .backend import DEFAULT_STATE_TTL
 from .registry import DEFAULT_LEASE_TTL
-from .signing import load_hmac_key
+from .signing import StateSigner, load_hmac_key
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,21 @@ class RendezvousOptions:
             rejoin_timeout=_positive_float(config, "rejoin_timeout", DEFAULT_REJOIN_TIMEOUT),
             node_name=config.get("node_name") or None,
         )
+
+
+def connect(params: RendezvousParameters) -> tuple[RendezvousOptions, StateSigner, EtcdClient]:
+    """Options, signer, and a client that has just read one of the run's keys.
+
+    Both handlers call this so that a wrong endpoint, certificate, password or role fails
+    now with one line (EtcdConfigError, HmacKeyError, EtcdError) rather than deep inside
+    the first rendezvous.
+    """
+    options = RendezvousOptions.from_params(params)
+    signer = StateSigner(options.hmac_key)
+    client = EtcdClient(options.etcd, retry_deadline=options.etcd_retry_timeout)
+    probe = f"{options.key_prefix}/{params.run_id}/rdzv/round"
+    client.call(lambda c: c.get(probe), deadline=options.connect_timeout)
+    return options, signer, client
 
 
 def env_or_default(env: Mapping[str, str] | None, name: str, default: object) -> str:
