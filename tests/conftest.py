@@ -11,6 +11,7 @@ import pytest
 
 from elastic.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.nodes import TorchrunNode
+from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
 
@@ -24,6 +25,16 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEt
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
+    """One etcd with TLS, client-certificate auth and RBAC (certificates from deploy/certs)."""
+    etcd = start_secure_etcd(tmp_path_factory.mktemp("secure"))
+    try:
+        yield etcd
+    finally:
+        etcd.server.close()
 
 
 @pytest.fixture

@@ -10,47 +10,38 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
 from elastic.etcd import free_port
 from tests.support.nodes import TorchrunNode as Node
-from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd, start_secure_etcd
+from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd
 from tests.support.waiting import wait_until
 
 TINY = ["--step-time", "0.05", "--progress", "{progress}"]
 
 
-@pytest.fixture(scope="module")
-def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
-    etcd = start_secure_etcd(tmp_path_factory.mktemp("secure-agents"))
-    try:
-        yield etcd
-    finally:
-        etcd.server.close()
-
-
-def secure_node(nodes: Callable[..., Node], secure: SecureEtcd, run_id: str, name: str, key_file: Path) -> Node:
-    certs = secure.certs
+def secure_node(nodes: Callable[..., Node], secure_etcd: SecureEtcd, run_id: str, name: str, key_file: Path) -> Node:
+    certs = secure_etcd.certs
     conf = {"cacert": str(certs / "ca.pem"), "cert": str(certs / "trainer.pem"),
             "key": str(certs / "trainer-key.pem"), "user": "trainer"}
-    return nodes(name=name, endpoint=secure.server.endpoint, run_id=run_id, module_args=TINY, rdzv_conf=conf,
+    return nodes(name=name, endpoint=secure_etcd.server.endpoint, run_id=run_id, module_args=TINY, rdzv_conf=conf,
                  metrics_port=free_port(), agent_args=["--lease-ttl", "2"],
                  env={"ELASTIC_ETCD_PASSWORD": TRAINER_PASSWORD, "ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)})
 
 
 def test_secure_agents_train_recover_and_shut_out_a_wrong_job_key(
-    secure: SecureEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+    secure_etcd: SecureEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
     key, wrong = tmp_path / "job.key", tmp_path / "wrong.key"
     key.write_text("the-job-key-for-this-test-0123456789")
     wrong.write_text("somebody-elses-key-9876543210-abcdef")
-    a, b = (secure_node(nodes, secure, run_id, n, key) for n in ("a", "b"))
+    a, b = (secure_node(nodes, secure_etcd, run_id, n, key) for n in ("a", "b"))
     wait_until(lambda: len(a.steps_at(2)) >= 5 and len(b.steps_at(2)) >= 5, 150,
                "two TLS agents to train in a world of 2", on_timeout=lambda: a.log_tail() + b.log_tail())
 
-    intruder = secure_node(nodes, secure, run_id, "intruder", wrong)
+    intruder = secure_node(nodes, secure_etcd, run_id, "intruder", wrong)
     watched_from = time.time()
     wait_until(lambda: "forged" in intruder.log_path.read_text() or not intruder.alive(), 120,
                "the wrong-key agent to be refused", on_timeout=intruder.log_tail)
