@@ -33,26 +33,15 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
+from two_ranks import HIDDEN, WORLD, make_model, run_two_ranks  # noqa: E402
 
-WORLD = 2
-HIDDEN = 1024
 GOAL = 0.01
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 4),
-    )
 
 
 def make_run(dataset: SyntheticClassification, args: argparse.Namespace, snap_dir: str, metrics: bool) -> ElasticRun:
@@ -72,12 +61,9 @@ def block(run: ElasticRun, batches: Iterator[Any], n: int) -> tuple[float, float
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)  # two processes on a two-core machine
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+def worker(rank: int, args: argparse.Namespace, tmp: str) -> list[dict[str, list[tuple[float, float]]]]:
     dataset = SyntheticClassification(args.dataset_size, seed=0)
     results: list[dict[str, list[tuple[float, float]]]] = []
-    tmp = os.path.dirname(out)
     for repeat in range(args.repeats):
         runs = {which: make_run(dataset, args, os.path.join(tmp, f"snap-{which}-{repeat}"), which == "on")
                 for which in ("off", "on")}
@@ -94,9 +80,7 @@ def worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> No
             for _ in it:  # drain: the final snapshot and close
                 pass
         results.append(times)
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -118,9 +102,7 @@ def main() -> None:
         prom = Path(tmp, "prom")
         prom.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)  # inherited by the spawned workers, as under the agent
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(os.path.join(tmp, "store"), args, out), nprocs=WORLD, join=True)
-        results = torch.load(out)
+        results = run_two_ranks(worker, args, tmp)
 
     def total(times: list[tuple[float, float]], i: int) -> float:
         return sum(t[i] for t in times)

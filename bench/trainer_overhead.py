@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -37,17 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
 from elastic.trainer import ElasticRun, StepInfo  # noqa: E402
-
-WORLD = 2
-HIDDEN = 1024
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 4),
-    )
+from two_ranks import HIDDEN, WORLD, make_model, run_two_ranks  # noqa: E402
 
 
 class MetricsStandIn:
@@ -109,9 +97,7 @@ def _rate(stamps: list[float], warmup: int, global_batch: int) -> float:
     return (len(timed) - 1) * global_batch / (timed[-1] - timed[0])
 
 
-def worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)  # two processes on a two-core machine
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+def worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, list[float]]:
     dataset = SyntheticClassification(args.dataset_size, seed=0)
     results: dict[str, list[float]] = {"plain": [], "elastic": []}
     for repeat in range(args.repeats):
@@ -121,12 +107,10 @@ def worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> No
             if which == "plain":
                 stamps = plain_loop(dataset, args.global_batch_size, args.steps)
             else:
-                snap = os.path.join(os.path.dirname(out), f"snap-{repeat}")  # shared by both ranks, fresh per repeat
+                snap = os.path.join(tmp, f"snap-{repeat}")  # shared by both ranks, fresh per repeat
                 stamps = elastic_loop(dataset, args.global_batch_size, args.steps, snap, args.snapshot_every)
             results[which].append(_rate(stamps, args.warmup, args.global_batch_size))
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -142,9 +126,7 @@ def main() -> None:
     if args.quick:
         args.steps, args.warmup, args.repeats = 60, 10, 2
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(os.path.join(tmp, "store"), args, out), nprocs=WORLD, join=True)
-        results = torch.load(out)
+        results = run_two_ranks(worker, args, tmp)
     plain, ours = statistics.median(results["plain"]), statistics.median(results["elastic"])
     # Paired: each repeat ran both loops back to back, so a burst of outside load hits a pair,
     # not one side; the median of the per-pair ratios is the headline figure.
