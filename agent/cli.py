@@ -45,17 +45,16 @@ def _etcd(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-def _tool(module: str, prog: str) -> Callable[[Sequence[str]], int]:
-    def run(argv: Sequence[str]) -> int:
-        import argparse
-        import importlib
+def _top(argv: Sequence[str]) -> int:
+    from .top import main
 
-        tool = importlib.import_module(f"agent.{module}")
-        parser = argparse.ArgumentParser(prog=prog, description=(tool.__doc__ or "").strip().splitlines()[0])
-        tool.add_arguments(parser)
-        return int(tool.run(parser.parse_args(argv)))
+    return main(list(argv))
 
-    return run
+
+def _sd(argv: Sequence[str]) -> int:
+    from .sd import main
+
+    return main(list(argv))
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -63,8 +62,8 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "local": _local,
     "kill": _kill,
     "etcd": _etcd,
-    "top": _tool("top", "elastic top"),
-    "sd": _tool("sd", "elastic sd"),
+    "top": _top,
+    "sd": _sd,
 }
 
 
