@@ -28,7 +28,7 @@ from tenacity import (
     RetryError,
     Retrying,
     retry_if_exception,
-    stop_after_delay,
+    stop_before_delay,
     wait_random_exponential,
 )
 
@@ -221,7 +221,7 @@ class EtcdClient:
         reauthenticated = False
         retrying = Retrying(
             retry=retry_if_exception(_is_transient),
-            stop=stop_after_delay(budget),
+            stop=stop_before_delay(budget),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             reraise=False,
         )

@@ -68,6 +68,27 @@ def transact(
     return client.call(request, deadline=deadline)
 
 
+def refresh_lease(client: EtcdClient, lease_id: int, timeout: float) -> int:
+    """One keep-alive of ``lease_id``; its remaining TTL (0: etcd no longer has it).
+
+    etcd3's own ``refresh_lease`` waits up to the client's request timeout (5 s) for an
+    answer, longer than a short lease lives: an etcd that is back but has no leader yet
+    would hold the keep-alive past the lease's expiry. Here one attempt waits ``timeout``.
+    """
+
+    def request(c: etcd3.MultiEndpointEtcd3Client) -> int:
+        keep_alive = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        # A raw gRPC error reaches EtcdClient.call, which rebuilds the channel instead of
+        # letting it sit in gRPC's reconnect back-off after etcd returns.
+        for reply in c.leasestub.LeaseKeepAlive(
+            iter([keep_alive]), timeout, credentials=c.call_credentials, metadata=c.metadata
+        ):
+            return int(reply.TTL)
+        return 0
+
+    return client.call(request, deadline=timeout)
+
+
 class ExpiringLease:
     """A lease renewed by replacement, never by keep-alive (see module docstring)."""
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import is_lease_not_found
+from elastic.etcd.kv import is_lease_not_found, refresh_lease
 
 from .signing import SignatureError, StateSigner
 
@@ -158,19 +158,24 @@ class NodeLease:
         return self._thread is not None and time.monotonic() - self._last_tick > self.ttl
 
     def _keep_alive(self) -> None:
+        """Refresh every TTL/4 on a fixed schedule: a failed attempt (etcd away) is
+        followed by the next one on time, not a full interval later, so the first
+        refresh after etcd returns lands well within the TTL etcd grants on restart."""
         interval = self.ttl / 4
-        while not self._stop.wait(interval):
+        next_tick = time.monotonic()
+        while True:
+            next_tick = max(next_tick + interval, time.monotonic())
+            if self._stop.wait(next_tick - time.monotonic()):
+                return
             try:
-                with self.client.deadline(interval):
-                    lease_id = self.lease_id()
-                    reply = self.client.call(lambda c: next(iter(c.refresh_lease(lease_id))))
-                alive = reply.TTL > 0
-            except (EtcdError, StopIteration) as exc:
+                lease_id = self.lease_id()
+                ttl = refresh_lease(self.client, lease_id, timeout=interval)
+            except EtcdError as exc:
                 # etcd away: not a verdict on us; etcd extends every lease when it returns
                 log.debug("lease refresh failed (etcd unreachable?): %s", exc)
                 self._last_tick = time.monotonic()
                 continue
-            if not alive:
+            if ttl <= 0:
                 self._lost(lease_id)
             self._last_tick = time.monotonic()
 
