@@ -10,42 +10,32 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import threading
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import prometheus_client
 import pytest
 
 from agent.etcd_args import EtcdTarget
-from agent.sd import SdServer
 from agent.top_model import Exposition
-from elastic.etcd import EtcdClient, free_port
+from elastic.etcd import EtcdClient
 from elastic.rendezvous.registry import NodeLease, NodeRecord
 from elastic.rendezvous.signing import StateSigner
 from tests.support import dashboard as dash
 from tests.support.metrics_standin import StandinNode, dcgm_registry
+from tests.support.prometheus import (PROM, RULES, PrometheusServer, ensure_prometheus, http_sd_config, shortened,
+                                      start_sd, value_of)
 from tests.support.waiting import wait_until
 
-PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
-RULES = PROM / "rules"
 KEY = b"0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    """promtool, installed by deploy/prometheus/ensure-prometheus.sh if missing (as `make test` does)."""
-    if shutil.which("promtool") is None or shutil.which("prometheus") is None:
-        done = subprocess.run(["sh", str(PROM / "ensure-prometheus.sh")], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            pytest.fail(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no promtool")
-    return shutil.which("promtool") or "promtool"
+    return ensure_prometheus()
 
 
 def run_tool(*args: str, cwd: Path = PROM) -> str:
@@ -83,71 +73,6 @@ def test_every_rule_has_a_test_case() -> None:
 
 
 # -- a real Prometheus ------------------------------------------------------------------------
-def shortened(config: str, **urls: str) -> str:
-    """The shipped config with test-sized intervals; fails if the shipped text drifted."""
-    swaps = {"scrape_interval: 10s": "scrape_interval: 1s", "scrape_timeout: 5s": "scrape_timeout: 1s",
-             "evaluation_interval: 10s": "evaluation_interval: 1s", "refresh_interval: 15s": "refresh_interval: 1s",
-             "refresh_interval: 30s": "refresh_interval: 1s", **urls}
-    text = (PROM / config).read_text()
-    for old, new in swaps.items():
-        if old in text:
-            text = text.replace(old, new)
-        else:
-            assert old.startswith("refresh_interval"), f"{config} no longer has {old!r}"
-    return text
-
-
-class PrometheusServer:
-    """``prometheus`` on a free loopback port over a copy of deploy/prometheus."""
-
-    def __init__(self, workdir: Path, config_text: str) -> None:
-        shutil.copytree(RULES, workdir / "rules")
-        (workdir / "file_sd").mkdir()
-        (workdir / "prometheus.yml").write_text(config_text)
-        self.workdir, self.port = workdir, free_port()
-        self.log = workdir / "prometheus.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> "PrometheusServer":
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                ["prometheus", f"--config.file={self.workdir / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-                 "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir)
-        wait_until(lambda: self._get("/-/ready") is not None, 30, "prometheus to be ready",
-                   on_timeout=self.tail)
-        return self
-
-    def _get(self, path: str) -> Any:
-        assert self.proc is not None and self.proc.poll() is None, self.tail()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as reply:
-                body = reply.read()
-        except OSError:
-            return None
-        return json.loads(body) if body.startswith(b"{") else body
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        reply = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
-        return reply["data"]["result"] if reply else []
-
-    def api(self, path: str) -> Any:
-        return self._get("/api/v1/" + path)["data"]
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def cleanup() -> Iterator[Callable[[Callable[[], object]], None]]:
     """Register closers; all run at the end, newest first, even when the test fails."""
@@ -169,22 +94,16 @@ def two_nodes(cleanup: Callable[[Callable[[], object]], None]) -> dict[str, Stan
     return nodes
 
 
-def value_of(rows: list[dict[str, Any]]) -> dict[tuple[str, ...], float]:
-    return {tuple(r["metric"].get(k, "") for k in ("run_id", "node", "rank")): float(r["value"][1]) for r in rows}
-
-
 def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_client: EtcdClient, run_id: str,
                                             cleanup: Callable[[Callable[[], object]], None]) -> None:
     nodes = two_nodes(cleanup)
     for name, node in nodes.items():
         record = NodeRecord(node=name, host="127.0.0.1", pid=1, metrics_url=node.serve(steps_per_second=10))
         cleanup(NodeLease(etcd_client, "/elastic", run_id, record, StateSigner(KEY), ttl=5).start().close)
-    sd = SdServer(EtcdTarget(etcd_client, StateSigner(KEY), "/elastic", run_id), "127.0.0.1", 0)
-    threading.Thread(target=sd.serve_forever, daemon=True).start()
+    sd = start_sd(EtcdTarget(etcd_client, StateSigner(KEY), "/elastic", run_id))
     cleanup(sd.server_close)
     cleanup(sd.shutdown)
-    config = shortened("prometheus.yml", **{"http://127.0.0.1:9470/targets": f"http://127.0.0.1:{sd.port}/targets"})
-    prom = PrometheusServer(tmp_path, config)
+    prom = PrometheusServer(tmp_path, http_sd_config(sd))
     # A DCGM exporter STAND-IN on node-a, listed in file_sd as docs/dashboard.md says.
     dcgm, _ = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=dcgm_registry())
     cleanup(dcgm.server_close)
