@@ -3,7 +3,8 @@
 Real: promtool, the prometheus server, the shipped configs and rules (only intervals and
 the sd URL are shortened), etcd, ``elastic sd`` and HTTP. STAND-INS: the node endpoints
 (tests/support/metrics_standin.py) serve catalogue-named metrics from real
-prometheus_client registries, with made-up steps, instead of real training workers.
+prometheus_client registries, with made-up steps, instead of real training workers, so the
+expected rates are exact. tests/deploy/test_prometheus_real_run.py scrapes real agents.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Everything is real; nothing is a stand-in:
 Checked is what a user looks at: both nodes are ``up`` targets, the samples/s and
 all-reduce bus-bandwidth recording rules return data for the run (busbw = algbw at n = 2),
 every rule evaluates cleanly, every recording rule, every metric the docs name and every
-dashboard query has data. After one node's tree is SIGKILLed, its target leaves http_sd,
+dashboard query has data, and the metrics a user reads first have sane values. After one node's tree is SIGKILLed, its target leaves http_sd,
 world size reads 1, and samples/s keeps coming from the survivor.
 """
 
@@ -135,6 +135,31 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
 
         wait_until(lambda: not undocumented(), 30, "every documented metric in Prometheus",
                    on_timeout=lambda: f"missing: {sorted(undocumented())}")
+        # ...with sane values: each (query, filter) keeps a node's series only if its value is sane.
+        per_node_sane = [
+            (f'elastic_build_info{{{run}, backend="gloo", device="cpu"}}', "== 1"),
+            (f'elastic_agent_worker_group_state{{{run}, state="healthy"}}', "== 1"),
+            (f"elastic_agent_nodes_in_round{{{run}}}", "== 2"),
+            (f"elastic_agent_remaining_restarts{{{run}}}", "> 0"),
+            (f'elastic_agent_rendezvous_duration_seconds_count{{{run}, outcome="ok"}}', "> 0"),
+            (f"elastic_loss{{{run}}}", "> 0 < 1e6"),  # finite: NaN passes no comparison
+            (f"elastic_time_to_first_step_seconds{{{run}}}", "> 0 < 300"),
+            (f"elastic_restore_seconds{{{run}}}", ">= 0 < 300"),
+            (f"sum by (run_id, node) (elastic_collective_errors_total{{{run}}})", "== 0"),
+            (f"sum by (run_id, node) (rate(elastic_data_wait_seconds_sum{{{run}}}[1m]))"  # a share of the step
+             f" / sum by (run_id, node) (rate(elastic_step_duration_seconds_sum{{{run}}}[1m]))", "< 1"),
+        ]
+
+        def insane() -> list[tuple[str, str]]:
+            return [(q, sane) for q, sane in per_node_sane
+                    if {k[1] for k in value_of(prom.query(f"{q} {sane}"))} != {"a", "b"}]
+
+        wait_until(lambda: not insane(), 30, "sane values on both nodes",
+                   on_timeout=lambda: "\n".join(f"{q} {sane}: {value_of(prom.query(q))}" for q, sane in insane()))
+        # Rank 0 snapshots every 10 steps: soon the newest durable one is seconds old.
+        snapshot_age = f"time() - max by (run_id) (elastic_snapshot_last_durable_timestamp_seconds{{{run}}})"
+        wait_until(lambda: prom.query(f"{snapshot_age} < 60"), 30, "a durable snapshot under a minute old",
+                   on_timeout=lambda: str(prom.query(snapshot_age)))
         panels = [e for e in dash.expressions(dash.load())
                   if not dash.metrics_in(e) & NOT_IN_MLP and not any(map(dash.is_external, dash.metrics_in(e)))]
 
