@@ -10,8 +10,9 @@ Everything is real; nothing is a stand-in:
 Checked is what a user looks at: both nodes are ``up`` targets, the samples/s and
 all-reduce bus-bandwidth recording rules return data for the run (busbw = algbw at n = 2),
 every rule evaluates cleanly, every recording rule, every metric the docs name and every
-dashboard query has data, and the metrics a user reads first have sane values. After one node's tree is SIGKILLed, its target leaves http_sd,
-world size reads 1, and samples/s keeps coming from the survivor.
+dashboard query has data, and the metrics a user reads first have sane values. After one
+node's tree is SIGKILLed, its target leaves http_sd, world size reads 1, and samples/s
+keeps coming from the survivor.
 """
 
 from __future__ import annotations
