@@ -1,15 +1,21 @@
 """``elastic top``: the numbers from real text exposition, and ``--once`` against real HTTP.
 
-The node endpoints are STAND-INS (tests/support/metrics_standin.py): real prometheus_client
-registries served over real HTTP, with made-up steps so the expected figures are exact.
-The registry entries are real, in a real etcd.
+Most node endpoints here are STAND-INS (tests/support/metrics_standin.py): real
+prometheus_client registries served over real HTTP, with made-up steps so the expected
+figures are exact. The registry entries are real, in a real etcd.
+
+``test_once_against_a_real_two_node_run`` has no stand-in: two real ``elastic agent``
+nodes train the mlp job on gloo, and ``elastic top --once`` finds them through the etcd
+registry, as a user would run it next to the job.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -19,6 +25,8 @@ from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
 from elastic.rendezvous.registry import NodeLease, NodeRecord
 from elastic.rendezvous.signing import StateSigner
 from tests.support.metrics_standin import BATCH, StandinNode
+from tests.support.nodes import TorchrunNode
+from tests.support.waiting import wait_until
 
 KEY = b"0123456789abcdef0123456789abcdef"
 
@@ -124,6 +132,63 @@ def test_once_against_live_endpoints(etcd_server: EmbeddedEtcd, etcd_client: Etc
     assert "scrape failed" in lines["node-c", "-"][-1]
     assert f"run {run_id} · world 4 · 3 nodes" in out
     assert "stragglers (step p50 ≥ ratio × median): node-b/2" in out
+
+
+def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """``elastic top``'s table rows by (node, rank): the cells as printed."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip()[1:-1].split("│")]
+        if len(cells) == 12 and cells[0].startswith("node-"):
+            rows[cells[0], cells[1]] = cells
+    return rows
+
+
+def rate_of(cell: str) -> float:
+    """A printed rate (``533.3``, ``1.28k``, ``2.10 MB/s``) back to a number."""
+    found = re.fullmatch(r"([\d.]+) ?([kMGT]?)(?:B/s)?", cell)
+    assert found, f"not a rate: {cell!r}"
+    return float(found[1]) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[found[2]]
+
+
+def test_once_against_a_real_two_node_run(etcd_server: EmbeddedEtcd, run_id: str, tmp_path: Path,
+                                          nodes: Callable[..., TorchrunNode],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    key_file = tmp_path / "job.key"
+    key_file.write_bytes(KEY)
+    snaps = tmp_path / "snaps"
+    job = ["--job", "mlp", "--steps", "100000", "--snapshot-dir", str(snaps), "--snapshot-every-steps", "10",
+           "--step-sleep", "0.02", "--progress", "{progress}"]
+    a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.train", module_args=job,
+                  metrics_port=free_port(), agent_args=["--lease-ttl", "2"],
+                  env={"ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)}) for n in ("node-a", "node-b"))
+    wait_until(lambda: len(a.steps_at(2)) >= 20 and len(b.steps_at(2)) >= 20 and any(snaps.glob("step-*")),
+               120, "two nodes to train 20 steps together and snapshot", on_timeout=lambda: a.log_tail() + b.log_tail())
+
+    counted_before = {n.name: Counter(str(r["rank"]) for r in n.progress()) for n in (a, b)}
+    code = main(["--once", "--interval", "1", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
+                 "--rdzv-conf", f"hmac_key_file={key_file}"])
+    counted_after = {n.name: Counter(str(r["rank"]) for r in n.progress()) for n in (a, b)}
+    out = capsys.readouterr().out
+    print(out)  # shown on failure: the table as a user sees it
+    assert code == 0, out
+
+    rows = table_rows(out)
+    rank_of = {n.name: str(n.progress()[-1]["rank"]) for n in (a, b)}
+    assert sorted(rows) == sorted(rank_of.items()) and sorted(rank_of.values()) == ["0", "1"], out
+    assert f"run {run_id} · world 2 · 2 nodes" in out
+    assert re.search(r"samples · newest snapshot [\d.]+ (ms|s) old", out), out
+    for (node, rank), (_, _, state, steps, rate, p50, p99, allreduce, busbw, age, restarts, _note) in rows.items():
+        where = f"{node}/{rank}: {rows[node, rank]}"
+        assert state == "running", where
+        # the step counter of that rank on that node: what its progress file counts, no more
+        assert counted_before[node][rank] <= int(steps) <= counted_after[node][rank], (where, counted_after)
+        assert int(steps) >= 20 and rate_of(rate) > 0, where
+        assert all(re.fullmatch(r"[\d.]+ (µs|ms|s)", t) for t in (p50, p99, allreduce)), where
+        assert busbw.endswith("B/s") and rate_of(busbw) > 0, where
+        assert restarts.isdigit(), where
+        if rank == "0":  # rank 0 writes the snapshots: its node has the newest durable one
+            assert re.fullmatch(r"[\d.]+ (ms|s)", age), where
 
 
 def test_unreachable_etcd_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
