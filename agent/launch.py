@@ -55,6 +55,10 @@ def build_agent_parser() -> argparse.ArgumentParser:
                            "(default auto: 20x the median step time, at least 60 s)")
     ours.add_argument("--snapshot-dir", "--snapshot_dir", dest="snapshot_dir", default=None,
                       help="shared snapshot directory, passed to workers as ELASTIC_SNAPSHOT_DIR")
+    ours.add_argument("--warm-start", "--warm_start", dest="warm_start", action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help="keep one pre-imported standby process per local rank, so a restarted worker "
+                           "skips importing torch (default on; --no-warm-start for cold starts)")
     # torchrun's PET_* variables (what Kubeflow sets) keep precedence over our defaults
     own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
     parser.set_defaults(**{k: v for k, v in own.items() if f"PET_{k.upper()}" not in os.environ})
@@ -131,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
     settings = AgentSettings(
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-        lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout,
+        lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
         snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
         heartbeat_dir=work / "heartbeat", metrics_dir=prepare_dir(work / "metrics"),
     )

@@ -42,10 +42,18 @@ class AgentMetrics:
         self.etcd_errors = Counter("elastic_agent_etcd_errors",
                                    "etcd requests that failed for good (after retries), by kind of failure",
                                    ["op"], registry=r)
+        self.worker_starts = Counter("elastic_agent_worker_starts",
+                                     "Worker processes started: warm (a pre-imported standby) or cold",
+                                     ["mode"], registry=r)
+        self.standbys_ready = Gauge("elastic_agent_standby_workers_ready",
+                                    "Pre-imported standby workers ready for the next start (0 with --no-warm-start)",
+                                    registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],
               registry=r).labels(node=node, version=version).set(1)
         for op in ("unavailable", "denied", "refused"):
             self.etcd_errors.labels(op=op)
+        for mode in ("warm", "cold"):
+            self.worker_starts.labels(mode=mode)
         for reason in ("worker_failed", "peer_lost", "hang", "scale_up", "lease_lost"):
             self.restarts.labels(reason=reason)  # export zeros, so rate() works from the start
         self.set_state("init")

@@ -33,6 +33,7 @@ from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3R
 from .commands import CommandWatch
 from .metrics import AgentMetrics
 from .settings import AgentSettings
+from .warm_start import WarmPool, warm_handlers
 from .watchdog import HangWatch
 
 log = logging.getLogger("elastic.agent")
@@ -58,6 +59,18 @@ class NodeAgent(LocalElasticAgent):
             self.handler.lease.update(metrics_url=metrics.url)
             self.handler.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
         metrics.remaining_restarts.set(self._remaining_restarts)
+        self.pool: WarmPool | None = None
+        if settings.warm_start:
+            self.pool = WarmPool(self._worker_group.spec.local_world_size,
+                                 on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
+            self.pool.fill()  # the standbys import torch while the first rendezvous runs
+
+    def run(self, role: str = "default") -> RunResult:
+        try:
+            return super().run(role)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
 
     # ------------------------------------------------------------------ monitoring
 
@@ -84,6 +97,10 @@ class NodeAgent(LocalElasticAgent):
                 if stalled is not None:
                     self._on_hang(worker_group, stalled)
                     return RunResult(state=WorkerState.UNHEALTHY)
+                if self.pool is not None:
+                    if not self.pool.full and self.watch.progressed():
+                        self.pool.fill()  # after the group's first step: never competes with a recovery
+                    self.metrics.standbys_ready.set(self.pool.ready_count())
         self.metrics.set_state(result.state.name.lower())
         return result
 
@@ -151,7 +168,11 @@ class NodeAgent(LocalElasticAgent):
         self.watch.reset()
         if self.handler is not None and self.handler.round is not None:
             os.environ["ELASTIC_ROUND"] = str(self.handler.round.round)  # inherited by the workers
-        started = super()._start_workers(worker_group)
+        if self.pool is not None:
+            with warm_handlers(self.pool):
+                started = super()._start_workers(worker_group)
+        else:
+            started = super()._start_workers(worker_group)
         self.metrics.set_state("healthy")
         return started
 

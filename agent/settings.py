@@ -16,4 +16,5 @@ class AgentSettings:
     snapshot_dir: Path | None
     heartbeat_dir: Path
     metrics_dir: Path  # the workers' prometheus multiprocess files
+    warm_start: bool = True  # keep pre-imported standby workers (agent/warm_start.py)
     graceful_stop: float = 5.0  # SIGTERM -> SIGKILL grace when a healthy world re-forms

@@ -48,6 +48,10 @@ class HangWatch:
     def describe_timeout(self) -> str:
         return f"{self.timeout:g} s" if self.timeout is not None else f"auto, {self.current_timeout():.0f} s"
 
+    def progressed(self) -> bool:
+        """Has a rank of the current group finished a step (as last seen by ``stalled``)?"""
+        return bool(self._last)
+
     def stalled(self) -> float | None:
         """Seconds since the last progress on this node if that exceeds the budget, else None."""
         now = time.time()

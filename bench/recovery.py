@@ -7,6 +7,8 @@ one. Configurations, each over ``--trials`` fresh clusters in the same run:
 
 * ``ours-kill`` / ``ours-stop``: ``elastic agent`` (etcd-v3, lease TTL ``--lease-ttl``);
 * ``ours-kill-rank0``: the killed node is rank 0's;
+* ``ours-kill-cold``: as ``ours-kill`` with ``--no-warm-start`` (every worker imports torch
+  after the fault): what the standby workers of ``agent/warm_start.py`` save;
 * ``c10d-tuned`` / ``c10d-default``: plain torchrun, torch's c10d backend, tuned
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
 * ``c10d-tuned-store-host``: the killed node hosts c10d's store (the job is expected to die);
@@ -25,12 +27,13 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from elastic.etcd import EmbeddedEtcd, free_port
 from agent.local_node import LocalNode
 
-CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "c10d-tuned", "c10d-default",
+CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-cold", "c10d-tuned", "c10d-default",
            "c10d-tuned-store-host", "torchrun-stop")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 
@@ -48,7 +51,8 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
     for i, name in enumerate(("a", "b")):
         if ours:
             node = LocalNode(name=name, endpoint=etcd.endpoint, launcher="elastic", metrics_port=free_port(),
-                             agent_args=["--lease-ttl", str(lease_ttl)], **common)  # type: ignore[arg-type]
+                             agent_args=["--lease-ttl", str(lease_ttl)]
+                             + (["--no-warm-start"] if config.endswith("-cold") else []), **common)  # type: ignore[arg-type]
         else:
             conf = dict(TUNED) if "tuned" in config or config == "torchrun-stop" else {}
             conf["is_host"] = "1" if i == 0 else "0"
@@ -63,6 +67,13 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
                       "bootstrap store after a scale-up); skipping", file=sys.stderr, flush=True)
                 return None
             time.sleep(0.1)
+        if ours and not config.endswith("-cold"):
+            # steady state: each survivor's standby worker has finished importing torch
+            while not all(_standbys_ready(n) for n in nodes):
+                if time.time() > deadline:
+                    print(f"  {config}: standby workers not ready within 120 s", file=sys.stderr, flush=True)
+                    return None
+                time.sleep(0.2)
         host_node = nodes[0]
         if config == "c10d-tuned-store-host":
             victim = host_node
@@ -74,7 +85,7 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
             victim = nodes[1]
         survivor = next(n for n in nodes if n is not victim)
         fault_at = time.time()
-        if config.endswith("stop"):
+        if config.endswith("stop"):  # ours-kill-cold is a kill
             victim.freeze()
         else:
             victim.kill()
@@ -120,6 +131,15 @@ def main() -> int:
         print(f"{config:24s} {med if med is not None else float('nan'):9.2f} {ok:>4d}/{len(values):<5d} {ratio:>14s}")
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
     return 0
+
+
+def _standbys_ready(node: LocalNode) -> bool:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
+    return any(line.startswith("elastic_agent_standby_workers_ready ") and float(line.split()[1]) >= 1
+               for line in text.splitlines())
 
 
 def _median(values: list[float | None]) -> float | None:

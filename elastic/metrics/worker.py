@@ -27,7 +27,15 @@ def process_age_seconds() -> float:
 
     Linux records the start in ``/proc/self/stat`` in clock ticks since boot; comparing it
     with ``CLOCK_BOOTTIME`` avoids the whole-second ``btime``. Elsewhere: since import.
+    A warm-started worker (``agent/warm_worker.py``) counts from when its standby was
+    given its rank, which is when a cold worker would have been started.
     """
+    started_at = os.environ.get("ELASTIC_WORKER_STARTED_AT")
+    if started_at:
+        try:
+            return time.time() - float(started_at)
+        except ValueError:
+            pass
     try:
         stat = Path("/proc/self/stat").read_text()
         start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime

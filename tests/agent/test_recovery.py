@@ -38,15 +38,27 @@ def logs(*nodes: Node) -> Callable[[], str]:
     return lambda: "\n".join(n.log_tail(60) for n in nodes)
 
 
-def restarts(node: Node) -> dict[str, float]:
-    """elastic_agent_restarts_total by reason, scraped from the node's /metrics."""
+def by_label(node: Node, name: str, label: str) -> dict[str, float]:
+    """One agent metric's samples by one label, scraped from the node's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "elastic_agent_restarts_total":
-                found[sample.labels["reason"]] = sample.value
+            if sample.name == name:
+                found[sample.labels.get(label, "")] = sample.value
     return found
+
+
+def restarts(node: Node) -> dict[str, float]:
+    return by_label(node, "elastic_agent_restarts_total", "reason")
+
+
+def worker_starts(node: Node) -> dict[str, float]:
+    return by_label(node, "elastic_agent_worker_starts_total", "mode")
+
+
+def standby_ready(node: Node) -> bool:
+    return by_label(node, "elastic_agent_standby_workers_ready", "").get("", 0) >= 1
 
 
 def pair(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, **kw: object) -> tuple[Node, Node]:
@@ -63,6 +75,9 @@ def test_killed_node_is_replaced_by_a_smaller_world_and_rejoins_when_restarted(
     a, b = pair(nodes, etcd_server, run_id)
     victim, survivor = (a, b) if a.steps_at(2)[-1]["rank"] == victim_rank else (b, a)
     round_before = survivor.steps_at(2)[-1]["round"]
+    wait_until(lambda: standby_ready(survivor), FORM_TIMEOUT, "the survivor's standby worker to import torch",
+               on_timeout=logs(survivor))
+    starts_before = worker_starts(survivor)
 
     killed_at = time.time()
     victim.kill()
@@ -74,6 +89,8 @@ def test_killed_node_is_replaced_by_a_smaller_world_and_rejoins_when_restarted(
     counted = restarts(survivor)
     assert counted["peer_lost"] >= 1, counted  # the peer's death is not this node's failure...
     assert counted["worker_failed"] == 0, counted  # ...so it does not spend --max-restarts
+    starts = worker_starts(survivor)  # the restarted worker came from the pre-imported standby
+    assert starts["warm"] > starts_before["warm"] and starts["cold"] == starts_before["cold"] == 0, starts
 
     back_at = time.time()
     victim.start()
@@ -114,7 +131,7 @@ def test_a_rank_that_hangs_inside_a_step_is_restarted_and_the_job_finishes(
     job = ["--steps", "40", "--step-time", "0.02", "--progress", "{progress}", "--collective-timeout", "300",
            "--hang-at-step", "10", "--hang-marker", str(tmp_path / "hung-once")]
     node = start(nodes, "solo", etcd_server, run_id, module_args=job, nnodes="1:1", nproc_per_node=2,
-                 agent_args=["--hang-timeout", "5"])
+                 agent_args=["--hang-timeout", "5", "--no-warm-start"])  # the cold path, end to end
     wait_until(lambda: not node.alive(), 2 * FORM_TIMEOUT, "the job to finish despite the hang", on_timeout=logs(node))
     assert node.process is not None and node.process.returncode == 0, node.log_tail(80)
     log = node.log_path.read_text()
@@ -123,6 +140,7 @@ def test_a_rank_that_hangs_inside_a_step_is_restarted_and_the_job_finishes(
     steps = node.progress()
     assert max(r["step"] for r in steps) == 39
     assert len({r["round"] for r in steps}) == 2  # the hang cost exactly one restart
+    assert "warm_worker" not in log  # --no-warm-start: workers were plain `python -u` processes
 
 
 def test_an_etcd_outage_of_ten_seconds_does_not_disturb_training(
