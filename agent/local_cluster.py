@@ -389,42 +389,48 @@ def main(argv: Sequence[str]) -> int:
         stop, pressed = threading.Event(), []
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
-        finished = False
+        finished = interrupted = False
         try:
             for n in cluster.nodes:
                 n.node.start()
             started, trained_at = time.time(), None
             next_fault, scheduled = None, 0
-            with Live(view(cluster, "elastic local"), console=console, refresh_per_second=4) as live:
-                while time.time() - started < args.timeout:
-                    time.sleep(0.1)
-                    cluster.tick()
-                    if trained_at is None and cluster.step() > 0:
-                        trained_at = time.time()
-                        next_fault = trained_at + args.first_fault_after
-                    key = pressed.pop(0) if pressed else ""
-                    due = next_fault is not None and scheduled < args.faults and time.time() >= next_fault
-                    candidates = [n for n in cluster.up() if n.node.progress()]
-                    if key == "q":
-                        break
-                    if (((due and cluster.quiet()) or key in ("k", "f")) and len(candidates) >= 2
-                            and cluster.world() == len(cluster.up()) * cluster.nproc):
-                        kind = {"k": KILL, "f": FREEZE}.get(key) or args.kinds[scheduled % len(args.kinds)]
-                        target = random.choice(candidates)
-                        cluster.inject(kind, target, args.back_after)
-                        if due:
-                            scheduled += 1
-                            next_fault = time.time() + args.fault_every
-                    live.update(view(cluster, f"elastic local  {time.time() - started:5.0f} s"))
-                    if cluster.step() >= args.steps and all(not n.node.alive() for n in cluster.nodes
-                                                            if n.state == "up"):
-                        finished = True
-                        break
+            try:
+                with Live(view(cluster, "elastic local"), console=console, refresh_per_second=4) as live:
+                    while time.time() - started < args.timeout:
+                        time.sleep(0.1)
+                        cluster.tick()
+                        if trained_at is None and cluster.step() > 0:
+                            trained_at = time.time()
+                            next_fault = trained_at + args.first_fault_after
+                        key = pressed.pop(0) if pressed else ""
+                        due = next_fault is not None and scheduled < args.faults and time.time() >= next_fault
+                        candidates = [n for n in cluster.up() if n.node.progress()]
+                        if key == "q":
+                            break
+                        if (((due and cluster.quiet()) or key in ("k", "f")) and len(candidates) >= 2
+                                and cluster.world() == len(cluster.up()) * cluster.nproc):
+                            kind = {"k": KILL, "f": FREEZE}.get(key) or args.kinds[scheduled % len(args.kinds)]
+                            target = random.choice(candidates)
+                            cluster.inject(kind, target, args.back_after)
+                            if due:
+                                scheduled += 1
+                                next_fault = time.time() + args.fault_every
+                        live.update(view(cluster, f"elastic local  {time.time() - started:5.0f} s"))
+                        if cluster.step() >= args.steps and all(not n.node.alive() for n in cluster.nodes
+                                                                if n.state == "up"):
+                            finished = True
+                            break
+            except KeyboardInterrupt:  # Ctrl-C quits like q: clean up, then the summary
+                interrupted = True
         finally:
             stop.set()
             for n in cluster.nodes:
                 n.node.cleanup()
     ok = summary(console, cluster)
     if not finished:
-        console.print(f"[yellow]stopped before step {args.steps}[/yellow] (timeout or q)")
+        why = "Ctrl-C" if interrupted else "timeout or q"
+        console.print(f"[yellow]stopped before step {args.steps}[/yellow] ({why})")
+    if interrupted:
+        return 130  # the shell's code for an interrupted command
     return 0 if ok and (finished or args.timeout <= 0) else 1

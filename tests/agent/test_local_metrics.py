@@ -158,7 +158,9 @@ def test_elastic_local_nodes_serve_metrics_found_through_the_registry(
     rows = [line for line in out.splitlines() if re.match(r"│ node-[01] +│ +[01] +│ running ", line)]
     assert len(rows) == 2, out
 
-    # Ctrl-C ends elastic local and everything it started: etcd, agents, workers.
-    assert local_run.interrupt() is not None, local_run.logs()
+    # Ctrl-C ends elastic local and everything it started (etcd, agents, workers), and
+    # still prints the summary a user quit to read.
+    assert local_run.interrupt() == 130, local_run.logs()
+    assert "Faults and recoveries" in local_run.output() and "stopped before step" in local_run.output()
     wait_until(lambda: not local_run.left_running(), 10, "elastic local's processes to be gone after Ctrl-C",
                on_timeout=lambda: str(local_run.left_running()))
