@@ -138,3 +138,18 @@ def test_no_standby_means_a_cold_start_and_close_leaves_no_process(pool: WarmPoo
     assert len(standby_pids) == 1
     pool.close()
     wait_until(lambda: not (set(standby_pids) & set(process_tree(os.getpid()))), 30, "standbys to exit")
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, True),
+    (["--no-warm-start"], {}, False),
+    ([], {"ELASTIC_WARM_START": "0"}, False),
+    (["--warm-start"], {"ELASTIC_WARM_START": "0"}, True),  # a flag given wins over the environment
+])
+def test_warm_start_is_on_by_default_and_can_be_turned_off(argv: list[str], env: dict[str, str], expected: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.launch import build_agent_parser
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert build_agent_parser().parse_args([*argv, "train.py"]).warm_start is expected
