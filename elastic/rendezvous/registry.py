@@ -131,6 +131,7 @@ class NodeLease:
 
     def start(self) -> "NodeLease":
         self.lease_id()
+        self._last_tick = time.monotonic()  # the freeze clock starts now, not when we were built
         self._thread = threading.Thread(target=self._keep_alive, name="elastic-node-lease", daemon=True)
         self._thread.start()
         return self
