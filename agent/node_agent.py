@@ -41,6 +41,7 @@ log = logging.getLogger("elastic.agent")
 WORKER_FAILED, HANG, USER_ERROR_EXIT = "worker_failed", "hang", 2
 _ABRUPT = {PEER_LOST, LEASE_LOST, HANG, WORKER_FAILED}  # the world is broken: no graceful stop
 _STACK_DUMP_WAIT_S = 1.0
+STANDBY_READY_TIMEOUT_S = 120.0
 
 
 class NodeAgent(LocalElasticAgent):
@@ -60,10 +61,25 @@ class NodeAgent(LocalElasticAgent):
             self.handler.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
         metrics.remaining_restarts.set(self._remaining_restarts)
         self.pool: WarmPool | None = None
+        self._joined_once = False
         if settings.warm_start:
             self.pool = WarmPool(self._worker_group.spec.local_world_size,
                                  on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
             self.pool.fill()  # the standbys import torch while the first rendezvous runs
+
+    def _await_standbys(self) -> None:
+        """Join the job only once this node can start its workers without importing torch.
+
+        A node joining a running job opens a new round, which stops every other node's
+        workers; they would then idle while this node's workers imported torch.
+        """
+        deadline = time.monotonic() + STANDBY_READY_TIMEOUT_S
+        while self.pool is not None and self.pool.ready_count() < self.pool.size:
+            if time.monotonic() > deadline:
+                log.warning("[%s] standby workers not ready after %.0f s; joining anyway (cold start)",
+                            self.settings.node_name, STANDBY_READY_TIMEOUT_S)
+                return
+            time.sleep(0.05)
 
     def run(self, role: str = "default") -> RunResult:
         try:
@@ -128,7 +144,9 @@ class NodeAgent(LocalElasticAgent):
         if self.handler is not None:
             self.handler.lease.update(state="stopping")
         self.metrics.set_state("stopped")
-        if self._reason in _ABRUPT:
+        if self._reason in _ABRUPT or not self.watch.progressed():
+            # broken world, or a group that has not finished a step: nothing to flush, and
+            # a worker blocked in process-group set-up would not run a SIGTERM handler
             self._shutdown(signal.SIGKILL, timeout=5)
         else:
             # lets rank 0 flush a snapshot; a rank stuck in a collective with one that
@@ -152,6 +170,9 @@ class NodeAgent(LocalElasticAgent):
         self._reason = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self.pool is not None and not self._joined_once:
+            self._await_standbys()
+        self._joined_once = True
         started = time.monotonic()
         try:
             super()._rendezvous(worker_group)

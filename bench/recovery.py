@@ -12,7 +12,10 @@ one. Configurations, each over ``--trials`` fresh clusters in the same run:
 * ``c10d-tuned`` / ``c10d-default``: plain torchrun, torch's c10d backend, tuned
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
 * ``c10d-tuned-store-host``: the killed node hosts c10d's store (the job is expected to die);
-* ``torchrun-stop``: plain torchrun (c10d, tuned) with a SIGSTOPped node.
+* ``torchrun-stop``: plain torchrun (c10d, tuned) with a SIGSTOPped node;
+* ``ours-join`` / ``c10d-tuned-join``: no fault; a second node joins a node training
+  alone, and the figure is how long training stood still (the last step of the world of
+  one to the first step of the world of two, on the first node).
 
 etcd-v2 runs only where torch's v2 client (``python-etcd``) is installed; it is not here.
 A configuration that does not recover within ``--give-up`` seconds is reported as such.
@@ -23,6 +26,7 @@ A configuration that does not recover within ``--give-up`` seconds is reported a
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import tempfile
@@ -34,7 +38,8 @@ from elastic.etcd import EmbeddedEtcd, free_port
 from agent.local_node import LocalNode
 
 CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-cold", "c10d-tuned", "c10d-default",
-           "c10d-tuned-store-host", "torchrun-stop")
+           "c10d-tuned-store-host", "torchrun-stop", "ours-join", "c10d-tuned-join")
+DEFAULT_CONFIGS = CONFIGS[:8]
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 
 
@@ -58,7 +63,15 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
             conf["is_host"] = "1" if i == 0 else "0"
             node = LocalNode(name=name, endpoint=f"127.0.0.1:{store_port}", launcher="torchrun",
                              rdzv_backend="c10d", rdzv_conf=conf, **common)  # type: ignore[arg-type]
-        nodes.append(node.start())  # both at once: a 1 s last call cannot wait for a slow import
+        nodes.append(node)
+    if config.endswith("-join"):
+        try:
+            return join_pause(nodes, ours, give_up)
+        finally:
+            for n in nodes:
+                n.cleanup()
+    for node in nodes:
+        node.start()  # both at once: a 1 s last call cannot wait for a slow import
     try:
         deadline = time.time() + 120
         while not all(len(n.steps_at(2)) >= 20 for n in nodes):
@@ -102,13 +115,35 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
             n.cleanup()
 
 
+def join_pause(nodes: list[LocalNode], ours: bool, give_up: float) -> float | None:
+    """Seconds the first node's training stood still while the second joined."""
+    first, second = nodes
+    first.start()
+    deadline = time.time() + 120
+    while len(first.steps_at(1)) < 20 or (ours and not _standbys_ready(first)):
+        if time.time() > deadline or not first.alive():
+            return None
+        time.sleep(0.1)
+    joined_at = time.time()
+    second.start()
+    while time.time() - joined_at < give_up:
+        together = first.steps_at(2, after=joined_at)
+        if together:
+            alone_before = [r["time"] for r in first.steps_at(1) if r["time"] < together[0]["time"]]
+            return together[0]["time"] - max(alone_before)
+        time.sleep(0.05)
+    return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all but the -join ones)")
     p.add_argument("--lease-ttl", type=int, default=3)
     p.add_argument("--give-up", type=float, default=90.0, help="seconds after which a trial counts as not recovered")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up nodes and etcd
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
@@ -122,13 +157,14 @@ def main() -> int:
                 results[config].append(seconds)
                 shown = f"{seconds:.2f} s" if seconds is not None else "not recovered"
                 print(f"trial {t + 1}/{args.trials} {config:24s} {shown}", flush=True)
-    anchor = _median(results.get("c10d-tuned", []))
-    print(f"\n{'config':24s} {'median s':>9s} {'recovered':>10s} {'vs c10d-tuned':>14s}")
+    anchors = {False: _median(results.get("c10d-tuned", [])), True: _median(results.get("c10d-tuned-join", []))}
+    print(f"\n{'config':24s} {'median s':>9s} {'recovered':>10s} {'vs c10d-tuned[-join]':>21s}")
     for config, values in results.items():
         med = _median(values)
         ok = sum(v is not None for v in values)
+        anchor = anchors[config.endswith("-join")]
         ratio = f"{med / anchor:.2f}x" if med is not None and anchor else "-"
-        print(f"{config:24s} {med if med is not None else float('nan'):9.2f} {ok:>4d}/{len(values):<5d} {ratio:>14s}")
+        print(f"{config:24s} {med if med is not None else float('nan'):9.2f} {ok:>4d}/{len(values):<5d} {ratio:>21s}")
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
     return 0
 
