@@ -13,7 +13,7 @@ one. Configurations, each over ``--trials`` fresh clusters in the same run:
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
 * ``c10d-tuned-store-host``: the killed node hosts c10d's store (the job is expected to die);
 * ``torchrun-stop``: plain torchrun (c10d, tuned) with a SIGSTOPped node;
-* ``ours-join`` / ``c10d-tuned-join``: no fault; a second node joins a node training
+* ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: no fault; a second node joins a node training
   alone, and the figure is how long training stood still (the last step of the world of
   one to the first step of the world of two, on the first node).
 
@@ -38,7 +38,8 @@ from elastic.etcd import EmbeddedEtcd, free_port
 from agent.local_node import LocalNode
 
 CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-cold", "c10d-tuned", "c10d-default",
-           "c10d-tuned-store-host", "torchrun-stop", "ours-join", "c10d-tuned-join")
+           "c10d-tuned-store-host", "torchrun-stop", "ours-join", "c10d-tuned-join",
+           "c10d-default-join")
 DEFAULT_CONFIGS = CONFIGS[:8]
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 
@@ -157,7 +158,8 @@ def main() -> int:
                 results[config].append(seconds)
                 shown = f"{seconds:.2f} s" if seconds is not None else "not recovered"
                 print(f"trial {t + 1}/{args.trials} {config:24s} {shown}", flush=True)
-    anchors = {False: _median(results.get("c10d-tuned", [])), True: _median(results.get("c10d-tuned-join", []))}
+    anchors = {False: _median(results.get("c10d-tuned", [])), True: _median(results.get("c10d-tuned-join", []))
+               or _median(results.get("c10d-default-join", []))}
     print(f"\n{'config':24s} {'median s':>9s} {'recovered':>10s} {'vs c10d-tuned[-join]':>21s}")
     for config, values in results.items():
         med = _median(values)
