@@ -3,10 +3,16 @@
 Hashing the stream being written (rather than re-reading the file) avoids a second pass
 over hundreds of MB; the hash runs on a helper thread in parallel with the write, since
 both release the GIL, so it costs little on top of the disk (see docs/checkpoints.md).
+
+Writeback starts as the bytes arrive (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` on each
+piece, Linux): otherwise the kernel holds the whole file dirty until the final fsync, and
+the disk idles while the CPU serialises and hashes, then the CPU idles while the disk
+writes. The fsync at the end is unchanged, so durability does not depend on it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import os
@@ -20,6 +26,27 @@ from .workers import DaemonPool
 
 _READ_CHUNK = 8 << 20
 _PARALLEL_HASH_MIN = 256 << 10
+_PIECE = 8 << 20  # hash, write and start writeback in pieces this size
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing this range now, without waiting (best effort)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class _HashingWriter:
@@ -29,7 +56,7 @@ class _HashingWriter:
     OSError so ENOSPC can be reported as a full disk rather than an enforce failure.
     """
 
-    def __init__(self, fd: int, hasher_pool: DaemonPool, nice: int) -> None:
+    def __init__(self, fd: int, hasher_pool: DaemonPool, nice: int | None) -> None:
         self._fd = fd
         self._nice = nice
         self._pool = hasher_pool
@@ -39,6 +66,11 @@ class _HashingWriter:
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
+        for start in range(0, mv.nbytes, _PIECE):
+            self._write_piece(mv[start : start + _PIECE])
+        return mv.nbytes
+
+    def _write_piece(self, mv: memoryview) -> None:
         fut = self._pool.submit(self._hash, mv) if mv.nbytes >= _PARALLEL_HASH_MIN else None
         try:
             if fut is None:
@@ -52,24 +84,28 @@ class _HashingWriter:
         finally:
             if fut is not None:
                 fut.result()  # the chunk's memory is only valid until we return
+        if mv.nbytes >= _PARALLEL_HASH_MIN:
+            start_writeback(self._fd, self.size, mv.nbytes)
         self.size += mv.nbytes
-        return mv.nbytes
 
     def _hash(self, mv: memoryview) -> None:
-        set_thread_nice(self._nice)
+        if self._nice is not None:
+            set_thread_nice(self._nice)
         self.sha.update(mv)
 
     def flush(self) -> None:
         pass
 
 
-def write_file(path: Path, obj: Any, hasher_pool: DaemonPool, nice: int = 0) -> tuple[int, str]:
+def write_file(path: Path, obj: Any, hasher_pool: DaemonPool, nice: int | None = 0) -> tuple[int, str]:
     """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex).
 
     ``nice`` is the submitting thread's niceness, applied to the pool threads doing the
-    work, so a background writer's deprioritisation is not lost in a thread pool.
+    work, so a background writer's deprioritisation is not lost in a thread pool; None
+    leaves thread priorities alone (the writer process, whose priority is set from outside).
     """
-    set_thread_nice(nice)
+    if nice is not None:
+        set_thread_nice(nice)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         w = _HashingWriter(fd, hasher_pool, nice)

@@ -118,6 +118,9 @@ class SnapshotStore:
         self.if_exists = if_exists
         self.stale_temp_grace_s = stale_temp_grace_s
         self._io_threads = max(1, io_threads)
+        # Pass the saving thread's niceness on to the pool threads; the writer process turns
+        # this off because its priority is set, and raised, from outside.
+        self.propagate_nice = True
         self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._pools_lock = threading.Lock()
         if self.root.exists() and not self.root.is_dir():
@@ -138,6 +141,10 @@ class SnapshotStore:
                 f"snapshot directory {self.root} is not writable (read-only filesystem or permissions); "
                 "make it writable or pass another directory"
             )
+
+    @property
+    def io_threads(self) -> int:
+        return self._io_threads
 
     def __repr__(self) -> str:
         return f"SnapshotStore({str(self.root)!r}, keep={self.keep})"
@@ -194,7 +201,7 @@ class SnapshotStore:
     ) -> SnapshotInfo:
         tmp.mkdir()
         file_pool, hash_pool = self._get_pools()
-        nice = layout.thread_nice()
+        nice = layout.thread_nice() if self.propagate_nice else None
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
         futures = [
             file_pool.submit(files.write_file, tmp / name, value, hash_pool, nice)

@@ -1,18 +1,27 @@
 """Background snapshot writer: training stalls for the capture, not for the disk.
 
 ``submit`` takes references, copies the small tensors and returns; a writer thread copies
-the large tensors into reusable staging buffers while the next forward/backward runs,
-then serialises, hashes, fsyncs and renames. Parameters and optimizer state only change
-in ``optimizer.step``, so that is where the trainer waits (``wait_capture``, wired up by
-``attach_optimizer``) - usually not at all, because the copy finished during backward.
+the large tensors into reusable staging buffers while the next forward/backward runs.
+Parameters and optimizer state only change in ``optimizer.step``, so that is where the
+trainer waits (``wait_capture``, wired up by ``attach_optimizer``) - usually not at all,
+because the copy finished during backward.
+
+Serialising, hashing, fsyncing and renaming then happen in a writer process (the default,
+``mode="process"``) that reads the staging buffers from shared memory and runs at idle
+CPU priority, so it neither takes the trainer's GIL nor competes for its cores; or, with
+``mode="thread"``, on a niced thread of the trainer (see docs/checkpoints.md for the
+measured difference).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -20,13 +29,21 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
-from . import layout
+from . import layout, sched
 from .capture import Capture, Stager
 from .errors import SnapshotError
-from .store import SnapshotStore
+from .procwriter import WriterProcess
+from .store import SnapshotInfo, SnapshotStore
 from .workers import DaemonPool
 
 log = logging.getLogger(__name__)
+
+
+_BOOST_AFTER = 0.5  # fraction of the last submit interval a write may take at idle priority
+
+
+def _process_mode_supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(os, "SCHED_IDLE")
 
 
 @dataclass
@@ -40,6 +57,9 @@ class WriterStats:
     total_stall_s: float = 0.0
     last_capture_s: float = 0.0  # background copy into staging buffers
     last_write_s: float = 0.0  # serialise + hash + fsync + rename, after the capture
+    last_write_cpu_s: float | None = None  # CPU time the writer process spent on it (None: thread mode)
+    total_write_cpu_s: float = 0.0
+    boosted: int = 0  # writes raised from idle to normal priority because they were late or awaited
     last_bytes: int = 0
     last_durable_step: int | None = None
     last_durable_time: float | None = None  # time.time() when it became durable
@@ -57,6 +77,7 @@ class _Job:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     stall_s: float = 0.0
     device_waited: bool = False
+    boost_at: float | None = None  # time.monotonic() after which an idle-priority write is raised
 
 
 class AsyncSnapshotWriter:
@@ -67,6 +88,15 @@ class AsyncSnapshotWriter:
     ``stats.snapshots_skipped`` - training never waits for the disk; ``"wait"`` blocks
     until the previous one is durable (counted in ``snapshots_waited``, and the wait is
     part of the stall).
+
+    ``mode="process"`` (default on Linux) writes from a long-lived child process at
+    ``priority`` (``"idle"``: SCHED_IDLE, or a nice value). A write still running halfway
+    to the next expected snapshot (half the shortest of the last four intervals between
+    ``submit`` calls), or one that somebody waits for (``flush``, a due snapshot, exit), is raised to
+    ``boost_nice`` until it is durable, so idle priority cannot make snapshots fall behind
+    (raising needs CAP_SYS_NICE or RLIMIT_NICE; without it the overlap policy counts what
+    a starved write costs). ``mode="thread"`` writes from a thread of this process at nice
+    ``priority`` (10 for ``"idle"``: a thread that holds the GIL must not be starved).
 
     Call ``flush()`` from the trainer's SIGTERM handler; ``close()`` (or leaving the
     ``with`` block, or interpreter exit) flushes too.
@@ -79,26 +109,41 @@ class AsyncSnapshotWriter:
         *,
         sync_copy_max_bytes: int = 1 << 20,
         on_durable: Callable[[WriterStats], None] | None = None,
-        nice: int = 10,
+        mode: Literal["process", "thread"] = "process",
+        priority: sched.Priority = "idle",
+        boost_nice: int = 0,
     ) -> None:
         if overlap_policy not in ("skip", "wait"):
             raise ValueError(f"overlap_policy must be 'skip' or 'wait', got {overlap_policy!r}")
+        if mode not in ("process", "thread"):
+            raise ValueError(f"mode must be 'process' or 'thread', got {mode!r}")
         self.store = store
         self.overlap_policy = overlap_policy
         self.on_durable = on_durable
-        self.nice = nice
-        self._stager = Stager(sync_copy_max_bytes)
+        self.priority = sched.check_priority(priority)
+        if mode == "process" and not _process_mode_supported():
+            log.info("snapshot writer: no memfd/SCM_RIGHTS/SCHED_IDLE on this platform; writing from a thread")
+            mode = "thread"
+        self.mode = mode
+        self._stager = Stager(sync_copy_max_bytes, shared=mode == "process")
         self._stats = WriterStats()
         self._lock = threading.Lock()
         self._job: _Job | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._last_submit: float | None = None
+        self._intervals: collections.deque[float] = collections.deque(maxlen=4)
         self._queue: queue.SimpleQueue[_Job | threading.Event | None] = queue.SimpleQueue()
-        # The capture copy runs on the writer thread at normal priority: training waits for it
-        # in optimizer.step, so deprioritising it would be a priority inversion. Serialising,
-        # hashing and fsyncing run on the io thread at ``nice``: when training keeps every
-        # core busy, the write should take longer rather than training.
-        self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(nice))
+        self._proc: WriterProcess | None = None
+        self._io: DaemonPool | None = None
+        if mode == "process":
+            self._proc = WriterProcess(store, self.priority, boost_nice)
+        else:
+            # The capture copy runs on the writer thread at normal priority: training waits for
+            # it in optimizer.step, so deprioritising it would be a priority inversion.
+            # Serialising, hashing and fsyncing run on the io thread, niced.
+            nice = 10 if self.priority == "idle" else int(self.priority)
+            self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(nice))
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
@@ -118,9 +163,14 @@ class AsyncSnapshotWriter:
         if self._closed:
             raise SnapshotError("snapshot writer is closed; create a new AsyncSnapshotWriter")
         layout.check_step(step)
+        now = time.monotonic()
+        if self._last_submit is not None:
+            self._intervals.append(now - self._last_submit)
+        self._last_submit = now
         prev = self._job
         waited = 0.0
         if prev is not None and not prev.done.is_set():
+            self._urge()  # it is late: the next snapshot is already due
             if self.overlap_policy == "skip":
                 with self._lock:
                     self._stats.snapshots_skipped += 1
@@ -133,6 +183,8 @@ class AsyncSnapshotWriter:
         # The previous job is done, so the staging buffers are free to overwrite.
         capture = self._stager.stage(state)
         job = _Job(step=step, world_size=world_size, extra_meta=extra_meta, capture=capture)
+        if self._intervals:  # the shortest recent interval: irregular snapshots are raised early, not late
+            job.boost_at = now + _BOOST_AFTER * min(self._intervals)
         self._job = job
         self._queue.put(job)
         job.stall_s = time.perf_counter() - t0
@@ -172,6 +224,11 @@ class AsyncSnapshotWriter:
         return job.step if job is not None and not job.done.is_set() else None
 
     @property
+    def writer_pid(self) -> int | None:
+        """pid of the writer process (mode "process", once started), e.g. to find it in ``ps``."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def stats(self) -> WriterStats:
         with self._lock:
             return dataclasses.replace(self._stats)
@@ -186,6 +243,7 @@ class AsyncSnapshotWriter:
         if not self._closed:
             barrier = threading.Event()
             self._queue.put(barrier)
+            self._urge()
             if not barrier.wait(timeout):
                 raise SnapshotError(
                     f"snapshot step {self.pending_step} is still not durable after {timeout:.1f}s; "
@@ -207,6 +265,8 @@ class AsyncSnapshotWriter:
             self._closed = True
             self._queue.put(None)  # FIFO: anything still queued is written before the thread exits
             self._thread.join()
+            if self._proc is not None:
+                self._proc.close()
             self._stager.release()
             atexit.unregister(self._atexit)
 
@@ -224,9 +284,18 @@ class AsyncSnapshotWriter:
         except SnapshotError as e:
             log.error("%s", e)
 
+    def _urge(self) -> None:
+        if self._proc is not None and self.pending_step is not None:
+            self._proc.urge()
+
     # ---------------------------------------------------------------- writer thread
 
     def _run(self) -> None:
+        if self._proc is not None:
+            try:  # from this long-lived thread: the child's PR_SET_PDEATHSIG follows the thread that spawned it
+                self._proc.start()
+            except SnapshotError as e:
+                log.warning("%s", e)
         while (job := self._queue.get()) is not None:
             if isinstance(job, threading.Event):  # flush barrier
                 job.set()
@@ -251,15 +320,25 @@ class AsyncSnapshotWriter:
         finally:
             job.captured.set()
         t1 = time.perf_counter()
-        info = self._io.submit(
-            self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta
-        ).result()
+        cpu_s: float | None = None
+        info: SnapshotInfo
+        if self._proc is not None:
+            info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
+            cpu_s = timings["cpu_s"]
+        else:
+            assert self._io is not None
+            info = self._io.submit(
+                self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta
+            ).result()
         t2 = time.perf_counter()
         with self._lock:
             s = self._stats
             s.snapshots_written += 1
             s.last_capture_s = t1 - t0
             s.last_write_s = t2 - t1
+            s.last_write_cpu_s = cpu_s
+            s.total_write_cpu_s += cpu_s or 0.0
+            s.boosted = self._proc.boosts if self._proc is not None else 0
             s.last_bytes = info.size_bytes
             s.last_durable_step = info.step
             s.last_durable_time = time.time()

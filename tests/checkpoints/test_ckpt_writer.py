@@ -21,11 +21,15 @@ def _big_state(n_tensors: int = 16, numel: int = 1 << 20) -> dict[str, torch.Ten
     return {f"p{i}": torch.randn(numel, generator=g) for i in range(n_tensors)}  # 64 MB
 
 
-def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path) -> None:
+MODES = pytest.mark.parametrize("mode", ["process", "thread"])
+
+
+@MODES
+def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path, mode: str) -> None:
     params = _big_state()
     expected = {k: v.clone() for k, v in params.items()}
     small = torch.zeros(3)  # copied synchronously in submit: may be mutated right away
-    with AsyncSnapshotWriter(SnapshotStore(tmp_path)) as writer:
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:  # type: ignore[arg-type]
         assert writer.submit(1, {"model": params, "bn": {"running_mean": small}}, world_size=1)
         small.add_(1)  # like BatchNorm in the next forward
         writer.wait_capture()
@@ -37,7 +41,8 @@ def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path)
     assert torch.equal(got["bn"]["running_mean"], torch.zeros(3))
 
 
-def test_optimizer_step_waits_for_the_capture(tmp_path: Path) -> None:
+@MODES
+def test_optimizer_step_waits_for_the_capture(tmp_path: Path, mode: str) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MB of weights
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     for _ in range(2):
@@ -45,7 +50,7 @@ def test_optimizer_step_waits_for_the_capture(tmp_path: Path) -> None:
         model(torch.randn(2, 1024)).sum().backward()
         opt.step()
     expected = {"model": OrderedDict((k, v.clone()) for k, v in model.state_dict().items())}
-    with AsyncSnapshotWriter(SnapshotStore(tmp_path)) as writer:
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:  # type: ignore[arg-type]
         writer.attach_optimizer(opt)
         writer.submit(2, {"model": model.state_dict(), "opt": opt.state_dict()}, world_size=1)
         opt.step()  # same grads again: every weight changes, but only after the copy
@@ -53,11 +58,12 @@ def test_optimizer_step_waits_for_the_capture(tmp_path: Path) -> None:
     assert_equal_state(SnapshotStore(tmp_path).load(2)["model"], expected["model"])
 
 
+@MODES
 @pytest.mark.parametrize("policy", ["skip", "wait"])
-def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str) -> None:
+def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str, mode: str) -> None:
     store = SnapshotStore(tmp_path, keep=10)
     state = _big_state(8)
-    with AsyncSnapshotWriter(store, overlap_policy=policy) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(store, overlap_policy=policy, mode=mode) as writer:  # type: ignore[arg-type]
         results = [writer.submit(s, state, world_size=1) for s in (1, 2, 3)]
         writer.flush()
         stats = writer.stats
@@ -89,9 +95,10 @@ def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
         writer.submit(6, state_for(6), world_size=1)
 
 
-def test_background_disk_full_surfaces_at_flush(tiny_fs: Path) -> None:
+@MODES
+def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> None:
     store = SnapshotStore(tiny_fs)
-    with AsyncSnapshotWriter(store) as writer:
+    with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
         writer.submit(1, {"x": torch.zeros(1000)}, world_size=1)
         writer.flush()
         writer.submit(2, {"x": torch.zeros(1 << 20)}, world_size=1)  # 4 MB > 2 MiB filesystem

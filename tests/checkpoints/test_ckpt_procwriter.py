@@ -1,0 +1,124 @@
+"""The writer process: what crosses to it, and what happens when it or its trainer dies."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
+from checkpoints.wire import decode, encode
+from ckpt_testutil import LineReader, assert_equal_state, start_child, stop_child
+
+
+def _pid_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_wire_round_trips_every_kind_of_value_a_state_dict_holds() -> None:
+    t = [torch.zeros(2), torch.ones(3, dtype=torch.int64)]
+    state = {
+        "od": OrderedDict([("b", 1), ("a", 2)]),
+        "opt": {"state": {0: {"step": t[1]}}, "param_groups": [{"params": [0, 1], "betas": (0.9, 0.999)}]},
+        "misc": [None, True, 3, -0.0, math.inf, 1 + 2j, "s\u00e9", b"\x00\xff", torch.float16, torch.device("cpu"),
+                 torch.Size([2, 3]), t[0]],
+        7: "int key",
+    }
+    index = {id(x): i for i, x in enumerate(t)}
+    got = decode(encode(state, lambda x: index[id(x)]), t)
+    assert_equal_state(got, state)
+    assert type(got["od"]) is OrderedDict and type(got["opt"]["param_groups"][0]["betas"]) is tuple
+    assert got["misc"][-1] is t[0] and math.copysign(1, got["misc"][3]) == -1
+
+
+def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, keep=5)
+    big = {"w": torch.randn(16 << 20)}  # 64 MB: the write takes far longer than the kill
+    with AsyncSnapshotWriter(store) as writer:
+        assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
+        writer.flush()
+        pid = writer.writer_pid
+        assert pid is not None
+        assert writer.submit(2, {"model": big}, world_size=1)
+        writer.wait_capture()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SnapshotError, match=r"writer process was killed by SIGKILL while writing step 2") as e:
+            writer.flush()
+        assert "\n" not in str(e.value) and writer.stats.errors == 1
+        assert writer.submit(3, {"model": {"w": torch.full((4,), 3.0)}}, world_size=1)  # a new writer process
+        writer.flush()
+        assert writer.writer_pid not in (None, pid)
+    assert [i.step for i in store.list()] == [1, 3]
+    assert all(s.valid for s in store.status(full=True))
+    assert torch.equal(store.load(3)["model"]["w"], torch.full((4,), 3.0))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")], "the killed write's temp dir stayed"
+
+
+def test_trainer_killed_mid_write_takes_its_writer_process_along(tmp_path: Path) -> None:
+    proc = start_child("_ckpt_writer_child.py", str(tmp_path))
+    try:
+        out = LineReader(proc)
+        writer_pid = int(out.wait_for("writer ", timeout=60).split()[1])
+        out.wait_for("submitted 3", timeout=60)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        stop_child(proc)
+    assert _pid_gone(writer_pid, timeout=30), "the writer process outlived its trainer"
+    store = SnapshotStore(tmp_path)
+    assert store.newest_valid(full=True) is not None
+    assert all(s.valid for s in store.status(full=True))
+    store.clean_stale_temps()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> None:
+    """torchrun or a Ctrl-C may signal the group: the writer process must not die of it."""
+    from ckpt_testutil import HERE, REPO_ROOT, child_env
+
+    proc = subprocess.Popen([sys.executable, str(HERE / "_ckpt_writer_child.py"), str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=child_env(), cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        out = LineReader(proc)
+        writer_pid = int(out.wait_for("writer ", timeout=60).split()[1])
+        out.wait_for("submitted 2", timeout=60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        line = out.wait_for("flushed", timeout=60)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        stop_child(proc)
+    pending = line.split("=")[1]
+    assert pending != "None", "SIGTERM did not land during a write; the test proved nothing"
+    store = SnapshotStore(tmp_path)
+    got = store.load(int(pending))
+    assert int(got["model"]["marker"]) == int(pending) == got["step"]
+    assert _pid_gone(writer_pid, timeout=30)
+
+
+def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    with AsyncSnapshotWriter(store, priority="idle") as writer:
+        assert writer.submit(1, {"model": {"w": torch.randn(8 << 20)}}, world_size=1)
+        writer.flush()  # someone waits: the write must not stay at idle priority
+        stats = writer.stats
+        pid = writer.writer_pid
+        assert pid is not None
+        policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    assert stats.boosted == 1 and stats.snapshots_written == 1
+    if os.geteuid() == 0:
+        assert policies == {os.SCHED_IDLE}, "the writer process stayed raised after the urgent write"
