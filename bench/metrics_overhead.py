@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--dataset-size", type=int, default=8192)
+    p.add_argument("--no-collective-metrics", action="store_true",
+                   help="'on' without the all-reduce timing hook (ELASTIC_COLLECTIVE_METRICS=0)")
     p.add_argument("--snapshot-every", type=int, default=50, help="snapshot interval in steps; 0: only the final one")
     args = p.parse_args()
     if args.quick:
@@ -107,6 +109,8 @@ def main() -> None:
         prom = Path(tmp, "prom")
         prom.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)  # inherited by the spawned workers, as under the agent
+        if args.no_collective_metrics:
+            os.environ["ELASTIC_COLLECTIVE_METRICS"] = "0"
         results = run_two_ranks(worker, args, tmp)
 
     def total(times: list[tuple[float, float]], i: int) -> float:
@@ -118,11 +122,13 @@ def main() -> None:
     cpu = [total(r["off"], 1) / total(r["on"], 1) for r in results]
     print(f"metrics overhead: world {WORLD}, gloo on CPU, MLP {IN_FEATURES}-{HIDDEN}x3-4 + AdamW, "
           f"global batch {args.global_batch_size}, snapshot every {args.snapshot_every or 'never'} steps; "
-          f"{args.repeats} repeats x {timed_steps} timed steps per variant, in alternating blocks of {args.block}")
+          f"{args.repeats} repeats x {timed_steps} timed steps per variant, in alternating blocks of {args.block}"
+          + ("; 'on' without the all-reduce timing hook" if args.no_collective_metrics else ""))
     print(f"  metrics off : {statistics.median(rate['off']):9.1f} samples/s  "
           f"(repeats: {', '.join(f'{r:.0f}' for r in rate['off'])})")
     print(f"  metrics on  : {statistics.median(rate['on']):9.1f} samples/s  "
-          f"(repeats: {', '.join(f'{r:.0f}' for r in rate['on'])}; multiprocess mode + comm hook)")
+          f"(repeats: {', '.join(f'{r:.0f}' for r in rate['on'])}; multiprocess mode"
+          f"{'' if args.no_collective_metrics else ' + comm hook'})")
     ratio, cpu_ratio = statistics.median(wall), statistics.median(cpu)
     pairs = sorted(off[0] / on[0] for r in results for off, on in zip(r["off"], r["on"]))
     cpu_pairs = sorted(off[1] / on[1] for r in results for off, on in zip(r["off"], r["on"]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -39,6 +41,15 @@ class LossReader:
         return value
 
 
+COLLECTIVE_METRICS_ENV = "ELASTIC_COLLECTIVE_METRICS"
+
+
+def collective_metrics_enabled() -> bool:
+    """Per-bucket all-reduce timing needs a Python DDP comm hook, which costs about 3 % of
+    a small CPU step here (docs/BENCHMARKS.md); ``ELASTIC_COLLECTIVE_METRICS=0`` opts out."""
+    return os.environ.get(COLLECTIVE_METRICS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 class TrainingMetrics:
     """Progress, collective, snapshot and recovery metrics of one ``ElasticRun``."""
 
@@ -53,7 +64,8 @@ class TrainingMetrics:
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Time DDP's gradient all-reduce; before the first backward."""
-        self.collectives = register_comm_hook(model, self.backend)
+        if collective_metrics_enabled():
+            self.collectives = register_comm_hook(model, self.backend)
 
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
         self.worker.restored(seconds, snapshot_written_at)
