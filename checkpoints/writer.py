@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 
 _BOOST_AFTER = 0.5  # fraction of the last submit interval a write may take at idle priority
+_FIRST_BOOST_AFTER_S = 1.0  # the same for the first snapshot, which has no interval to go by
 
 
 def _process_mode_supported() -> bool:
@@ -65,6 +66,15 @@ class WriterStats:
     last_durable_time: float | None = None  # time.time() when it became durable
     errors: int = 0
     last_error: str | None = None
+
+
+@dataclass(eq=False)
+class _Probe:
+    """Queued by ``wait_writer_process``: the writer thread owns the channel, so it answers."""
+
+    timeout: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    ready: bool = False
 
 
 @dataclass(eq=False)
@@ -133,7 +143,7 @@ class AsyncSnapshotWriter:
         self._closed = False
         self._last_submit: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=4)
-        self._queue: queue.SimpleQueue[_Job | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | _Probe | threading.Event | None] = queue.SimpleQueue()
         self._proc: WriterProcess | None = None
         self._io: DaemonPool | None = None
         if mode == "process":
@@ -183,8 +193,10 @@ class AsyncSnapshotWriter:
         # The previous job is done, so the staging buffers are free to overwrite.
         capture = self._stager.stage(state)
         job = _Job(step=step, world_size=world_size, extra_meta=extra_meta, capture=capture)
-        if self._intervals:  # the shortest recent interval: irregular snapshots are raised early, not late
-            job.boost_at = now + _BOOST_AFTER * min(self._intervals)
+        # the shortest recent interval: irregular snapshots are raised early, not late. The
+        # first one has no interval yet; left at idle priority on busy cores it could take
+        # minutes, and every later snapshot would be skipped behind it.
+        job.boost_at = now + (_BOOST_AFTER * min(self._intervals) if self._intervals else _FIRST_BOOST_AFTER_S)
         self._job = job
         self._queue.put(job)
         job.stall_s = time.perf_counter() - t0
@@ -222,6 +234,16 @@ class AsyncSnapshotWriter:
         """Step being written right now, or None."""
         job = self._job
         return job.step if job is not None and not job.done.is_set() else None
+
+    def wait_writer_process(self, timeout: float = 60.0) -> bool:
+        """Wait until the writer process can take snapshots; until then they are written from
+        a thread, so nothing waits for its start. False in thread mode or on timeout."""
+        if self._proc is None or self._closed:
+            return False
+        probe = _Probe(timeout)
+        self._queue.put(probe)
+        probe.done.wait()
+        return probe.ready
 
     @property
     def writer_pid(self) -> int | None:
@@ -300,6 +322,10 @@ class AsyncSnapshotWriter:
             if isinstance(job, threading.Event):  # flush barrier
                 job.set()
                 continue
+            if isinstance(job, _Probe):
+                job.ready = self._proc is not None and self._proc.wait_ready(job.timeout)
+                job.done.set()
+                continue
             try:
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - reported through flush() and stats
@@ -322,11 +348,13 @@ class AsyncSnapshotWriter:
         t1 = time.perf_counter()
         cpu_s: float | None = None
         info: SnapshotInfo
-        if self._proc is not None:
+        if self._proc is not None and self._proc.is_ready():
             info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
             cpu_s = timings["cpu_s"]
         else:
-            assert self._io is not None
+            if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
+                log.info("snapshot step %d: the writer process is not up yet; writing it from a thread", job.step)
+                self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
             info = self._io.submit(
                 self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta
             ).result()

@@ -258,7 +258,11 @@ class ElasticRun:
         if store is None:
             store = SnapshotStore(root, keep=keep, create=False)
         on_durable = self.metrics.snapshot_durable if self.metrics is not None else None
-        writer = AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable) if d.is_main else None
+        # A thread, not the writer process: the process imports torch when a worker starts,
+        # so after every restart the first snapshot waited seconds on busy cores and later
+        # ones were skipped behind it, past the rollback bound (tests/agent/test_chaos.py).
+        writer = (AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable, mode="thread")
+                  if d.is_main else None)
         return store, writer
 
     def _restore(self) -> None:
