@@ -73,6 +73,7 @@ class WriterProcess:
         self.boost_nice = boost_nice
         self.boosts = 0  # jobs that had to be raised to normal priority, in all
         self._boosted = False
+        self._ready = False  # the child said "ready": its bootstrap will not change its priority again
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: object | None = None
@@ -87,6 +88,16 @@ class WriterProcess:
 
     def start(self) -> None:
         """Spawn the child now; it imports torch (~1-2 s of CPU) while training goes on."""
+        if self._proc is not None and (self._proc.poll() is not None or self._channel_closed()):
+            if self._proc.poll() is None:
+                self._proc.kill()
+            log.warning("snapshot writer process %d died between snapshots (%s); starting a new one",
+                        self._proc.pid, _how(self._proc.wait()))
+            self._proc = None
+            self._ready = False
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
         if self._proc is not None:
             return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,7 +114,53 @@ class WriterProcess:
         finally:
             theirs.close()
         self._sock = mine
+        self._ready = False
         self._arena_sent = None
+
+    def _channel_closed(self) -> bool:
+        """The child's end of the socket is gone (checked between jobs, when it sends nothing)."""
+        if self._sock is None or not select.select([self._sock], [], [], 0)[0]:
+            return False
+        if not self._ready:
+            return False  # probably its "ready": is_ready reads it
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def is_ready(self) -> bool:
+        """True once the child has imported torch and can take a job (never blocks); starts or
+        replaces a dead child, which is then not ready."""
+        try:
+            self.start()
+        except SnapshotError:
+            return False
+        if self._ready:
+            return True
+        if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
+            return False
+        try:
+            while select.select([self._sock], [], [], 0)[0]:
+                msg, fds = wire.recv(self._sock)
+                for fd in fds:
+                    os.close(fd)
+                if msg.get("op") == "ready":
+                    self._ready = True
+                    break
+        except (OSError, EOFError):
+            return False  # it died: start() notices and replaces it before the next job
+        return self._ready
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_ready():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._sock is None:
+                return False
+            select.select([self._sock], [], [], min(left, 0.5))
+        return True
 
     def urge(self) -> None:
         """Someone waits for the job in flight: raise its priority (signal-safe)."""
@@ -152,7 +209,12 @@ class WriterProcess:
     def _wait_reply(self, boost_at: float | None) -> dict[str, Any]:
         assert self._sock is not None
         while True:
-            timeout = None if self._boosted or boost_at is None else max(0.0, boost_at - time.monotonic())
+            if self._boosted and not self._ready:
+                timeout: float | None = 0.2  # the child's bootstrap sets its own priority: raise it again
+            elif self._boosted or boost_at is None:
+                timeout = None
+            else:
+                timeout = max(0.0, boost_at - time.monotonic())
             ready, _, _ = select.select([self._sock, self._wake_r], [], [], timeout)
             if self._sock in ready:
                 msg, fds = wire.recv(self._sock)
@@ -160,18 +222,26 @@ class WriterProcess:
                     os.close(fd)
                 if msg.get("op") in ("done", "error"):
                     return msg
-                continue  # "ready" from a fresh child
+                self._ready = True  # "ready"
+                if self._boosted:
+                    self._raise()
+                continue
             if not self._boosted:  # late, or someone is waiting for it
                 self._boost()
+            elif not self._ready:
+                self._raise()
             if self._wake_r in ready:
                 self._drain()
 
     def _boost(self) -> None:
         self._boosted = True
+        self.boosts += 1
+        self._raise()
+
+    def _raise(self) -> None:
         pid = self.pid
         if pid is None or (self.priority != "idle" and self.priority <= self.boost_nice):
             return
-        self.boosts += 1
         if not sched.set_priority(pid, self.boost_nice) and not self._boost_refused_logged:
             self._boost_refused_logged = True
             log.info("cannot raise the snapshot writer's priority (needs CAP_SYS_NICE or RLIMIT_NICE); "
@@ -194,6 +264,7 @@ class WriterProcess:
 
     def _died(self, step: int, cause: BaseException) -> SnapshotError:
         proc, self._proc = self._proc, None
+        self._ready = False
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -204,7 +275,7 @@ class WriterProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = proc.wait()
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            how = _how(code)
         log.debug("writer process channel failed: %r", cause)
         return SnapshotError(
             f"the snapshot writer process {how} while writing step {step}; that snapshot is lost, earlier ones "
@@ -233,3 +304,10 @@ class WriterProcess:
             except OSError:
                 pass
         self._wake_r = self._wake_w = -1
+
+
+def _how(code: int) -> str:
+    try:
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    except ValueError:
+        return f"was killed by signal {-code}"

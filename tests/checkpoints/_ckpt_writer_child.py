@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 
 import torch
 
@@ -27,9 +26,7 @@ def on_sigterm(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGTERM, on_sigterm)
-deadline = time.monotonic() + 60
-while writer.writer_pid is None and time.monotonic() < deadline:
-    time.sleep(0.01)
+assert writer.wait_writer_process(), "the writer process did not start"  # so the process, not a thread, writes
 print(f"writer {writer.writer_pid}", flush=True)
 step = 0
 while True:

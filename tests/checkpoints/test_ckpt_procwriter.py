@@ -20,11 +20,19 @@ from ckpt_testutil import LineReader, assert_equal_state, start_child, stop_chil
 
 
 def _pid_gone(pid: int, timeout: float) -> bool:
+    """True once ``pid`` and all its threads have exited (unreaped counts as gone).
+
+    A killed multi-threaded process shows its leader as a zombie while its other threads
+    still exit; only when they are gone are its sockets closed and can it be reaped.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in ("Z", "X") and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+                return True
+        except (FileNotFoundError, ProcessLookupError):
             return True
         time.sleep(0.05)
     return False
@@ -50,6 +58,7 @@ def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path
     store = SnapshotStore(tmp_path, keep=5)
     big = {"w": torch.randn(16 << 20)}  # 64 MB: the write takes far longer than the kill
     with AsyncSnapshotWriter(store) as writer:
+        assert writer.wait_writer_process()
         assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
         writer.flush()
         pid = writer.writer_pid
@@ -63,6 +72,7 @@ def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path
         assert writer.submit(3, {"model": {"w": torch.full((4,), 3.0)}}, world_size=1)  # a new writer process
         writer.flush()
         assert writer.writer_pid not in (None, pid)
+        assert writer.stats.last_write_cpu_s is None, "the new process cannot be up yet: a thread wrote step 3"
     assert [i.step for i in store.list()] == [1, 3]
     assert all(s.valid for s in store.status(full=True))
     assert torch.equal(store.load(3)["model"]["w"], torch.full((4,), 3.0))
@@ -113,6 +123,7 @@ def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> Non
 def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store, priority="idle") as writer:
+        assert writer.wait_writer_process()
         assert writer.submit(1, {"model": {"w": torch.randn(8 << 20)}}, world_size=1)
         writer.flush()  # someone waits: the write must not stay at idle priority
         stats = writer.stats
@@ -122,3 +133,34 @@ def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path)
     assert stats.boosted == 1 and stats.snapshots_written == 1
     if os.geteuid() == 0:
         assert policies == {os.SCHED_IDLE}, "the writer process stayed raised after the urgent write"
+
+
+def test_writer_process_killed_between_snapshots_is_replaced_without_losing_one(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    with AsyncSnapshotWriter(store) as writer:
+        assert writer.wait_writer_process()
+        assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
+        writer.flush()
+        pid = writer.writer_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert _pid_gone(pid, timeout=30)
+        assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)
+        writer.flush()  # no error: the dead child was noticed before the job was sent
+        assert writer.writer_pid != pid and writer.stats.errors == 0
+    assert [i.step for i in store.list()] == [1, 2]
+
+
+def test_snapshots_do_not_wait_for_the_writer_process_to_start(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    with AsyncSnapshotWriter(store, overlap_policy="wait") as writer:
+        t0 = time.monotonic()
+        assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
+        writer.flush()
+        first = time.monotonic() - t0
+        assert writer.stats.last_write_cpu_s is None  # written from a thread: the process imports torch meanwhile
+        assert writer.wait_writer_process()
+        assert writer.submit(2, {"model": {"w": torch.ones(4)}}, world_size=1)
+        writer.flush()
+        assert writer.stats.last_write_cpu_s is not None  # now the process writes
+    assert first < 30 and [i.step for i in store.list()] == [1, 2]
