@@ -156,6 +156,7 @@ def step_time(d: Path, blocks: int, every: int, modes: list[str], priority: Prio
                for m in modes}
     for w in writers.values():
         w.attach_optimizer(opt)  # wait_capture of an idle writer returns at once
+        w.wait_writer_process()  # steady state: until it is up, a thread writes (see docs/checkpoints.md)
     step = 0
     cpu: dict[str, list[float]] = {m: [] for m in modes}
 
@@ -270,6 +271,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
     stalls, nooverlap, writes, captures, cpus = [], [], [], [], []
     with AsyncSnapshotWriter(SnapshotStore(root / "async", keep=2), overlap_policy="wait", mode=args.mode,
                              priority=args.priority) as writer:
+        writer.wait_writer_process()  # steady state, not the start
         writer.submit(next(step), state, world_size=1)  # warm-up: allocates the staging buffers
         writer.flush()
         for _ in range(repeats):

@@ -74,6 +74,7 @@ class WriterProcess:
         self.boosts = 0  # jobs that had to be raised to normal priority, in all
         self._boosted = False
         self._ready = False  # the child said "ready": its bootstrap will not change its priority again
+        self._hurried = False  # raised while starting because a snapshot was due
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: object | None = None
@@ -148,10 +149,20 @@ class WriterProcess:
                     os.close(fd)
                 if msg.get("op") == "ready":
                     self._ready = True
+                    if self._hurried:  # raised to get it up; it waits for jobs at its own priority
+                        self._hurried = False
+                        if self._proc is not None:
+                            sched.set_priority(self._proc.pid, self.priority)
                     break
         except (OSError, EOFError):
             return False  # it died: start() notices and replaces it before the next job
         return self._ready
+
+    def hurry(self) -> None:
+        """A snapshot had to be written without us: raise the start so the next one need not be."""
+        if not self._ready and self.pid is not None:
+            self._hurried = True
+            self._raise()
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -352,6 +352,8 @@ class AsyncSnapshotWriter:
             info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
             cpu_s = timings["cpu_s"]
         else:
+            if self._proc is not None:
+                self._proc.hurry()  # its torch import must not starve at idle priority while snapshots fall due
             if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
                 log.info("snapshot step %d: the writer process is not up yet; writing it from a thread", job.step)
                 self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
