@@ -61,7 +61,6 @@ class NodeAgent(LocalElasticAgent):
             self.handler.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
         metrics.remaining_restarts.set(self._remaining_restarts)
         self.pool: WarmPool | None = None
-        self._joined_once = False
         if settings.warm_start:
             self.pool = WarmPool(self._worker_group.spec.local_world_size,
                                  on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
@@ -83,6 +82,7 @@ class NodeAgent(LocalElasticAgent):
 
     def run(self, role: str = "default") -> RunResult:
         try:
+            self._await_standbys()  # before the first rendezvous; restarts take what is ready
             return super().run(role)
         finally:
             if self.pool is not None:
@@ -170,9 +170,6 @@ class NodeAgent(LocalElasticAgent):
         self._reason = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        if self.pool is not None and not self._joined_once:
-            self._await_standbys()
-        self._joined_once = True
         started = time.monotonic()
         try:
             super()._rendezvous(worker_group)

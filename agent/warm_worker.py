@@ -33,8 +33,9 @@ import time
 import traceback
 from typing import Any
 
+from elastic.metrics.worker import STARTED_AT_ENV
+
 WARM_IMPORTS_ENV = "ELASTIC_WARM_IMPORTS"
-STARTED_AT_ENV = "ELASTIC_WORKER_STARTED_AT"
 READY_FD_ENV = "ELASTIC_STANDBY_READY_FD"
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from .catalogue import Families, families
 
 _IMPORTED_AT = time.monotonic()
+STARTED_AT_ENV = "ELASTIC_WORKER_STARTED_AT"  # set by a warm-started worker (agent/warm_worker.py)
 
 
 class DurableStats(Protocol):
@@ -30,7 +31,7 @@ def process_age_seconds() -> float:
     A warm-started worker (``agent/warm_worker.py``) counts from when its standby was
     given its rank, which is when a cold worker would have been started.
     """
-    started_at = os.environ.get("ELASTIC_WORKER_STARTED_AT")
+    started_at = os.environ.get(STARTED_AT_ENV)
     if started_at:
         try:
             return time.time() - float(started_at)
