@@ -11,14 +11,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.etcd import EmbeddedEtcd, free_port
+from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -40,13 +39,9 @@ def logs(*nodes: Node) -> Callable[[], str]:
 
 def by_label(node: Node, name: str, label: str) -> dict[str, float]:
     """One agent metric's samples by one label, scraped from the node's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                found[sample.labels.get(label, "")] = sample.value
-    return found
+    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    assert series is not None, f"node {node.name} serves no /metrics"
+    return {dict(labels).get(label, ""): v for (metric, labels), v in series.items() if metric == name}
 
 
 def restarts(node: Node) -> dict[str, float]:
