@@ -1,7 +1,9 @@
-"""Child for the writer-process tests: submits snapshots back to back and says what it does.
+"""Child for the writer tests: submits snapshots back to back and says what it does.
 
-Prints ``writer <pid>`` once the writer process is up, then ``submitted <step>`` per
-snapshot. On SIGTERM it flushes, prints ``flushed pending=<step>`` and exits 0.
+``python _ckpt_writer_child.py ROOT [--writer-process]``. With ``--writer-process`` it
+first waits for the writer process and prints ``writer <pid>``. Then it prints
+``submitted <step>`` per snapshot. On SIGTERM it flushes, prints
+``flushed pending=<step>`` and exits 0.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def on_sigterm(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGTERM, on_sigterm)
-assert writer.wait_writer_process(), "the writer process did not start"  # so the process, not a thread, writes
-print(f"writer {writer.writer_pid}", flush=True)
+if "--writer-process" in sys.argv[2:]:
+    assert writer.wait_writer_process(), "the writer process did not start"  # so the process, not a thread, writes
+    print(f"writer {writer.writer_pid}", flush=True)
 step = 0
 while True:
     step += 1

@@ -120,3 +120,15 @@ def stop_child(proc: subprocess.Popen[str]) -> None:
                     f.close()
                 except OSError:
                     pass
+
+
+def assert_pending_flushed(root: Path, flushed_line: str) -> int:
+    """A SIGTERMed ``_ckpt_writer_child.py`` flushed the step it had in flight: that step is
+    durable and holds its own data. Returns the step."""
+    from checkpoints import SnapshotStore
+
+    pending = flushed_line.split("=")[1]
+    assert pending != "None", "SIGTERM did not land during a write; the test proved nothing"
+    got = SnapshotStore(root).load(int(pending))
+    assert int(got["model"]["marker"]) == int(pending) == got["step"]
+    return int(pending)

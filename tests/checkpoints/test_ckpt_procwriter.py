@@ -16,7 +16,17 @@ import torch
 
 from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
 from checkpoints.wire import decode, encode
-from ckpt_testutil import LineReader, assert_equal_state, start_child, stop_child
+from ckpt_testutil import LineReader, assert_equal_state, assert_pending_flushed, start_child, stop_child
+
+
+def first_snapshot_by_the_writer_process(writer: AsyncSnapshotWriter) -> int:
+    """Step 1 made durable by the writer process (not the start-up thread); its pid."""
+    assert writer.wait_writer_process()
+    assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
+    writer.flush()
+    pid = writer.writer_pid
+    assert pid is not None
+    return pid
 
 
 def _pid_gone(pid: int, timeout: float) -> bool:
@@ -58,11 +68,7 @@ def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path
     store = SnapshotStore(tmp_path, keep=5)
     big = {"w": torch.randn(16 << 20)}  # 64 MB: the write takes far longer than the kill
     with AsyncSnapshotWriter(store) as writer:
-        assert writer.wait_writer_process()
-        assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
-        writer.flush()
-        pid = writer.writer_pid
-        assert pid is not None
+        pid = first_snapshot_by_the_writer_process(writer)
         assert writer.submit(2, {"model": big}, world_size=1)
         writer.wait_capture()
         os.kill(pid, signal.SIGKILL)
@@ -80,7 +86,7 @@ def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path
 
 
 def test_trainer_killed_mid_write_takes_its_writer_process_along(tmp_path: Path) -> None:
-    proc = start_child("_ckpt_writer_child.py", str(tmp_path))
+    proc = start_child("_ckpt_writer_child.py", str(tmp_path), "--writer-process")
     try:
         out = LineReader(proc)
         writer_pid = int(out.wait_for("writer ", timeout=60).split()[1])
@@ -101,7 +107,7 @@ def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> Non
     """torchrun or a Ctrl-C may signal the group: the writer process must not die of it."""
     from ckpt_testutil import HERE, REPO_ROOT, child_env
 
-    proc = subprocess.Popen([sys.executable, str(HERE / "_ckpt_writer_child.py"), str(tmp_path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(HERE / "_ckpt_writer_child.py"), str(tmp_path), "--writer-process"], stdout=subprocess.PIPE,
                             text=True, env=child_env(), cwd=str(REPO_ROOT), start_new_session=True)
     try:
         out = LineReader(proc)
@@ -112,11 +118,7 @@ def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> Non
         assert proc.wait(timeout=30) == 0
     finally:
         stop_child(proc)
-    pending = line.split("=")[1]
-    assert pending != "None", "SIGTERM did not land during a write; the test proved nothing"
-    store = SnapshotStore(tmp_path)
-    got = store.load(int(pending))
-    assert int(got["model"]["marker"]) == int(pending) == got["step"]
+    assert_pending_flushed(tmp_path, line)
     assert _pid_gone(writer_pid, timeout=30)
 
 
@@ -138,11 +140,7 @@ def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path)
 def test_writer_process_killed_between_snapshots_is_replaced_without_losing_one(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store) as writer:
-        assert writer.wait_writer_process()
-        assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
-        writer.flush()
-        pid = writer.writer_pid
-        assert pid is not None
+        pid = first_snapshot_by_the_writer_process(writer)
         os.kill(pid, signal.SIGKILL)
         assert _pid_gone(pid, timeout=30)
         assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from checkpoints import AsyncSnapshotWriter, SnapshotDiskFullError, SnapshotError, SnapshotStore
-from ckpt_testutil import REPO_ROOT, LineReader, assert_equal_state, child_env, start_child, state_for, stop_child
+from ckpt_testutil import (REPO_ROOT, LineReader, assert_equal_state, assert_pending_flushed, child_env, start_child,
+                           state_for, stop_child)
 
 
 def _big_state(n_tensors: int = 16, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
@@ -111,7 +112,7 @@ def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> Non
 
 
 def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
-    proc = start_child("_ckpt_sigterm_child.py", str(tmp_path))
+    proc = start_child("_ckpt_writer_child.py", str(tmp_path))
     try:
         out = LineReader(proc)
         out.wait_for("submitted 2", timeout=60)
@@ -120,13 +121,10 @@ def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 0
     finally:
         stop_child(proc)
-    pending = line.split("=")[1]
-    assert pending != "None", "SIGTERM did not land during a write; the test proved nothing"
+    pending = assert_pending_flushed(tmp_path, line)
     store = SnapshotStore(tmp_path)
     newest = store.newest_valid(full=True)
-    assert newest is not None and newest.step >= int(pending)
-    got = store.load(int(pending))
-    assert int(got["model"]["marker"]) == int(pending) == got["step"]
+    assert newest is not None and newest.step >= pending
     assert all(s.valid for s in store.status(full=True))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
