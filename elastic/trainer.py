@@ -13,8 +13,9 @@ What happens, top to bottom:
    snapshot and broadcast its step, restore it on every rank (model, optimizer, scheduler,
    scaler, sampler, step, RNG) and verify by all-gather that all ranks stand on one step.
 2. **Each step.** The sampler hands this rank its contiguous share of the next global
-   batch. The loss is rescaled by ``local_n * world / global_n`` so that DDP's average over
-   ranks equals the mean over the global batch, uneven splits included; a rank whose share
+   batch. The loss is rescaled by ``local_n / global_n`` so that the sum over ranks equals
+   the mean over the global batch, uneven splits included (the metrics' comm hook sums;
+   without it DDP averages and the scale is ``local_n * world / global_n``); a rank whose share
    is empty (the epoch's tail) trains on one stand-in sample with its loss scaled by zero,
    so it still joins the all-reduce and contributes an exact zero. Every RNG (torch, Python,
    NumPy) is reseeded from ``(seed, step, rank)`` before each step, so dropout and random
@@ -218,8 +219,7 @@ class ElasticRun:
         self.model: nn.Module = DistributedDataParallel(
             self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
         )
-        if self.metrics is not None:
-            self.metrics.attach(self.model)  # type: ignore[arg-type]
+        self._ddp_averages = self.metrics.attach(self.model) if self.metrics is not None else True  # type: ignore[arg-type]
         self._last_snapshot_time = time.monotonic()
         self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
         self._step_started = self._data_wait = 0.0
@@ -379,7 +379,7 @@ class ElasticRun:
             raise ElasticRunError("run.step(loss) called without a batch; call it once per batch of the loop")
         ids, local_n = self._pending
         d = self.dist
-        scale = local_n * d.world_size / len(ids)
+        scale = local_n * (d.world_size if self._ddp_averages else 1) / len(ids)
         scaled = loss if scale == 1.0 else loss * scale
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()

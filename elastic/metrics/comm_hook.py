@@ -1,10 +1,15 @@
 """A DDP communication hook that is DDP's own all-reduce, plus timing, byte and error counts.
 
-Gradients stay bitwise identical to DDP without a hook: DDP then multiplies each gradient by
-``1 / world`` (a double scalar) while copying it into the bucket and all-reduces by sum; this
-hook multiplies the bucket by the same scalar and all-reduces by sum. (torch's reference
-``allreduce_hook`` divides instead, which differs in the last bit at world sizes that are
-not powers of two.)
+Averaging (the default): gradients stay bitwise identical to DDP without a hook. DDP then
+multiplies each gradient by ``1 / world`` (a double scalar) while copying it into the bucket
+and all-reduces by sum; this hook multiplies the bucket by the same scalar and all-reduces by
+sum. (torch's reference ``allreduce_hook`` divides instead, which differs in the last bit at
+world sizes that are not powers of two.)
+
+Summing (``average=False``): for a caller that has already put ``1 / world`` into its loss, as
+``ElasticRun`` does. With a hook DDP no longer fuses the scaling into its copy, so averaging
+costs one more pass over every bucket; on a small CPU model that pass was most of the
+hook's cost (docs/BENCHMARKS.md).
 
 Timing: gloo's future completes when the all-reduce is done, so host wall time from enqueue
 to the ``then`` callback is the collective's time. NCCL's future completes when the work is
@@ -35,9 +40,9 @@ class CollectiveTimer:
     """The hook's state: the bound series for (op, backend) and CUDA timings not yet read."""
 
     def __init__(self, backend: str, process_group: Optional[dist.ProcessGroup] = None,
-                 op: str = OP_ALLREDUCE, fam: Optional[Families] = None) -> None:
+                 op: str = OP_ALLREDUCE, fam: Optional[Families] = None, average: bool = True) -> None:
         f = fam or families()
-        self.backend, self.op = backend, op
+        self.backend, self.op, self.average = backend, op, average
         self.process_group = process_group
         group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(group)
@@ -74,9 +79,9 @@ class CollectiveTimer:
 
 
 def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's averaging all-reduce of one bucket, timed and counted in ``state``."""
+    """DDP's all-reduce of one bucket (averaging unless ``state.average`` is off), timed and counted."""
     tensor = bucket.buffer()
-    if state.world_size > 1:  # x * 1.0 is x: skip a pass over the bucket
+    if state.average and state.world_size > 1:  # x * 1.0 is x: skip a pass over the bucket
         tensor.mul_(state.scale)
     state.bytes.inc(tensor.numel() * tensor.element_size())
     on_gpu = tensor.is_cuda and state.backend != "gloo"
@@ -110,8 +115,11 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
 
 
 def register_comm_hook(model: DistributedDataParallel, backend: str,
-                       process_group: Optional[dist.ProcessGroup] = None) -> CollectiveTimer:
-    """Install the hook on ``model`` (before its first backward); call ``drain()`` once per step."""
-    state = CollectiveTimer(backend, process_group)
+                       process_group: Optional[dist.ProcessGroup] = None, average: bool = True) -> CollectiveTimer:
+    """Install the hook on ``model`` (before its first backward); call ``drain()`` once per step.
+
+    ``average=False`` sums the gradients: only for a caller whose loss already carries ``1 / world``.
+    """
+    state = CollectiveTimer(backend, process_group, average=average)
     model.register_comm_hook(state, allreduce_hook)
     return state

@@ -29,11 +29,19 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
 
 
-CONFIGS = [(1, "fixed-global"), (2, "fixed-global"), (3, "fixed-global"), (2, "fixed-per-rank")]
+# (world, batch policy, metrics). With metrics the comm hook sums and the loss carries 1/world;
+# without them DDP averages and the loss does not: both must give the same update.
+CONFIGS = [(1, "fixed-global", True), (2, "fixed-global", True), (3, "fixed-global", True),
+           (2, "fixed-per-rank", True), (3, "fixed-global", False)]
 
 
-def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
-    store = dist.FileStore(f"{tmp}/store-{world}-{policy}", world)
+def _tag(world: int, policy: str, metrics: bool = True) -> str:
+    return f"{world}-{policy}" + ("" if metrics else "-no-metrics")
+
+
+def _train_one(rank: int, world: int, tmp: str, policy: str, metrics: bool) -> None:
+    tag = _tag(world, policy, metrics)
+    store = dist.FileStore(f"{tmp}/store-{tag}", world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -44,7 +52,7 @@ def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
 
     run = ElasticRun(
         model, optimizer, SyntheticClassification(DATASET, seed=1), global_batch_size=GLOBAL_BATCH,
-        steps=2, snapshot_dir=f"{tmp}/snap-{world}-{policy}", snapshot_every_steps=None,
+        steps=2, snapshot_dir=f"{tmp}/snap-{tag}", snapshot_every_steps=None, metrics=metrics,
         on_step_end=keep, handle_sigterm=False, collate_fn=as_batch, batch_policy=policy,  # type: ignore[arg-type]
         per_rank_batch_size=PER_RANK if policy == "fixed-per-rank" else None,
     )
@@ -53,7 +61,7 @@ def _train_one(rank: int, world: int, tmp: str, policy: str) -> None:
     assert dist.is_initialized(), "ElasticRun must leave a process group it did not create"
     dist.destroy_process_group()
     if rank == 0:
-        torch.save(params, f"{tmp}/params-{world}-{policy}.pt")
+        torch.save(params, f"{tmp}/params-{tag}.pt")
 
 
 def _unshared_dir(rank: int, world: int, tmp: str) -> None:
@@ -70,21 +78,21 @@ def _unshared_dir(rank: int, world: int, tmp: str) -> None:
 def _worker(rank: int, tmp: str) -> None:
     """One spawn serves every configuration (process start dominates the cost)."""
     torch.set_num_threads(1)
-    for world, policy in CONFIGS:
+    for world, policy, metrics in CONFIGS:
         if rank < world:
-            _train_one(rank, world, tmp, policy)
+            _train_one(rank, world, tmp, policy, metrics)
     _unshared_dir(rank, 3, tmp)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("grads")
-    mp.spawn(_worker, args=(str(tmp),), nprocs=max(w for w, _ in CONFIGS), join=True)
+    mp.spawn(_worker, args=(str(tmp),), nprocs=max(w for w, _, _ in CONFIGS), join=True)
     return tmp
 
 
-def _params(tmp: Path, world: int, policy: str = "fixed-global") -> list[list[torch.Tensor]]:
-    return torch.load(tmp / f"params-{world}-{policy}.pt")
+def _params(tmp: Path, world: int, policy: str = "fixed-global", metrics: bool = True) -> list[list[torch.Tensor]]:
+    return torch.load(tmp / f"params-{_tag(world, policy, metrics)}.pt")
 
 
 def _reference(batch: int = GLOBAL_BATCH, lr: float = 0.5) -> list[list[torch.Tensor]]:
@@ -111,12 +119,14 @@ def reference() -> list[list[torch.Tensor]]:
     return _reference()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(("world", "metrics"), [(1, True), (2, True), (3, True), (3, False)])
 def test_update_equals_the_global_batch_mean_at_any_world_size(
-    trained: Path, world: int, reference: list[list[torch.Tensor]]
+    trained: Path, world: int, metrics: bool, reference: list[list[torch.Tensor]]
 ) -> None:
-    """Step 1 splits 10 samples 4/3/3 at world 3; step 2 is the 1-sample tail (two ranks empty)."""
-    got = _params(trained, world)
+    """Step 1 splits 10 samples 4/3/3 at world 3; step 2 is the 1-sample tail (two ranks empty).
+
+    ``metrics=False`` has no comm hook: DDP averages and the loss is scaled differently."""
+    got = _params(trained, world, metrics=metrics)
     assert len(got) == 2
     for step, (want, have) in enumerate(zip(reference, got), start=1):
         for w, h in zip(want, have):

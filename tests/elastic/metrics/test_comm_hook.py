@@ -75,6 +75,9 @@ def _worker(rank: int, tmp: str) -> None:
         "errors_before": _series("elastic_collective_errors_total", **labels),
         "world": timer.world_size,
     }
+    summing = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    register_comm_hook(summing, "gloo", average=False)
+    result["summed"] = _grads_after(summing, rank)
 
     # A peer that is gone makes the next all-reduce fail; the hook counts it on the survivors.
     dist.barrier()
@@ -115,6 +118,15 @@ def test_the_check_would_see_a_hook_that_divides_instead(results: list[dict]) ->
         for r in results for want, ref in zip(r["want"], r["ref"]) for w, g in zip(want, ref)
     )
     assert differs, "x / 3 and x * (1/3) gave the same bits everywhere; the bitwise test proves nothing"
+
+
+def test_average_false_sums_the_gradients_over_ranks(results: list[dict]) -> None:
+    """ElasticRun's mode: its loss carries 1/world, so the hook must not scale again."""
+    for rank, r in enumerate(results):
+        # step 0 only: the steps after it start from parameters updated by a sum, not a mean
+        for i, (mean, summed) in enumerate(zip(r["want"][0], r["summed"][0])):
+            torch.testing.assert_close(summed, mean * WORLD, rtol=1e-5, atol=1e-7,
+                                       msg=f"rank {rank} param {i}: not the sum over ranks")
 
 
 def test_bytes_are_the_gradient_size_every_step_and_each_bucket_is_timed(results: list[dict]) -> None:
