@@ -482,6 +482,8 @@ class ElasticRun:
                 self._last_snapshot_time = time.monotonic()
                 if self.metrics is not None:
                     self.metrics.snapshot_submitted(time.perf_counter() - t0)
+            elif self.metrics is not None:
+                self.metrics.snapshot_skipped()
 
     def _final_snapshot(self) -> None:
         if self.writer is None:

@@ -52,6 +52,7 @@ class Families:
     snapshot_stall: Histogram
     snapshot_write: Histogram
     snapshot_bytes: Counter
+    snapshots_skipped: Counter
     snapshot_last_durable: Gauge
     restore: Gauge
     time_to_first_step: Gauge
@@ -107,6 +108,9 @@ def families() -> Families:
                                  "Background time of one snapshot: capture copy, serialise, fsync, rename.",
                                  buckets=WRITE_BUCKETS, registry=r),
         snapshot_bytes=Counter("elastic_snapshot_bytes_total", "Bytes of snapshots made durable.", registry=r),
+        snapshots_skipped=Counter("elastic_snapshots_skipped_total",
+                                  "Due snapshots skipped because the previous one was still being written.",
+                                  registry=r),
         snapshot_last_durable=Gauge("elastic_snapshot_last_durable_timestamp_seconds",
                                     "Unix time at which the newest snapshot became durable.",
                                     multiprocess_mode="max", registry=r),

@@ -84,6 +84,9 @@ class TrainingMetrics:
         """Training blocked ``seconds`` in ``submit``; the capture wait before the next update adds to it."""
         self._stall = seconds
 
+    def snapshot_skipped(self) -> None:
+        self.worker.snapshot_skipped()
+
     def capture_waited(self, seconds: float) -> None:
         if self._stall is not None:
             self.worker.snapshot_stalled(self._stall + seconds)

@@ -114,6 +114,10 @@ class WorkerMetrics:
     def snapshot_stalled(self, seconds: float) -> None:
         self.families.snapshot_stall.observe(seconds)
 
+    def snapshot_skipped(self) -> None:
+        """A due snapshot was skipped (overlap policy): rising means the disk cannot keep up."""
+        self.families.snapshots_skipped.inc()
+
     def snapshot_durable(self, stats: DurableStats) -> None:
         """The writer's ``on_durable`` callback (runs on the writer thread)."""
         f = self.families
