@@ -38,6 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-every-steps", type=_non_negative_int, default=100, help="0 turns it off")
     p.add_argument("--snapshot-every-seconds", type=_positive_float)
     p.add_argument("--keep-snapshots", type=_positive_int, default=3)
+    p.add_argument("--snapshot-writer", choices=("process", "thread"), default="process",
+                   help="rank 0 writes snapshots from a process at idle priority (default) or from a thread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=_positive_float, help="learning rate (default: the job's)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
@@ -148,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshot_every_seconds=args.snapshot_every_seconds, keep_snapshots=args.keep_snapshots,
             backend=args.backend, collective_timeout=args.collective_timeout, ledger=args.ledger,
             on_step_end=progress, num_workers=args.num_workers, collate_fn=job.collate_fn,
-            snapshot_meta={"job": args.job}, metrics=args.metrics,
+            snapshot_meta={"job": args.job}, metrics=args.metrics, snapshot_writer=args.snapshot_writer,
             count_tokens=getattr(job, "tokens", None),  # jobs that define tokens feed elastic_tokens_total
         )
         for batch in run:

@@ -157,8 +157,9 @@ class ElasticRun:
     ``metrics=False`` records no metrics and installs no comm hook (the overhead bench's
     baseline). ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``; it runs on the
     host-side batch before it moves to the device, so keep it cheap (e.g. ``numel()``).
-    ``snapshot_writer`` picks where rank 0 writes snapshots: a thread of the trainer, or a
-    writer process at idle priority (docs/checkpoints.md, "The background writer").
+    ``snapshot_writer`` picks where rank 0 writes snapshots: a writer process at idle
+    priority (the default; until it is up, a thread writes), or a thread of the trainer,
+    whose GIL hand-offs cost a small CPU step a few percent (docs/BENCHMARKS.md).
     """
 
     def __init__(
@@ -190,7 +191,7 @@ class ElasticRun:
         snapshot_meta: dict[str, Any] | None = None,
         metrics: bool = True,
         count_tokens: Callable[[Any], int] | None = None,
-        snapshot_writer: Literal["thread", "process"] = "thread",
+        snapshot_writer: Literal["process", "thread"] = "process",
     ) -> None:
         if steps is None and epochs is None:
             raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
@@ -269,9 +270,8 @@ class ElasticRun:
         if store is None:
             store = SnapshotStore(root, keep=keep, create=False)
         on_durable = self.metrics.snapshot_durable if self.metrics is not None else None
-        # A thread, not the writer process: the process imports torch when a worker starts,
-        # so after every restart the first snapshot waited seconds on busy cores and later
-        # ones were skipped behind it, past the rollback bound (tests/agent/test_chaos.py).
+        # The writer process imports torch when a worker starts; until it is ready a thread
+        # writes, so the first snapshot after a restart never waits for that import.
         writer = (AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable, mode=self._writer_mode)
                   if d.is_main else None)
         return store, writer
