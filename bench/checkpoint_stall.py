@@ -8,6 +8,14 @@ state. Medians of --repeats runs. Timings live here, never in tests.
     python bench/checkpoint_stall.py            # full run (~3 min on 2 cores)
     python bench/checkpoint_stall.py --quick    # smoke run
     python bench/checkpoint_stall.py --step-modes process,thread   # both writers, same run
+    python bench/checkpoint_stall.py --step-model mlp              # step time of the stress case
+
+Step time: training with a snapshot every 50 steps against training without, interleaved
+block by block. The default workload trains the same ResNet-50 + Adam whose state is
+benchmarked (batch 8 of 112x112 images: a quarter of the pixels and a quarter of the
+batch of a usual ResNet-50 recipe, so each step does far less compute per byte of state
+than a real job, which makes snapshots look costlier, not cheaper). ``--step-model mlp``
+is the stress case: 100 MB of state every 1.5 s of compute.
 
 The background write is timed while nothing waits for it (polling, not ``flush``), so it
 runs at the writer's own priority; the step-time blocks end in ``flush``, which counts
@@ -131,7 +139,8 @@ def measure_dcp(state: dict[str, Any], d: Path, repeats: int) -> tuple[float, fl
 
 
 class StepModel(nn.Module):
-    """Small MLP for the step-time comparison: ~100 MB of model+Adam state, ~30 ms steps."""
+    """Small MLP for the stress case: ~100 MB of model+Adam state, ~30 ms steps, far more
+    state per unit of compute than any real model (a snapshot every 1.5 s)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -144,14 +153,24 @@ class StepModel(nn.Module):
         return self.net(x)
 
 
-def step_time(d: Path, blocks: int, every: int, modes: list[str], priority: Priority) -> dict[str, Any]:
+def step_workload(name: str, batch: int, image: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, str]:
+    """(model, inputs, targets, description) for the step-time comparison."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return StepModel(), torch.randn(32, 1024), torch.randint(0, 10, (32,)), "MLP + Adam (stress case)"
+    from torchvision.models import resnet50
+
+    return (resnet50(weights=None), torch.randn(batch, 3, image, image), torch.randint(0, 1000, (batch,)),
+            f"ResNet-50 + Adam, batch {batch} of {image}x{image}")
+
+
+def step_time(d: Path, blocks: int, every: int, modes: list[str], priority: Priority,
+              workload: tuple[nn.Module, torch.Tensor, torch.Tensor, str]) -> dict[str, Any]:
     """Seconds per step: runs of 2*``every`` steps with a snapshot every ``every`` steps (the
     final flush counted, so no write escapes the clock) against runs without, interleaved
     block by block; one writer per mode in ``modes``, so they meet the same load."""
-    torch.manual_seed(0)
-    model = StepModel()
+    model, x, y, _ = workload
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x, y = torch.randn(32, 1024), torch.randint(0, 10, (32,))
     writers = {m: AsyncSnapshotWriter(SnapshotStore(d / f"steps-{m}", keep=2), mode=m, priority=priority)  # type: ignore[arg-type]
                for m in modes}
     for w in writers.values():
@@ -214,11 +233,20 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50, help="snapshot interval for the step-time comparison")
     ap.add_argument("--mode", choices=("process", "thread"), default="process", help="AsyncSnapshotWriter(mode=...)")
     ap.add_argument("--priority", default="idle", help="AsyncSnapshotWriter(priority=...): idle or a nice value")
+    ap.add_argument("--step-model", choices=("resnet50", "mlp"), default="resnet50",
+                    help="step-time workload: the ResNet-50 + Adam whose state is benchmarked above, or the MLP "
+                         "stress case (100 MB of state per 1.5 s of compute)")
+    ap.add_argument("--step-batch", type=int, default=8, help="ResNet-50 step-time batch size")
+    ap.add_argument("--step-image", type=int, default=112, help="ResNet-50 step-time image side, pixels")
+    ap.add_argument("--step-blocks", type=int, default=None,
+                    help="interleaved block pairs for the step-time comparison (default: 3 for resnet50, --repeats for mlp)")
     ap.add_argument("--step-modes", default=None,
                     help="writer modes for the step-time comparison, comma-separated (default: --mode), e.g. process,thread")
     args = ap.parse_args()
     args.priority = check_priority(args.priority if args.priority == "idle" else int(args.priority))
     repeats = 2 if args.quick else args.repeats
+    if args.quick:
+        args.every = min(args.every, 5)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     root = Path(tempfile.mkdtemp(prefix="checkpoint-stall-", dir=args.dir))
     try:
@@ -317,11 +345,13 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
         print(f"  stall {dcp[0] * 1e3:8.2f} ms = {dcp[0] / t_sync:6.2%} of sync torch.save+fsync "
               f"(ours: {stall / dcp[0]:.3f}x of it); durable after {dcp[1]:.3f} s")
 
-    blocks = 2 if args.quick else repeats
+    blocks = 2 if args.quick else (args.step_blocks or (3 if args.step_model == "resnet50" else repeats))
     modes = (args.step_modes or args.mode).split(",")
-    r = step_time(root, blocks, args.every, modes, args.priority)
-    print(f"\nstep time: MLP + Adam ({r['bytes'] / 1e6:.0f} MB snapshot, 2 torch threads), snapshot every {args.every} "
-          f"steps vs never, {blocks} interleaved blocks of {2 * args.every} steps; ratio = median of per-block ratios")
+    workload = step_workload(args.step_model, args.step_batch, args.step_image)
+    r = step_time(root, blocks, args.every, modes, args.priority, workload)
+    print(f"\nstep time: {workload[3]} ({r['bytes'] / 1e6:.0f} MB snapshot, {torch.get_num_threads()} torch threads), "
+          f"snapshot every {args.every} steps vs never, {blocks} interleaved blocks of {2 * args.every} steps; "
+          f"ratio = median of per-block ratios")
     print(f"  never {r['plain'] * 1e3:.2f} ms/step (median)")
     for m, v in r["modes"].items():
         overhead = v["ratio"] - 1
