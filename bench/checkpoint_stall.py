@@ -193,8 +193,8 @@ def step_time(d: Path, blocks: int, every: int, modes: list[str], priority: Prio
             writer.flush()
         return (time.perf_counter() - t0) / n
 
-    for w in writers.values():  # warm up: writer process, allocator, staging buffers, page cache
-        train(every, w)
+    for w in writers.values():  # warm up: writer process, allocator, staging buffers, page cache, and
+        train(2 * every, w)     # one regular interval: the writer's deadline follows the recent intervals
     train(every, None)
     plain: list[float] = []
     snap: dict[str, list[float]] = {m: [] for m in modes}
