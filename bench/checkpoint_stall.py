@@ -212,6 +212,7 @@ def step_time(d: Path, blocks: int, every: int, modes: list[str], priority: Prio
         out["modes"][m] = {
             "snap": statistics.median(snap[m]),
             "ratio": statistics.median(s / p for s, p in zip(snap[m], plain)),
+            "ratios": [s / p for s, p in zip(snap[m], plain)],
             "skipped": st.snapshots_skipped, "written": st.snapshots_written, "boosted": st.boosted,
             "cpu": statistics.median(cpu[m]) if cpu[m] else None,
         }
@@ -359,6 +360,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
         print(f"  {m:7s} every {args.every}: {v['snap'] * 1e3:.2f} ms/step -> {overhead:+.1%}"
               f"   [goal <= 2%: {'PASS' if overhead <= 0.02 else 'MISS'}]  written {v['written']}, skipped "
               f"{v['skipped']}, raised to normal priority {v['boosted']}{cpu}")
+        print(f"          per block: {', '.join(f'{r - 1:+.1%}' for r in v['ratios'])}")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
