@@ -231,7 +231,9 @@ class ElasticRun:
         self.model: nn.Module = DistributedDataParallel(
             self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
         )
-        self._ddp_averages = self.metrics.attach(self.model) if self.metrics is not None else True  # type: ignore[arg-type]
+        # the hook sums and step() puts 1/world into the loss; without the hook DDP averages
+        self._ddp_averages = (self.metrics.attach(self.model, average=False)  # type: ignore[arg-type]
+                              if self.metrics is not None else True)
         self._last_snapshot_time = time.monotonic()
         self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
         self._step_started = self._data_wait = 0.0

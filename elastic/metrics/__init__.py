@@ -3,7 +3,8 @@
 Workers::
 
     metrics = TrainingMetrics(dist_info)      # ElasticRun does this unless metrics=False
-    metrics.attach(ddp_model)                 # DDP all-reduce timing, bytes and errors
+    metrics.attach(ddp_model)                 # DDP all-reduce timing, bytes and errors (averaging;
+                                              # ElasticRun passes average=False and scales its loss)
 
 The node agent (multiprocess mode; no torch import on this path)::
 

@@ -62,17 +62,17 @@ class TrainingMetrics:
         self._loss = LossReader()
         self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
 
-    def attach(self, model: DistributedDataParallel) -> bool:
+    def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool:
         """Time DDP's gradient all-reduce; before the first backward.
 
-        Returns whether DDP still averages the gradients. With the hook it sums, and the
-        caller must scale its loss by ``1 / world`` (see ``comm_hook``: that saves a pass
-        over every bucket).
+        Returns whether DDP still averages the gradients. ``average=False`` (ElasticRun) makes
+        the hook sum, for a caller whose loss already carries ``1 / world``: that saves a pass
+        over every bucket (see ``comm_hook``). Without the hook DDP always averages.
         """
         if not collective_metrics_enabled():
             return True
-        self.collectives = register_comm_hook(model, self.backend, average=False)
-        return False
+        self.collectives = register_comm_hook(model, self.backend, average=average)
+        return average
 
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
         self.worker.restored(seconds, snapshot_written_at)

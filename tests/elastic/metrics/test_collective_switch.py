@@ -48,6 +48,7 @@ def test_ddp_gets_the_timing_hook_only_when_switched_on(world_of_one: None, monk
     metrics = TrainingMetrics(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
                                        backend="gloo", node="n"))
     model = DistributedDataParallel(torch.nn.Linear(3, 2))
-    metrics.attach(model)
+    assert metrics.attach(model) is True, "attach() must average unless asked not to: a user's loss has no 1/world"
     assert (metrics.collectives is not None) is hooked
+    assert metrics.collectives is None or metrics.collectives.average
     assert ("allreduce_hook" in hook_name(model)) is hooked
