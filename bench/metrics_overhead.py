@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
-from two_ranks import HIDDEN, WORLD, make_model, run_two_ranks  # noqa: E402
+from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks  # noqa: E402
 
 GOAL = 0.01
 
@@ -138,20 +138,7 @@ def main() -> None:
     print(f"  main-thread CPU per step, off/on per repeat: {', '.join(f'{r:.4f}' for r in cpu)}; "
           f"median {cpu_ratio:.4f} ({(1 - cpu_ratio) * 100:+.2f}% more CPU per step with metrics)")
     for name, values in (("throughput on/off", pairs), ("main-thread CPU off/on", cpu_pairs)):
-        mid, low, high = median_interval(values)
-        verdict = "goal shown" if low >= 1 - GOAL else ("goal missed" if high < 1 - GOAL else "not decided")
-        print(f"  {name}, {len(values)} adjacent block pairs: median {mid:.4f}, 95% CI [{low:.4f}, {high:.4f}]"
-              f" -> {verdict} (goal: ratio >= {1 - GOAL:.2f})")
-
-
-def median_interval(ordered: list[float]) -> tuple[float, float, float]:
-    """Median and a distribution-free 95 % confidence interval for it, from sorted values:
-    the order statistics n/2 -+ 0.98 sqrt(n) (normal approximation to the binomial)."""
-    n = len(ordered)
-    half_width = 0.98 * n ** 0.5
-    low = max(0, int(n / 2 - half_width))
-    high = min(n - 1, int(-(-(n / 2 + half_width) // 1)))
-    return statistics.median(ordered), ordered[low], ordered[high]
+        print(f"  {name}, {pair_verdict(values, GOAL)}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ ElasticRun is built, its writer started and its first snapshot written before th
 starts: a restart's start-up cost is the recovery benchmark's business, not this one.
 
     python bench/trainer_overhead.py                      # full run (~4 min on 2 idle cores)
-    python bench/trainer_overhead.py --writer process     # the writer process instead of the thread
+    python bench/trainer_overhead.py --writer thread      # the writer thread instead of the process
     python bench/trainer_overhead.py --quick              # smoke run
 
 Prints samples/s per loop, the ratio ElasticRun / plain per repeat and its median beside
@@ -43,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
-from metrics_overhead import median_interval  # noqa: E402
-from two_ranks import HIDDEN, WORLD, make_model, run_two_ranks  # noqa: E402
+from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks  # noqa: E402
 
 GOAL = 0.03
 
@@ -127,8 +126,8 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--dataset-size", type=int, default=8192)
     p.add_argument("--snapshot-every", type=int, default=50, help="ElasticRun snapshot interval in steps; 0: never")
-    p.add_argument("--writer", choices=("thread", "process"), default="thread",
-                   help="ElasticRun's snapshot writer (its default: thread)")
+    p.add_argument("--writer", choices=("process", "thread"), default="process",
+                   help="ElasticRun's snapshot writer (its default: process)")
     args = p.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 60, 10, 2
@@ -161,10 +160,7 @@ def main() -> None:
     print(f"  ratio ElasticRun/plain per repeat: {', '.join(f'{r:.4f}' for r in ratios)}; median {ratio:.4f} "
           f"({(1 - ratio) * 100:+.2f}% slower; goal <= {GOAL * 100:.0f}%)")
     pairs = sorted(p[0] / e[0] for r in results for p, e in zip(r["times"]["plain"], r["times"]["elastic"]))
-    mid, low, high = median_interval(pairs)
-    verdict = "goal shown" if low >= 1 - GOAL else ("goal missed" if high < 1 - GOAL else "not decided")
-    print(f"  {len(pairs)} adjacent block pairs: median {mid:.4f}, 95% CI [{low:.4f}, {high:.4f}] -> {verdict} "
-          f"(goal: ratio >= {1 - GOAL:.2f})")
+    print(f"  {pair_verdict(pairs, GOAL)}")
     line = (f"  rank 0 CPU per step (process, writer thread included): plain {cpu['plain'] * 1e3:.2f} ms, "
             f"ElasticRun {cpu['elastic'] * 1e3:.2f} ms")
     w = [r["writer"] for r in results if "writer" in r]

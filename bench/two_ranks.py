@@ -1,14 +1,16 @@
-"""What the in-process trainer benchmarks share: their model and their world of two ranks.
+"""What the in-process trainer benchmarks share: their model, their world of two ranks, their verdict.
 
 Both overhead benchmarks (``trainer_overhead.py``, ``metrics_overhead.py``) compare two
 loops in the same two spawned processes (gloo on a FileStore, no etcd) on the same MLP,
-so the spawning, the process group and the model live here once.
+alternating blocks of steps, so the spawning, the process group, the model and the
+verdict from the block pairs live here once.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -40,6 +42,25 @@ def run_two_ranks(worker: Worker, args: argparse.Namespace, tmp: str) -> Any:
     """Run ``worker(rank, args, tmp)`` on both ranks; returns what rank 0's returned."""
     mp.spawn(_rank_main, args=(worker, args, tmp), nprocs=WORLD, join=True)
     return torch.load(os.path.join(tmp, "results.pt"))
+
+
+def median_interval(ordered: list[float]) -> tuple[float, float, float]:
+    """Median and a distribution-free 95 % confidence interval for it, from sorted values:
+    the order statistics n/2 -+ 0.98 sqrt(n) (normal approximation to the binomial)."""
+    n = len(ordered)
+    half_width = 0.98 * n ** 0.5
+    low = max(0, int(n / 2 - half_width))
+    high = min(n - 1, int(-(-(n / 2 + half_width) // 1)))
+    return statistics.median(ordered), ordered[low], ordered[high]
+
+
+def pair_verdict(ordered: list[float], goal: float) -> str:
+    """One line on sorted block-pair ratios (1.0: no cost): their median, its 95 % interval, and
+    whether the whole interval clears ``1 - goal`` ("goal shown"), misses it, or straddles it."""
+    mid, low, high = median_interval(ordered)
+    verdict = "goal shown" if low >= 1 - goal else ("goal missed" if high < 1 - goal else "not decided")
+    return (f"{len(ordered)} adjacent block pairs: median {mid:.4f}, 95% CI [{low:.4f}, {high:.4f}] -> {verdict} "
+            f"(goal: ratio >= {1 - goal:.2f})")
 
 
 def _rank_main(rank: int, worker: Worker, args: argparse.Namespace, tmp: str) -> None:
