@@ -209,7 +209,6 @@ class ElasticRun:
         self.on_step_end, self.max_grad_norm = on_step_end, max_grad_norm
         self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
         self.snapshot_meta = dict(snapshot_meta or {})
-        self._writer_mode = snapshot_writer
         self.count_tokens = count_tokens
         self._tokens: int | None = None
         self._stop_signal: int | None = None
@@ -226,7 +225,7 @@ class ElasticRun:
         self.step_count, self.total_samples, self.resumed_from = 0, 0, 0
         self._module = model.to(d.device)
         self.ledger: Ledger | None = None
-        self.store, self.writer = self._open_store(Path(snapshot_dir), keep_snapshots, ledger)
+        self.store, self.writer = self._open_store(Path(snapshot_dir), keep_snapshots, ledger, snapshot_writer)
         self._restore()
         self.model: nn.Module = DistributedDataParallel(
             self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
@@ -254,7 +253,7 @@ class ElasticRun:
             raise ElasticRunError(str(e)) from None
 
     def _open_store(
-        self, root: Path, keep: int, ledger: str | Path | None
+        self, root: Path, keep: int, ledger: str | Path | None, writer_mode: Literal["process", "thread"]
     ) -> tuple[SnapshotStore, AsyncSnapshotWriter | None]:
         """Rank 0 opens what only it writes; a failure there is broadcast so every rank stops."""
         d = self.dist
@@ -274,7 +273,7 @@ class ElasticRun:
         on_durable = self.metrics.snapshot_durable if self.metrics is not None else None
         # The writer process imports torch when a worker starts; until it is ready a thread
         # writes, so the first snapshot after a restart never waits for that import.
-        writer = (AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable, mode=self._writer_mode)
+        writer = (AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable, mode=writer_mode)
                   if d.is_main else None)
         return store, writer
 
