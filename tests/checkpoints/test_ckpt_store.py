@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,19 @@ def test_unstorable_value_is_rejected_at_save_time_naming_it(tmp_path: Path) -> 
     with pytest.raises(SnapshotError, match=r"state\['sampler'\]\['gen'\] is a builtins.object"):
         store.save(1, {"sampler": {"gen": object()}}, world_size=1)
     assert os.listdir(tmp_path) == []
+
+
+def test_snapshot_files_skip_torch_saves_zip_crc32_on_the_saving_thread(tmp_path: Path) -> None:
+    """The manifest's sha256 is the integrity check; torch.load never reads the zip CRCs, and
+    computing them was a quarter of a write's CPU. torch keeps that setting per thread, so
+    this checks it reached the pool thread that saves, and left the caller's setting alone."""
+    store = SnapshotStore(tmp_path)
+    state = {"model": {"w": torch.arange(100_000, dtype=torch.float32)}}
+    info = store.save(1, state, world_size=1)
+
+    with zipfile.ZipFile(info.path / "000-model.pt") as z:
+        records = {i.filename: i for i in z.infolist()}
+    data = [i for name, i in records.items() if "/data/" in name]
+    assert data and all(i.file_size == 400_000 and i.CRC == 0 for i in data)
+    assert torch.serialization.get_crc32_options() is True  # the caller's default, untouched
+    assert_equal_state(store.load(info), state)
