@@ -47,12 +47,19 @@ def serve(sock: socket.socket) -> None:
         if op == "arena":
             tensors = map_arena(fds[0], int(msg["size"]), msg["specs"])
         elif op == "job":
-            wire.send(sock, _job(msg, tensors, stores))
+            reply, store = _job(msg, tensors, stores)
+            wire.send(sock, reply)  # durable: the trainer need not wait for the pruning
+            c0 = time.process_time()
+            if store is not None:
+                store.housekeep()
+            wire.send(sock, {"op": "housekept", "cpu_s": time.process_time() - c0})
         elif op == "exit":
             return
 
 
-def _job(msg: dict[str, Any], tensors: list[torch.Tensor], stores: dict[tuple[Any, ...], SnapshotStore]) -> dict[str, Any]:
+def _job(msg: dict[str, Any], tensors: list[torch.Tensor],
+         stores: dict[tuple[Any, ...], SnapshotStore]) -> tuple[dict[str, Any], SnapshotStore | None]:
+    """The reply, and the store to housekeep once it is sent (None after a failure)."""
     t0, c0 = time.perf_counter(), time.process_time()
     step = msg["step"]
     try:
@@ -66,15 +73,15 @@ def _job(msg: dict[str, Any], tensors: list[torch.Tensor], stores: dict[tuple[An
             )
             store.propagate_nice = False
         state = wire.decode(msg["state"], tensors)
-        info = store.save(step, state, world_size=msg["world_size"], extra_meta=msg["extra_meta"])
+        info = store.save(step, state, world_size=msg["world_size"], extra_meta=msg["extra_meta"], housekeeping=False)
     except SnapshotError as e:
-        return {"op": "error", "kind": type(e).__name__, "message": str(e)}
+        return {"op": "error", "kind": type(e).__name__, "message": str(e)}, None
     except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it at flush()
         return {"op": "error", "kind": "SnapshotError",
-                "message": f"snapshot step {step} failed in the writer process: {type(e).__name__}: {e}"}
+                "message": f"snapshot step {step} failed in the writer process: {type(e).__name__}: {e}"}, None
     return {
         "op": "done", "step": info.step, "path": str(info.path), "world_size": info.world_size,
         "written_at": info.written_at, "size_bytes": info.size_bytes, "torch_version": info.torch_version,
         "extra_meta": dict(info.extra_meta), "write_s": time.perf_counter() - t0,
         "cpu_s": time.process_time() - c0,
-    }
+    }, store

@@ -79,6 +79,7 @@ class WriterProcess:
         self._sock: socket.socket | None = None
         self._arena_sent: object | None = None
         self._boost_refused_logged = False
+        self._housekeeping_due = False  # a job was sent whose "housekept" message is still to come
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
@@ -195,13 +196,12 @@ class WriterProcess:
                           fds=[capture.arena.fd])
                 self._arena_sent = capture.arena
             wire.send(self._sock, msg)
-            reply = self._wait_reply(boost_at)
+            self._housekeeping_due = True
+            reply = self._wait_reply(boost_at, ("done", "error"))
         except (OSError, EOFError) as e:
             raise self._died(step, e) from None
         except (TypeError, ValueError) as e:  # e.g. extra_meta that JSON cannot carry
             raise SnapshotError(f"snapshot step {step} cannot be sent to the writer process: {e}") from None
-        finally:
-            self._calm_down()
         if reply["op"] == "error":
             cls = getattr(errors, str(reply.get("kind")), SnapshotError)
             raise (cls if isinstance(cls, type) and issubclass(cls, SnapshotError) else SnapshotError)(reply["message"])
@@ -212,12 +212,32 @@ class WriterProcess:
         )
         return info, {"write_s": float(reply["write_s"]), "cpu_s": float(reply["cpu_s"])}
 
+    def finish_housekeeping(self, step: int, boost_at: float | None) -> float:
+        """Wait for the pruning the child does after each reply; its CPU seconds.
+
+        Call after every :meth:`write`, failed or not: the job stays raised (if it was)
+        until this returns. The snapshot's fate is already known, so a child that dies
+        here costs only a log line; the next job starts a new one.
+        """
+        try:
+            if not self._housekeeping_due or self._sock is None:
+                return 0.0
+            return float(self._wait_reply(boost_at, ("housekept",)).get("cpu_s", 0.0))
+        except (OSError, EOFError, ValueError) as e:
+            log.warning("the snapshot writer process %s while pruning after step %d; "
+                        "the next snapshot starts a new writer process", self._reap(e), step)
+            return 0.0
+        finally:
+            self._housekeeping_due = False
+            self._calm_down()
+
     def _store_config(self) -> dict[str, Any]:
         s = self.store
         return {"root": str(s.root), "keep": s.keep, "if_exists": s.if_exists,
                 "io_threads": s.io_threads, "stale_temp_grace_s": s.stale_temp_grace_s}
 
-    def _wait_reply(self, boost_at: float | None) -> dict[str, Any]:
+    def _wait_reply(self, boost_at: float | None, until: tuple[str, ...]) -> dict[str, Any]:
+        """The child's next message whose op is in ``until``, raising its priority when late."""
         assert self._sock is not None
         while True:
             if self._boosted and not self._ready:
@@ -231,7 +251,7 @@ class WriterProcess:
                 msg, fds = wire.recv(self._sock)
                 for fd in fds:
                     os.close(fd)
-                if msg.get("op") in ("done", "error"):
+                if msg.get("op") in until:
                     return msg
                 self._ready = True  # "ready"
                 if self._boosted:
@@ -274,7 +294,15 @@ class WriterProcess:
             pass
 
     def _died(self, step: int, cause: BaseException) -> SnapshotError:
+        return SnapshotError(
+            f"the snapshot writer process {self._reap(cause)} while writing step {step}; that snapshot is lost, "
+            "earlier ones are intact, and the next snapshot starts a new writer process"
+        )
+
+    def _reap(self, cause: BaseException) -> str:
+        """Forget a child whose channel failed; how it ended, for the log line."""
         proc, self._proc = self._proc, None
+        self._housekeeping_due = False
         self._ready = False
         if self._sock is not None:
             self._sock.close()
@@ -288,10 +316,7 @@ class WriterProcess:
                 code = proc.wait()
             how = _how(code)
         log.debug("writer process channel failed: %r", cause)
-        return SnapshotError(
-            f"the snapshot writer process {how} while writing step {step}; that snapshot is lost, earlier ones "
-            "are intact, and the next snapshot starts a new writer process"
-        )
+        return how
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child; call only when nothing is in flight (after a flush)."""

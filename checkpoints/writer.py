@@ -57,8 +57,8 @@ class WriterStats:
     last_stall_s: float = 0.0  # time training was blocked for the last snapshot
     total_stall_s: float = 0.0
     last_capture_s: float = 0.0  # background copy into staging buffers
-    last_write_s: float = 0.0  # serialise + hash + fsync + rename, after the capture
-    last_write_cpu_s: float | None = None  # CPU time the writer process spent on it (None: thread mode)
+    last_write_s: float = 0.0  # serialise + hash + fsync + rename, after the capture; pruning follows
+    last_write_cpu_s: float | None = None  # writer process CPU for it, pruning included (None: thread mode)
     total_write_cpu_s: float = 0.0
     boosted: int = 0  # writes raised from idle to normal priority because they were late or awaited
     last_bytes: int = 0
@@ -349,22 +349,37 @@ class AsyncSnapshotWriter:
         cpu_s: float | None = None
         info: SnapshotInfo
         if self._proc is not None and self._proc.is_ready():
-            info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
-            cpu_s = timings["cpu_s"]
-        else:
-            if self._proc is not None:
-                self._proc.hurry()  # its torch import must not starve at idle priority while snapshots fall due
-            if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
-                log.info("snapshot step %d: the writer process is not up yet; writing it from a thread", job.step)
-                self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
-            info = self._io.submit(
-                self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta
-            ).result()
+            try:
+                info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
+                self._durable(job, info, t1 - t0, t1, timings["cpu_s"])
+            finally:  # the child prunes after replying; the job is done when it has
+                prune_cpu_s = self._proc.finish_housekeeping(job.step, job.boost_at)
+                with self._lock:
+                    s = self._stats
+                    s.total_write_cpu_s += prune_cpu_s
+                    if s.last_write_cpu_s is not None:
+                        s.last_write_cpu_s += prune_cpu_s
+                    s.boosted = self._proc.boosts
+            return
+        if self._proc is not None:
+            self._proc.hurry()  # its torch import must not starve at idle priority while snapshots fall due
+        if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
+            log.info("snapshot step %d: the writer process is not up yet; writing it from a thread", job.step)
+            self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
+        info = self._io.submit(
+            self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta,
+            housekeeping=False,
+        ).result()
+        self._durable(job, info, t1 - t0, t1, None)
+        self._io.submit(self.store.housekeep).result()
+
+    def _durable(self, job: _Job, info: SnapshotInfo, capture_s: float, t1: float, cpu_s: float | None) -> None:
+        """Record snapshot ``info`` as durable (stats, log line, ``on_durable``), before pruning."""
         t2 = time.perf_counter()
         with self._lock:
             s = self._stats
             s.snapshots_written += 1
-            s.last_capture_s = t1 - t0
+            s.last_capture_s = capture_s
             s.last_write_s = t2 - t1
             s.last_write_cpu_s = cpu_s
             s.total_write_cpu_s += cpu_s or 0.0

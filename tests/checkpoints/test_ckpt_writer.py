@@ -97,6 +97,23 @@ def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
 
 
 @MODES
+def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: Path, mode: str) -> None:
+    """Deleting a 300 MB snapshot takes ~0.1 s of waiting for the disk; the durable report
+    (metrics, the rollback bound) must not wait for it, and flush() must."""
+    store = SnapshotStore(tmp_path, keep=1)
+    on_disk_when_durable = []
+    with AsyncSnapshotWriter(store, mode=mode,  # type: ignore[arg-type]
+                             on_durable=lambda s: on_disk_when_durable.append([i.step for i in store.list()])) as writer:
+        writer.wait_writer_process()
+        for step in (1, 2):
+            writer.submit(step, state_for(step), world_size=1)
+            writer.flush()
+            assert [i.step for i in store.list()] == [step]  # flush() returned after the pruning
+    assert on_disk_when_durable == [[1], [1, 2]]
+    assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
+
+
+@MODES
 def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> None:
     store = SnapshotStore(tiny_fs)
     with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
