@@ -5,7 +5,7 @@ is printed beside its anchor, measured in the same run: memcpy bandwidth and fsy
 write bandwidth of the same directory, and a synchronous torch.save + fsync of the same
 state. Medians of --repeats runs. Timings live here, never in tests.
 
-    python bench/checkpoint_stall.py            # full run (~3 min on 2 cores)
+    python bench/checkpoint_stall.py            # full run (~15 min on 2 cores, most of it the step-time blocks)
     python bench/checkpoint_stall.py --quick    # smoke run
     python bench/checkpoint_stall.py --step-modes process,thread   # both writers, same run
     python bench/checkpoint_stall.py --step-model mlp              # step time of the stress case
@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -108,6 +109,37 @@ def measure_disk(d: Path, nbytes: int, repeats: int, early_writeback: bool) -> f
     t = median_time(once, repeats)
     p.unlink()
     return nbytes / t / GB
+
+
+def measure_raw_write(d: Path, state: dict[str, Any], threads: int = 2) -> float:
+    """fsync'd write bandwidth for this state's own bytes laid out as the store lays them out
+    (one file per top-level key, ``threads`` at a time, writeback started per 8 MB written)
+    with none of its work: no torch.save, no sha256, no manifest. The second disk anchor:
+    where the disk probe writes one cached 8 MB buffer over and over, this reads ~700
+    tensors from memory, as any snapshot must."""
+
+    def write_key(i: int, value: Any) -> int:
+        p = d / f"raw-probe-{i}"
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        off = started = 0
+        try:
+            for t in iter_tensors(value):
+                mv = memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B")
+                for start in range(0, mv.nbytes, 8 << 20):
+                    off += os.write(fd, mv[start:start + (8 << 20)])
+                    if off - started >= 8 << 20:
+                        start_writeback(fd, started, off - started)
+                        started = off
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            p.unlink()
+        return off
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        nbytes = sum(pool.map(write_key, range(len(state)), state.values()))
+        return nbytes / (time.perf_counter() - t0) / GB
 
 
 def measure_dcp(state: dict[str, Any], d: Path, repeats: int) -> tuple[float, float] | str:
@@ -244,7 +276,7 @@ def main() -> None:
     ap.add_argument("--step-batch", type=int, default=8, help="ResNet-50 step-time batch size")
     ap.add_argument("--step-image", type=int, default=112, help="ResNet-50 step-time image side, pixels")
     ap.add_argument("--step-blocks", type=int, default=None,
-                    help="interleaved block pairs for the step-time comparison (default: 3 for resnet50, --repeats for mlp)")
+                    help="interleaved block pairs for the step-time comparison (default: 5 for resnet50, --repeats for mlp)")
     ap.add_argument("--step-modes", default=None,
                     help="writer modes for the step-time comparison, comma-separated (default: --mode), e.g. process,thread")
     args = ap.parse_args()
@@ -303,7 +335,8 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
     # as a GPU job's CPU threads mostly do), then the stall: submit + wait_capture at
     # optimizer.step after a real forward/backward, which the idle-priority write yields to.
     x = torch.randn(2, 3, 64, 64)
-    stalls, nooverlap, writes, overlapped, captures, cpus, disk_ratios, probes = [], [], [], [], [], [], [], []
+    stalls, nooverlap, writes, overlapped, captures, cpus = [], [], [], [], [], []
+    disk_ratios, raw_ratios, vs_raw, probes = [], [], [], []
     with AsyncSnapshotWriter(SnapshotStore(root / "async", keep=2), overlap_policy="wait", mode=args.mode,
                              priority=args.priority) as writer:
         writer.wait_writer_process()  # steady state, not the start
@@ -311,6 +344,8 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
         writer.flush()
         for _ in range(repeats):
             disk_now = max(measure_disk(root, nbytes, 1, early_writeback=e) for e in (False, True))
+            raw_now = measure_raw_write(root, state)
+            raw_ratios.append(raw_now / disk_now)
             writer.submit(next(step), state, world_size=1)
             writer.wait_capture()
             wait_durable(writer)  # polls: flush() would raise the writer's priority
@@ -318,6 +353,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
             writes.append(s.last_write_s)
             cpus.append(s.last_write_cpu_s)
             disk_ratios.append(s.last_bytes / s.last_write_s / GB / disk_now)
+            vs_raw.append(s.last_bytes / s.last_write_s / GB / raw_now)
             probes.append(disk_now)
 
             t0 = time.perf_counter()
@@ -351,6 +387,8 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
           f"fsync'd disk probed just before it (median of {repeats} pairs; probes {statistics.median(probes):.2f} GB/s, "
           f"{min(probes):.2f}-{max(probes):.2f}), {size / write / GB / memcpy:4.1%} of memcpy   "
           f"[goal >= 70% of disk: {goal_bw}]")
+    print(f"    = {statistics.median(vs_raw):.0%} of a raw write of the same bytes in the same files, probed beside it "
+          f"(no torch.save, sha256 or manifest), which itself reached {statistics.median(raw_ratios):.0%} of the disk probe")
     print(f"    the same write while the next forward/backward runs: {busy_write:.3f} s, {size / busy_write / GB:.2f} "
           f"GB/s = {size / busy_write / GB / disk:4.0%} of the disk anchor (at priority {args.priority} it yields "
           f"the CPU to training)")
@@ -367,7 +405,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
         print(f"  stall {dcp[0] * 1e3:8.2f} ms = {dcp[0] / t_sync:6.2%} of sync torch.save+fsync "
               f"(ours: {stall / dcp[0]:.3f}x of it); durable after {dcp[1]:.3f} s")
 
-    blocks = 2 if args.quick else (args.step_blocks or (3 if args.step_model == "resnet50" else repeats))
+    blocks = 2 if args.quick else (args.step_blocks or (5 if args.step_model == "resnet50" else repeats))
     modes = (args.step_modes or args.mode).split(",")
     workload = step_workload(args.step_model, args.step_batch, args.step_image)
     r = step_time(root, blocks, args.every, modes, args.priority, workload)
