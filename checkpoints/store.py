@@ -108,6 +108,7 @@ class SnapshotStore:
         create: bool = True,
         io_threads: int = 2,
         stale_temp_grace_s: float = 600.0,
+        propagate_nice: bool = True,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -120,7 +121,7 @@ class SnapshotStore:
         self._io_threads = max(1, io_threads)
         # Pass the saving thread's niceness on to the pool threads; the writer process turns
         # this off because its priority is set, and raised, from outside.
-        self.propagate_nice = True
+        self._propagate_nice = propagate_nice
         self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._pools_lock = threading.Lock()
         if self.root.exists() and not self.root.is_dir():
@@ -211,7 +212,7 @@ class SnapshotStore:
     ) -> SnapshotInfo:
         tmp.mkdir()
         file_pool, hash_pool = self._get_pools()
-        nice = layout.thread_nice() if self.propagate_nice else None
+        nice = layout.thread_nice() if self._propagate_nice else None
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
         futures = [
             file_pool.submit(files.write_file, tmp / name, value, hash_pool, nice)
