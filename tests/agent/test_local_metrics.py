@@ -16,17 +16,16 @@ import re
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.etcd_args import connect
 from agent.proctree import process_tree
 from agent.top import main as top
 from elastic.rendezvous.registry import list_nodes
+from tests.elastic.metrics.scrape import Samples, fetch_samples
 from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,28 +111,19 @@ def local_run(tmp_path: Path) -> Iterator[LocalRun]:
         run.stop()
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
-    return samples
-
-
 def test_elastic_local_nodes_serve_metrics_found_through_the_registry(
     local_run: LocalRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     endpoint = wait_until(local_run.etcd_endpoint, 60, "elastic local to start its etcd", on_timeout=local_run.logs)
     target = connect(argparse.Namespace(rdzv_endpoint=endpoint, rdzv_id="local", rdzv_conf=""))
     try:
-        def both_training() -> dict[str, dict[str, list[tuple[dict[str, str], float]]]] | None:
+        def both_training() -> dict[str, Samples] | None:
             local_run.remember_tree()
             records = list_nodes(target.client, "local", target.signer, target.key_prefix)
             if [r.node for r in records] != ["node-0", "node-1"] or not all(r.metrics_url for r in records):
                 return None
             try:
-                scraped = {r.node: scrape(r.metrics_url or "") for r in records}
+                scraped = {r.node: fetch_samples(r.metrics_url or "", timeout=5) for r in records}
             except OSError:
                 return None
             steps = [sum(v for _, v in s.get("elastic_steps_total", [])) for s in scraped.values()]

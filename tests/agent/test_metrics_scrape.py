@@ -16,31 +16,23 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from elastic.etcd import EmbeddedEtcd, free_port
 from elastic.jobs.mlp import make_model
+from tests.elastic.metrics.scrape import Samples, fetch_samples
 from tests.support.dashboard import family, is_external, load, queried_metrics
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
-Samples = dict[str, list[tuple[dict[str, str], float]]]
 NOT_IN_MLP = {"elastic_tokens_total"}  # the mlp job defines no tokens (documented in metrics.md)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def scrape(node: Node) -> Samples:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).read().decode()
-    samples: Samples = defaultdict(list)
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples[s.name].append((s.labels, s.value))
-    return samples
+    return fetch_samples(f"http://127.0.0.1:{node.metrics_port}/metrics")
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:
