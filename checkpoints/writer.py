@@ -346,8 +346,6 @@ class AsyncSnapshotWriter:
         finally:
             job.captured.set()
         t1 = time.perf_counter()
-        cpu_s: float | None = None
-        info: SnapshotInfo
         if self._proc is not None and self._proc.is_ready():
             try:
                 info, timings = self._proc.write(job.step, job.capture, job.world_size, job.extra_meta, job.boost_at)
