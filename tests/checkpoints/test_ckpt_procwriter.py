@@ -149,6 +149,38 @@ def test_writer_process_killed_between_snapshots_is_replaced_without_losing_one(
     assert [i.step for i in store.list()] == [1, 2]
 
 
+def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The child reports a snapshot durable, then prunes. Dying in between loses nothing:
+    the snapshot counts as written, no error reaches flush(), the next one gets a new child."""
+    store = SnapshotStore(tmp_path)
+    pids: list[int] = []
+
+    def kill_child_once_durable(stats: object) -> None:
+        if len(pids) == 1 and getattr(stats, "last_durable_step") == 2:
+            os.kill(pids[0], signal.SIGKILL)
+
+    with AsyncSnapshotWriter(store, on_durable=kill_child_once_durable) as writer:
+        pids.append(first_snapshot_by_the_writer_process(writer))
+        # Pruning reads every step-* manifest; a FIFO holds the child there until it is killed.
+        stuck = tmp_path / "step-000000000000"
+        stuck.mkdir()
+        os.mkfifo(stuck / "MANIFEST.json")
+        assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)
+        writer.flush()  # no error: step 2 was durable before the child died
+        assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
+        assert "while pruning after step 2" in caplog.text
+        (stuck / "MANIFEST.json").unlink()
+        stuck.rmdir()
+        assert writer.wait_writer_process()  # a new child
+        assert writer.submit(3, {"model": {"w": torch.full((4,), 3.0)}}, world_size=1)
+        writer.flush()
+        assert writer.writer_pid not in (None, pids[0]) and writer.stats.last_write_cpu_s is not None
+    assert [i.step for i in store.list()] == [1, 2, 3]
+    assert torch.equal(store.load(2)["model"]["w"], torch.full((4,), 2.0))
+
+
 def test_snapshots_do_not_wait_for_the_writer_process_to_start(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store, overlap_policy="wait") as writer:
