@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -132,3 +133,36 @@ def assert_pending_flushed(root: Path, flushed_line: str) -> int:
     got = SnapshotStore(root).load(int(pending))
     assert int(got["model"]["marker"]) == int(pending) == got["step"]
     return int(pending)
+
+
+@contextlib.contextmanager
+def pruning_held(step_dir: Path) -> Iterator[Callable[[], None]]:
+    """An old snapshot whose manifest is a FIFO: pruning, which reads every manifest oldest
+    first, blocks on it until released; then it reads junk and removes that snapshot.
+    Released on the way out in any case, so a failing test cannot hang in close()."""
+    step_dir.mkdir()
+    fifo = step_dir / "MANIFEST.json"
+    os.mkfifo(fifo)
+
+    def open_writer() -> int | None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: nobody is reading it yet
+            return None
+
+    def release() -> None:
+        from tests.support.waiting import wait_until  # not at import: the child processes lack it
+
+        fd = wait_until(open_writer, 60, "the pruning to open the blocking manifest")
+        os.write(fd, b"not json")
+        os.close(fd)
+
+    try:
+        yield release
+    finally:
+        fd = open_writer()
+        if fd is not None:
+            os.write(fd, b"not json")
+            os.close(fd)
+        elif fifo.exists():
+            fifo.unlink()

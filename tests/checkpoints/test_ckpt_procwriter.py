@@ -16,7 +16,7 @@ import torch
 
 from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
 from checkpoints.wire import decode, encode
-from ckpt_testutil import LineReader, assert_equal_state, assert_pending_flushed, start_child, stop_child
+from ckpt_testutil import LineReader, assert_equal_state, assert_pending_flushed, pruning_held, start_child, stop_child
 
 
 def first_snapshot_by_the_writer_process(writer: AsyncSnapshotWriter) -> int:
@@ -163,15 +163,12 @@ def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
 
     with AsyncSnapshotWriter(store, on_durable=kill_child_once_durable) as writer:
         pids.append(first_snapshot_by_the_writer_process(writer))
-        # Pruning reads every step-* manifest; a FIFO holds the child there until it is killed.
         stuck = tmp_path / "step-000000000000"
-        stuck.mkdir()
-        os.mkfifo(stuck / "MANIFEST.json")
-        assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)
-        writer.flush()  # no error: step 2 was durable before the child died
-        assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
-        assert "while pruning after step 2" in caplog.text
-        (stuck / "MANIFEST.json").unlink()
+        with pruning_held(stuck):  # the child stays in its pruning until on_durable kills it
+            assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)
+            writer.flush()  # no error: step 2 was durable before the child died
+            assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
+            assert "while pruning after step 2" in caplog.text
         stuck.rmdir()
         assert writer.wait_writer_process()  # a new child
         assert writer.submit(3, {"model": {"w": torch.full((4,), 3.0)}}, world_size=1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -10,14 +9,13 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
 
 from checkpoints import AsyncSnapshotWriter, SnapshotDiskFullError, SnapshotError, SnapshotStore
-from ckpt_testutil import (REPO_ROOT, LineReader, assert_equal_state, assert_pending_flushed, child_env, start_child,
-                           state_for, stop_child)
+from ckpt_testutil import (REPO_ROOT, LineReader, assert_equal_state, assert_pending_flushed, child_env, pruning_held,
+                           start_child, state_for, stop_child)
 from tests.support.waiting import wait_until
 
 
@@ -109,7 +107,7 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
         writer.wait_writer_process()
         writer.submit(1, state_for(1), world_size=1)
         writer.flush()
-        with _pruning_held(tmp_path / "step-000000000000") as release:
+        with pruning_held(tmp_path / "step-000000000000") as release:
             writer.submit(2, state_for(2), world_size=1)
             wait_until(lambda: writer.stats.last_durable_step == 2, 60, "step 2 to be reported durable")
             assert writer.pending_step == 2  # still pruning: a snapshot due now meets the overlap policy
@@ -118,37 +116,6 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
         writer.flush()
         assert [i.step for i in store.list()] == [2]  # flush() returned after the pruning
     assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
-
-
-@contextlib.contextmanager
-def _pruning_held(step_dir: Path) -> Iterator[Callable[[], None]]:
-    """An old snapshot whose manifest is a FIFO: pruning, which reads every manifest oldest
-    first, blocks on it until released; then it reads junk and removes that snapshot.
-    Released on the way out in any case, so a failing test cannot hang in close()."""
-    step_dir.mkdir()
-    fifo = step_dir / "MANIFEST.json"
-    os.mkfifo(fifo)
-
-    def open_writer() -> int | None:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # ENXIO: nobody is reading it yet
-            return None
-
-    def release() -> None:
-        fd = wait_until(open_writer, 60, "the pruning to open the blocking manifest")
-        os.write(fd, b"not json")
-        os.close(fd)
-
-    try:
-        yield release
-    finally:
-        fd = open_writer()
-        if fd is not None:
-            os.write(fd, b"not json")
-            os.close(fd)
-        elif fifo.exists():
-            fifo.unlink()
 
 
 @MODES
