@@ -352,8 +352,9 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
             s = writer.stats
             writes.append(s.last_write_s)
             cpus.append(s.last_write_cpu_s)
-            disk_ratios.append(s.last_bytes / s.last_write_s / GB / disk_now)
-            vs_raw.append(s.last_bytes / s.last_write_s / GB / raw_now)
+            written_gbps = s.last_bytes / s.last_write_s / GB
+            disk_ratios.append(written_gbps / disk_now)
+            vs_raw.append(written_gbps / raw_now)
             probes.append(disk_now)
 
             t0 = time.perf_counter()
@@ -419,7 +420,7 @@ def run(root: Path, repeats: int, args: argparse.Namespace) -> None:
         print(f"  {m:7s} every {args.every}: {v['snap'] * 1e3:.2f} ms/step -> {overhead:+.1%}"
               f"   [goal <= 2%: {'PASS' if overhead <= 0.02 else 'MISS'}]  written {v['written']}, skipped "
               f"{v['skipped']}, raised to normal priority {v['boosted']}{cpu}")
-        print(f"          per block: {', '.join(f'{r - 1:+.1%}' for r in v['ratios'])}")
+        print(f"          per block: {', '.join(f'{ratio - 1:+.1%}' for ratio in v['ratios'])}")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -150,19 +150,20 @@ def pruning_held(step_dir: Path) -> Iterator[Callable[[], None]]:
         except OSError:  # ENXIO: nobody is reading it yet
             return None
 
+    def feed_junk(fd: int) -> None:
+        os.write(fd, b"not json")
+        os.close(fd)
+
     def release() -> None:
         from tests.support.waiting import wait_until  # not at import: the child processes lack it
 
-        fd = wait_until(open_writer, 60, "the pruning to open the blocking manifest")
-        os.write(fd, b"not json")
-        os.close(fd)
+        feed_junk(wait_until(open_writer, 60, "the pruning to open the blocking manifest"))
 
     try:
         yield release
     finally:
         fd = open_writer()
         if fd is not None:
-            os.write(fd, b"not json")
-            os.close(fd)
+            feed_junk(fd)
         elif fifo.exists():
             fifo.unlink()

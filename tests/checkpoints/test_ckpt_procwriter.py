@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
+from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore, WriterStats
 from checkpoints.wire import decode, encode
 from ckpt_testutil import LineReader, assert_equal_state, assert_pending_flushed, pruning_held, start_child, stop_child
 
@@ -157,8 +157,8 @@ def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
     store = SnapshotStore(tmp_path)
     pids: list[int] = []
 
-    def kill_child_once_durable(stats: object) -> None:
-        if len(pids) == 1 and getattr(stats, "last_durable_step") == 2:
+    def kill_child_once_durable(stats: WriterStats) -> None:
+        if len(pids) == 1 and stats.last_durable_step == 2:
             os.kill(pids[0], signal.SIGKILL)
 
     with AsyncSnapshotWriter(store, on_durable=kill_child_once_durable) as writer:

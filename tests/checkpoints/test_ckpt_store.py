@@ -151,7 +151,7 @@ def test_unstorable_value_is_rejected_at_save_time_naming_it(tmp_path: Path) -> 
 
 def test_snapshot_files_skip_torch_saves_zip_crc32_on_the_saving_thread(tmp_path: Path) -> None:
     """The manifest's sha256 is the integrity check; torch.load never reads the zip CRCs, and
-    computing them was a quarter of a write's CPU. torch keeps that setting per thread, so
+    computing them was a sixth of a write's CPU. torch keeps that setting per thread, so
     this checks it reached the pool thread that saves, and left the caller's setting alone."""
     store = SnapshotStore(tmp_path)
     state = {"model": {"w": torch.arange(100_000, dtype=torch.float32)}}

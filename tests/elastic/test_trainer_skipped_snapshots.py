@@ -2,7 +2,7 @@
 
 Users see the skips as ``elastic_snapshots_skipped_total``: rising means the disk cannot keep
 up with the snapshot interval, so the rollback after a failure grows. A real world of one
-in a spawned process (its metrics registry is its own), a real writer and disk: 24 MB of
+in a spawned process (its metrics registry is its own), a real writer and disk: ~36 MB of
 state snapshotted after every step of a batch of one, whose writes (hash and fsync) take
 far longer than a step.
 """
