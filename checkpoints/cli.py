@@ -7,10 +7,13 @@ its own, so looking cannot change what a running job will find.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
+from . import layout
 from .errors import SnapshotError
 from .store import SnapshotStatus, SnapshotStore, TempDirStatus
 
@@ -36,7 +39,14 @@ def _age(written_at: float | None, now: float) -> str:
     return f"{s // 86400}d {s % 86400 // 3600:02d}h ago"
 
 
-def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus]) -> list[list[str]]:
+def _dir_bytes(path: Path) -> int | None:
+    try:
+        return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+    except OSError:  # claimed by a save while we looked
+        return None
+
+
+def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: list[Path]) -> list[list[str]]:
     now = time.time()
     newest_valid = max((s.step for s in statuses if s.valid), default=None)
     rows = []
@@ -57,6 +67,15 @@ def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus]) -> list[li
     for t in temps:
         what = "stale temp dir (crashed writer; removed by the next save or prune)" if t.stale else "being written"
         rows.append([str(t.step), "-", "-", "-", f"{what}: {t.path.name} pid {t.pid}"])
+    for path in spares:
+        size = _dir_bytes(path)
+        rows.append([
+            str(layout.parse_spare_dirname(path.name)),
+            "?" if size is None else _size(size),
+            "-",
+            "-",
+            "spare: not a snapshot; the next save writes over its files ('prune' deletes it)",
+        ])
     return rows
 
 
@@ -98,32 +117,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     ve = sub.add_parser("verify", help="check every file's sha256; exit 1 if any snapshot is invalid")
     ve.add_argument("dir")
     ve.add_argument("--quick", action="store_true", help="check sizes only")
-    pr = sub.add_parser("prune", help="remove all but the newest K valid snapshots, and stale temp dirs")
+    pr = sub.add_parser("prune", help="remove all but the newest K valid snapshots, the spare and stale temp dirs")
     pr.add_argument("dir")
     pr.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
     args = p.parse_args(argv)
 
     try:
-        store = SnapshotStore(args.dir, create=False)
+        # A person pruning wants the space back, so this store keeps no spare.
+        store = SnapshotStore(args.dir, create=False, recycle=False)
         if args.cmd == "prune":
             if args.keep < 1:
                 print("error: --keep must be at least 1", file=sys.stderr)
                 return 2
+            spares = store.drop_spares()
             removed = store.prune(args.keep)
             temps = store.clean_stale_temps()
             for s in removed:
                 print(f"removed step {s}")
+            for p in spares:
+                print(f"removed spare {p.name}")
             for t in temps:
                 print(f"removed stale temp dir {t.name}")
-            if not removed and not temps:
+            if not removed and not spares and not temps:
                 print(f"nothing to prune in {args.dir} (keep={args.keep})")
             statuses = store.status(full=False)
-            _print_table(_rows(statuses, store.temp_dirs()))
+            _print_table(_rows(statuses, store.temp_dirs(), store.spares()))
             print(_summary(statuses, args.dir))
             return 0
         full = args.full if args.cmd == "ls" else not args.quick
         statuses = store.status(full=full)
-        _print_table(_rows(statuses, store.temp_dirs()))
+        _print_table(_rows(statuses, store.temp_dirs(), store.spares()))
         print(_summary(statuses, args.dir))
         if args.cmd == "verify" and any(not s.valid for s in statuses):
             return 1

@@ -119,16 +119,23 @@ class _HashingWriter:
         pass
 
 
-def write_file(path: Path, obj: Any, hasher_pool: DaemonPool, nice: int | None = 0) -> tuple[int, str]:
+def write_file(
+    path: Path, obj: Any, hasher_pool: DaemonPool, nice: int | None = 0, *, overwrite: bool = False
+) -> tuple[int, str]:
     """Write ``obj`` to a new file at ``path``, fsync it; return (size, sha256 hex).
 
     ``nice`` is the submitting thread's niceness, applied to the pool threads doing the
     work, so a background writer's deprioritisation is not lost in a thread pool; None
     leaves thread priorities alone (the writer process, whose priority is set from outside).
+
+    ``overwrite`` writes over the file already at ``path`` (a recycled spare's, in a temp
+    dir only this save can see) instead of insisting on a new one: its disk blocks, and
+    its pages if still cached, are reused rather than allocated, then the surplus is cut.
     """
     if nice is not None:
         set_thread_nice(nice)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    exclusive = 0 if overwrite else os.O_EXCL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | exclusive | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         w = _HashingWriter(fd, hasher_pool, nice)
         try:
@@ -138,6 +145,8 @@ def write_file(path: Path, obj: Any, hasher_pool: DaemonPool, nice: int | None =
             if w.os_error is not None:
                 raise w.os_error from None
             raise
+        if overwrite and os.fstat(fd).st_size != w.size:
+            os.ftruncate(fd, w.size)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -1,8 +1,9 @@
 """On-disk naming and the few filesystem primitives that make a snapshot atomic.
 
-A snapshot is the directory ``step-<12 digits>/``. Anything else in the root is either
-a temp dir (``.tmp-step-...``, leading dot so globbing ``step-*`` can never pick it up)
-or a quarantined corrupt snapshot (``.corrupt-step-...``).
+A snapshot is the directory ``step-<12 digits>/``. Anything else in the root is a temp
+dir (``.tmp-step-...``, leading dot so globbing ``step-*`` can never pick it up), the spare
+(``.spare-step-...``: a pruned snapshot whose files the next save overwrites) or a
+quarantined corrupt snapshot (``.corrupt-step-...``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _MAX_STEP = 10**STEP_DIGITS - 1
 
 _STEP_RE = re.compile(r"^step-(\d{%d})$" % STEP_DIGITS)
 _TMP_RE = re.compile(r"^\.tmp-step-(\d{%d})-([0-9a-f]{8})-(\d+)-([0-9a-f]{8})$" % STEP_DIGITS)
+_SPARE_RE = re.compile(r"^\.spare-step-(\d{%d})-([0-9a-f]{8})$" % STEP_DIGITS)
 _CORRUPT_PREFIX = ".corrupt-step-"
 
 
@@ -61,6 +63,17 @@ def parse_temp_dirname(name: str) -> TempDirName | None:
     if not m:
         return None
     return TempDirName(step=int(m.group(1)), host=m.group(2), pid=int(m.group(3)))
+
+
+def spare_dirname(step: int) -> str:
+    """Name for pruned snapshot ``step`` kept for its blocks; never parses as a snapshot."""
+    return f".spare-{step_dirname(step)}-{secrets.token_hex(4)}"
+
+
+def parse_spare_dirname(name: str) -> int | None:
+    """The step a spare dir held, or None if ``name`` is not a spare."""
+    m = _SPARE_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def quarantine_dirname(step: int) -> str:

@@ -70,6 +70,23 @@ def test_verify_all_good_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "1 snapshot(s), 1 valid; a restart resumes from step 1" in capsys.readouterr().out
 
 
+def test_ls_shows_the_spare_and_prune_deletes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = SnapshotStore(tmp_path, keep=1)
+    for step in (1, 2):
+        store.save(step, {"model": {"w": torch.zeros(250_000)}}, world_size=1)  # ~1 MB each
+    [spare] = store.spares()
+
+    assert main(["ls", str(tmp_path)]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert "OK (newest valid)" in rows["2"]
+    assert rows["1"].split()[1:3] == ["1.0", "MB"] and "spare: not a snapshot; the next save writes over" in rows["1"]
+
+    assert main(["prune", "--keep", "1", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed spare {spare.name}" in out and "1" not in _table(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000002"]
+
+
 @pytest.mark.parametrize("cmd", ["ls", "verify", "prune"])
 def test_bad_dir_is_one_line_on_stderr_exit_2(tmp_path: Path, cmd: str) -> None:
     missing = tmp_path / "nope"

@@ -21,6 +21,7 @@ def test_sigkill_during_save_never_exposes_a_torn_snapshot(tmp_path: Path) -> No
     zygote = start_child("_ckpt_crash_zygote.py", str(root))
     child = None
     killed_mid_write = 0
+    rounds_with_a_spare = 0  # keep=3: from the 4th save on, each save writes over the spare
     last_durable = 0
     try:
         out = LineReader(zygote)
@@ -40,8 +41,9 @@ def test_sigkill_during_save_never_exposes_a_torn_snapshot(tmp_path: Path) -> No
             child = None
             durable = [int(s.split()[1]) for s in out.seen if s.startswith("durable ")]
             last_durable = max(durable, default=0)
-            if any(p.name.startswith(".tmp-") for p in root.iterdir()):
-                killed_mid_write += 1
+            names = [p.name for p in root.iterdir()]
+            killed_mid_write += any(n.startswith(".tmp-") for n in names)
+            rounds_with_a_spare += any(n.startswith(".spare-") for n in names)
 
             store = SnapshotStore(root, keep=3)
             # A process crash must not lose anything save() had returned for ...
@@ -64,7 +66,10 @@ def test_sigkill_during_save_never_exposes_a_torn_snapshot(tmp_path: Path) -> No
     # Sanity checks that the kills exercised what this test claims (loose: CI machines are busy).
     assert last_durable >= 10, "savers barely got to save; the kills did not exercise repeated saves"
     assert killed_mid_write >= 10, f"only {killed_mid_write}/{ROUNDS} kills landed mid-write"
-    # All savers are dead now, so every temp dir they left is stale and goes away.
+    assert rounds_with_a_spare >= 1, "no spare was ever kept: the kills never met a recycled write"
+    # All savers are dead now, so every temp dir they left is stale and goes away; the one
+    # spare stays for the next save.
     store = SnapshotStore(root)
     store.clean_stale_temps()
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+    left = [p.name for p in root.iterdir() if p.name.startswith(".")]
+    assert len(store.spares()) <= 1 and len(left) == len(store.spares()), left
