@@ -10,8 +10,8 @@ either the previous state or a temp dir that later saves clean up.
 Recycling: pruning keeps the newest pruned snapshot as the spare ``.spare-step-.../``
 instead of deleting it, and the next save claims it by renaming it to its temp dir (step
 1) and writes over its files. Overwriting allocated blocks, whose pages are usually still
-cached, skips block allocation and fresh page-cache pages: ~1.3x the write throughput
-here (docs/checkpoints.md). Nothing changes for readers: the spare stopped being a
+cached, skips block allocation and fresh page-cache pages: 1.2-1.3x the write
+throughput here (docs/checkpoints.md). Nothing changes for readers: the spare stopped being a
 snapshot when it was renamed, and only a whole new manifest makes it one again. Peak disk
 use is unchanged (keep+1 snapshots during a save either way); between saves the spare
 holds the +1.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import SnapshotDiskFullError, SnapshotStore
+from checkpoints import AsyncSnapshotWriter, SnapshotDiskFullError, SnapshotStore
 from checkpoints.layout import parse_spare_dirname
 from ckpt_testutil import assert_equal_state, state_for
 
@@ -59,6 +59,23 @@ def test_the_pruned_snapshot_becomes_the_spare_and_the_next_save_writes_over_its
     [next_spare] = store.spares()
     assert parse_spare_dirname(next_spare.name) == 2
     assert sorted(os.listdir(tmp_path)) == sorted([next_spare.name, "step-000000000003", "step-000000000004"])
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_the_background_writer_writes_over_the_spare_in_either_mode(tmp_path: Path, mode: str) -> None:
+    store = SnapshotStore(tmp_path, keep=2)
+    with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
+        writer.wait_writer_process()
+        for step in (1, 2, 3):
+            writer.submit(step, state_for(step), world_size=1)
+            writer.flush()
+        [spare] = store.spares()
+        spare_files = _files(spare)
+        writer.submit(4, state_for(4), world_size=1)
+        writer.flush()
+    assert writer.stats.snapshots_written == 4 and writer.stats.errors == 0
+    assert _files(tmp_path / "step-000000000004") == spare_files
+    assert_equal_state(store.load(4), state_for(4))
 
 
 def test_a_smaller_state_with_other_keys_over_a_spare_leaves_none_of_its_bytes(tmp_path: Path) -> None:
