@@ -17,6 +17,7 @@ Fault kinds (``bench/chaos_soak.py`` draws from the same set):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -26,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -313,6 +314,27 @@ def summary(console: Console, cluster: Cluster) -> bool:
     return all(f.recovered_at is not None for f in cluster.faults)
 
 
+@contextlib.contextmanager
+def _ctrl_c_sets(event: threading.Event) -> Iterator[None]:
+    """Ctrl-C sets ``event`` instead of raising KeyboardInterrupt, for the duration.
+
+    A KeyboardInterrupt is raised at whatever bytecode the main thread is on, and this loop
+    spends its time inside rich's Live, whose refresh thread shares locks with it: raised
+    between a lock's acquire and the ``try`` that releases it, it would leave the refresh
+    thread blocked and Live's exit waiting on it forever. Once in CI, Ctrl-C left ``elastic
+    local`` running with its nodes training for 30 s. A flag the loop checks stops it at a
+    known point, and a second Ctrl-C cannot cut the clean-up short.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; elsewhere nothing to change
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _keys(stop: threading.Event, pressed: list[str]) -> None:
     """Single keypresses without Enter, when stdin is a terminal."""
     import termios
@@ -386,19 +408,20 @@ def main(argv: Sequence[str]) -> int:
                 agent_args=["--lease-ttl", str(args.lease_ttl)],
             )) for i in range(args.nodes)
         ], run_dir, args.nproc_per_node, etcd=etcd, snapshot_every=_snapshot_every(module_args))
-        stop, pressed = threading.Event(), []
+        stop, pressed, ctrl_c = threading.Event(), [], threading.Event()
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
-        finished = interrupted = False
-        try:
-            for n in cluster.nodes:
-                n.node.start()
-            started, trained_at = time.time(), None
-            next_fault, scheduled = None, 0
+        finished = False
+        with _ctrl_c_sets(ctrl_c):
             try:
+                for n in cluster.nodes:
+                    n.node.start()
+                started, trained_at = time.time(), None
+                next_fault, scheduled = None, 0
                 with Live(view(cluster, "elastic local"), console=console, refresh_per_second=4) as live:
                     while time.time() - started < args.timeout:
-                        time.sleep(0.1)
+                        if ctrl_c.wait(0.1):  # Ctrl-C quits like q: clean up, then the summary
+                            break
                         cluster.tick()
                         if trained_at is None and cluster.step() > 0:
                             trained_at = time.time()
@@ -421,12 +444,11 @@ def main(argv: Sequence[str]) -> int:
                                                                 if n.state == "up"):
                             finished = True
                             break
-            except KeyboardInterrupt:  # Ctrl-C quits like q: clean up, then the summary
-                interrupted = True
-        finally:
-            stop.set()
-            for n in cluster.nodes:
-                n.node.cleanup()
+            finally:
+                stop.set()
+                for n in cluster.nodes:
+                    n.node.cleanup()
+        interrupted = ctrl_c.is_set() and not finished
     ok = summary(console, cluster)
     if not finished:
         why = "Ctrl-C" if interrupted else "timeout or q"
