@@ -223,7 +223,7 @@ class SnapshotStore:
         final: Path,
     ) -> SnapshotInfo:
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
-        reusable = self._claim_spare(tmp, keep_files=names)
+        reusable = self._claim_spare(tmp, will_write=names)
         if reusable is None:
             tmp.mkdir()
             reusable = frozenset()
@@ -276,7 +276,7 @@ class SnapshotStore:
         layout.fsync_dir(self.root)
         return _info(final, manifest)
 
-    def _claim_spare(self, tmp: Path, keep_files: list[str]) -> frozenset[str] | None:
+    def _claim_spare(self, tmp: Path, will_write: list[str]) -> frozenset[str] | None:
         """Rename the spare to ``tmp`` for this save and clear out what it will not overwrite.
 
         Returns the files left to overwrite, or None when there is no spare to claim (the
@@ -295,7 +295,7 @@ class SnapshotStore:
             os.utime(tmp)  # the temp dir's age is this write's (temp_dirs() judges staleness by it)
             reusable = set()
             for entry in os.scandir(tmp):
-                if entry.name in keep_files and entry.is_file(follow_symlinks=False):
+                if entry.name in will_write and entry.is_file(follow_symlinks=False):
                     reusable.add(entry.name)
                 elif entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
