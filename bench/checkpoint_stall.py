@@ -96,14 +96,6 @@ def measure_disk(d: Path, nbytes: int, repeats: int, early_writeback: bool, over
     the store writes over its spare: no block allocation, no fresh page-cache pages."""
     buf = memoryview(os.urandom(8 << 20))
     p = d / ("disk-probe-overwrite" if overwrite else "disk-probe")
-    if overwrite and not p.exists():
-        with open(p, "wb") as f:  # allocated once, untimed, and kept for the next probes
-            f.truncate(nbytes)
-            f.seek(0)
-            for off in range(0, nbytes, len(buf)):
-                f.write(buf[: min(nbytes - off, len(buf))])
-            f.flush()
-            os.fsync(f.fileno())
 
     def once() -> None:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC), 0o644)
@@ -118,6 +110,8 @@ def measure_disk(d: Path, nbytes: int, repeats: int, early_writeback: bool, over
         finally:
             os.close(fd)
 
+    if overwrite and not p.exists():
+        once()  # allocates the kept file, untimed; the timed writes go over its blocks
     t = median_time(once, repeats)
     if not overwrite:
         p.unlink()
