@@ -175,9 +175,10 @@ class SnapshotStore:
     ) -> SnapshotInfo:
         """Write ``state`` as snapshot ``step``; durable on return; prunes afterwards.
 
-        ``housekeeping=False`` leaves pruning to a later :meth:`housekeep` call: deleting a
-        300 MB snapshot takes ~0.1 s of mostly waiting here, which a background writer does
-        after reporting the new one durable rather than before.
+        ``housekeeping=False`` leaves pruning to a later :meth:`housekeep` call, which a
+        background writer makes after reporting the new snapshot durable rather than before:
+        pruning reads every manifest and may delete (~0.1 s of waiting per 300 MB here, when
+        a spare is deleted rather than kept).
         """
         layout.check_step(step)
         check_state(state)

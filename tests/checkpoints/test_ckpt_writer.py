@@ -100,8 +100,9 @@ def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
 
 @MODES
 def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: Path, mode: str) -> None:
-    """Deleting a 300 MB snapshot takes ~0.1 s of waiting for the disk; the durable report
-    (stats, on_durable, metrics) must not wait for it, and flush() must."""
+    """Pruning reads every manifest and may delete a 300 MB snapshot (~0.1 s of waiting for
+    the disk); the durable report (stats, on_durable, metrics) must not wait for it, and
+    flush() must."""
     store = SnapshotStore(tmp_path, keep=1)
     with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
         writer.wait_writer_process()
