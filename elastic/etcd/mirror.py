@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from etcd3 import events as etcd_events
 
@@ -49,6 +49,8 @@ class PrefixMirror:
         self._watch_id: Any = None
         self._closed = False
         self._resyncing = False
+        self._nudges = 0
+        self.listeners: list[Callable[[], None]] = []  # called after every change; must not block
 
     def start(self, deadline: float | None = None) -> "PrefixMirror":
         self._sync(deadline)
@@ -62,7 +64,8 @@ class PrefixMirror:
         """True once the mirror is past ``after_revision`` (or its health changed)."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self.revision <= after_revision and not self._closed:
+            nudges = self._nudges
+            while self.revision <= after_revision and not self._closed and self._nudges == nudges:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -72,6 +75,7 @@ class PrefixMirror:
     def notify(self) -> None:
         """Wake waiters, e.g. when a local decision changed what they wait for."""
         with self._cond:
+            self._nudges += 1
             self._cond.notify_all()
 
     def _sync(self, deadline: float | None = None) -> None:
@@ -83,6 +87,7 @@ class PrefixMirror:
         with self._cond:
             self._entries, self.revision, self.healthy = entries, revision, True
             self._cond.notify_all()
+        self._tell_listeners()
         self._watch_id = self.client.call(
             lambda c: c.add_watch_prefix_callback(self.prefix, self._on_watch, start_revision=revision + 1),
             deadline=deadline,
@@ -101,6 +106,14 @@ class PrefixMirror:
                     self._entries[key] = Entry(event.value, event.mod_revision, event.create_revision, event.lease)
             self.revision = max(self.revision, response.header.revision)
             self._cond.notify_all()
+        self._tell_listeners()
+
+    def _tell_listeners(self) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the watch
+                log.exception("mirror listener failed")
 
     def _broken(self, error: BaseException) -> None:
         with self._cond:
@@ -108,6 +121,7 @@ class PrefixMirror:
                 return
             self.healthy, self._resyncing = False, True
             self._cond.notify_all()
+        self._tell_listeners()
         log.debug("watch on %s broke (%s); resyncing", self.prefix, error)
         threading.Thread(target=self._resync, name="elastic-mirror-resync", daemon=True).start()
 

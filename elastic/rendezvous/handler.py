@@ -44,6 +44,7 @@ from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
 from .options import RendezvousOptions, connect
+from .probe import DeathProbe
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
 from .rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
@@ -96,6 +97,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joined_once = False
         self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
+        self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
 
     # --------------------------------------------------------------- torch's ABC
 
@@ -249,7 +251,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if len(joined) >= self.timings.min_nodes or record.previous:
                     first_seen.setdefault(record.round, time.monotonic())
                 waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
-                if self.node in joined and should_close(record, joined, live, self.timings, waited):
+                dead = self._proven_dead(record, joined, entries)
+                if self.node in joined and should_close(record, joined, live, self.timings, waited, dead):
                     participants = rank_order(joined, record.previous, self.timings.max_nodes)
                     if self._swap_round(round_rev, record.closed_with(participants)):
                         self._forget_round(record.round - 2)
@@ -257,6 +260,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self.mirror.wait(revision, _TICK_S)
                 continue
             self.mirror.wait(revision, _TICK_S)
+
+    def _proven_dead(self, record: RoundRecord, joined: dict[str, int], entries: dict) -> set[str]:  # type: ignore[type-arg]
+        """Previous members that have not joined and whose agent's port refuses connects."""
+        records = self._records(entries)
+        missing = {n: records[n].store_addr for n in record.previous if n in records and n not in joined}
+        return self._probe.dead(missing) if missing else set()
 
     def _swap_round(self, expected_mod_revision: int, record: RoundRecord) -> bool:
         """Replace the round record if nobody else did since we read it."""
@@ -330,14 +339,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 joined[key[len(prefix):]] = entry.create_revision
         return joined
 
-    def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
-        live: dict[str, str] = {}
+    def _records(self, entries: dict) -> dict[str, NodeRecord]:  # type: ignore[type-arg]
+        records: dict[str, NodeRecord] = {}
         for key, entry in entries.items():
             if key.startswith(self._nodes_prefix):
                 record = decode_node(self.signer, key, entry.value)
                 if record is not None:
-                    live[record.node] = record.state
-        return live
+                    records[record.node] = record
+        return records
+
+    def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
+        return {node: record.state for node, record in self._records(entries).items()}
+
+    def node_records(self) -> dict[str, NodeRecord]:
+        """Every live node's registry record, from the mirror (no etcd request)."""
+        entries, _ = self.mirror.entries()
+        return self._records(entries)
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:

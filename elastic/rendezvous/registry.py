@@ -56,6 +56,8 @@ class NodeRecord:
     rank: int | None = None
     world: int | None = None
     started_at: float = field(default_factory=time.time)
+    store_addr: str | None = None  # host:port of the agent's round store (in-place recovery)
+    nproc: int | None = None  # local workers: ranks are assigned node by node
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 OPEN, CLOSED = "open", "closed"
 ON_THEIR_WAY = frozenset({"stopping", "rendezvous"})  # registry states of nodes heading to the next round
@@ -61,12 +61,14 @@ def should_close(
     live: Mapping[str, str],
     timings: Timings,
     waited: float,
+    dead: Collection[str] = (),
 ) -> bool:
     """Whether an open round may close now.
 
     ``joined`` maps node -> join revision; ``live`` maps node -> registry state for every
     node holding a lease; ``waited`` is how long min_nodes have been in (first round) or
-    how long this node has watched the round open (later rounds).
+    how long this node has watched the round open (later rounds); ``dead`` are nodes proven
+    dead although their lease has not expired yet (their agent's port refused a connect).
 
     Later rounds close as soon as every previous member that is alive has joined. A
     previous member still marked ``running`` may be dead with its lease not yet expired
@@ -80,7 +82,7 @@ def should_close(
         return False
     if not record.previous:
         return waited >= timings.last_call
-    missing = [n for n in record.previous if n in live and n not in joined]
+    missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
     if not missing:
         return True
     if any(live[n] in ON_THEIR_WAY for n in missing):

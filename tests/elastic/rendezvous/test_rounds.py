@@ -33,6 +33,12 @@ def test_a_member_still_running_may_be_dead_and_gets_only_the_rejoin_timeout() -
     assert should_close(LATER, {"a": 1}, live, T, waited=0.5)
 
 
+def test_a_member_proven_dead_is_not_waited_for_although_its_lease_holds() -> None:
+    live = {"a": "rendezvous", "b": "running", "c": "running"}  # b's agent refused a connect: SIGKILLed
+    assert should_close(LATER, {"a": 1, "c": 3}, live, T, waited=0.0, dead={"b"})
+    assert not should_close(LATER, {"a": 1}, live, T, waited=0.0, dead={"b"})  # c is only slow
+
+
 def test_a_member_on_its_way_is_waited_for() -> None:
     live = {"a": "rendezvous", "b": "stopping"}
     assert not should_close(LATER, {"a": 1}, live, T, waited=5.0)
