@@ -1,16 +1,17 @@
-"""``elastic agent``: torchrun, with our rendezvous by default and a node agent that judges.
+"""``elastic agent``: torchrun's flags and rendezvous backends, our node agent's judgement.
 
 The parser is torchrun's own (``torch.distributed.run.get_args_parser``) plus a few flags,
-and launching is torchrun's own ``run``; only the agent class torch builds is swapped for
-:class:`agent.node_agent.NodeAgent`. Every flag ``--foo-bar`` may also come from the
-environment as ``ELASTIC_FOO_BAR`` (torchrun's ``PET_FOO_BAR`` still works too), which is
-what container and systemd deployments want.
+and torchrun's ``config_from_args`` turns it into a launch config; the agent then runs
+its own loop (:mod:`agent.node_agent`) instead of torch's ``LocalElasticAgent``. Every flag
+``--foo-bar`` may also come from the environment as ``ELASTIC_FOO_BAR`` (torchrun's
+``PET_FOO_BAR`` still works too), which is what container and systemd deployments want.
+Settings reach the agent and the rendezvous handler as explicit objects: nothing is
+passed through this process's environment.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from typing import Sequence
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
 from .etcd_args import DEFAULT_ENDPOINT
+from .settings import AgentSettings
 
 ENV_PREFIX = "ELASTIC_"
 DEFAULT_METRICS_PORT = 9400
@@ -59,6 +61,15 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       default=True,
                       help="keep one pre-imported standby process per local rank, so a restarted worker "
                            "skips importing torch (default on; --no-warm-start for cold starts)")
+    ours.add_argument("--in-place", "--in_place", dest="in_place", action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help="let ElasticRun workers survive a peer lost or a node joining, in their own "
+                           "processes and from memory (default on, with --rdzv-backend etcd-v3 and a torch "
+                           "that can reconfigure a process group; --no-in-place restarts them instead)")
+    ours.add_argument("--hang-startup-timeout", "--hang_startup_timeout", dest="hang_startup_timeout",
+                      type=_positive_seconds, default=600.0, metavar="SECONDS",
+                      help="once this node has seen the job make progress, how long a new worker group may "
+                           "take to make its first (imports, restore, compilation; default 600)")
     # torchrun's PET_* variables (what Kubeflow sets) keep precedence over our defaults
     own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
     parser.set_defaults(**{k: v for k, v in own.items() if f"PET_{k.upper()}" not in os.environ})
@@ -111,35 +122,47 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive seconds")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_agent_parser()
     args = parser.parse_args(argv)
     node = args.node_name or default_node_name()
     _configure_logging(node)
-    if args.snapshot_dir:
-        snapshot_dir = Path(args.snapshot_dir)
-        try:
-            snapshot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            parser.exit(2, f"error: --snapshot-dir {snapshot_dir}: cannot create it ({exc.strerror}); "
-                           "pass a writable shared directory\n")
-        if not os.access(snapshot_dir, os.W_OK):
-            parser.exit(2, f"error: --snapshot-dir {snapshot_dir} is not writable; pass a writable shared directory\n")
+    if args.run_path:
+        parser.exit(2, "error: --run-path is not supported by elastic agent (workers run as their own "
+                       "processes); drop it and give the script as usual\n")
+    if getattr(args, "virtual_local_rank", False):
+        parser.exit(2, "error: --virtual-local-rank is not supported by elastic agent; drop it\n")
+    snapshot_dir = _checked_snapshot_dir(parser, args.snapshot_dir)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    from torch.distributed.run import config_from_args
 
     from elastic.metrics.multiprocess import prepare_dir
 
-    from .metrics import AgentMetrics  # imports prometheus_client before the env below
-    from .node_agent import NodeAgent
-    from .settings import AgentSettings
+    from .metrics import AgentMetrics
+    from .node_agent import AgentSignal, AgentSpec, NodeAgent, exit_code_for
 
+    _standalone(args)
+    config, cmd, cmd_args = config_from_args(args)
     work = Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
     settings = AgentSettings(
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
-        snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
-        heartbeat_dir=work / "heartbeat", metrics_dir=prepare_dir(work / "metrics"),
+        in_place=args.in_place, snapshot_dir=snapshot_dir, work_dir=work,
+        hang_startup_timeout=args.hang_startup_timeout, store_host=config.local_addr,
+        graceful_stop=float(getattr(args, "shutdown_timeout", None) or 5.0),
     )
     settings.heartbeat_dir.mkdir()
+    prepare_dir(settings.metrics_dir)
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)
     if settings.metrics_port:
         try:
@@ -148,27 +171,92 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.exit(2, f"error: --metrics-port {settings.metrics_port} on {settings.metrics_addr}: "
                            f"{exc.strerror}; pick a free port or 0 to turn metrics off\n")
 
-    # Read by our rendezvous handler (in this process) and inherited by the workers.
-    os.environ.update({
-        "ELASTIC_NODE_NAME": node,
-        "ELASTIC_LEASE_TTL": str(settings.lease_ttl),
-        "ELASTIC_HEARTBEAT_DIR": str(settings.heartbeat_dir),
-        "PROMETHEUS_MULTIPROC_DIR": str(settings.metrics_dir),
-    })
-    if settings.snapshot_dir:
-        os.environ["ELASTIC_SNAPSHOT_DIR"] = str(settings.snapshot_dir)
-
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
-
-    launcher_api.LocalElasticAgent = functools.partial(NodeAgent, settings=settings, metrics=metrics)  # type: ignore[misc]
+    # Our handler reads these from its config: explicit, not inherited through os.environ.
+    rdzv_configs = dict(config.rdzv_configs)
+    if config.rdzv_backend in ("etcd-v3", "etcd-v3-dynamic"):
+        rdzv_configs.setdefault("node_name", node)
+        rdzv_configs.setdefault("lease_ttl", settings.lease_ttl)
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                  run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **rdzv_configs)
+    handler = get_rendezvous_handler(params)
+    if settings.store_host is None and config.rdzv_backend == "etcd-v3":
+        settings = _with_store_host(settings, config.rdzv_endpoint)
+    command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
+    spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
+                     max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                     run_id=config.run_id, local_addr=config.local_addr, numa_options=config.numa_options,
+                     log_line_prefix_template=config.log_line_prefix_template)
+    agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)  # type: ignore[arg-type]
     try:
-        run(args)
-    except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
+        result = agent.run()
+    except AgentSignal as exc:
+        handler_close = getattr(handler, "close", None)  # leave now (peers notice), but keep the job open
+        if callable(handler_close):
+            handler_close()
+        return exit_code_for(exc)
+    except BaseException:
+        handler.shutdown()
+        raise
+    handler.shutdown()
+    if result.is_failed():
+        print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | None:
+    if not value:
+        return None
+    snapshot_dir = Path(value)
+    try:
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.exit(2, f"error: --snapshot-dir {snapshot_dir}: cannot create it ({exc.strerror}); "
+                       "pass a writable shared directory\n")
+    if not os.access(snapshot_dir, os.W_OK):
+        parser.exit(2, f"error: --snapshot-dir {snapshot_dir} is not writable; pass a writable shared directory\n")
+    return snapshot_dir
+
+
+def _standalone(args: argparse.Namespace) -> None:
+    """torchrun's ``--standalone``: a one-node job with its own c10d store (no etcd)."""
+    if args.standalone:
+        import uuid
+
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _worker_command(cmd: object, cmd_args: list[str], with_python: bool, module: bool) -> tuple[str, ...]:
+    """torchrun's worker command, with Python targets run through :mod:`agent.worker_boot`."""
+    from .worker_boot import boot_command
+
+    args = [str(a) for a in cmd_args]
+    if with_python and args and args[0] == "-u":
+        rest = args[1:]
+        if module and rest and rest[0] == "-m":
+            return boot_command(str(cmd), rest[1], rest[2:], module=True)
+        if rest:
+            return boot_command(str(cmd), rest[0], rest[1:], module=False)
+    return (str(cmd), *args)
+
+
+def _with_store_host(settings: AgentSettings, endpoint: str) -> AgentSettings:
+    """Peers reach our round store at the address this node reaches etcd from."""
+    import dataclasses
+
+    first = endpoint.split(",")[0].strip()
+    first = first.split("://", 1)[-1]
+    host, _, port = first.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host or first, int(port or 2379)))  # a routing lookup; nothing is sent
+            address = probe.getsockname()[0]
+    except (OSError, ValueError):
+        return settings
+    return dataclasses.replace(settings, store_host=address)
 
 
 def _advertised(bind: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -42,6 +41,9 @@ class AgentMetrics:
         self.etcd_errors = Counter("elastic_agent_etcd_errors",
                                    "etcd requests that failed for good (after retries), by kind of failure",
                                    ["op"], registry=r)
+        self.reforms = Counter("elastic_agent_inplace_reforms",
+                               "Rounds this node's in-place workers joined without a restart, by reason",
+                               ["reason"], registry=r)
         self.worker_starts = Counter("elastic_agent_worker_starts",
                                      "Worker processes started: warm (a pre-imported standby) or cold",
                                      ["mode"], registry=r)
@@ -56,6 +58,8 @@ class AgentMetrics:
             self.worker_starts.labels(mode=mode)
         for reason in ("worker_failed", "peer_lost", "hang", "scale_up", "lease_lost"):
             self.restarts.labels(reason=reason)  # export zeros, so rate() works from the start
+        for reason in ("peer_lost", "scale_up", "reform"):
+            self.reforms.labels(reason=reason)
         self.set_state("init")
         self.url: str | None = None
 
@@ -70,11 +74,10 @@ class AgentMetrics:
         log.info("metrics at %s", self.url)
         return self.url
 
-    def forget_workers(self, worker_group: Any) -> None:
+    def forget_pids(self, pids: list[int]) -> None:
         """Stopped workers: their live gauges go, their counters stay (see module doc)."""
-        for worker in worker_group.workers:
-            if worker.id is not None:
-                try:
-                    mark_dead(int(worker.id), self.worker_dir)
-                except (ValueError, OSError):
-                    pass
+        for pid in pids:
+            try:
+                mark_dead(int(pid), self.worker_dir)
+            except (ValueError, OSError):
+                pass

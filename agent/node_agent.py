@@ -1,202 +1,508 @@
-"""torch's ``LocalElasticAgent`` with the node-level judgement torchrun lacks.
+"""The node agent: one loop that observes its node, decides (:mod:`agent.policy`) and acts.
 
-torch's monitor loop only notices trouble when a local worker exits. This agent also
-stops its workers at once when
+torch's ``LocalElasticAgent`` only notices trouble when a local worker exits, and it can
+only restart every worker at once. This agent owns its loop instead, built on torch's
+public pieces: it is an ``ElasticAgent``, it rendezvous through any ``RendezvousHandler``
+(torchrun's ``--rdzv-backend``), and it starts workers through :mod:`agent.workers`
+(``LogsSpecs``, ``SubprocessHandler``, ``TailLog``), warm from a standby where it can.
 
-* a peer of the current round loses its etcd lease (killed, frozen, cut off): survivors
-  would otherwise sit in a collective until its timeout;
-* this node's own lease was lost (it was frozen): its workers belong to a world that
-  has moved on and must die before they do anything, snapshots included;
-* no local rank finished a step for the hang timeout: stacks go to the log, workers restart;
-* another node opened a new round (a node joined or came back).
+The call order, every ``--monitor-interval`` or sooner (etcd news, a worker's request and
+signals wake it at once):
 
-Every restart gets a reason. Worker failures and hangs count against ``--max-restarts``
-as in torchrun; membership changes do not, and a worker failure that turns out to have
-been caused by a peer's death (the peer is missing from the next round) is refunded,
-so a long job does not run out of restarts because other machines died.
+1. **observe**: worker exits, the rendezvous' verdict on membership (with ``etcd-v3``: a
+   peer's lease gone, our own lease gone, a new round), the hang watchdog, in-place
+   workers' statuses, ``elastic kill`` commands through etcd;
+2. **decide**: :func:`agent.policy.decide`, a pure function;
+3. **act**: continue; succeed (after an exit barrier); fail; restart the group; or, for
+   in-place workers, rejoin (rendezvous and hand the round to the running workers) or
+   replace (start again only the local ranks that died or hung).
+
+In-place recovery needs the ``etcd-v3`` backend: the agent hosts a small TCPStore for the
+rounds in which its node comes first, and advertises it, with its worker count, in the
+node registry; its workers learn each round through :mod:`elastic.inplace.channel`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    ElasticAgent,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.utils import macros
 
+from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
+from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
 
 from .commands import CommandWatch
 from .metrics import AgentMetrics
+from .policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
 from .settings import AgentSettings
-from .warm_start import WarmPool, warm_handlers
+from .warm_start import WarmPool
 from .watchdog import HangWatch
+from .worker_boot import AGENT_PID_ENV
+from .workers import Launch, LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
-WORKER_FAILED, HANG, USER_ERROR_EXIT = "worker_failed", "hang", 2
-_ABRUPT = {PEER_LOST, LEASE_LOST, HANG, WORKER_FAILED}  # the world is broken: no graceful stop
-_STACK_DUMP_WAIT_S = 1.0
 STANDBY_READY_TIMEOUT_S = 120.0
+_STACK_DUMP_WAIT_S = 1.0
+_OFFER_TRIES = 5
+_MEMBERSHIP = {PEER_LOST: Reason.PEER_LOST, LEASE_LOST: Reason.LEASE_LOST, NEW_ROUND: Reason.SCALE_UP}
 
 
-class NodeAgent(LocalElasticAgent):
-    """Built by torch's ``launch_agent`` in place of ``LocalElasticAgent`` (see :mod:`.launch`)."""
+@dataclass(frozen=True)
+class AgentSpec:
+    """What every local rank runs, and torchrun's launch settings the loop needs."""
 
-    def __init__(self, *args: Any, settings: AgentSettings, metrics: AgentMetrics, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.settings, self.metrics = settings, metrics
-        self.watch = HangWatch(settings.heartbeat_dir, settings.hang_timeout)
-        self._reason: str | None = None
-        self._previous_members: tuple[str, ...] = ()
-        handler = self._worker_group.spec.rdzv_handler
-        self.handler = handler if isinstance(handler, EtcdV3RendezvousHandler) else None
-        self.commands = CommandWatch(self.handler, settings.node_name) if self.handler else None
-        if self.handler is not None:
-            self.handler.lease.update(metrics_url=metrics.url)
-            self.handler.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
-        metrics.remaining_restarts.set(self._remaining_restarts)
-        self.pool: WarmPool | None = None
-        if settings.warm_start:
-            self.pool = WarmPool(self._worker_group.spec.local_world_size,
-                                 on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
+    role: str
+    nproc: int
+    command: tuple[str, ...]  # ``${local_rank}`` is substituted per rank, as torchrun does
+    max_restarts: int
+    monitor_interval: float
+    run_id: str
+    local_addr: str | None = None
+    numa_options: Any = None
+    log_line_prefix_template: str | None = None
+
+
+class AgentSignal(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"agent got signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class NodeAgent(ElasticAgent):
+    def __init__(self, spec: AgentSpec, handler: RendezvousHandler, settings: AgentSettings,
+                 metrics: AgentMetrics, logs_specs: LogsSpecs) -> None:
+        self.spec, self.handler, self.settings, self.metrics = spec, handler, settings, metrics
+        self.node = settings.node_name
+        self.ours = handler if isinstance(handler, EtcdV3RendezvousHandler) else None
+        self.remaining_restarts = spec.max_restarts
+        self.restart_count = 0
+        self.watch = HangWatch(settings.heartbeat_dir, settings.hang_timeout,
+                               settings.hang_startup_timeout, node=self.node)
+        self.commands = CommandWatch(self.ours, self.node) if self.ours is not None else None
+        self.channel: AgentChannel | None = None
+        self.store_server: Any = None
+        if self.ours is not None and settings.in_place:
+            self.channel = AgentChannel(settings.control_dir)
+            self.store_server, store_addr = _start_round_store(settings.store_host or spec.local_addr)
+            self.ours.lease.update(store_addr=store_addr)
+        if self.ours is not None:
+            self.ours.lease.update(metrics_url=metrics.url, nproc=spec.nproc)
+            self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
+            self.ours.mirror.listeners.append(self._wake)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.pool = WarmPool(spec.nproc, env={**os.environ, **self._node_env()}) if settings.warm_start else None
+        if self.pool is not None:
             self.pool.fill()  # the standbys import torch while the first rendezvous runs
+        self.workers = LocalWorkers(logs_specs, spec.role, self.pool, spec.numa_options,
+                                    on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
+        self.group_rank = self.group_world = 0
+        self.rank_base, self.world_size = 0, spec.nproc
+        self.master_addr, self.master_port = "", 0
+        self.round_number, self.participants = -1, ()
+        self.offer: RoundOffer | None = None
+        self._group_started = time.time()
+        self._refilled = False
+        self._said_in_place = False
+        self._worker_group = WorkerGroup(WorkerSpec(
+            role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
+            args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
+            local_addr=spec.local_addr))
+        metrics.remaining_restarts.set(self.remaining_restarts)
+
+    # ------------------------------------------------------------------ torch's contract
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        return self._worker_group
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
+        try:
+            self._await_standbys()
+            self._rendezvous()
+            self._start_group()
+            return self._loop()
+        except AgentSignal as exc:
+            log.warning("[%s] %s: stopping local workers", self.node, exc)
+            self.workers.stop(signal.SIGTERM, grace=self.settings.graceful_stop)
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.pool is not None:
+                self.pool.close()
+            if self.channel is not None:
+                self.channel.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> RunResult:
+        while True:
+            self._wait(self.spec.monitor_interval)
+            if self.commands is not None:
+                self.commands.poll()  # `elastic kill` of this node from another machine
+            decision = decide(self._observe())
+            if decision.action is Action.CONTINUE:
+                self._while_healthy()
+            elif decision.action is Action.SUCCEED:
+                return self._succeed()
+            elif decision.action is Action.FAIL:
+                return self._fail(decision)
+            elif decision.action is Action.RESTART:
+                self._restart(decision)
+            elif decision.action is Action.REJOIN:
+                self._rejoin(decision)
+            elif decision.action is Action.REPLACE:
+                self._replace(decision)
+
+    def _observe(self) -> Observation:
+        exits = self.workers.exits()
+        membership = None
+        if self.ours is not None:
+            membership = _MEMBERSHIP.get(self.ours.restart_reason() or "")
+        elif self.handler.num_nodes_waiting() > 0:
+            membership = Reason.SCALE_UP
+        stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
+        in_place, reform = self._in_place_statuses()
+        return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
+                           reform_requested=reform, restarts_left=self.remaining_restarts)
+
+    def _in_place_statuses(self) -> tuple[bool, bool]:
+        """(every running local worker runs in place, one asked for a new round)."""
+        if self.channel is None:
+            return False, False
+        statuses = []
+        for rank, pid in self.workers.pids().items():
+            status = self.channel.status(rank)
+            if status is None or status.pid != pid:
+                return False, False
+            statuses.append(status)
+        in_place = bool(statuses) and all(s.mode == IN_PLACE for s in statuses)
+        if in_place and not self._said_in_place:
+            self._said_in_place = True
+            log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
+        reform = any(s.want_round_after is not None and s.want_round_after >= self.round_number for s in statuses)
+        return in_place, reform
+
+    def _wait(self, timeout: float) -> None:
+        fds = [self._wake_r] + ([self.channel.wake_fd] if self.channel is not None else [])
+        ready, _, _ = select.select(fds, [], [], timeout)
+        for fd in ready:
+            try:
+                while os.read(fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        raise AgentSignal(signum)
+
+    # ------------------------------------------------------------------ healthy
+
+    def _while_healthy(self) -> None:
+        self.metrics.set_state("healthy")
+        if self.pool is None:
+            return
+        if not self._refilled and (self.watch.progressed()
+                                   or time.time() - self._group_started >= self.settings.standby_refill_after):
+            self._refilled = True  # the group is up: standbys no longer compete with a recovery
+        if self._refilled and not self.pool.full:
+            self.pool.fill()
+        self.metrics.standbys_ready.set(self.pool.ready_count())
 
     def _await_standbys(self) -> None:
         """Join the job only once this node can start its workers without importing torch.
 
-        A node joining a running job opens a new round, which stops every other node's
-        workers; they would then idle while this node's workers imported torch.
+        A node joining a running job opens a new round; the others would otherwise stand
+        still (or, restarting, idle) while this node's workers imported torch.
         """
         deadline = time.monotonic() + STANDBY_READY_TIMEOUT_S
         while self.pool is not None and self.pool.ready_count() < self.pool.size:
             if time.monotonic() > deadline:
                 log.warning("[%s] standby workers not ready after %.0f s; joining anyway (cold start)",
-                            self.settings.node_name, STANDBY_READY_TIMEOUT_S)
+                            self.node, STANDBY_READY_TIMEOUT_S)
                 return
             time.sleep(0.05)
 
-    def run(self, role: str = "default") -> RunResult:
-        try:
-            self._await_standbys()  # before the first rendezvous; restarts take what is ready
-            return super().run(role)
-        finally:
-            if self.pool is not None:
-                self.pool.close()
+    # ------------------------------------------------------------------ acting
 
-    # ------------------------------------------------------------------ monitoring
+    def _restart(self, decision: Decision) -> None:
+        reason = decision.reason or Reason.SCALE_UP
+        log.warning("[%s] %s: stopping local workers now", self.node, self._describe(decision))
+        if decision.dump_stacks:
+            self._dump_stacks(list(self.workers.pids()))
+        if self.ours is not None:
+            self.ours.lease.update(state="stopping")
+        self.metrics.set_state("stopped")
+        sig = stop_signal(reason, self.watch.progressed())
+        grace = min(self.settings.graceful_stop, 30.0)
+        self._stop(sig, grace)
+        if decision.counted:
+            self.remaining_restarts -= 1
+        self.restart_count += 1
+        previous = self.participants
+        self._rendezvous()
+        if refunded(reason, previous, self.participants):
+            reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
+            self.remaining_restarts += 1
+        self._start_group()
+        log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.node, reason.value,
+                 self.group_world, self.remaining_restarts)
+        self.metrics.restarts.labels(reason=reason.value).inc()
+        self.metrics.remaining_restarts.set(self.remaining_restarts)
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        if self.commands is not None:
-            self.commands.poll()  # `elastic kill` of this node from another machine
-        result = super()._monitor_workers(worker_group)
-        membership = self.handler.restart_reason() if self.handler is not None else None
-        if membership in (PEER_LOST, LEASE_LOST) and result.state != WorkerState.SUCCEEDED:
-            # torch restarts without counting when HEALTHY and num_nodes_waiting() > 0
-            self._set_reason(membership)
-            return RunResult(state=WorkerState.HEALTHY)
-        if result.state == WorkerState.FAILED:
-            self._reason = WORKER_FAILED
-            if _user_error(result.failures):
-                log.error("[%s] a worker exited with code 2 (a usage error): not restarting",
-                          self.settings.node_name)
-                self._remaining_restarts = 0
-        elif result.state == WorkerState.HEALTHY:
-            if membership == NEW_ROUND:
-                self._set_reason(NEW_ROUND)
-            else:
-                stalled = self.watch.stalled()
-                if stalled is not None:
-                    self._on_hang(worker_group, stalled)
-                    return RunResult(state=WorkerState.UNHEALTHY)
-                if self.pool is not None:
-                    if not self.pool.full and self.watch.progressed():
-                        self.pool.fill()  # after the group's first step: never competes with a recovery
-                    self.metrics.standbys_ready.set(self.pool.ready_count())
-        self.metrics.set_state(result.state.name.lower())
-        return result
+    def _rejoin(self, decision: Decision) -> None:
+        """In place: the workers keep running while this node takes part in the new round."""
+        assert self.channel is not None
+        log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self._describe(decision))
+        previous = self.round_number
+        self._rendezvous_for_offer()
+        if self.offer is None:
+            log.warning("[%s] no usable round for in-place workers; restarting them", self.node)
+            self._restart(Decision(Action.RESTART, Reason.PEER_LOST))
+            return
+        self.channel.offer(self.offer)
+        self.watch.rejoined()
+        assert decision.reason is not None
+        self.metrics.reforms.labels(reason=decision.reason.value).inc()
+        log.info("[%s] round %d -> %d in place: world of %d nodes (%s), %d workers", self.node, previous,
+                 self.round_number, self.group_world, ", ".join(self.participants), self.world_size)
 
-    def _set_reason(self, reason: str) -> None:
-        if self._reason != reason:
-            log.warning("[%s] %s: stopping local workers now", self.settings.node_name, _describe(reason))
-        self._reason = reason
+    def _replace(self, decision: Decision) -> None:
+        """In place: start again only the local ranks that died or hung."""
+        assert self.channel is not None
+        ranks = list(decision.ranks)
+        log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", self.node,
+                    self._describe(decision), ranks)
+        if decision.dump_stacks:
+            self._dump_stacks(ranks)
+        pids = [pid for rank, pid in self.workers.pids().items() if rank in ranks]
+        self.workers.stop(signal.SIGKILL, ranks=ranks)
+        self.workers.forget(ranks)
+        self.metrics.forget_pids(pids)
+        for rank in ranks:
+            self.channel.forget(rank)
+            self.watch.forget(rank)
+        if decision.counted:
+            self.remaining_restarts -= 1
+        self._rendezvous_for_offer()
+        if self.offer is None:
+            self._restart(Decision(Action.RESTART, decision.reason))
+            return
+        self.channel.offer(self.offer)
+        for rank in ranks:
+            self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
+        self._group_started, self._refilled = time.time(), False
+        assert decision.reason is not None
+        self.metrics.restarts.labels(reason=decision.reason.value).inc()
+        self.metrics.remaining_restarts.set(self.remaining_restarts)
+        log.info("[%s] round %d: local rank(s) %s started again, %d restarts left", self.node,
+                 self.round_number, ranks, self.remaining_restarts)
 
-    def _on_hang(self, worker_group: WorkerGroup, stalled_for: float) -> None:
-        self._reason = HANG
-        log.error("[%s] no rank on this node finished a step for %.0f s (hang timeout %s); "
-                  "dumping worker stacks, then restarting", self.settings.node_name, stalled_for,
-                  self.watch.describe_timeout())
-        for worker in worker_group.workers:
-            if worker.id is not None:
-                try:
-                    os.kill(int(worker.id), signal.SIGUSR1)  # faulthandler in ElasticRun dumps stacks
-                except (ProcessLookupError, ValueError):
-                    pass
+    def _succeed(self) -> RunResult:
+        log.info("[%s] local workers finished", self.node)
+        if self.ours is not None:
+            self.ours.lease.update(state="succeeded")
+        self._exit_barrier()
+        self.metrics.set_state("succeeded")
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
+
+    def _fail(self, decision: Decision) -> RunResult:
+        log.error("[%s] %s: the job fails", self.node, self._describe(decision))
+        if decision.dump_stacks:
+            self._dump_stacks(list(self.workers.pids()))
+        failed_alone = self.workers.failures()  # before the stop adds its own victims
+        stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)
+        failures = failed_alone or stopped
+        if self.ours is not None:
+            self.ours.lease.update(state="failed")
+        self.metrics.set_state("failed")
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _stop(self, sig: int, grace: float) -> dict[int, Any]:
+        """Stop every local worker; returns torch's failure records of the stopped group."""
+        pids = list(self.workers.pids().values())
+        self.workers.stop(sig, grace=grace)
+        failures = self.workers.failures()
+        self.workers.forget()
+        self.metrics.forget_pids(pids)
+        return failures
+
+    def _describe(self, decision: Decision) -> str:
+        reason = decision.reason
+        if reason is Reason.HANG:
+            last = self.watch.last_progress()
+            since = f"for {time.time() - last:.0f} s" if last is not None else "since the group started"
+            return (f"no rank on this node made progress {since} (hang timeout {self.watch.describe_timeout()}); "
+                    "dumping worker stacks, then restarting")
+        if decision.detail:
+            return decision.detail
+        return {
+            Reason.PEER_LOST: "a peer of this round lost its etcd lease (dead, frozen or cut off)",
+            Reason.LEASE_LOST: "this node lost its own etcd lease (it was frozen or cut off); its workers are stale",
+            Reason.SCALE_UP: "another node opened a new round (a node joined or came back)",
+            Reason.REFORM: "a worker's collective failed while every lease held; forming the round again",
+            Reason.WORKER_FAILED: f"local worker(s) {sorted(decision.failed)} failed "
+                                  f"(exit {', '.join(str(c) for c in decision.failed.values())})",
+        }.get(reason, str(reason))  # type: ignore[arg-type]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """faulthandler in every agent worker dumps all threads' stacks on SIGUSR1."""
+        self.workers.send(signal.SIGUSR1, ranks)
         time.sleep(_STACK_DUMP_WAIT_S)  # let faulthandler's writes land before the kill
 
-    # ------------------------------------------------------------------ restarts
+    def _exit_barrier(self) -> None:
+        """Stay in the registry until every peer has finished too, so that this node
+        leaving early is not mistaken for a peer lost (which would restart the others)."""
+        if self.ours is None:
+            return
+        deadline = time.monotonic() + self.settings.exit_barrier_timeout
+        while time.monotonic() < deadline:
+            records = self.ours.node_records()
+            waiting = [n for n in self.participants if n in records and records[n].state not in ("succeeded", "failed")]
+            if not waiting:
+                return
+            entries, revision = self.ours.mirror.entries()
+            self.ours.mirror.wait(revision, 0.5)
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        if self.handler is not None:
-            self.handler.lease.update(state="stopping")
-        self.metrics.set_state("stopped")
-        if self._reason in _ABRUPT or not self.watch.progressed():
-            # broken world, or a group that has not finished a step: nothing to flush, and
-            # a worker blocked in process-group set-up would not run a SIGTERM handler
-            self._shutdown(signal.SIGKILL, timeout=5)
-        else:
-            # lets rank 0 flush a snapshot; a rank stuck in a collective with one that
-            # already stopped gets SIGKILL after the grace period
-            self._shutdown(signal.SIGTERM, timeout=min(self._shutdown_timeout, self.settings.graceful_stop))
-        self.metrics.forget_workers(worker_group)
+    # ------------------------------------------------------------------ rounds and groups
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        reason = self._reason or NEW_ROUND
-        self._reason = reason
-        previous = self._previous_members
-        super()._restart_workers(worker_group)
-        current = self._previous_members
-        if reason == WORKER_FAILED and previous and not set(previous) <= set(current):
-            reason = PEER_LOST  # our worker died because a peer did; not our failure to count
-            self._remaining_restarts += 1
-        log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.settings.node_name,
-                 reason, worker_group.group_world_size, self._remaining_restarts)
-        self.metrics.restarts.labels(reason=reason).inc()
-        self.metrics.remaining_restarts.set(self._remaining_restarts)
-        self._reason = None
-
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def _rendezvous(self) -> None:
         started = time.monotonic()
         try:
-            super()._rendezvous(worker_group)
+            info = self.handler.next_rendezvous()
         except Exception as exc:
             self.metrics.rendezvous.labels(outcome=_outcome(exc)).observe(time.monotonic() - started)
             raise
         self.metrics.rendezvous.labels(outcome="ok").observe(time.monotonic() - started)
-        if self.handler is not None and self.handler.round is not None:
-            self._previous_members = self.handler.round.participants
-            self.metrics.round.set(self.handler.round.round)
-        self.metrics.nodes_in_round.set(worker_group.group_world_size)
-
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self.watch.reset()
-        if self.handler is not None and self.handler.round is not None:
-            os.environ["ELASTIC_ROUND"] = str(self.handler.round.round)  # inherited by the workers
-        if self.pool is not None:
-            with warm_handlers(self.pool):
-                started = super()._start_workers(worker_group)
+        self.group_rank, self.group_world = info.rank, info.world_size
+        bootstrap = info.bootstrap_store_info
+        if bootstrap is not None:
+            self.master_addr, self.master_port = bootstrap.master_addr, bootstrap.master_port
+        if self.ours is not None and self.ours.round is not None:
+            self.round_number, self.participants = self.ours.round.round, self.ours.round.participants
         else:
-            started = super()._start_workers(worker_group)
+            self.round_number += 1
+        self.rank_base, self.world_size = self.group_rank * self.spec.nproc, self.group_world * self.spec.nproc
+        self.offer = None
+        if self.ours is not None:
+            records = self.ours.node_records()
+            nprocs = {n: r.nproc for n, r in records.items()}
+            ranks = assign_ranks(self.participants, self.node, nprocs)
+            if ranks is not None:
+                self.rank_base, self.world_size = ranks
+            if self.channel is not None:
+                self.offer = make_offer(self.round_number, self.participants, self.node, nprocs,
+                                        {n: r.store_addr for n, r in records.items()})
+        self.metrics.round.set(self.round_number)
+        self.metrics.nodes_in_round.set(self.group_world)
+
+    def _rendezvous_for_offer(self) -> None:
+        """A round whose every member's record says where its store is (a member that died
+        as the round closed has none: the next round leaves it out)."""
+        for _ in range(_OFFER_TRIES):
+            self._rendezvous()
+            if self.offer is not None:
+                return
+
+    def _start_group(self) -> None:
+        self.watch.reset()
+        if self.channel is not None:
+            for rank in range(self.spec.nproc):
+                self.channel.forget(rank)
+            if self.offer is not None:
+                self.channel.offer(self.offer)  # before the workers start: they read it first
+            else:
+                self.channel.withdraw()
+        launches = {rank: Launch(self._command(rank), self._env(rank)) for rank in range(self.spec.nproc)}
+        pids = self.workers.start_all(launches)
+        self._group_started, self._refilled = time.time(), False
+        self._worker_group.workers = [
+            Worker(local_rank=rank, global_rank=self.rank_base + rank, role_rank=self.rank_base + rank,
+                   world_size=self.world_size, role_world_size=self.world_size) for rank in pids]
+        for worker in self._worker_group.workers:
+            worker.id = pids[worker.local_rank]
+        self._worker_group.group_rank, self._worker_group.group_world_size = self.group_rank, self.group_world
+        self._worker_group.state = WorkerState.HEALTHY
         self.metrics.set_state("healthy")
-        return started
+
+    def _command(self, local_rank: int) -> tuple[str, ...]:
+        return tuple(macros.substitute(list(self.spec.command), str(local_rank)))
+
+    def _node_env(self) -> dict[str, str]:
+        """What every worker of this node gets, the standbys included (they import
+        prometheus_client before they know their rank, so its directory must be set)."""
+        env = {"ELASTIC_NODE_NAME": self.node,
+               "ELASTIC_HEARTBEAT_DIR": str(self.settings.heartbeat_dir),
+               MULTIPROC_ENV: str(self.settings.metrics_dir),
+               AGENT_PID_ENV: str(os.getpid())}
+        if self.settings.snapshot_dir is not None:
+            env["ELASTIC_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir)
+        if self.channel is not None:
+            env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
+        return env
+
+    def _env(self, local_rank: int) -> dict[str, str]:
+        """torchrun's variables for one local rank, plus ours."""
+        rank = self.rank_base + local_rank
+        env = self._node_env()
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(self.group_rank),
+            "ROLE_RANK": str(rank), "ROLE_NAME": self.spec.role, "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+            "WORLD_SIZE": str(self.world_size), "GROUP_WORLD_SIZE": str(self.group_world),
+            "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port), "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.spec.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(self.handler.use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "ELASTIC_ROUND": str(self.round_number),
+        })
+        return env
 
 
-def _user_error(failures: dict[int, ProcessFailure]) -> bool:
-    return bool(failures) and all(f.exitcode == USER_ERROR_EXIT for f in failures.values())
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _start_round_store(host: str | None) -> tuple[Any, str]:
+    """A TCPStore server for the rounds this node hosts; returns it and ``host:port``.
+
+    It serves only the brief exchange of a reconfigure (handles, gloo's addresses), under
+    a fresh prefix per round, and lives exactly as long as this agent: a round whose
+    store host died fails, and the next round picks another host.
+    """
+    import torch.distributed as dist
+
+    server = dist.TCPStore(host_name="0.0.0.0", port=0, is_master=True, wait_for_workers=False)
+    return server, f"{host or '127.0.0.1'}:{server.port}"
 
 
 def _outcome(exc: BaseException) -> str:
@@ -208,9 +514,8 @@ def _outcome(exc: BaseException) -> str:
     return "error"
 
 
-def _describe(reason: str) -> str:
-    return {
-        PEER_LOST: "a peer of this round lost its etcd lease (dead, frozen or cut off)",
-        LEASE_LOST: "this node lost its own etcd lease (it was frozen or cut off); its workers are stale",
-        NEW_ROUND: "another node opened a new round (a node joined or came back)",
-    }.get(reason, reason)
+def exit_code_for(exc: AgentSignal) -> int:
+    return 128 + exc.signum
+
+
+__all__ = ["AgentSignal", "AgentSpec", "NodeAgent", "exit_code_for", "STANDBY_READY_TIMEOUT_S"]

@@ -1,44 +1,39 @@
 """A standby worker: a Python process that has already imported torch, waiting for its rank.
 
-Run as ``python -m agent.warm_worker`` by :class:`agent.warm_start.WarmPool`. Importing
-torch (and ``torch._dynamo``, which the first ``Optimizer.step`` pulls in) costs 2-5 s
-of CPU, and after a node loss that cost sits on the critical path of every survivor's
-recovery. A standby pays it while the world is still healthy; when the agent starts its
-next worker group it sends the standby one JSON line (argv, environment, log files) and
-the standby *becomes* the worker: same pid, own session, the torchrun environment, the
-script run as ``__main__``.
+Started by :class:`agent.warm_start.WarmPool` (``STANDBY_CODE``). Importing torch (and
+``torch._dynamo``, which the first ``Optimizer.step`` pulls in) costs 2-5 s of CPU, and
+after a node loss that cost would sit on the critical path of every restarted worker. A
+standby pays it while the world is healthy; when the agent starts a worker it sends the
+standby one JSON line (argv, environment, log files) and the standby *becomes* the
+worker: same pid, own session, the torchrun environment, the target run through
+:mod:`agent.worker_boot` exactly as a cold worker runs it.
 
-Why this is safe: the standby starts with the agent's environment, which is the base
-that torchrun's per-worker environment is built on. What differs (RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_*, TORCHELASTIC_*, ELASTIC_ROUND, CUDA_VISIBLE_DEVICES) is read by
-torch only when a process group or the CUDA context is created, never at import, and
-CUDA is not initialised here. OMP_NUM_THREADS is re-applied in case it changed.
-Nothing is forked: the worker is a fresh process that merely started early.
-
-A worker that fails exits at once (:func:`exit_now`): after a peer dies, tearing down
-gloo's process group in the interpreter's finalisation takes the survivor 1-3 s more,
-spent before its agent can even notice the failure.
+Why this is safe: the standby starts with the agent's environment, the base torchrun
+builds each worker's environment on. What differs (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*,
+TORCHELASTIC_*, ELASTIC_ROUND, CUDA_VISIBLE_DEVICES) is read by torch only when a process
+group or the CUDA context is created, never at import, and CUDA is not initialised here.
+OMP_NUM_THREADS is re-applied in case it changed. Nothing is forked.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import json
 import os
-import runpy
 import sys
 import time
-import traceback
 from typing import Any
 
 from elastic.metrics.worker import STARTED_AT_ENV
+
+from . import worker_boot
 
 WARM_IMPORTS_ENV = "ELASTIC_WARM_IMPORTS"
 READY_FD_ENV = "ELASTIC_STANDBY_READY_FD"
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")
+STANDBY_CODE = "import sys; sys.path.pop(0); from agent.warm_worker import main; main()"
 
 
 def preload(modules: list[str]) -> None:
@@ -58,48 +53,17 @@ def become(spec: dict[str, Any]) -> None:
     os.environ[STARTED_AT_ENV] = repr(time.time())  # what a cold start's process start time means
     _redirect(0, os.devnull, os.O_RDONLY)
     if spec.get("stdout"):
-        _redirect(1, spec["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        _redirect(1, spec["stdout"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
     if spec.get("stderr"):
-        _redirect(2, spec["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    if spec.get("unbuffered"):
-        sys.stdout.reconfigure(write_through=True)  # python -u
-        sys.stderr.reconfigure(write_through=True)
+        _redirect(2, spec["stderr"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
+    sys.stdout.reconfigure(write_through=True)  # python -u, as every agent worker runs
+    sys.stderr.reconfigure(write_through=True)
     _apply_thread_count()
-    try:
-        _run(spec)
-    except SystemExit as done:
-        if done.code in (None, 0):
-            raise  # success: the interpreter's normal, thorough shutdown
-        if not isinstance(done.code, int):
-            print(done.code, file=sys.stderr)
-        exit_now(done.code if isinstance(done.code, int) else 1)
-    except BaseException:  # noqa: BLE001 - as the interpreter would report it, then out
-        traceback.print_exc()
-        exit_now(1)
+    worker_boot.prepare()
+    worker_boot.run(spec)
 
 
-def exit_now(code: int) -> None:
-    """Exit a failed worker without the C++ teardown, keeping what Python promises:
-    atexit handlers (the snapshot writer flushes there) and flushed stdio."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _run(spec: dict[str, Any]) -> None:
-    if spec.get("module"):
-        sys.argv = [spec["module"], *spec["args"]]
-        sys.path[0] = os.getcwd()  # as `python -m` does
-        runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
-    else:
-        script = spec["script"]
-        sys.argv = [script, *spec["args"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` does
-        runpy.run_path(script, run_name="__main__")
+exit_now = worker_boot.exit_now  # kept for callers of the old name
 
 
 def _redirect(fd: int, path: str, flags: int) -> None:
@@ -117,6 +81,7 @@ def _apply_thread_count() -> None:
 
 
 def main() -> None:
+    worker_boot.die_with_agent()
     modules = os.environ.get(WARM_IMPORTS_ENV)
     preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))
     ready_fd = os.environ.pop(READY_FD_ENV, "")
@@ -128,7 +93,3 @@ def main() -> None:
     if not line:  # the agent went away (or shut its pool down) before needing us
         sys.exit(0)
     become(json.loads(line))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,24 @@
-"""The hang watchdog: has any local rank finished a step lately?
+"""The hang watchdog: has any local rank made progress lately?
 
 One frozen rank (a deadlock, a stuck data loader, a wedged GPU) blocks every other rank
 in the next collective, so "no local rank progressed for T seconds" is the signal, read
-from the heartbeat files the workers overwrite at each step (:mod:`elastic.heartbeat`).
+from the heartbeat files the workers overwrite (:mod:`elastic.heartbeat`). Every Python
+worker of ``elastic agent`` beats after each optimizer step, without a code change
+(:mod:`agent.worker_boot`); ``ElasticRun`` beats its committed steps.
 
 ``auto`` derives T from the observed step time (20 x the median interval between beats,
-at least 60 s) so a job of 30-second steps is not killed for being slow. Before a worker
-group's first step (imports, restore, compilation) the budget is ``startup_timeout``.
+at least 60 s), so a job of 30-second steps is not killed for being slow.
+
+A worker group that has never produced a progress signal is never declared hung: it may
+be a script with no torch optimizer that never calls ``elastic.report_progress``, and
+restarting it every so often would burn ``--max-restarts`` for nothing. The watchdog says
+so once in the log. Once this node has seen the job make progress, a later group gets
+``startup_timeout`` (imports, restore, compilation) to make its first.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -18,25 +26,41 @@ from pathlib import Path
 
 from elastic.heartbeat import read_beats
 
+log = logging.getLogger("elastic.agent")
+
 AUTO_FLOOR_S = 60.0
 AUTO_FACTOR = 20.0
 STARTUP_TIMEOUT_S = 600.0
 
 
 class HangWatch:
-    def __init__(self, directory: Path, timeout: float | None, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
-        self.directory, self.timeout = directory, timeout  # None: auto
+    def __init__(self, directory: Path, timeout: float | None, startup_timeout: float = STARTUP_TIMEOUT_S,
+                 node: str = "") -> None:
+        self.directory, self.timeout, self.node = directory, timeout, node  # timeout None: auto
         self.startup_timeout = max(startup_timeout, timeout or 0.0)
+        self.ever_progressed = False  # some group of this job made progress on this node
         self._intervals: deque[float] = deque(maxlen=200)
         self._last: dict[int, tuple[int, float]] = {}
+        self._said_off = False
         self.reset()
 
     def reset(self) -> None:
         """A new worker group: forget old beats (a new group's first beat must be its own)."""
-        self._group_started = time.time()
+        self._group_started = self._quiet_from = time.time()
         self._last.clear()
+        self._said_off = False
         for path in self.directory.glob("rank-*"):
             path.unlink(missing_ok=True)
+
+    def rejoined(self) -> None:
+        """In place, the workers stood still for a rendezvous and a reconfigure: not a hang."""
+        self._quiet_from = time.time()
+
+    def forget(self, local_rank: int) -> None:
+        """One local rank was started again in place: its predecessor's beat is not its own."""
+        self._last.pop(local_rank, None)
+        (self.directory / f"rank-{local_rank}").unlink(missing_ok=True)
+        self._quiet_from = time.time()
 
     def current_timeout(self) -> float:
         if self.timeout is not None:
@@ -49,8 +73,11 @@ class HangWatch:
         return f"{self.timeout:g} s" if self.timeout is not None else f"auto, {self.current_timeout():.0f} s"
 
     def progressed(self) -> bool:
-        """Has a rank of the current group finished a step (as last seen by ``stalled``)?"""
+        """Has a rank of the current group made progress (as last seen by ``stalled``)?"""
         return bool(self._last)
+
+    def last_progress(self) -> float | None:
+        return max((t for _, t in self._last.values()), default=None)
 
     def stalled(self) -> float | None:
         """Seconds since the last progress on this node if that exceeds the budget, else None."""
@@ -62,7 +89,15 @@ class HangWatch:
                 self._intervals.append((beat.time - seen[1]) / (beat.step - seen[0]))
             self._last[rank] = (beat.step, beat.time)
         if not beats:
-            quiet = now - self._group_started
+            quiet = now - self._quiet_from
+            if not self.ever_progressed:
+                if quiet > self.current_timeout() and not self._said_off:
+                    self._said_off = True
+                    log.warning("[%s] hang detection is off for this worker group: it has not reported progress "
+                                "(no torch optimizer step, no elastic.report_progress call); it turns on at the "
+                                "first one", self.node)
+                return None
             return quiet if quiet > self.startup_timeout else None
-        quiet = now - max(b.time for b in beats.values())
+        self.ever_progressed = True
+        quiet = now - max(max(b.time for b in beats.values()), self._quiet_from)
         return quiet if quiet > self.current_timeout() else None

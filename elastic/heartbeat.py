@@ -1,10 +1,16 @@
 """Per-rank progress beacons the node agent's hang watchdog reads.
 
-A worker that completes a step overwrites 24 bytes (step, wall time, pid) at offset 0 of
-``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite`` per step, no fsync, no lock,
+A worker that makes progress overwrites 32 bytes (step, wall time, pid, kind) at offset 0
+of ``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite``, no fsync, no lock,
 nothing that can block on a slow disk or a stuck peer. The agent only needs "when did
-this rank last finish a step", so a torn read (never seen with 24-byte writes to the page
-cache) would at worst delay a hang verdict by one poll.
+this rank last make progress", so a torn read (never seen with writes this small to the
+page cache) would at worst delay a hang verdict by one poll.
+
+``kind`` says what ``step`` counts: :data:`JOB_STEP` is the job's committed step
+(``ElasticRun``, or a script's own ``elastic.report_progress(step)``), comparable across
+restarts; :data:`LOCAL_COUNT` counts this process's optimizer steps (the hook every worker
+of ``elastic agent`` gets), which says "alive and stepping" but starts at 0 in each
+process. Tools that report steps rolled back use only job steps.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HEARTBEAT_DIR_ENV = "ELASTIC_HEARTBEAT_DIR"
-_FORMAT = struct.Struct("<qdq")  # step, unix time, pid
+LOCAL_COUNT, JOB_STEP = 0, 1
+_FORMAT = struct.Struct("<qdqq")  # step, unix time, pid, kind
+_LEGACY = struct.Struct("<qdq")  # before kinds: always written by ElasticRun, so job steps
 
 
 @dataclass(frozen=True)
@@ -24,10 +32,11 @@ class Beat:
     step: int
     time: float
     pid: int
+    kind: int = JOB_STEP
 
 
 class Heartbeat:
-    """The worker side: ``beat(step)`` after every committed step."""
+    """The worker side: ``beat(step)`` after every step."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,8 +51,8 @@ class Heartbeat:
             return None
         return cls(Path(directory) / f"rank-{int(os.environ.get('LOCAL_RANK', '0'))}")
 
-    def beat(self, step: int) -> None:
-        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid), 0)
+    def beat(self, step: int, kind: int = JOB_STEP) -> None:
+        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid, kind), 0)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -66,4 +75,6 @@ def read_beats(directory: Path) -> dict[int, Beat]:
             continue
         if len(raw) == _FORMAT.size:
             beats[rank] = Beat(*_FORMAT.unpack(raw))
+        elif len(raw) == _LEGACY.size:
+            beats[rank] = Beat(*_LEGACY.unpack(raw))
     return beats

@@ -2,7 +2,9 @@
 
 Each completed step appends one JSON line to ``--progress`` (when given), so a test or the
 demo can see, from outside, which world size trained which steps after a node was lost.
-It keeps no snapshot; exact resume is the training loop's job, not this smoke test's.
+It keeps no snapshot; exact resume is the training loop's job, not this smoke test's. It
+never imports ``elastic``: under ``elastic agent`` its progress reaches the hang watchdog
+through the optimizer step hook every worker gets.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from elastic.heartbeat import Heartbeat
 
 
 def main() -> None:
@@ -43,7 +43,6 @@ def main() -> None:
     node = os.environ.get("ELASTIC_NODE_NAME", os.uname().nodename)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_number = int(os.environ.get("ELASTIC_ROUND", "-1"))
-    heartbeat = Heartbeat.from_env()
 
     for step in range(args.steps):
         x = torch.randn(16, 8)
@@ -56,8 +55,6 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         time.sleep(args.step_time)
-        if heartbeat is not None:
-            heartbeat.beat(step + 1)
         if args.progress and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             record = {
                 "node": node, "rank": rank, "world_size": world, "step": step,

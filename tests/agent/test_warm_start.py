@@ -20,7 +20,8 @@ from typing import Iterator
 import pytest
 
 from agent.proctree import process_tree
-from agent.warm_start import WarmPool, parse_python_command
+from agent.warm_start import WarmPool
+from agent.worker_boot import BOOT_CODE, boot_command, parse_boot_command
 from tests.support.waiting import wait_until
 
 PY = sys.executable
@@ -34,32 +35,30 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 """
 
 
-@pytest.mark.parametrize(("command", "expected"), [
-    ((PY, "-u", "train.py", "--lr", "1"), {"unbuffered": True, "script": "train.py", "args": ["--lr", "1"]}),
-    ((PY, "-u", "-m", "elastic.train", "--job", "mlp"),
-     {"unbuffered": True, "module": "elastic.train", "args": ["--job", "mlp"]}),
-    ((PY, "train.py"), {"unbuffered": False, "script": "train.py", "args": []}),
+@pytest.mark.parametrize(("target", "args", "module", "expected"), [
+    ("train.py", ["--lr", "1"], False, {"script": "train.py", "args": ["--lr", "1"]}),
+    ("elastic.train", ["--job", "mlp"], True, {"module": "elastic.train", "args": ["--job", "mlp"]}),
+    ("train.py", [], False, {"script": "train.py", "args": []}),
 ])
-def test_torchruns_python_commands_are_warmable(command: tuple[str, ...], expected: dict) -> None:
-    assert parse_python_command(command) == expected
+def test_the_agents_python_commands_are_warmable(target: str, args: list[str], module: bool, expected: dict) -> None:
+    assert parse_boot_command(boot_command(PY, target, args, module)) == expected
 
 
 @pytest.mark.parametrize("command", [
     ("/usr/bin/env", "bash", "job.sh"),  # --no-python
-    ("numactl", "--cpunodebind=0", PY, "-u", "train.py"),  # a NUMA wrapper
-    (PY, "-X", "importtime", "train.py"),  # interpreter flags a standby cannot take back
-    (PY, "-u", "-m"),
-    (PY, "-u"),
+    ("numactl", "--cpunodebind=0", PY, "-u", "-c", BOOT_CODE, "train.py"),  # a NUMA wrapper
+    (PY, "-X", "importtime", "train.py"),  # not the agent's boot command
+    ("/usr/bin/python2", "-u", "-c", BOOT_CODE, "train.py"),  # another interpreter
+    (PY, "-u", "-c", BOOT_CODE, "-m"),
+    (PY, "-u", "-c", BOOT_CODE),
 ])
 def test_anything_else_starts_cold(command: tuple[str, ...]) -> None:
-    assert parse_python_command(command) is None
+    assert parse_boot_command(command) is None
 
 
 @pytest.fixture
 def pool() -> Iterator[WarmPool]:
-    starts: list[str] = []
-    pool = WarmPool(1, on_start=starts.append)
-    pool.starts = starts  # type: ignore[attr-defined]
+    pool = WarmPool(1)
     try:
         yield pool
     finally:
@@ -77,7 +76,7 @@ def run_probe(pool: WarmPool, tmp_path: Path, exit_code: int = 0) -> tuple[subpr
     script.write_text(PROBE)
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     env = {**os.environ, "RANK": "3", "EXIT_CODE": str(exit_code)}
-    proc = pool.take((PY, "-u", str(script), "--lr", "0.1"), env, str(out), str(err))
+    proc = pool.take(boot_command(PY, str(script), ["--lr", "0.1"], module=False), env, str(out), str(err))
     assert proc is not None, "a ready standby was not used"
     return proc, out, err
 
@@ -93,7 +92,6 @@ def test_a_standby_becomes_the_worker_with_torchruns_argv_env_and_logs(pool: War
     assert seen["path0"] == str(tmp_path / "job")  # as `python train.py` sets it
     assert seen["rank"] == "3" and seen["torch_preloaded"] is True and seen["pid"] == proc.pid
     assert given_at <= float(seen["started_at"]) <= time.time()  # time to first step counts from here
-    assert pool.starts == ["warm"]  # type: ignore[attr-defined]
 
 
 def test_exit_codes_pass_through_and_a_failure_exits_at_once(pool: WarmPool, tmp_path: Path) -> None:
@@ -107,7 +105,7 @@ def test_exit_codes_pass_through_and_a_failure_exits_at_once(pool: WarmPool, tmp
     script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
                       "raise RuntimeError('Connection closed by peer')\n")
     out, err = tmp_path / "boom.out", tmp_path / "boom.err"
-    proc = pool.take((PY, "-u", str(script)), dict(os.environ), str(out), str(err))
+    proc = pool.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
     assert proc is not None
     assert proc.wait(timeout=60) == 1
     assert "RuntimeError: Connection closed by peer" in err.read_text()
@@ -122,16 +120,15 @@ def test_module_mode_runs_from_the_working_directory(pool: WarmPool, tmp_path: P
     monkeypatch.chdir(tmp_path)  # the agent's working directory is the workers'
     ready(pool)
     out = tmp_path / "stdout.log"
-    proc = pool.take((PY, "-u", "-m", "myjob.main", "x"), dict(os.environ), str(out), None)
+    proc = pool.take(boot_command(PY, "myjob.main", ["x"], module=True), dict(os.environ), str(out), None)
     assert proc is not None and proc.wait(timeout=60) == 0
     seen = json.loads(out.read_text())
     assert seen["name"] == "__main__" and seen["argv"] == [str(tmp_path / "myjob" / "main.py"), "x"]
 
 
 def test_no_standby_means_a_cold_start_and_close_leaves_no_process(pool: WarmPool, tmp_path: Path) -> None:
-    assert pool.take((PY, "-u", "train.py"), dict(os.environ), None, None) is None
+    assert pool.take(boot_command(PY, "train.py", [], module=False), dict(os.environ), None, None) is None
     assert pool.take(("/bin/true",), dict(os.environ), None, None) is None
-    assert pool.starts == ["cold", "cold"]  # type: ignore[attr-defined]
     before = set(process_tree(os.getpid()))  # a session's etcd may be our child too
     pool.fill()
     standby_pids = set(process_tree(os.getpid())) - before

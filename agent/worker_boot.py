@@ -1,0 +1,131 @@
+"""The first code every Python worker of ``elastic agent`` runs, warm or cold.
+
+torchrun starts a worker as ``python -u [-m] TARGET ARGS``. The agent starts it as
+``python -u -c BOOT [-m] TARGET ARGS``, where ``BOOT`` prepares the process and then runs
+``TARGET`` exactly as ``python`` would have (``__main__``, ``sys.argv``, ``sys.path[0]``),
+so that any script gets, without a line changed:
+
+* **progress for the hang watchdog**: torch's global optimizer step hook beats the
+  heartbeat (:mod:`elastic.progress`);
+* **stacks on demand**: ``faulthandler`` dumps every thread on SIGUSR1, which the
+  watchdog sends before it restarts a hung worker;
+* **death with its agent**: ``PR_SET_PDEATHSIG`` kills the worker if the agent dies. An
+  agent is its node; a worker outliving it would hold a GPU and a place in a process
+  group that its peers have written off.
+
+``-c`` rather than ``-m agent.worker_boot`` because ``-m`` puts the working directory
+first on ``sys.path`` while our modules import, and a user's own ``agent/`` or ``elastic/``
+directory would shadow ours. ``BOOT`` drops that entry and puts back the one the target
+expects.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+import traceback
+from typing import Any, Sequence
+
+BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker_boot import main; main()"
+AGENT_PID_ENV = "ELASTIC_AGENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def boot_command(python: str, target: str, args: Sequence[str], module: bool) -> tuple[str, ...]:
+    """The command that runs ``target`` (a script, or a module with ``module``) through BOOT."""
+    return (python, "-u", "-c", BOOT_CODE, *(("-m",) if module else ()), target, *args)
+
+
+def parse_boot_command(command: Sequence[str]) -> dict[str, Any] | None:
+    """``boot_command``'s parts back (what a standby needs), or None for anything else."""
+    parts = list(command)
+    if len(parts) < 5 or parts[1:4] != ["-u", "-c", BOOT_CODE]:
+        return None
+    if os.path.realpath(parts[0]) != os.path.realpath(sys.executable):
+        return None  # another interpreter: a standby of ours cannot become it
+    return parse_target(parts[4:])
+
+
+def parse_target(argv: Sequence[str]) -> dict[str, Any] | None:
+    rest = list(argv)
+    if not rest:
+        return None
+    if rest[0] == "-m":
+        return {"module": rest[1], "args": rest[2:]} if len(rest) >= 2 else None
+    return {"script": rest[0], "args": rest[1:]}
+
+
+def die_with_agent() -> None:
+    """SIGKILL this process when its parent (the agent) dies; exit now if it already has."""
+    expected = os.environ.get(AGENT_PID_ENV, "")
+    if not expected.isdigit():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: the agent's own clean-up still stops us
+    if os.getppid() != int(expected):
+        os._exit(1)  # the agent died before the signal was armed
+
+
+def prepare() -> None:
+    die_with_agent()
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (ValueError, RuntimeError, AttributeError):
+            pass
+    from elastic.progress import install_optimizer_hook
+
+    install_optimizer_hook()
+
+
+def run(spec: dict[str, Any]) -> None:
+    """Run the target as ``__main__``; a failed worker exits without the C++ teardown."""
+    try:
+        if spec.get("module"):
+            sys.argv = [spec["module"], *spec["args"]]
+            sys.path.insert(0, os.getcwd())  # as `python -m` does
+            runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+        else:
+            script = spec["script"]
+            sys.argv = [script, *spec["args"]]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if done.code in (None, 0):
+            raise  # success: the interpreter's normal, thorough shutdown
+        if not isinstance(done.code, int):
+            print(done.code, file=sys.stderr)
+        exit_now(done.code if isinstance(done.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - as the interpreter would report it, then out
+        traceback.print_exc()
+        exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Exit a failed worker without the C++ teardown, keeping what Python promises:
+    atexit handlers (the snapshot writer flushes there) and flushed stdio. After a peer
+    dies, gloo's teardown holds a survivor 1-3 s more before its agent can even notice."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def main() -> None:
+    spec = parse_target(sys.argv[1:])
+    if spec is None:
+        print("usage: python -c BOOT [-m] TARGET [ARGS...] (started by elastic agent)", file=sys.stderr)
+        sys.exit(2)
+    prepare()
+    run(spec)

@@ -1,0 +1,223 @@
+"""This node's worker processes: started warm or cold, watched, stopped, one by one.
+
+torch's ``start_processes`` starts and stops a whole group at once. In-place recovery
+needs more: survivors keep running while one dead local rank is started again, and a
+worker may come from a pre-imported standby (``agent/warm_start.py``). So the agent
+keeps its own small set of processes, built from torch's public pieces:
+
+* ``LogsSpecs.reify`` decides where each rank's stdout, stderr and error file go
+  (``--log-dir``, ``--redirects``, ``--tee``, ``--local-ranks-filter``), and sets
+  ``TORCHELASTIC_ERROR_FILE`` as torchrun does;
+* ``SubprocessHandler`` starts a cold worker (in its own session, with the NUMA binding
+  of ``--numa-binding`` if asked) and ``TailLog`` copies tee'd logs to the console;
+* ``ProcessFailure`` reads a failed worker's error file for the final report.
+
+A worker started again in place writes to fresh files beside its predecessor's
+(``stdout.1.log``...), so nothing a dead worker wrote is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Protocol
+
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+from .warm_start import WarmPool
+
+log = logging.getLogger("elastic.agent")
+
+WARM, COLD = "warm", "cold"
+
+
+class _Handle(Protocol):
+    proc: subprocess.Popen  # type: ignore[type-arg]
+
+    def close(self, death_sig: signal.Signals | None = None) -> None: ...
+
+
+@dataclass
+class _Standby:
+    """A standby that became a worker: stopped the way ``SubprocessHandler`` stops one."""
+
+    proc: subprocess.Popen  # type: ignore[type-arg]
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        try:
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    handle: _Handle
+    mode: str  # warm | cold
+    error_file: str
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def pid(self) -> int:
+        return int(self.handle.proc.pid)
+
+    def exit_code(self) -> int | None:
+        return self.handle.proc.poll()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to run as one local rank: the command and the variables torchrun would set."""
+
+    args: tuple[str, ...]
+    env: dict[str, str]
+
+
+class LocalWorkers:
+    """The local ranks of the current worker group."""
+
+    def __init__(self, logs_specs: LogsSpecs, name: str = "default", pool: WarmPool | None = None,
+                 numa_options: object | None = None, log_line_prefixes: Mapping[int, str] | None = None,
+                 on_start: Callable[[str], None] = lambda mode: None) -> None:
+        self.logs_specs, self.name, self.pool = logs_specs, name, pool
+        self.numa_options, self.log_line_prefixes = numa_options, dict(log_line_prefixes or {})
+        self.on_start = on_start
+        self.workers: dict[int, Worker] = {}
+        self._dest: LogsDest | None = None
+        self._launches: dict[int, Launch] = {}
+        self._generation: dict[int, int] = {}
+        self._tails: list[TailLog] = []
+
+    # ------------------------------------------------------------------ starting
+
+    def start_all(self, launches: Mapping[int, Launch]) -> dict[int, int]:
+        """Start local ranks 0..n-1 as a new group; returns local rank -> pid."""
+        envs = {rank: dict(launch.env) for rank, launch in launches.items()}
+        self._dest = self.logs_specs.reify(envs)  # sets TORCHELASTIC_ERROR_FILE in envs
+        self._launches = {rank: Launch(launch.args, envs[rank]) for rank, launch in launches.items()}
+        self._generation = {rank: 0 for rank in launches}
+        for rank in sorted(launches):
+            self._spawn(rank)
+        self._retail()
+        return self.pids()
+
+    def start_again(self, local_rank: int, launch: Launch) -> int:
+        """Start one local rank again (in place) while the others run; returns its pid."""
+        if self._dest is None:
+            raise RuntimeError("start_again before start_all")
+        self._generation[local_rank] = self._generation.get(local_rank, 0) + 1
+        env = dict(launch.env)
+        error_file = self._dest.error_files.get(local_rank)
+        if error_file and error_file != os.devnull:
+            env["TORCHELASTIC_ERROR_FILE"] = self._fresh_path(error_file, local_rank)
+        self._launches[local_rank] = Launch(launch.args, env)
+        self._spawn(local_rank)
+        self._retail()
+        return self.workers[local_rank].pid
+
+    def _fresh_path(self, path: str, local_rank: int) -> str:
+        generation = self._generation.get(local_rank, 0)
+        if not path or path == os.devnull or generation == 0:
+            return path
+        p = Path(path)
+        return str(p.with_name(f"{p.stem}.{generation}{p.suffix}"))
+
+    def _paths(self, local_rank: int) -> tuple[str, str]:
+        assert self._dest is not None
+        return (self._fresh_path(self._dest.stdouts.get(local_rank, ""), local_rank),
+                self._fresh_path(self._dest.stderrs.get(local_rank, ""), local_rank))
+
+    def _spawn(self, local_rank: int) -> None:
+        launch = self._launches[local_rank]
+        stdout, stderr = self._paths(local_rank)
+        env = {**os.environ, **launch.env}
+        error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+        handle: _Handle | None = None
+        if self.pool is not None and self.numa_options is None:
+            proc = self.pool.take(launch.args, env, stdout or None, stderr or None)
+            if proc is not None:
+                handle, mode = _Standby(proc), WARM
+        if handle is None:
+            handle = SubprocessHandler(entrypoint=launch.args[0], args=launch.args[1:], env=launch.env,
+                                       stdout=stdout or None, stderr=stderr or None, local_rank_id=local_rank,
+                                       numa_options=self.numa_options)  # type: ignore[arg-type]
+            mode = COLD
+        self.workers[local_rank] = Worker(local_rank, handle, mode, error_file)
+        self.on_start(mode)
+
+    def _retail(self) -> None:
+        """(Re)start the console copies of tee'd logs for the current files."""
+        for tail in self._tails:
+            tail.stop()
+        self._tails = []
+        if self._dest is None:
+            return
+        for tees, stream in ((self._dest.tee_stdouts, sys.stdout), (self._dest.tee_stderrs, sys.stderr)):
+            files = {rank: self._fresh_path(path, rank) for rank, path in tees.items()}
+            if files:
+                self._tails.append(TailLog(self.name, files, stream, self.log_line_prefixes or None).start())
+
+    # ------------------------------------------------------------------ watching
+
+    def pids(self) -> dict[int, int]:
+        return {rank: w.pid for rank, w in self.workers.items()}
+
+    def exits(self) -> dict[int, int | None]:
+        return {rank: w.exit_code() for rank, w in self.workers.items()}
+
+    def failures(self) -> dict[int, ProcessFailure]:
+        """torch's view of every failed worker (error file included) for the final report."""
+        out: dict[int, ProcessFailure] = {}
+        for rank, worker in self.workers.items():
+            code = worker.exit_code()
+            if code not in (None, 0):
+                out[rank] = ProcessFailure(local_rank=rank, pid=worker.pid, exitcode=int(code),
+                                           error_file=worker.error_file or os.devnull)
+        return out
+
+    def send(self, sig: int, ranks: list[int] | None = None) -> None:
+        """To the worker only (not its group): faulthandler's stack dump on SIGUSR1."""
+        for rank in (ranks if ranks is not None else list(self.workers)):
+            worker = self.workers.get(rank)
+            if worker is not None and worker.exit_code() is None:
+                try:
+                    os.kill(worker.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    # ------------------------------------------------------------------ stopping
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, ranks: list[int] | None = None) -> None:
+        """Signal each worker's whole session, wait up to ``grace``, then SIGKILL what is left."""
+        chosen = [self.workers[r] for r in (ranks if ranks is not None else list(self.workers)) if r in self.workers]
+        for worker in chosen:
+            if worker.exit_code() is None:
+                worker.handle.close(signal.Signals(sig))
+        deadline = time.monotonic() + (grace if sig != signal.SIGKILL else 0.0)
+        for worker in chosen:
+            while worker.exit_code() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if worker.exit_code() is None:
+                worker.handle.close(signal.SIGKILL)
+        for worker in chosen:
+            try:
+                worker.handle.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not exit after SIGKILL", worker.pid)
+        if ranks is None:
+            for tail in self._tails:
+                tail.stop()
+            self._tails = []
+
+    def forget(self, ranks: list[int] | None = None) -> None:
+        for rank in (ranks if ranks is not None else list(self.workers)):
+            self.workers.pop(rank, None)

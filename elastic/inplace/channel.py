@@ -1,0 +1,216 @@
+"""The node-local channel between an agent and its in-place workers: files in one directory.
+
+* ``round.json``: the agent's **offer**, the round its workers should reconfigure into.
+  Written whole and renamed into place, so a reader sees an old offer or the new one.
+* ``worker-{local_rank}.json``: each worker's **status**: its pid, whether it runs in
+  place, the round it is in, and a request for a new round when one of its collectives
+  failed while every lease still held.
+* ``wake``: a FIFO. A worker writes one byte after a request, so that the agent, which
+  waits on the FIFO between its monitor ticks, acts within milliseconds instead of at
+  its next tick.
+
+Files rather than sockets: both sides survive the other restarting, nothing blocks, a
+worker blocked in a collective still has a thread that can read a file, and a human can
+``cat`` the state. Workers poll the offer every few milliseconds with ``stat``, which
+costs microseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+CONTROL_DIR_ENV = "ELASTIC_CONTROL_DIR"
+OFFER_FILE = "round.json"
+WAKE_FIFO = "wake"
+
+IN_PLACE, RESTART = "in_place", "restart"  # a worker's mode, as it reports it
+
+
+@dataclass(frozen=True)
+class RoundOffer:
+    """A closed rendezvous round, as one node's workers need it.
+
+    ``rank_base + local_rank`` is a worker's global rank; ``store`` is the ``host:port``
+    of the TCPStore the round's handles and gloo's rendezvous go through (hosted by the
+    agent of the round's first node, so it lives as long as that node and no longer).
+    """
+
+    round: int
+    participants: tuple[str, ...]
+    node_rank: int
+    rank_base: int
+    world_size: int
+    store: str
+    nprocs: tuple[int, ...] = ()
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "RoundOffer":
+        data = json.loads(raw)
+        return cls(round=int(data["round"]), participants=tuple(data["participants"]),
+                   node_rank=int(data["node_rank"]), rank_base=int(data["rank_base"]),
+                   world_size=int(data["world_size"]), store=str(data["store"]),
+                   nprocs=tuple(int(n) for n in data.get("nprocs", ())))
+
+
+def assign_ranks(participants: Sequence[str], node: str, nprocs: Mapping[str, int | None]) -> tuple[int, int] | None:
+    """``(rank_base, world_size)`` for ``node``: global ranks run node by node in round
+    order, each node contributing its own number of workers (so nodes may run different
+    ``--nproc-per-node``). None if a participant's count is unknown."""
+    counts = [nprocs.get(p) for p in participants]
+    if node not in participants or any(c is None or c < 1 for c in counts):
+        return None
+    sizes = [int(c) for c in counts]  # type: ignore[arg-type]
+    index = list(participants).index(node)
+    return sum(sizes[:index]), sum(sizes)
+
+
+def make_offer(round_number: int, participants: Sequence[str], node: str,
+               nprocs: Mapping[str, int | None], stores: Mapping[str, str | None]) -> RoundOffer | None:
+    """The offer for ``node``'s workers, or None if a participant's registry record is
+    missing what it needs (it died as the round closed: the next round will leave it out)."""
+    ranks = assign_ranks(participants, node, nprocs)
+    store = stores.get(participants[0]) if participants else None
+    if ranks is None or not store:
+        return None
+    sizes = tuple(int(nprocs[p]) for p in participants)  # type: ignore[arg-type]
+    return RoundOffer(round=round_number, participants=tuple(participants), node_rank=list(participants).index(node),
+                      rank_base=ranks[0], world_size=ranks[1], store=store, nprocs=sizes)
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What one worker says about itself (``want_round_after``: a request for a round
+    newer than that one, because a collective failed)."""
+
+    pid: int
+    mode: str = RESTART
+    round: int = -1
+    state: str = "starting"  # starting | joining | training | reforming
+    step: int = 0
+    want_round_after: int | None = None
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "WorkerStatus":
+        data = json.loads(raw)
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class AgentChannel:
+    """The agent's end: it writes offers, reads statuses and waits on the wake FIFO."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        fifo = directory / WAKE_FIFO
+        if not fifo.exists():
+            os.mkfifo(fifo, 0o600)
+        # read-write and non-blocking: never blocks on open, never sees EOF when writers go
+        self.wake_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+
+    def offer(self, offer: RoundOffer) -> None:
+        _write_atomically(self.directory / OFFER_FILE, offer.to_json())
+
+    def withdraw(self) -> None:
+        """No round for the workers: a restart path's new workers must not read an old offer."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / OFFER_FILE).unlink()
+
+    def status(self, local_rank: int) -> WorkerStatus | None:
+        try:
+            return WorkerStatus.from_json((self.directory / f"worker-{local_rank}.json").read_bytes())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def forget(self, local_rank: int) -> None:
+        """A worker was replaced: its predecessor's status must not speak for it."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / f"worker-{local_rank}.json").unlink()
+
+    def drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_fd, 4096):
+                pass
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.wake_fd)
+
+
+class WorkerChannel:
+    """A worker's end: it polls the offer and reports its status."""
+
+    def __init__(self, directory: Path, local_rank: int) -> None:
+        self.directory, self.local_rank = directory, local_rank
+        self._seen: tuple[int, int, int] | None = None
+        self._offer: RoundOffer | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerChannel | None":
+        env = os.environ if env is None else env
+        directory = env.get(CONTROL_DIR_ENV)
+        if not directory:
+            return None
+        return cls(Path(directory), int(env.get("LOCAL_RANK", "0")))
+
+    def offer(self) -> RoundOffer | None:
+        """The agent's latest offer; re-read only when the file changed (one ``stat``)."""
+        path = self.directory / OFFER_FILE
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return self._offer
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            try:
+                self._offer = RoundOffer.from_json(path.read_bytes())
+                self._seen = key
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # replaced under us: the next poll reads the new one
+        return self._offer
+
+    def report(self, status: WorkerStatus, wake: bool = False) -> None:
+        _write_atomically(self.directory / f"worker-{self.local_rank}.json", status.to_json())
+        if wake:
+            self.wake_agent()
+
+    def wake_agent(self) -> None:
+        try:
+            fd = os.open(self.directory / WAKE_FIFO, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # no reader (the agent is gone) or no FIFO: the agent's tick still comes
+            if exc.errno not in (errno.ENXIO, errno.ENOENT):
+                raise
+            return
+        try:
+            os.write(fd, b"w")
+        except BlockingIOError:
+            pass  # full: the agent has plenty of wake-ups queued
+        finally:
+            os.close(fd)

@@ -1,0 +1,116 @@
+"""The agent's decision function, one observation at a time (no processes, no etcd)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from agent.policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
+
+RUNNING = {0: None, 1: None}
+
+
+def obs(**kw: object) -> Observation:
+    kw.setdefault("exits", RUNNING)
+    kw.setdefault("restarts_left", 3)
+    return Observation(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_healthy_workers_are_left_alone(in_place: bool) -> None:
+    assert decide(obs(in_place=in_place)) == Decision(Action.CONTINUE)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_peer_lost_restarts_a_plain_group_but_only_rejoins_in_place_and_is_never_counted(in_place: bool) -> None:
+    decision = decide(obs(membership=Reason.PEER_LOST, in_place=in_place))
+    assert decision.action is (Action.REJOIN if in_place else Action.RESTART)
+    assert decision.reason is Reason.PEER_LOST and not decision.counted
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_own_lease_lost_always_kills_the_stale_workers(in_place: bool) -> None:
+    decision = decide(obs(membership=Reason.LEASE_LOST, in_place=in_place, exits={0: 1, 1: None}))
+    assert decision.action is Action.RESTART and decision.reason is Reason.LEASE_LOST
+    assert not decision.counted  # being frozen is not the job's failure
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_new_node_waiting_is_a_scale_up_that_is_not_counted(in_place: bool) -> None:
+    decision = decide(obs(membership=Reason.SCALE_UP, in_place=in_place))
+    assert decision.action is (Action.REJOIN if in_place else Action.RESTART)
+    assert decision.reason is Reason.SCALE_UP and not decision.counted
+
+
+def test_a_worker_that_died_restarts_the_group_and_counts() -> None:
+    decision = decide(obs(exits={0: None, 1: -9}))
+    assert decision.action is Action.RESTART and decision.reason is Reason.WORKER_FAILED
+    assert decision.counted and decision.failed == {1: -9}
+
+
+def test_in_place_only_the_dead_worker_is_started_again() -> None:
+    decision = decide(obs(exits={0: None, 1: 1, 2: None, 3: -11}, in_place=True))
+    assert decision.action is Action.REPLACE and decision.ranks == (1, 3) and decision.counted
+
+
+def test_a_failure_outranks_a_membership_change_seen_in_the_same_look() -> None:
+    decision = decide(obs(exits={0: 1, 1: None}, membership=Reason.PEER_LOST))
+    assert decision.action is Action.RESTART and decision.reason is Reason.WORKER_FAILED
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_hang_dumps_stacks_and_counts(in_place: bool) -> None:
+    decision = decide(obs(stalled_for=75.0, in_place=in_place))
+    assert decision.dump_stacks and decision.reason is Reason.HANG and decision.counted
+    if in_place:
+        assert decision.action is Action.REPLACE and decision.ranks == (0, 1)
+    else:
+        assert decision.action is Action.RESTART
+
+
+def test_a_usage_error_ends_the_job_whatever_restarts_are_left() -> None:
+    decision = decide(obs(exits={0: 2, 1: 2}, restarts_left=100))
+    assert decision.action is Action.FAIL and decision.failed == {0: 2, 1: 2}
+
+
+def test_a_usage_error_beside_a_crash_is_a_crash() -> None:
+    assert decide(obs(exits={0: 2, 1: -9})).action is Action.RESTART
+
+
+def test_all_workers_done_is_success() -> None:
+    assert decide(obs(exits={0: 0, 1: 0})).action is Action.SUCCEED
+
+
+def test_some_done_and_some_running_is_still_running() -> None:
+    assert decide(obs(exits={0: 0, 1: None})).action is Action.CONTINUE
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_out_of_restarts_a_failure_or_hang_ends_the_job(in_place: bool) -> None:
+    assert decide(obs(exits={0: 1, 1: None}, restarts_left=0, in_place=in_place)).action is Action.FAIL
+    assert decide(obs(stalled_for=60.0, restarts_left=0, in_place=in_place)).action is Action.FAIL
+
+
+def test_out_of_restarts_other_machines_dying_still_costs_nothing() -> None:
+    assert decide(obs(membership=Reason.PEER_LOST, restarts_left=0)).action is Action.RESTART
+
+
+def test_a_reform_request_rejoins_in_place_and_is_ignored_by_a_plain_group() -> None:
+    decision = decide(obs(reform_requested=True, in_place=True))
+    assert decision.action is Action.REJOIN and decision.reason is Reason.REFORM and not decision.counted
+    assert decide(obs(reform_requested=True)).action is Action.CONTINUE
+
+
+def test_stop_signal_is_graceful_only_for_a_healthy_world_that_made_progress() -> None:
+    assert stop_signal(Reason.SCALE_UP, progressed=True) == signal.SIGTERM
+    assert stop_signal(Reason.SCALE_UP, progressed=False) == signal.SIGKILL
+    for reason in (Reason.PEER_LOST, Reason.LEASE_LOST, Reason.HANG, Reason.WORKER_FAILED):
+        assert stop_signal(reason, progressed=True) == signal.SIGKILL
+
+
+def test_a_failure_explained_by_a_missing_peer_is_refunded() -> None:
+    assert refunded(Reason.WORKER_FAILED, ["a", "b"], ["a"])
+    assert not refunded(Reason.WORKER_FAILED, ["a", "b"], ["a", "b"])
+    assert not refunded(Reason.WORKER_FAILED, [], ["a"])
+    assert not refunded(Reason.HANG, ["a", "b"], ["a"])
