@@ -47,6 +47,7 @@ class Ledger:
         except OSError as e:
             raise LedgerError(f"ledger {self.path}: cannot append ({e.strerror or e}); pass a writable path") from None
         self._seq = 0
+        self.resumed_from = 0  # the step the current world started from (set by the trainer)
 
     def record(self, *, epoch: int, step: int, world_size: int, samples: Sequence[int], resumed_from: int) -> None:
         line = {

@@ -101,7 +101,7 @@ class _Progress:
             "node": info.node, "rank": info.rank, "world_size": info.world_size, "step": info.step,
             "epoch": info.epoch, "samples": info.samples, "restart": self.restart, "time": time.time(),
             "loss": float(info.loss), "step_seconds": round(info.step_seconds, 6),
-            "round": self.round,
+            "round": info.round if info.round >= 0 else self.round, "pid": os.getpid(),
         }) + "\n")
         self.out.flush()
 

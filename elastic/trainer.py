@@ -4,61 +4,60 @@
                      snapshot_dir="/shared/ckpt/job1")
     for x, y in run:                       # this rank's share of the next global batch
         loss = loss_fn(run.model(x), y)    # mean over the local batch, as usual
-        run.step(loss)                     # backward, all-reduce, optimizer, commit, snapshot
+        run.step(loss)                     # backward, all-reduce, commit, optimizer step
 
-What happens, top to bottom:
+The run is a small state machine, read top to bottom in this file:
 
-1. **Start.** Join the process group (torchrun's env; nccl with CUDA, gloo without),
-   check that every rank sees the snapshot directory, let rank 0 pick the newest valid
-   snapshot and broadcast its step, restore it on every rank (model, optimizer, scheduler,
-   scaler, sampler, step, RNG) and verify by all-gather that all ranks stand on one step.
-2. **Each step.** The sampler hands this rank its contiguous share of the next global
-   batch. The loss is rescaled by ``local_n / global_n`` so that the sum over ranks equals
-   the mean over the global batch, uneven splits included (the metrics' comm hook sums;
-   without it DDP averages and the scale is ``local_n * world / global_n``); a rank whose share
-   is empty (the epoch's tail) trains on one stand-in sample with its loss scaled by zero,
-   so it still joins the all-reduce and contributes an exact zero. Every RNG (torch, Python,
-   NumPy) is reseeded from ``(seed, step, rank)`` before each step, so dropout and random
-   augmentation do not depend on how often, or at which step, a process restarted.
-3. **Commit.** After ``optimizer.step`` the step is committed: the sampler cursor moves, rank
-   0 appends to the ledger and, every N steps / T seconds, hands a snapshot to the
-   background writer (which must finish copying before the next ``optimizer.step``).
-4. **End.** After the last step a final snapshot is written and flushed. On SIGTERM
-   (torchrun stopping its workers) the loop stops at the next step boundary, flushes the
-   pending snapshot, releases the process group and exits with 128 + 15.
+1. **Form a world.** Under ``elastic agent`` with a torch that can reconfigure a process
+   group (*in place*), the process joins the round its agent offers
+   (:mod:`elastic.inplace.membership`), the ranks agree on the step to go on from
+   (:mod:`elastic.inplace.agreement`: the highest step any rank holding state completed)
+   and every rank that stands elsewhere is healed from one that holds it
+   (:mod:`elastic.inplace.transfer`). Only when no rank holds state (the job's start, or
+   every replica lost) is the newest snapshot read from disk. Otherwise (plain torchrun,
+   ``--no-in-place``, an older torch) the process group comes from torchrun's
+   environment and every rank restores the newest snapshot, as a restart always does.
+2. **Train.** Each step: this rank's share of the next global batch (:mod:`elastic.plan`),
+   the user's forward and loss, then in :meth:`step` every collective of the step
+   (:mod:`elastic.grad_sync`), the commit of the previous step (ledger line, snapshot:
+   :mod:`elastic.snapshots`), and only then the optimizer step. RNGs are reseeded from
+   ``(seed, step, rank)`` so dropout and augmentation do not depend on restarts.
+3. **A collective fails.** The step is abandoned whole (no optimizer step was taken, so no
+   state is half-applied). In place, the world forms again (1) and the same batch is
+   re-split over the new ranks; otherwise the worker exits and its agent restarts it.
+4. **A node joins.** Every step's tiny control all-reduce carries the newest round whose
+   members are all ready; all ranks see it at the same step boundary, switch to it (1),
+   and heal the joiner from a live replica. Survivors stand still only for that.
+5. **End.** After the last step a final all-reduce confirms every rank finished it; rank 0
+   commits it and writes the final snapshot. On SIGTERM the loop stops at the next step
+   boundary, flushes the pending snapshot and exits with 128 + 15.
 
-Metrics (``elastic.metrics``, on unless ``metrics=False``): progress per step, DDP's gradient
-all-reduce through a timing comm hook, snapshot stall/write/bytes, restore time and time to
-the first step; exported as ``docs/metrics.md`` describes.
+The loss passed to ``step`` must be the *mean* over the local batch (the default of
+torch's losses). It is rescaled by ``local_n / global_n`` so that the sum over ranks is the
+mean over the global batch, uneven splits included; a rank whose share is empty (the
+epoch's tail) trains on one stand-in sample with its loss scaled by zero.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import random
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
-
-from checkpoints import (
-    AsyncSnapshotWriter,
-    SnapshotError,
-    SnapshotStore,
-    capture_rng_state,
-    check_state_compatible,
-    restore_rng_state,
-)
+from torch.utils.data import Dataset
 
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -66,24 +65,27 @@ from .distributed import (
     ElasticRunError,
     all_gather_ints,
     broadcast_int,
-    check_shared_dir,
+    collective_device,
     init_distributed,
+    node_name,
+    pick_backend,
 )
+from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
-from .ledger import Ledger, LedgerError
-from .sampler import ElasticSampler, epoch_seed, split_sizes
-
-if TYPE_CHECKING:
-    from .metrics.training import TrainingMetrics
+from .inplace import agreement
+from .inplace.channel import RESTART, WorkerChannel, WorkerStatus
+from .plan import BatchPolicy, DataPlan
+from .progress import take_over as take_over_progress
+from .sampler import epoch_seed
+from .snapshots import Snapshots
+from .train_state import TrainState
 
 log = logging.getLogger(__name__)
-
-BatchPolicy = Literal["fixed-global", "fixed-per-rank"]
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What ``on_step_end`` receives after every committed step, on every rank.
+    """What ``on_step_end`` receives after every completed step, on every rank.
 
     ``loss`` is this rank's unscaled loss, detached; ``float(info.loss)`` synchronises
     with the GPU, so a metrics hook should do it only when it actually exports.
@@ -92,7 +94,7 @@ class StepInfo:
     step: int
     epoch: int
     samples: int  # in this step's global batch
-    total_samples: int  # committed since the job began, across incarnations
+    total_samples: int  # since the job began, across restarts and re-formations
     local_samples: int
     loss: torch.Tensor
     step_seconds: float
@@ -100,6 +102,7 @@ class StepInfo:
     world_size: int
     rank: int
     node: str
+    round: int = -1  # the rendezvous round this step was trained in (-1: not under elastic agent)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -122,24 +125,17 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed % (1 << 32))
 
 
-class _LocalBatches:
-    """Batch sampler for one epoch from a given cursor: pure, so a DataLoader may prefetch."""
+@dataclass
+class _Pending:
+    """Between yielding a batch and ``step(loss)``."""
 
-    def __init__(self, order: torch.Tensor, cursor: int, batch_size: int, rank: int, world: int) -> None:
-        self.order, self.cursor, self.batch_size, self.rank, self.world = order, cursor, batch_size, rank, world
-
-    def __iter__(self) -> Iterator[list[int]]:
-        cursor, n = self.cursor, len(self.order)
-        while cursor < n:
-            batch = self.order[cursor:cursor + self.batch_size]
-            sizes = split_sizes(len(batch), self.world)
-            start = sum(sizes[:self.rank])
-            local = batch[start:start + sizes[self.rank]]
-            yield (local if len(local) else batch[:1]).tolist()  # stand-in sample, loss x 0
-            cursor += len(batch)
-
-    def __len__(self) -> int:
-        return -(-(len(self.order) - self.cursor) // self.batch_size)
+    ids: list[int]
+    local_n: int
+    started: float
+    data_wait: float
+    tokens: int | None
+    control: Any = None
+    failure: CollectiveFailure | None = None
 
 
 class ElasticRun:
@@ -150,16 +146,13 @@ class ElasticRun:
     keeps ``per_rank_batch_size`` and scales the learning rate linearly with the resulting
     global batch (``lr * per_rank * world / global_batch_size``).
 
-    The loss passed to ``step`` must be the *mean* over the local batch (the default of
-    torch's losses). BatchNorm statistics stay per rank, so models with BatchNorm match
-    across world sizes only up to those statistics (use SyncBatchNorm for exactness).
-
-    ``metrics=False`` records no metrics and installs no comm hook (the overhead bench's
-    baseline). ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``; it runs on the
-    host-side batch before it moves to the device, so keep it cheap (e.g. ``numel()``).
-    ``snapshot_writer`` picks where rank 0 writes snapshots: a writer process at idle
-    priority (the default; until it is up, a thread writes), or a thread of the trainer,
-    whose GIL hand-offs cost a small CPU step a few percent (docs/BENCHMARKS.md).
+    ``run.model`` is the DDP-wrapped model of the current world; use it each step (it is
+    built again when the world changes in place). BatchNorm buffers are rank 0's, as with
+    DDP's default. ``metrics=False`` records no metrics and installs no comm hook.
+    ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``. ``snapshot_writer``
+    picks where rank 0 writes snapshots: a writer process at idle priority (the default)
+    or a thread. ``in_place=False`` keeps the restart path even where in-place recovery is
+    possible (the default, None, uses it whenever the agent and torch allow).
     """
 
     def __init__(
@@ -192,6 +185,7 @@ class ElasticRun:
         metrics: bool = True,
         count_tokens: Callable[[Any], int] | None = None,
         snapshot_writer: Literal["process", "thread"] = "process",
+        in_place: bool | None = None,
     ) -> None:
         if steps is None and epochs is None:
             raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
@@ -202,48 +196,124 @@ class ElasticRun:
         if batch_policy == "fixed-per-rank" and not per_rank_batch_size:
             raise ElasticRunError("batch policy fixed-per-rank needs a per-rank batch size")
         self.steps_target, self.epochs_target = steps, epochs
-        self.global_batch_size, self.batch_policy = global_batch_size, batch_policy
-        self.per_rank_batch_size = per_rank_batch_size
-        self.seed, self.scheduler, self.scaler = seed, scheduler, scaler
-        self.snapshot_every_steps, self.snapshot_every_seconds = snapshot_every_steps, snapshot_every_seconds
-        self.on_step_end, self.max_grad_norm = on_step_end, max_grad_norm
-        self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
-        self.snapshot_meta = dict(snapshot_meta or {})
+        self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
         self.count_tokens = count_tokens
-        self._tokens: int | None = None
         self._stop_signal: int | None = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
+        self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, batch_policy=batch_policy,
+                             per_rank_batch_size=per_rank_batch_size, num_workers=num_workers, collate_fn=collate_fn)
+        self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
         self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-        self.dist: DistInfo = init_distributed(backend, collective_timeout)
-        d = self.dist
-        self._where = f"[{d.node} rank {d.rank}]"
-        self.metrics: TrainingMetrics | None = self._start_metrics() if metrics else None
-        self.optimizer = optimizer
-        self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
-        self.step_count, self.total_samples, self.resumed_from = 0, 0, 0
-        self._module = model.to(d.device)
-        self.ledger: Ledger | None = None
-        self.store, self.writer = self._open_store(Path(snapshot_dir), keep_snapshots, ledger, snapshot_writer)
-        self._restore()
-        self.model: nn.Module = DistributedDataParallel(
-            self._module, device_ids=[d.local_rank] if d.device.type == "cuda" else None
-        )
-        # the hook sums and step() puts 1/world into the loss; without the hook DDP averages
-        self._ddp_averages = (self.metrics.attach(self.model, average=False)  # type: ignore[arg-type]
-                              if self.metrics is not None else True)
-        self._last_snapshot_time = time.monotonic()
-        self._pending: tuple[list[int], int] | None = None  # (global batch ids, local n) between yield and step()
-        self._step_started = self._data_wait = 0.0
+        self.membership = self._in_place_membership(backend, collective_timeout, in_place)
+        if self.membership is None:
+            self.dist: DistInfo = init_distributed(backend, collective_timeout)
+        else:
+            self.dist = self.membership_info
+        self.metrics = self._start_metrics(metrics)
+        self.state.module.to(self.dist.device)
+        self.sync = GradSync(self.state.module, self.metrics)
+        self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
+                                   every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer, ledger=ledger,
+                                   meta=dict(snapshot_meta or {}), metrics=self.metrics)
+        self._pending: _Pending | None = None
+        self._generation = 0  # bumped at every change of world: the loader is built again
+        self._has_state = False  # a fresh process holds nothing until restored or healed
+        self._committed = -1  # the last step whose ledger line and snapshot turn are done
+        self.resumed_from = 0
         self._closed = False
+        take_over_progress()  # committed steps, not optimizer calls, are this job's progress
         self._heartbeat = Heartbeat.from_env()  # the agent's hang watchdog reads it
         if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
+        if self.membership is not None:
+            self._form_world("start")
+        else:
+            self._start_fixed_world()
 
-    # ------------------------------------------------------------------ start
+    # ------------------------------------------------------------------ public views
 
-    def _start_metrics(self) -> "TrainingMetrics":
+    @property
+    def model(self) -> DistributedDataParallel:
+        assert self.sync.model is not None
+        return self.sync.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def sampler(self) -> Any:
+        return self.plan.sampler
+
+    @property
+    def writer(self) -> Any:
+        return self.snapshots.writer
+
+    @property
+    def step_count(self) -> int:
+        return self.state.step
+
+    @property
+    def total_samples(self) -> int:
+        return self.state.samples
+
+    @property
+    def round(self) -> int:
+        if self.membership is not None:
+            return self.membership.round
+        return int(os.environ.get("ELASTIC_ROUND", "-1"))
+
+    @property
+    def done(self) -> bool:
+        return (self.steps_target is not None and self.state.step >= self.steps_target) or (
+            self.epochs_target is not None and self.plan.sampler.epoch >= self.epochs_target
+        )
+
+    @property
+    def _where(self) -> str:
+        return f"[{self.dist.node} rank {self.dist.rank}]"
+
+    # ------------------------------------------------------------------ 1. forming a world
+
+    def _in_place_membership(self, backend: str, timeout: float, wanted: bool | None) -> Any:
+        """A Membership when the agent offers rounds and this torch can reconfigure; else None."""
+        channel = WorkerChannel.from_env()
+        if channel is None or wanted is False or dist.is_initialized():
+            return None
+        from .inplace.membership import Membership
+        from .inplace.reconfigure import unsupported_reason
+
+        chosen = pick_backend(backend)
+        why_not = unsupported_reason(chosen)
+        if why_not is not None:
+            if int(os.environ.get("RANK", "0")) == 0:
+                log.warning("in-place recovery off: %s; a lost or joining node restarts the workers", why_not)
+            channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why_not))
+            return None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cpu")
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        membership = Membership(channel, chosen, timedelta(seconds=timeout), node=node_name())
+        membership.start(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), device)
+        self._device, self._backend = device, chosen
+        return membership
+
+    @property
+    def membership_info(self) -> DistInfo:
+        rank = self.membership.world.rank if self.membership.world else int(os.environ.get("RANK", "0"))
+        world = self.membership.world.world_size if self.membership.world else int(os.environ.get("WORLD_SIZE", "1"))
+        return DistInfo(rank, world, int(os.environ.get("LOCAL_RANK", "0")), self._device, self._backend,
+                        node_name())
+
+    def _start_metrics(self, wanted: bool) -> Any:
+        from .metrics.training import NoMetrics
+
+        if not wanted:
+            return NoMetrics()
         from .metrics.export import MetricsConfigError
         from .metrics.training import TrainingMetrics
 
@@ -252,127 +322,148 @@ class ElasticRun:
         except MetricsConfigError as e:
             raise ElasticRunError(str(e)) from None
 
-    def _open_store(
-        self, root: Path, keep: int, ledger: str | Path | None, writer_mode: Literal["process", "thread"]
-    ) -> tuple[SnapshotStore, AsyncSnapshotWriter | None]:
-        """Rank 0 opens what only it writes; a failure there is broadcast so every rank stops."""
-        d = self.dist
-        problem = ""
-        store: SnapshotStore | None = None
-        if d.is_main:
-            try:
-                store = SnapshotStore(root, keep=keep)
-                self.ledger = Ledger(ledger) if ledger is not None else None
-            except (SnapshotError, LedgerError) as e:
-                problem = str(e)
-        if broadcast_int(int(bool(problem)), d):
-            raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {root} or ledger; see rank 0's log")
-        check_shared_dir(root, d)
-        if store is None:
-            store = SnapshotStore(root, keep=keep, create=False)
-        on_durable = self.metrics.snapshot_durable if self.metrics is not None else None
-        # The writer process imports torch when a worker starts; until it is ready a thread
-        # writes, so the first snapshot after a restart never waits for that import.
-        writer = (AsyncSnapshotWriter(store, overlap_policy="skip", on_durable=on_durable, mode=writer_mode)
-                  if d.is_main else None)
-        return store, writer
-
-    def _restore(self) -> None:
-        """Rank 0 picks the newest valid snapshot; every rank loads exactly that one."""
-        d = self.dist
+    def _start_fixed_world(self) -> None:
+        """torchrun's world: every rank restores the newest snapshot, as every restart does."""
         t0 = time.perf_counter()
-        found = self.store.load_latest() if d.is_main else None
-        step = broadcast_int(found[0].step if found else -1, d)
-        if step >= 0:
-            state = found[1] if found else self.store.load(step)
-            self._load_state(state)
-            if d.is_main:
-                info = found[0]  # type: ignore[index]
-                log.info(
-                    "%s world %d (%s, %s): resumed from snapshot step %d (epoch %d, %d samples into it), "
-                    "written at world size %d", self._where, d.world_size, d.backend, d.device.type,
-                    step, self.sampler.epoch, self.sampler.cursor, info.world_size,
-                )
-        elif d.is_main:
-            log.info("%s world %d (%s, %s): no snapshot in %s, starting from scratch",
-                     self._where, d.world_size, d.backend, d.device.type, self.store.root)
-        steps = all_gather_ints(self.step_count, d)
+        self.snapshots.attach(self.dist)
+        step, state, written_at = self.snapshots.load_newest(self.dist)
+        self._describe_restore(step, state)
+        steps = all_gather_ints(self.state.step, self.dist)
         if len(set(steps)) != 1:
             raise ElasticRunError(
                 f"ranks restored different steps {steps}; the snapshot directory changed under the job - "
                 "make sure only this job writes to it"
             )
-        self.resumed_from = self.step_count
-        if self.metrics is not None:
-            self.metrics.restored(time.perf_counter() - t0, found[0].written_at if found else None)
+        self._has_state, self._committed, self.resumed_from = True, self.state.step, self.state.step
+        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
+        self.sync.build(self.dist, init_sync=True)
+        self.metrics.restored(time.perf_counter() - t0, written_at)
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        check_state_compatible(self._module.state_dict(), state["model"], "model")
-        self._module.load_state_dict(state["model"])
+    def _form_world(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
+        """Join the agent's newest round, agree on a step, heal who needs it, build DDP."""
+        started = since if since is not None else time.perf_counter()
+        while True:
+            world = self.membership.join(min_round)
+            self.dist = self.membership_info
+            try:
+                moved, healed = self._agree_and_heal()
+                self.sync.build(self.dist)
+            except CollectiveFailure as exc:
+                log.warning("%s round %d could not be completed (%s); waiting for the next", self._where,
+                            world.round, exc)
+                self.membership.failed(str(exc))
+                min_round = world.round + 1
+                continue
+            break
+        self._generation += 1
+        self.metrics.world_changed(self.dist.rank, self.dist.world_size)
+        self.metrics.healed(time.perf_counter() - started, moved)
+        if self.dist.is_main:
+            log.info("%s round %d (%s): world of %d, at step %d%s in %.3f s", self._where, world.round, reason,
+                     self.dist.world_size, self.state.step, healed, time.perf_counter() - started)
+
+    def _agree_and_heal(self) -> tuple[int, str]:
+        """Returns (bytes moved, a few words on what happened) for the log."""
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise ElasticRunError(
-                f"snapshot optimizer does not match this optimizer ({e}); resume with the same optimizer "
-                "or start with an empty snapshot directory"
-            ) from None
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
-            if obj is not None and name in state:
-                obj.load_state_dict(state[name])
-        try:
-            self.sampler.load_state_dict(state["sampler"])
-        except ValueError as e:
-            raise ElasticRunError(str(e)) from None
-        progress = state["progress"]
-        self.step_count, self.total_samples = int(progress["step"]), int(progress["samples"])
-        restore_rng_state(state["rng"])
+            self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
+            mine = agreement.Report(self.dist.rank, self._has_state, self.state.step)
+            rows = self._all_gather_rows(agreement.encode(mine))
+            plan = agreement.plan(agreement.decode(rows))
+            note = ""
+            if plan.from_disk:
+                t0 = time.perf_counter()
+                step, state, written_at = self.snapshots.load_newest(self.dist)
+                self._describe_restore(step, state)
+                self.metrics.restored(time.perf_counter() - t0, written_at)
+                if step < 0:
+                    plan, note = agreement.fresh_plan(self.dist.world_size), ", from rank 0's fresh state"
+                else:
+                    note = f", from snapshot step {step} (no replica held state)"
+            moved = self._heal(plan) if plan.sources else 0
+            if plan.sources and not note:
+                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB)"
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+            raise
+        self._has_state = True
+        self._committed = self.resumed_from = self.state.step
+        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
+        return moved, note
 
-    # ------------------------------------------------------------------ loop
+    def _all_gather_rows(self, row: list[int]) -> list[list[int]]:
+        device = collective_device(self.dist)
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        out = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
+        dist.all_gather(out, mine)
+        return [t.tolist() for t in out]
 
-    @property
-    def done(self) -> bool:
-        return (self.steps_target is not None and self.step_count >= self.steps_target) or (
-            self.epochs_target is not None and self.sampler.epoch >= self.epochs_target
-        )
+    def _heal(self, plan: agreement.HealPlan) -> int:
+        """Send or receive the whole state, as the plan says; returns the bytes this rank moved."""
+        from .inplace.transfer import recv_state, send_state
 
-    def _batch_size(self) -> int:
-        if self.batch_policy == "fixed-per-rank":
-            return int(self.per_rank_batch_size) * self.dist.world_size  # type: ignore[arg-type]
-        return self.global_batch_size
+        device, rank = collective_device(self.dist), self.dist.rank
+        moved = 0
+        if rank in plan.sources:
+            payload = recv_state(plan.sources[rank], device)
+            self.state.load(payload["state"])
+            self.plan.load_recent(payload["recent"])
+            moved = sum(t.numel() * t.element_size() for t in _tensors(payload["state"]))
+        else:
+            needy = [r for r, src in sorted(plan.sources.items()) if src == rank]
+            if needy:
+                payload = {"state": self.state.capture(), "recent": self.plan.recent_state()}
+                for target in needy:
+                    moved += send_state(payload, target, device)
+        return moved
+
+    def _describe_restore(self, step: int, state: dict[str, Any] | None) -> None:
+        d = self.dist
+        if step >= 0 and state is not None:
+            self.state.load(state)
+            if d.is_main:
+                log.info("%s world %d (%s, %s): resumed from snapshot step %d (epoch %d, %d samples into it)",
+                         self._where, d.world_size, d.backend, d.device.type, step, self.plan.sampler.epoch,
+                         self.plan.sampler.cursor)
+        elif d.is_main:
+            log.info("%s world %d (%s, %s): no snapshot in %s, starting from scratch",
+                     self._where, d.world_size, d.backend, d.device.type, self.snapshots.root)
+
+    # ------------------------------------------------------------------ 2. training
 
     def __iter__(self) -> Iterator[Any]:
-        d = self.dist
         try:
-            while not self.done:
-                batch_size = self._batch_size()
-                batches = _LocalBatches(self.sampler.order(), self.sampler.cursor, batch_size, d.rank, d.world_size)
-                loader = DataLoader(
-                    self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                    collate_fn=self.collate_fn, pin_memory=d.device.type == "cuda",
-                )
-                epoch = self.sampler.epoch
-                t0 = time.perf_counter()
-                for batch in loader:
-                    ids = self.sampler.global_batch(batch_size)
-                    start, stop = self.sampler.local_range(len(ids), d.rank, d.world_size)
-                    self._pending = (ids, stop - start)
-                    seed_everything(step_seed(self.seed, self.step_count, d.rank))
-                    if self.count_tokens is not None:
-                        self._tokens = self.count_tokens(batch)
-                    batch = self._to_device(batch)
-                    self._step_started = t0
-                    self._data_wait = time.perf_counter() - t0
-                    yield batch
-                    if self._pending is not None:
-                        raise ElasticRunError("call run.step(loss) exactly once for every batch the run yields")
-                    if self._stop_signal is not None:
-                        self._stop_on_signal()
-                    if self.done or self.sampler.epoch != epoch:
-                        break
-                    t0 = time.perf_counter()
-            self._final_snapshot()
+            self._t0 = time.perf_counter()
+            while True:
+                while not self.done:
+                    generation, epoch = self._generation, self.plan.sampler.epoch
+                    pin = self.dist.device.type == "cuda"
+                    for batch, ids, local_n in self.plan.batches(self.dist.rank, self.dist.world_size, pin):
+                        self._begin(batch, ids, local_n)
+                        yield self._to_device(batch)
+                        if self._pending is not None:
+                            raise ElasticRunError("call run.step(loss) exactly once for every batch the run yields")
+                        if self._stop_signal is not None:
+                            self._stop_on_signal()
+                        if self.done or self.plan.sampler.epoch != epoch or self._generation != generation:
+                            break
+                        self._t0 = time.perf_counter()
+                if self._finish():
+                    return
         finally:
             self.close()
+
+    def _begin(self, batch: Any, ids: list[int], local_n: int) -> None:
+        now = time.perf_counter()
+        started = getattr(self, "_t0", now)
+        seed_everything(step_seed(self.seed, self.state.step, self.dist.rank))
+        tokens = self.count_tokens(batch) if self.count_tokens is not None else None
+        self._pending = _Pending(ids, local_n, started, now - started, tokens)
+        if self.membership is not None:
+            try:  # the newest round every rank could switch to; overlaps forward and backward
+                self._pending.control = self.sync.start_control(self.membership.ready_round())
+            except CollectiveFailure as exc:
+                self._pending.failure = exc
 
     def _to_device(self, batch: Any) -> Any:
         if self.dist.device.type == "cpu":
@@ -386,118 +477,108 @@ class ElasticRun:
         return batch
 
     def step(self, loss: torch.Tensor) -> None:
-        """Backward, all-reduce, optimizer step, then commit the step (ledger, snapshot, hook)."""
+        """Every collective, then the commit of the previous step, then the optimizer step."""
         if self._pending is None:
             raise ElasticRunError("run.step(loss) called without a batch; call it once per batch of the loop")
-        ids, local_n = self._pending
-        d = self.dist
-        scale = local_n * (d.world_size if self._ddp_averages else 1) / len(ids)
-        scaled = loss if scale == 1.0 else loss * scale
-        if self.scaler is not None:
-            self.scaler.scale(scaled).backward()
-        else:
-            scaled.backward()
+        pending, self._pending = self._pending, None
+        d, ids = self.dist, pending.ids
+        scale = self.plan.loss_scale(pending.local_n, len(ids), d.world_size, self.sync.averages)
+        try:
+            if pending.failure is not None:
+                raise pending.failure
+            self.sync.backward(loss if scale == 1.0 else loss * scale, self.state.scaler)
+            self.sync.sync_buffers()
+            ready = self.sync.finish_control(pending.control) if pending.control is not None else -1
+        except CollectiveFailure as exc:
+            self._recover(exc)
+            return
+        self._commit_previous()
         if self.max_grad_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self._module.parameters(), self.max_grad_norm)
-        if self.writer is not None:
-            t_wait = time.perf_counter()
-            self.writer.wait_capture()  # the snapshot's copy of params must predate this update
-            if self.metrics is not None:
-                self.metrics.capture_waited(time.perf_counter() - t_wait)
+            if self.state.scaler is not None:
+                self.state.scaler.unscale_(self.state.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.state.module.parameters(), self.max_grad_norm)
+        self.snapshots.wait_capture()  # the snapshot's copy of the parameters must predate this update
         self._optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        epoch = self.sampler.epoch
-        self.sampler.advance(len(ids))
-        self.step_count += 1
-        self.total_samples += len(ids)
-        self._pending = None
+        self.state.optimizer.zero_grad(set_to_none=True)
+        if self.state.scheduler is not None:
+            self.state.scheduler.step()
+        epoch = self.plan.sampler.epoch
+        self.state.step += 1
+        self.state.samples += len(ids)
+        self.plan.commit(self.state.step, ids, d.world_size)
         if self._heartbeat is not None:
-            self._heartbeat.beat(self.step_count)
-        if self.ledger is not None:
-            self.ledger.record(epoch=epoch, step=self.step_count, world_size=d.world_size, samples=ids,
-                               resumed_from=self.resumed_from)
-        self._maybe_snapshot()
+            self._heartbeat.beat(self.state.step)
+        if self.membership is not None:
+            self.membership.stepped(self.state.step)
         now = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.step_done(local_n, now - self._step_started, self._data_wait, loss, self._tokens)
+        self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, loss, pending.tokens)
         if self.on_step_end is not None:
             self.on_step_end(StepInfo(
-                step=self.step_count, epoch=epoch, samples=len(ids), total_samples=self.total_samples,
-                local_samples=local_n, loss=loss.detach(), step_seconds=now - self._step_started,
-                data_wait_seconds=self._data_wait, world_size=d.world_size, rank=d.rank, node=d.node,
+                step=self.state.step, epoch=epoch, samples=len(ids), total_samples=self.state.samples,
+                local_samples=pending.local_n, loss=loss.detach(), step_seconds=now - pending.started,
+                data_wait_seconds=pending.data_wait, world_size=d.world_size, rank=d.rank, node=d.node,
+                round=self.round,
             ))
+        if self.membership is not None and ready > self.membership.round and not self.done:
+            self._form_world("join", min_round=ready)  # every rank saw the same value: one boundary
 
     def _optimizer_step(self) -> None:
         saved: list[float] = []
-        if self.batch_policy == "fixed-per-rank":  # linear scaling rule (nominal batch), around the step only
-            lr_scale = self._batch_size() / self.global_batch_size
-            for group in self.optimizer.param_groups:
+        lr_scale = self.plan.lr_scale(self.dist.world_size)
+        if lr_scale != 1.0:  # linear scaling rule (nominal batch), around the step only
+            for group in self.state.optimizer.param_groups:
                 saved.append(group["lr"])
                 group["lr"] = group["lr"] * lr_scale
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+        if self.state.scaler is not None:
+            self.state.scaler.step(self.state.optimizer)
+            self.state.scaler.update()
         else:
-            self.optimizer.step()
-        for group, lr in zip(self.optimizer.param_groups, saved):
+            self.state.optimizer.step()
+        for group, lr in zip(self.state.optimizer.param_groups, saved):
             group["lr"] = lr  # exact restore: schedulers and snapshots see the unscaled value
 
-    # ------------------------------------------------------------------ snapshots
-
-    def state(self) -> dict[str, Any]:
-        """Everything a restart needs, as tensors and plain numbers."""
-        state: dict[str, Any] = {
-            "model": self._module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "progress": {"step": self.step_count, "samples": self.total_samples},
-            "rng": capture_rng_state(),
-        }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def _meta(self) -> dict[str, Any]:
-        return {**self.snapshot_meta, "epoch": self.sampler.epoch, "cursor": self.sampler.cursor,
-                "samples": self.total_samples}
-
-    def _maybe_snapshot(self) -> None:
-        if self.writer is None or self.done:
-            return  # the last step gets its own, flushed snapshot
-        by_steps = bool(self.snapshot_every_steps) and self.step_count % self.snapshot_every_steps == 0  # type: ignore[operator]
-        by_time = self.snapshot_every_seconds is not None and (
-            time.monotonic() - self._last_snapshot_time >= self.snapshot_every_seconds
-        )
-        if by_steps or by_time:
-            if self.ledger is not None:
-                self.ledger.sync()  # ledger lines up to this step outlive a machine crash
-            t0 = time.perf_counter()
-            if self.writer.submit(self.step_count, self.state(), world_size=self.dist.world_size,
-                                  extra_meta=self._meta()):
-                self._last_snapshot_time = time.monotonic()
-                if self.metrics is not None:
-                    self.metrics.snapshot_submitted(time.perf_counter() - t0)
-            elif self.metrics is not None:
-                self.metrics.snapshot_skipped()
-
-    def _final_snapshot(self) -> None:
-        if self.writer is None:
+    def _commit_previous(self, force_snapshot: bool = False) -> None:
+        """Every rank has finished ``state.step`` (the all-reduces of the next one completed):
+        rank 0 writes its ledger line and, when one is due, submits its snapshot."""
+        step = self.state.step
+        if step <= self._committed:
             return
-        self.writer.flush()  # so the overlap policy cannot skip the last one
-        if self.ledger is not None:
-            self.ledger.sync()
-        self.writer.submit(self.step_count, self.state(), world_size=self.dist.world_size, extra_meta=self._meta())
-        self.writer.flush()
-        log.info("%s finished at step %d (epoch %d); final snapshot durable in %s",
-                 self._where, self.step_count, self.sampler.epoch, self.store.root)
+        self._committed = step
+        record = self.plan.recent[-1] if self.plan.recent and self.plan.recent[-1].step == step else None
+        self.snapshots.commit(step, record, self.state.capture, self.dist.world_size, self.plan.sampler.epoch,
+                              self.plan.sampler.cursor, self.state.samples, force=force_snapshot)
 
-    # ------------------------------------------------------------------ shutdown
+    # ------------------------------------------------------------------ 3. a collective failed
+
+    def _recover(self, exc: CollectiveFailure) -> None:
+        """Abandon the step (nothing of it was applied); re-form in place, or let the agent restart us."""
+        self.state.optimizer.zero_grad(set_to_none=True)
+        if self.membership is None:
+            raise exc.__cause__ or exc  # the restart path: the agent starts a new group
+        started = time.perf_counter()
+        log.warning("%s step %d abandoned (%s); re-forming in place", self._where, self.state.step + 1, exc)
+        self.membership.failed(str(exc))
+        self._form_world("failure", min_round=self.membership.round + 1, since=started)
+
+    # ------------------------------------------------------------------ 5. the end
+
+    def _finish(self) -> bool:
+        """Commit the last step once every rank has finished it; False if the world broke first."""
+        try:
+            broadcast_int(0, self.dist)  # returns once every rank has reached the end
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._recover(CollectiveFailure(str(exc).splitlines()[0]))
+            return False
+        self._commit_previous()
+        self.snapshots.final(self.state.step, self.state.capture(), self.dist.world_size,
+                             {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
+                              "samples": self.state.samples})
+        if self.dist.is_main and self.snapshots.writer is not None:
+            log.info("%s finished at step %d (epoch %d); final snapshot durable in %s", self._where,
+                     self.state.step, self.plan.sampler.epoch, self.snapshots.root)
+        return True
 
     def _on_sigterm(self, signum: int, _frame: Any) -> None:
         if self._stop_signal is not None:
@@ -507,8 +588,8 @@ class ElasticRun:
     def _stop_on_signal(self) -> None:
         signum = self._stop_signal or signal.SIGTERM
         if self.dist.is_main:
-            pending = self.writer.pending_step if self.writer else None
-            log.info("%s got signal %d: stopping at step %d%s", self._where, signum, self.step_count,
+            pending = self.snapshots.pending_step
+            log.info("%s got signal %d: stopping at step %d%s", self._where, signum, self.state.step,
                      f", flushing snapshot step {pending}" if pending is not None else "")
         self.close()
         raise SystemExit(128 + signum)
@@ -519,11 +600,10 @@ class ElasticRun:
             return
         self._closed = True
         try:
-            if self.writer is not None:
-                self.writer.close()
+            self.snapshots.close()
         finally:
-            if self.ledger is not None:
-                self.ledger.close()
+            if self.membership is not None:
+                self.membership.close()
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -533,3 +613,17 @@ class ElasticRun:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ kept for callers
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a restart needs, as tensors and plain numbers (what a snapshot holds)."""
+        return self.state.capture()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from checkpoints.tree import iter_tensors
+
+    return iter_tensors(tree)
+
+
+__all__ = ["ElasticRun", "StepInfo"]

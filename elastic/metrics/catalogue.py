@@ -56,6 +56,8 @@ class Families:
     snapshot_last_durable: Gauge
     restore: Gauge
     time_to_first_step: Gauge
+    heal: Gauge
+    heal_bytes: Counter
 
 
 @functools.cache
@@ -120,4 +122,11 @@ def families() -> Families:
         time_to_first_step=Gauge("elastic_time_to_first_step_seconds",
                                  "Worker process start to its first completed step (0 until then).",
                                  multiprocess_mode="livemax", registry=r),
+        heal=Gauge("elastic_heal_seconds",
+                   "In place: this worker's last re-formation, from the failure (or its start, for a joiner) "
+                   "to standing on the agreed step with its group reconfigured.",
+                   multiprocess_mode="livemax", registry=r),
+        heal_bytes=Counter("elastic_heal_bytes_total",
+                           "State bytes this worker sent to or received from a live replica when healing.",
+                           registry=r),
     )

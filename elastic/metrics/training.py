@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +51,51 @@ def collective_metrics_enabled() -> bool:
     return os.environ.get(COLLECTIVE_METRICS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+class MetricsLike(Protocol):
+    """What the trainer calls; :class:`TrainingMetrics` records, :class:`NoMetrics` does nothing."""
+
+    def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool: ...
+    def restored(self, seconds: float, snapshot_written_at: float | None) -> None: ...
+    def healed(self, seconds: float, transferred_bytes: int) -> None: ...
+    def world_changed(self, rank: int, world_size: int) -> None: ...
+    def snapshot_submitted(self, seconds: float) -> None: ...
+    def snapshot_skipped(self) -> None: ...
+    def capture_waited(self, seconds: float) -> None: ...
+    def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
+                  loss: torch.Tensor, tokens: int | None) -> None: ...
+
+
+class NoMetrics:
+    """``metrics=False``: the same calls, nothing recorded, no comm hook (DDP averages)."""
+
+    snapshot_durable = None
+
+    def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool:
+        return True
+
+    def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
+        pass
+
+    def healed(self, seconds: float, transferred_bytes: int) -> None:
+        pass
+
+    def world_changed(self, rank: int, world_size: int) -> None:
+        pass
+
+    def snapshot_submitted(self, seconds: float) -> None:
+        pass
+
+    def snapshot_skipped(self) -> None:
+        pass
+
+    def capture_waited(self, seconds: float) -> None:
+        pass
+
+    def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
+                  loss: torch.Tensor, tokens: int | None) -> None:
+        pass
+
+
 class TrainingMetrics:
     """Progress, collective, snapshot and recovery metrics of one ``ElasticRun``."""
 
@@ -76,6 +122,12 @@ class TrainingMetrics:
 
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
         self.worker.restored(seconds, snapshot_written_at)
+
+    def healed(self, seconds: float, transferred_bytes: int) -> None:
+        self.worker.healed(seconds, transferred_bytes)
+
+    def world_changed(self, rank: int, world_size: int) -> None:
+        self.worker.rank_changed(rank, world_size)
 
     def snapshot_durable(self, stats: DurableStats) -> None:
         self.worker.snapshot_durable(stats)

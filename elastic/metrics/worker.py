@@ -103,6 +103,32 @@ class WorkerMetrics:
     def world_changed(self, world_size: int) -> None:
         self.families.world_size.set(world_size)
 
+    def rank_changed(self, rank: int, world_size: int) -> None:
+        """In place, a surviving process may get a new rank: its series follow it.
+
+        Counters and histograms continue under the new label (the old one keeps its total,
+        so ``rate()`` over ranks is unaffected).
+        """
+        if rank == self.rank:
+            self.world_changed(world_size)
+            return
+        f, label = self.families, str(rank)
+        self.rank = rank
+        self._steps = f.steps.labels(label)
+        self._samples = f.samples.labels(label)
+        self._step_duration = f.step_duration.labels(label)
+        self._data_wait = f.data_wait.labels(label)
+        self._last_step = f.last_step_timestamp.labels(label)
+        self._loss = f.loss.labels(label)
+        self._tokens = None
+        f.rank.labels(label).set(rank)
+        self.world_changed(world_size)
+
+    def healed(self, seconds: float, transferred_bytes: int) -> None:
+        self.families.heal.set(seconds)
+        if transferred_bytes:
+            self.families.heal_bytes.inc(transferred_bytes)
+
     # ------------------------------------------------------------------ snapshots and recovery
 
     def restored(self, seconds: float, snapshot_written_at: float | None = None) -> None:

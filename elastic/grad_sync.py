@@ -1,0 +1,126 @@
+"""Gradient sync: DDP around the user's module, its comm hook, and the step's small collectives.
+
+Every collective of a training step happens here, before the optimizer step, so that a
+failure (a peer lost, a connection cut) always leaves this rank's state as it was after
+the previous step: the step is abandoned whole, never half-applied.
+
+* ``backward``: DDP's gradient all-reduce (through the metrics comm hook when it is on).
+* ``sync_buffers``: rank 0's buffers (BatchNorm statistics) to everyone, as DDP's own
+  ``broadcast_buffers`` would do at the next forward; done here instead, so the user's
+  forward never runs a collective that could fail outside the trainer's reach.
+* ``start_control``/``finish_control``: one tiny all-reduce (MAX) per step, launched before
+  the forward and waited for after the backward, so it overlaps them. In place, it carries
+  the newest round every rank can switch to, so that all ranks switch at one boundary.
+
+DDP is built again after every change of world (:meth:`build`): its reducer keeps the
+group's size and its bucket state, and a failed all-reduce leaves it unusable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .distributed import DistInfo, collective_device
+from .metrics.training import MetricsLike
+
+# What a collective that failed because the world broke raises (gloo and NCCL say so in the message).
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+                     "timeout", "socket", "processgroup", "c10d", "peer", "aborted", "reconfigure")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective of this step failed: the world is broken, the step is abandoned."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (CollectiveFailure, getattr(dist, "DistError", ()))):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(word in text for word in _COLLECTIVE_WORDS)
+
+
+class GradSync:
+    def __init__(self, module: nn.Module, metrics: MetricsLike) -> None:
+        self.module, self.metrics = module, metrics
+        self.model: DistributedDataParallel | None = None
+        self.averages = True  # does DDP average (True) or does the loss carry 1/world (False)?
+        self._buffers = [b for b in module.buffers()]
+        self._info: DistInfo | None = None
+
+    def build(self, info: DistInfo, init_sync: bool = False) -> DistributedDataParallel:
+        """DDP for the current world. In place, replicas are already equal (healed) and
+        nothing is broadcast; a world started by torchrun takes rank 0's parameters
+        (``init_sync``), as DDP always did."""
+        self._info = info
+        self.model = DistributedDataParallel(
+            self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            broadcast_buffers=False, init_sync=init_sync,
+        )
+        # the hook sums and the loss carries 1/world; without the hook DDP averages
+        self.averages = self.metrics.attach(self.model, average=False)
+        return self.model
+
+    def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
+        try:
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(_first_line(exc)) from exc
+            raise
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank, one broadcast per dtype."""
+        info = self._info
+        if not self._buffers or info is None or info.world_size == 1:
+            return
+        device = collective_device(info)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self._buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        try:
+            for dtype, group in by_dtype.items():
+                flat = torch.cat([b.detach().reshape(-1).to(device) for b in group])
+                dist.broadcast(flat, 0)
+                offset = 0
+                for b in group:
+                    b.detach().copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(_first_line(exc)) from exc
+            raise
+
+    def start_control(self, value: int) -> tuple[torch.Tensor, Any]:
+        assert self._info is not None
+        tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(self._info))
+        try:
+            return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(_first_line(exc)) from exc
+            raise
+
+    def finish_control(self, control: tuple[torch.Tensor, Any]) -> int:
+        tensor, work = control
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(_first_line(exc)) from exc
+            raise
+        return int(tensor.item())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

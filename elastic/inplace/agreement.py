@@ -1,0 +1,65 @@
+"""After a re-formation: which step the new world goes on from, and who heals whom.
+
+Every rank reports whether it holds training state and the last step it completed. DDP
+keeps ranks within one step of each other: a rank finishes step k only after every rank
+contributed its gradients for k, i.e. finished k-1. So when a failure strikes mid-step,
+some ranks may have completed step k and others not, and the ones that did hold a
+correct step k: their gradient all-reduce completed, with every rank's contribution.
+
+The rule is therefore **roll forward**: the agreed step is the highest any holder
+completed; every rank that stands elsewhere (behind it, or fresh) is healed from a holder
+of the agreed step, spread over the holders so no one sender carries every transfer.
+Nothing completed by a survivor is thrown away. Only when nobody holds state (every
+replica gone, or the job's first round) does the world read the newest snapshot on disk.
+
+Pure: no torch, no I/O; the trainer all-gathers the reports and carries the plan out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: int
+    has_state: bool
+    step: int  # completed (optimizer) steps; meaningless without state
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    step: int  # the step every rank stands on afterwards (-1: decided by the disk)
+    sources: dict[int, int] = field(default_factory=dict)  # healed rank -> the rank that sends to it
+    from_disk: bool = False
+
+    @property
+    def healed(self) -> list[int]:
+        return sorted(self.sources)
+
+    def senders(self) -> list[int]:
+        return sorted(set(self.sources.values()))
+
+
+def plan(reports: Sequence[Report]) -> HealPlan:
+    holders = [r for r in reports if r.has_state]
+    if not holders:
+        return HealPlan(step=-1, from_disk=True)
+    agreed = max(r.step for r in holders)
+    sources = sorted(r.rank for r in holders if r.step == agreed)
+    needy = sorted(r.rank for r in reports if not (r.has_state and r.step == agreed))
+    return HealPlan(step=agreed, sources={rank: sources[i % len(sources)] for i, rank in enumerate(needy)})
+
+
+def fresh_plan(world_size: int) -> HealPlan:
+    """Nobody holds state and no snapshot exists: rank 0's freshly built state is the start."""
+    return HealPlan(step=0, sources={rank: 0 for rank in range(1, world_size)})
+
+
+def encode(report: Report) -> list[int]:
+    return [report.rank, int(report.has_state), report.step]
+
+
+def decode(rows: Sequence[Sequence[int]]) -> list[Report]:
+    return [Report(rank=int(r[0]), has_state=bool(r[1]), step=int(r[2])) for r in rows]

@@ -1,0 +1,106 @@
+"""Get a survivor out of a gloo collective that waits on a frozen peer, at once.
+
+A SIGKILLed peer resets its TCP connections and the survivors' collective fails within
+milliseconds. A SIGSTOPped (or cut-off) peer does not: the collective waits for its
+timeout, and neither ``ProcessGroup.abort()`` nor gloo's ``abort()`` interrupts it (checked
+with torch 2.14.1). When the rendezvous has already written the peer off, the survivors
+must not wait that long.
+
+So the fence remembers which sockets the last reconfigure opened (every TCP socket that
+appeared in this process while gloo connected its pairs) and, when told the old world is
+gone, ``shutdown()``s them. A blocked ``recv`` on a shut-down socket returns at once, so
+gloo raises "Connection closed by peer" as if the peer had died, and the trainer goes to
+the next round. The sockets stay open (gloo still owns and closes them); an fd number
+reused since is recognised by its inode and left alone.
+
+This uses no torch API, only the process's own sockets. If it ever stops working, the
+fallback is the collective timeout, which the trainer sizes from the observed step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+
+_FD_DIR = "/proc/self/fd"
+
+
+def _tcp_inodes() -> set[str]:
+    inodes: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def socket_fds() -> dict[int, str]:
+    """This process's open sockets: fd -> ``socket:[inode]``."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"{_FD_DIR}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(name)] = target
+    return found
+
+
+class SocketFence:
+    """Records the sockets a reconfigure opens; ``trip()`` shuts them down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._before: dict[int, str] = {}
+        self._current: dict[int, str] = {}
+        self.tripped = False
+
+    def before_connect(self) -> None:
+        self._before = socket_fds()
+
+    def after_connect(self) -> None:
+        """Everything new since :meth:`before_connect` that is TCP belongs to the new world."""
+        now = socket_fds()
+        tcp = _tcp_inodes()
+        fresh = {fd: target for fd, target in now.items()
+                 if self._before.get(fd) != target and target[8:-1] in tcp}
+        with self._lock:
+            self._current, self.tripped = fresh, False
+
+    def armed(self) -> int:
+        return len(self._current)
+
+    def trip(self) -> int:
+        """Shut down the current world's sockets; returns how many were shut down."""
+        with self._lock:
+            chosen, self._current, self.tripped = self._current, {}, True
+        done = 0
+        for fd, target in chosen.items():
+            try:
+                if os.readlink(f"{_FD_DIR}/{fd}") != target:
+                    continue  # closed and the number reused: not ours to touch
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=fd)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                except OSError:
+                    pass
+                finally:
+                    sock.detach()  # gloo still owns the fd
+        return done

@@ -1,0 +1,251 @@
+"""This worker's place in the job's world, kept current without restarting the process.
+
+One object, used by the trainer in a fixed order:
+
+1. :meth:`Membership.start` creates a reconfigurable default process group (no members
+   yet) and a watcher thread that follows the agent's offers (:mod:`.channel`).
+2. :meth:`join` blocks until the agent offers a round newer than the current one, gathers
+   every member's handle through that round's store (:mod:`.round_store`) and reconfigures
+   the group to exactly those members (:mod:`.reconfigure`). It returns the new
+   :class:`World`. A round that cannot be completed (a member died in the meantime) is
+   given up for a newer one; the worker asks its agent for one.
+3. Every step, :meth:`ready_round` is the newest round the watcher has seen every member's
+   handle for. The trainer all-reduces it (MAX), so that all ranks switch to a round that
+   adds members at the same step boundary, and survivors only stand still for the switch,
+   never for a joiner's start-up.
+4. After a collective failed, :meth:`failed` asks the agent for a new round; then
+   :meth:`join` again.
+
+The watcher also gets the main thread out of a collective that cannot finish: when a newer
+round leaves out a current member (lost, or written off as frozen), or when a newer round
+exists and no step has completed for a while, it trips the :class:`SocketFence`, and gloo
+raises at once instead of waiting for its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
+from .fence import SocketFence
+from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure
+from .round_store import RoundAbandoned, RoundStore
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.005
+_STALL_FLOOR_S = 0.5  # a newer round exists and no step for this long: the collective is stuck
+_STALL_FACTOR = 4.0
+DUPLICATE_HANDLE_EXIT = 75  # a fresh worker whose handle collides: its agent starts it anew
+
+
+@dataclass(frozen=True)
+class World:
+    round: int
+    rank: int
+    world_size: int
+    participants: tuple[str, ...]
+
+
+def _key(rank: int) -> str:
+    return f"elastic/handle/{rank}"
+
+
+class Membership:
+    def __init__(self, channel: WorkerChannel, backend: str, timeout: timedelta, node: str = "") -> None:
+        self.channel, self.backend, self.timeout, self.node = channel, backend, timeout, node
+        self.local_rank = channel.local_rank
+        self.store = RoundStore(timeout)
+        self.fence = SocketFence()
+        self.world: World | None = None
+        self._handle = ""
+        self._lock = threading.Lock()
+        self._ready = -1
+        self._posted: dict[int, object] = {}  # round -> the watcher's client to that round's store
+        self._tripped_for = -1
+        self._last_step = time.monotonic()
+        self._intervals: deque[float] = deque(maxlen=50)
+        self._stop = threading.Event()
+        self._joining = False
+        self._joining_round = -1
+        self._want_after: int | None = None  # a request for a round newer than this, until one is joined
+        self._why = ""
+        self.step = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ 1. start
+
+    def start(self, stable_rank: int, stable_ranks: int, device: torch.device | None = None) -> None:
+        init_group(self.backend, self.store, stable_rank, stable_ranks, self.timeout,
+                   device if self.backend == "nccl" else None)
+        self._handle = handle()
+        self._report("joining")
+        self._thread = threading.Thread(target=self._watch, name="elastic-membership", daemon=True)
+        self._thread.start()
+
+    @property
+    def round(self) -> int:
+        return self.world.round if self.world is not None else -1
+
+    # ------------------------------------------------------------------ 2. join
+
+    def join(self, min_round: int = 0) -> World:
+        """Reconfigure into the agent's newest round at or after ``min_round``."""
+        self._joining = True
+        self._report("joining")
+        try:
+            while True:
+                offer = self._await_offer(max(min_round, self.round + 1))
+                world = self._try(offer)
+                if world is not None:
+                    return world
+                self.failed(f"round {offer.round} could not be completed", after_round=offer.round)
+                min_round = offer.round + 1
+        finally:
+            self._joining = False
+
+    def _await_offer(self, at_least: int) -> RoundOffer:
+        while True:
+            offer = self.channel.offer()
+            if offer is not None and offer.round >= at_least:
+                return offer
+            time.sleep(_POLL_S)
+
+    def _try(self, offer: RoundOffer) -> World | None:
+        self._joining_round = offer.round
+        rank = offer.rank_base + self.local_rank
+        started = time.monotonic()
+        try:
+            self.store.point_at(offer.store, f"round/{offer.round}/")
+            self.store.set(_key(rank), self._handle)
+            handles = [self.store.get(_key(r)).decode() for r in range(offer.world_size)]
+            if handles.count(self._handle) > 1:
+                if self.world is None:
+                    log.error("[%s local rank %d] my process-group handle collides with another new worker's "
+                              "in round %d; exiting so that the agent starts me anew", self.node, self.local_rank,
+                              offer.round)
+                    os._exit(DUPLICATE_HANDLE_EXIT)
+                return None
+            self.fence.before_connect()
+            reconfigure(offer.round, handles, self.timeout)
+            self.fence.after_connect()
+        except (RoundAbandoned, ReconfigureError, dist.DistStoreError, RuntimeError, ValueError, OSError) as exc:
+            log.warning("[%s local rank %d] round %d: %s", self.node, self.local_rank, offer.round,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return None
+        self._handle = handle()
+        with self._lock:
+            self.world = World(offer.round, dist.get_rank(), dist.get_world_size(), offer.participants)
+            self._ready = offer.round
+            for stale in [r for r in self._posted if r <= offer.round]:
+                self._posted.pop(stale, None)
+        self._last_step = time.monotonic()
+        self._report("training")
+        log.debug("[%s rank %d] reconfigured into round %d in %.3f s", self.node, self.world.rank, offer.round,
+                  time.monotonic() - started)
+        return self.world
+
+    # ------------------------------------------------------------------ 3. every step
+
+    def ready_round(self) -> int:
+        with self._lock:
+            return max(self._ready, self.round)
+
+    def stepped(self, step: int) -> None:
+        now = time.monotonic()
+        self._intervals.append(now - self._last_step)
+        self._last_step, self.step = now, step
+
+    # ------------------------------------------------------------------ 4. after a failure
+
+    def failed(self, reason: str, after_round: int | None = None) -> None:
+        """Ask the agent for a round newer than ``after_round`` (default: the current one);
+        the request stands in every report until such a round is joined."""
+        after = self.round if after_round is None else after_round
+        self._want_after = max(after, self._want_after if self._want_after is not None else -1)
+        self._why = reason
+        self._report("reforming", wake=True)
+
+    def _report(self, state: str, wake: bool = False) -> None:
+        if self._want_after is not None and self.round > self._want_after:
+            self._want_after, self._why = None, ""
+        try:
+            self.channel.report(WorkerStatus(pid=os.getpid(), mode=IN_PLACE, round=self.round, state=state,
+                                             step=self.step, want_round_after=self._want_after, reason=self._why),
+                                wake=wake)
+        except OSError as exc:
+            log.warning("cannot report to the agent: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ the watcher
+
+    def _stall_limit(self) -> float:
+        if len(self._intervals) < 3:
+            return _STALL_FLOOR_S * 4
+        return max(_STALL_FLOOR_S, _STALL_FACTOR * statistics.median(self._intervals))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            try:
+                self._look()
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad poll
+                log.exception("membership watcher")
+
+    def _look(self) -> None:
+        offer = self.channel.offer()
+        if offer is None:
+            return
+        if self._joining:
+            if offer.round > self._joining_round >= 0:
+                self.store.abandon()  # the main thread waits on an older round: let it move on
+            return
+        world = self.world
+        if world is None or offer.round <= world.round:
+            return
+        current, offered = set(world.participants), set(offer.participants)
+        grows_only = offered > current
+        stuck = time.monotonic() - self._last_step > self._stall_limit()
+        if (not grows_only or stuck) and self._tripped_for < offer.round:
+            self._tripped_for = offer.round
+            shut = self.fence.trip()
+            aborted = abort_backend(self.backend)
+            log.info("[%s rank %d] round %d %s: interrupting the current collectives (%d sockets%s)", self.node,
+                     world.rank, offer.round, "leaves members out" if not grows_only else "waits on a stuck step",
+                     shut, ", NCCL abort" if aborted else "")
+        if grows_only:
+            self._post_and_check(offer)
+
+    def _post_and_check(self, offer: RoundOffer) -> None:
+        """For a round that only adds members: post our handle, and mark the round ready
+        once every member's handle is there (the joiners' processes are up)."""
+        client = self._posted.get(offer.round)
+        if client is None:
+            try:
+                host, _, port = offer.store.rpartition(":")
+                tcp = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=5))
+                client = dist.PrefixStore(f"round/{offer.round}/", tcp)
+                client.set(_key(offer.rank_base + self.local_rank), self._handle)
+            except (RuntimeError, ValueError, OSError) as exc:
+                log.debug("cannot post to round %d's store yet: %s", offer.round, exc)
+                return
+            self._posted = {offer.round: client}
+        try:
+            complete = client.check([_key(r) for r in range(offer.world_size)])  # type: ignore[attr-defined]
+        except RuntimeError:
+            return
+        if complete:
+            with self._lock:
+                self._ready = max(self._ready, offer.round)

@@ -1,0 +1,178 @@
+"""Snapshots and the ledger of one run: what rank 0 writes, and what a world with no replica reads.
+
+Rank 0 owns the writer (:class:`checkpoints.AsyncSnapshotWriter`) and the ledger. In place,
+rank 0 can move: when rank 0's node is lost the first survivor becomes rank 0, so every
+process can open them, and does so the first time it is rank 0.
+
+Both follow **committed** steps: a step is committed once every rank of the world has
+completed it, which rank 0 learns when the next step's all-reduces complete (every rank
+finished the previous step before it could contribute), or at a re-formation (the agreed
+step). So a snapshot of step k is submitted during step k+1, after its backward and before
+its optimizer step, when the parameters are still exactly step k's; and the ledger line
+for step k is written then too. A re-run step therefore never has a ledger line twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
+
+from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
+from .ledger import Ledger, LedgerError
+from .metrics.training import MetricsLike
+from .plan import StepRecord
+
+log = logging.getLogger(__name__)
+
+WriterMode = Literal["process", "thread"]
+
+
+class Snapshots:
+    def __init__(self, root: Path, *, keep: int, every_steps: int | None, every_seconds: float | None,
+                 writer_mode: WriterMode, ledger: str | Path | None, meta: dict[str, Any],
+                 metrics: MetricsLike) -> None:
+        self.root, self.keep, self.every_steps, self.every_seconds = root, keep, every_steps, every_seconds
+        self.writer_mode, self.ledger_path, self.meta, self.metrics = writer_mode, ledger, meta, metrics
+        self.store: SnapshotStore | None = None
+        self.writer: AsyncSnapshotWriter | None = None
+        self.ledger: Ledger | None = None
+        self._last_time = time.monotonic()
+        self._checked_members: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ opening, per world
+
+    def attach(self, info: DistInfo, check_dir: bool = True) -> None:
+        """After every formation of a world: rank 0 opens what only it writes, every rank
+        checks it sees rank 0's files. A failure on rank 0 is broadcast so every rank stops
+        with the same one line."""
+        problem = ""
+        if info.is_main and self.writer is None:
+            try:
+                self.store = SnapshotStore(self.root, keep=self.keep)
+                if self.ledger_path is not None and self.ledger is None:
+                    self.ledger = Ledger(self.ledger_path)
+            except (SnapshotError, LedgerError) as e:
+                problem = str(e)
+        if broadcast_int(int(bool(problem)), info):
+            raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {self.root} or ledger; "
+                                             "see rank 0's log")
+        if check_dir:
+            check_shared_dir(self.root, info)
+        if self.store is None:
+            self.store = SnapshotStore(self.root, keep=self.keep, create=False)
+        if info.is_main and self.writer is None:
+            # The writer process imports torch when a worker starts; until it is ready a thread
+            # writes, so the first snapshot after a start never waits for that import.
+            self.writer = AsyncSnapshotWriter(self.store, overlap_policy="skip",
+                                              on_durable=getattr(self.metrics, "snapshot_durable", None),
+                                              mode=self.writer_mode)
+
+    # ------------------------------------------------------------------ reading (no replica left)
+
+    def load_newest(self, info: DistInfo) -> tuple[int, dict[str, Any] | None, float | None]:
+        """Rank 0 picks the newest valid snapshot; every rank loads exactly that one.
+        Returns (step or -1, state, when it became durable)."""
+        assert self.store is not None
+        found = self.store.load_latest() if info.is_main else None
+        step = broadcast_int(found[0].step if found else -1, info)
+        if step < 0:
+            return -1, None, None
+        state = found[1] if found else self.store.load(step)
+        return step, state, (found[0].written_at if found else None)
+
+    # ------------------------------------------------------------------ committing
+
+    def commit(self, step: int, record: StepRecord | None, state: Callable[[], dict[str, Any]], world_size: int,
+               epoch: int, cursor: int, samples: int, force: bool = False) -> None:
+        """Step ``step`` is committed: its ledger line, and its snapshot if one is due (rank 0)."""
+        if self.ledger is not None and record is not None:
+            self._write_line(record)
+        if self.writer is None:
+            return
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
+        if not (force or by_steps or by_time) or step == 0:
+            return
+        if self.ledger is not None:
+            self.ledger.sync()  # ledger lines up to this step outlive a machine crash
+        t0 = time.perf_counter()
+        meta = {**self.meta, "epoch": epoch, "cursor": cursor, "samples": samples}
+        if self.writer.submit(step, state(), world_size=world_size, extra_meta=meta):
+            self._last_time = time.monotonic()
+            self.metrics.snapshot_submitted(time.perf_counter() - t0)
+        else:
+            self.metrics.snapshot_skipped()
+
+    def wait_capture(self) -> None:
+        """Before the optimizer step: the snapshot's copy of the parameters must predate it."""
+        if self.writer is not None:
+            t0 = time.perf_counter()
+            self.writer.wait_capture()
+            self.metrics.capture_waited(time.perf_counter() - t0)
+
+    def final(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        self.writer.flush()  # so the overlap policy cannot skip the last one
+        if self.ledger is not None:
+            self.ledger.sync()
+        self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta})
+        self.writer.flush()
+
+    # ------------------------------------------------------------------ the ledger after a re-formation
+
+    def catch_up(self, recent: list[StepRecord], agreed: int, resumed_from: int) -> None:
+        """A (possibly new) rank 0 writes the committed steps no line exists for yet."""
+        if self.ledger is None:
+            return
+        self.ledger.resumed_from = resumed_from
+        last = last_ledger_step(self.ledger.path)
+        for record in recent:
+            if last < record.step <= agreed:
+                self._write_line(record)
+        if recent and last < agreed and last < recent[0].step - 1:
+            log.warning("ledger: steps %d..%d were committed but their lines are lost (no replica remembers "
+                        "them)", last + 1, recent[0].step - 1)
+
+    def _write_line(self, record: StepRecord) -> None:
+        assert self.ledger is not None
+        self.ledger.record(epoch=record.epoch, step=record.step, world_size=record.world_size,
+                           samples=list(record.samples), resumed_from=self.ledger.resumed_from)
+
+    # ------------------------------------------------------------------ closing
+
+    @property
+    def pending_step(self) -> int | None:
+        return self.writer.pending_step if self.writer is not None else None
+
+    def close(self) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            if self.ledger is not None:
+                self.ledger.close()
+
+
+def last_ledger_step(path: str | os.PathLike[str]) -> int:
+    """The step of the last complete line of a ledger file (0 if none), reading only its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - (1 << 20)))
+            tail = f.read()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(tail.splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0

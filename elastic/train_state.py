@@ -1,0 +1,65 @@
+"""Everything a run needs to go on, as one tree of tensors and plain numbers.
+
+The same tree is written to disk as a snapshot and sent to a rank that needs healing
+(:mod:`elastic.inplace.transfer`), and :meth:`TrainState.load` takes either: one restore
+path, whether the state comes from a file or from a live replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from checkpoints import capture_rng_state, check_state_compatible, restore_rng_state
+
+from .distributed import ElasticRunError
+from .sampler import ElasticSampler
+
+
+class TrainState:
+    """Model, optimizer, scheduler, scaler, sampler, progress and RNG of one run."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler,
+                 scheduler: Any = None, scaler: Any = None) -> None:
+        self.module, self.optimizer, self.sampler = module, optimizer, sampler
+        self.scheduler, self.scaler = scheduler, scaler
+        self.step = 0  # completed optimizer steps since the job began
+        self.samples = 0  # samples those steps consumed
+
+    def capture(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "progress": {"step": self.step, "samples": self.samples},
+            "rng": capture_rng_state(),
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Take ``state`` (a snapshot or a replica's); a mismatch is the user's to fix, in one line."""
+        check_state_compatible(self.module.state_dict(), state["model"], "model")
+        self.module.load_state_dict(state["model"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise ElasticRunError(
+                f"snapshot optimizer does not match this optimizer ({e}); resume with the same optimizer "
+                "or start with an empty snapshot directory"
+            ) from None
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is not None and name in state:
+                obj.load_state_dict(state[name])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:
+            raise ElasticRunError(str(e)) from None
+        progress = state["progress"]
+        self.step, self.samples = int(progress["step"]), int(progress["samples"])
+        restore_rng_state(state["rng"])
