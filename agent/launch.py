@@ -24,6 +24,7 @@ from typing import Sequence
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
 from .etcd_args import DEFAULT_ENDPOINT
+from .nnodes import apply_nnodes, environment_nnodes
 from .settings import AgentSettings
 
 ENV_PREFIX = "ELASTIC_"
@@ -74,6 +75,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
     own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
     parser.set_defaults(**{k: v for k, v in own.items() if f"PET_{k.upper()}" not in os.environ})
     _defaults_from_env(parser, os.environ)
+    parser.set_defaults(nnodes=environment_nnodes(os.environ))  # --nnodes > ELASTIC_NNODES > PET_NNODES
     return parser
 
 
@@ -134,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     node = args.node_name or default_node_name()
     _configure_logging(node)
+    args.nnodes = apply_nnodes(parser, args.nnodes, os.environ)
     if args.run_path:
         parser.exit(2, "error: --run-path is not supported by elastic agent (workers run as their own "
                        "processes); drop it and give the script as usual\n")

@@ -1,8 +1,9 @@
 """The deploy files and docs/deploy.md use only what the agent accepts, so they cannot drift.
 
-Every `elastic agent` command line in compose, Kubernetes (both overlays and Kubeflow),
-systemd and the guide is parsed by the agent's own parser (`agent.cli.build_agent_parser`)
-with the environment it would run under. Every ELASTIC_* variable named anywhere under
+Every `elastic agent` command line in compose, Kubernetes (both overlays, Kubeflow Trainer
+v2's TrainJob and the legacy PyTorchJob), systemd and the guide is parsed by the agent's own
+parser (`agent.cli.build_agent_parser`) with the environment it would run under, including
+the PET_* variables the Kubeflow operators inject. Every ELASTIC_* variable named anywhere under
 deploy/ or in the guide is either `ELASTIC_<FLAG>` for a flag the parser has, or one the
 rendezvous reads itself (job key, etcd password). Each ELASTIC_<FLAG>=value a deploy file
 sets must mean the same as `--flag value`. Every `--rdzv-conf` key is one the etcd-v3
@@ -24,7 +25,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_compose import resolved as compose_resolved
-from tests.deploy.test_k8s import load_all, pod_spec, render
+from tests.deploy.test_k8s import LEGACY_PYTORCHJOB, RUNTIME, TRAINJOB, load_all, pod_spec, render
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -104,15 +105,18 @@ def compose_invocations() -> Iterator[tuple[str, list[str], dict[str, str]]]:
             yield f"compose service {name}", list(service["command"]), env
 
 
-def container_env(container: dict[str, Any], config: dict[str, str]) -> dict[str, str]:
+def container_env(container: dict[str, Any], config: dict[str, str],
+                  fields: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: $(VAR) in a value expands to
+    a variable defined earlier; the downward API gives ``fields[fieldPath]``, a pod IP, or
+    a pod name."""
     env = dict(config)
+    fields = {"status.podIP": "10.244.1.7", **(fields or {})}
     for item in container.get("env", []):
         if "value" in item:
-            env[item["name"]] = item["value"]
-        elif item["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
-            env[item["name"]] = "10.244.1.7"
+            env[item["name"]] = K8S_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
         else:
-            env[item["name"]] = "trainer-0-abcde"
+            env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "trainer-0-abcde")
     return env
 
 
@@ -135,8 +139,8 @@ def k8s_invocations() -> Iterator[tuple[str, list[str], dict[str, str]]]:
 
 
 def kubeflow_invocation() -> tuple[str, list[str], dict[str, str]]:
-    """What Kubeflow's training operator hands the container: torchrun's PET_* variables."""
-    (job,) = load_all(DEPLOY / "k8s" / "kubeflow" / "pytorchjob.yaml")
+    """What Kubeflow's (legacy) training operator hands the container: torchrun's PET_* variables."""
+    (job,) = load_all(LEGACY_PYTORCHJOB)
     policy = job["spec"]["elasticPolicy"]
     (container,) = pod_spec(job)["containers"]
     env = container_env(container, {})
@@ -149,7 +153,32 @@ def kubeflow_invocation() -> tuple[str, list[str], dict[str, str]]:
         "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
         "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
     })
-    return "kubeflow/pytorchjob.yaml", container["command"][2:] + container["args"], env
+    return "kubeflow/legacy/pytorchjob.yaml", container["command"][2:] + container["args"], env
+
+
+def trainjob_invocation() -> tuple[str, list[str], dict[str, str]]:
+    """What Kubeflow Trainer v2 makes of trainjob.yaml on elastic-runtime.yaml: the runtime's
+    `node` container with the TrainJob's args and env upserted (kubeflow/trainer, the jobset
+    plugin's Trainer()), and the torch plugin's PET_* variables (its EnforceMLPolicy)."""
+    (runtime,) = load_all(RUNTIME)
+    (trainjob,) = load_all(TRAINJOB)
+    trainer = trainjob["spec"]["trainer"]
+    (container,) = pod_spec(runtime)["containers"]
+    names = {e["name"] for e in trainer.get("env", [])}
+    container = {**container, "env": [e for e in container["env"] if e["name"] not in names] + trainer.get("env", [])}
+    name = trainjob["metadata"]["name"]
+    pod = {"metadata.name": f"{name}-node-0-1-abcde",
+           "metadata.labels['jobset.sigs.k8s.io/jobset-name']": name}
+    env = container_env(container, {}, pod)
+    env.update({
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+        "PET_MASTER_PORT": "29400",
+    })
+    args = trainer.get("args", container["args"])
+    return "kubeflow/trainjob.yaml", trainer.get("command", container["command"])[2:] + args, env
 
 
 def agent_env_file() -> dict[str, str]:
@@ -181,7 +210,7 @@ def guide_commands(program: str) -> Iterator[list[str]]:
 
 def all_invocations() -> list[tuple[str, list[str], dict[str, str]]]:
     found = list(compose_invocations()) + list(k8s_invocations())
-    found += [kubeflow_invocation(), systemd_invocation()]
+    found += [kubeflow_invocation(), trainjob_invocation(), systemd_invocation()]
     found += [("docs/deploy.md", args, {}) for args in guide_commands("agent")]
     return found
 
@@ -207,7 +236,8 @@ def test_the_agent_has_the_defaults_the_deploy_files_rely_on() -> None:
 
 def test_every_elastic_agent_command_line_parses(invocations: list[tuple[str, list[str], dict[str, str]]]) -> None:
     where = {w.split()[0] for w, _, _ in invocations}
-    assert {"compose", "k8s", "kubeflow/pytorchjob.yaml", "systemd", "docs/deploy.md"} <= where
+    assert {"compose", "k8s", "kubeflow/legacy/pytorchjob.yaml", "kubeflow/trainjob.yaml", "systemd",
+            "docs/deploy.md"} <= where
     for where, args, env in invocations:
         ns = agent_parse(args, env, where)
         assert ns.rdzv_backend == "etcd-v3", f"{where}: rendezvous backend {ns.rdzv_backend}"
@@ -337,3 +367,13 @@ def test_kubeflows_pet_variables_reach_the_agent() -> None:
     assert ns.rdzv_id == env["PET_RDZV_ID"]
     assert str(ns.max_restarts) == env["PET_MAX_RESTARTS"], "PET_MAX_RESTARTS is masked by the agent's default"
     assert ns.rdzv_conf == env["PET_RDZV_CONF"]
+
+
+def test_trainer_v2s_fixed_pet_nnodes_does_not_pin_the_trainjob() -> None:
+    """Trainer v2 sets PET_NNODES to numNodes; the runtime's ELASTIC_NNODES (MIN:MAX) wins,
+    while the rest of what Trainer injects (PET_NPROC_PER_NODE) still reaches the agent."""
+    where, args, env = trainjob_invocation()
+    ns = agent_parse(args, env, where)
+    assert ns.nnodes == env["ELASTIC_NNODES"] != env["PET_NNODES"]
+    assert str(ns.nproc_per_node) == env["PET_NPROC_PER_NODE"]
+    assert ns.rdzv_id == "resnet-trainjob" and ns.snapshot_dir == "/snapshots/resnet-trainjob", "one run per TrainJob"

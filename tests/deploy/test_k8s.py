@@ -4,8 +4,11 @@ and the RBAC bootstrap script really limits the trainer to its prefix on a real 
 
 Schemas: `kubernetes-validate` (PyPI) bundles the OpenAPI-derived JSON schemas of every
 Kubernetes minor release; we validate strictly (unknown fields are errors) against the
-oldest release the manifests target and the newest bundled one. Rendering: kustomize as
-built into kubectl (`kubectl kustomize`), or a standalone `kustomize`.
+oldest release the manifests target and the newest bundled one. Kubeflow Trainer v2's
+TrainJob and ClusterTrainingRuntime (with the JobSet spec inside) are validated just as
+strictly against `kubeflow-trainer-api`'s models (tests/deploy/crd_schemas.py), and the Job
+template inside a runtime against kubernetes-validate too. Rendering: kustomize as built
+into kubectl (`kubectl kustomize`), or a standalone `kustomize`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ OVERLAYS = ("cpu", "gpu")
 # Elastic Indexed Jobs (changing completions with parallelism) need 1.27; 1.29 is the oldest
 # release still common in managed clusters.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-CRD_KINDS = {"PodMonitor", "PyTorchJob"}
+CRD_KINDS = {"PodMonitor", "PyTorchJob", "TrainJob", "ClusterTrainingRuntime"}
+KUBEFLOW = K8S / "kubeflow"
+LEGACY_PYTORCHJOB = KUBEFLOW / "legacy" / "pytorchjob.yaml"
+RUNTIME = KUBEFLOW / "elastic-runtime.yaml"
+TRAINJOB = KUBEFLOW / "trainjob.yaml"
+TRAINER_STEP = {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}  # Trainer finds its nodes by it
 MIN_ETCD = (3, 5, 26)
 
 Doc = dict[str, Any]
@@ -83,16 +91,27 @@ def one(docs: list[Doc], kind: str, name: str) -> Doc:
     return found[0]
 
 
-def pod_spec(doc: Doc) -> Doc:
+def trainer_job(runtime: Doc) -> Doc:
+    """The replicatedJob of a training runtime whose pods are the training nodes."""
+    (job,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]
+              if r["template"].get("metadata", {}).get("labels", {}).items() >= TRAINER_STEP.items()]
+    return job
+
+
+def pod_template(doc: Doc) -> Doc:
     if doc["kind"] == "PyTorchJob":
-        return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    return doc["spec"]["template"]["spec"]
+        return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    if doc["kind"] == "ClusterTrainingRuntime":
+        return trainer_job(doc)["template"]["spec"]["template"]
+    return doc["spec"]["template"]
+
+
+def pod_spec(doc: Doc) -> Doc:
+    return pod_template(doc)["spec"]
 
 
 def pod_labels(doc: Doc) -> dict[str, str]:
-    if doc["kind"] == "PyTorchJob":
-        return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"]
-    return doc["spec"]["template"]["metadata"]["labels"]
+    return pod_template(doc)["metadata"]["labels"]
 
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -117,9 +136,14 @@ def test_every_manifest_validates_against_the_api_schemas(path: Path) -> None:
     docs = load_all(path)
     assert docs, f"{path} holds no manifest"
     for doc in docs:
-        if doc["kind"] in CRD_KINDS:
+        if doc["apiVersion"].startswith("trainer.kubeflow.org/"):
+            from tests.deploy.crd_schemas import validate_crd  # skips without kubeflow-trainer-api
+
+            validate_crd(doc)
+        elif doc["kind"] in CRD_KINDS:
             continue  # no bundled schema: checked structurally below
-        validate(doc)
+        else:
+            validate(doc)
 
 
 def test_rendered_overlays_validate(rendered: dict[str, list[Doc]]) -> None:
@@ -157,10 +181,58 @@ def test_podmonitor_is_well_formed_and_selects_the_trainers(rendered: dict[str, 
         label = next(s for s in sources if "label" in s)
         assert label == "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", "elastic/run-id")
         assert "elastic/run-id" in pod_labels(job)
+        # Kubeflow Trainer v2's pods too (their run_id comes from JobSet's label, tested below).
+        (runtime,) = load_all(RUNTIME)
+        assert matches(monitor["spec"]["selector"]["matchLabels"], pod_labels(runtime))
+        assert {p["name"] for c in pod_spec(runtime)["containers"] for p in c["ports"]} >= {
+            e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
 
 
-def test_pytorchjob_points_kubeflow_at_etcd_v3() -> None:
-    (job,) = load_all(K8S / "kubeflow" / "pytorchjob.yaml")
+def prometheus_label(name: str) -> str:
+    """How Kubernetes service discovery exposes pod label ``name`` to relabeling."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def test_podmonitor_gives_each_pod_its_run_id_in_a_real_prometheus(tmp_path: Path) -> None:
+    """The PodMonitor's relabelings, as the Prometheus Operator writes them into Prometheus's
+    config, applied by a real Prometheus to targets that carry what Kubernetes discovery
+    would: a base Job pod (elastic/run-id), a TrainJob pod (only JobSet's label), and a pod
+    with both (our label wins). Only the discovery is stood in for: static targets with the
+    same __meta_* labels."""
+    from elastic.etcd import free_port
+    from tests.support.prometheus import PrometheusServer, ensure_prometheus
+    from tests.support.waiting import wait_until
+
+    ensure_prometheus()
+    (monitor,) = load_all(K8S / "components" / "prometheus-operator" / "podmonitor.yaml")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    keys = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex",
+            "replacement": "replacement", "action": "action"}
+    relabel = [{keys[k]: v for k, v in rule.items()} for rule in endpoint["relabelings"]]
+    run_id = prometheus_label("elastic/run-id")
+    jobset = prometheus_label(JOBSET_NAME_LABEL)
+    pods = {
+        "trainer-0-abcde": {run_id: "resnet-demo"},
+        "resnet-trainjob-node-0-1-xyz": {jobset: "resnet-trainjob"},
+        "both-0": {run_id: "ours", jobset: "theirs"},
+    }
+    static = [{"targets": [f"127.0.0.1:{free_port()}"],
+               "labels": {"__meta_kubernetes_pod_name": name, **labels}} for name, labels in pods.items()]
+    config = {"global": {"scrape_interval": "1h"},
+              "scrape_configs": [{"job_name": "podmonitor", "static_configs": static, "relabel_configs": relabel}]}
+    server = PrometheusServer(tmp_path / "prom", yaml.safe_dump(config)).start()
+    try:
+        found = wait_until(lambda: len(server.targets("podmonitor")) == 3 and server.targets("podmonitor"),
+                           30, "prometheus to list the three targets", on_timeout=server.tail)
+        assert [(node, rid) for node, rid, _ in found] == [
+            ("both-0", "ours"), ("resnet-trainjob-node-0-1-xyz", "resnet-trainjob"), ("trainer-0-abcde", "resnet-demo")]
+    finally:
+        server.stop()
+
+
+def test_legacy_pytorchjob_points_kubeflow_at_etcd_v3() -> None:
+    (job,) = load_all(LEGACY_PYTORCHJOB)
+    assert LEGACY_PYTORCHJOB.read_text().startswith("# LEGACY"), "say so before anything else"
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
     spec = job["spec"]
     assert set(spec) <= {"elasticPolicy", "pytorchReplicaSpecs", "runPolicy", "nprocPerNode"}
@@ -183,6 +255,125 @@ def test_pytorchjob_points_kubeflow_at_etcd_v3() -> None:
     # rdzvHost is a name the etcd server certificate covers and a Service that exists.
     base = [d for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml" for d in load_all(p)]
     one(base, "Service", policy["rdzvHost"])
+
+
+# --- Kubeflow Trainer v2: a TrainJob on the elastic-agent runtime ---------------------
+
+# JobSet v1alpha2's failure policy: the actions its CRD's enum admits and the rule-name
+# pattern its webhook checks (kubernetes-sigs/jobset, api/jobset/v1alpha2/jobset_types.go).
+# The generated models carry neither, so they are checked here.
+JOBSET_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts", "RestartJob",
+                  "RestartJobAndIgnoreMaxRestarts"}
+JOBSET_RULE_NAME = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
+# Trainer's torch plugin injects these, and its webhook refuses them in a TrainJob's env
+# (kubeflow/trainer, pkg/constants TorchRunReservedEnvNames).
+TORCHRUN_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+# JobSet labels every pod with its JobSet's name, which Trainer gives the TrainJob's.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def kubeflow_v2() -> tuple[Doc, Doc]:
+    (runtime,) = load_all(RUNTIME)
+    (trainjob,) = load_all(TRAINJOB)
+    return runtime, trainjob
+
+
+def node_container(runtime: Doc) -> Doc:
+    (container,) = pod_spec(runtime)["containers"]
+    return container
+
+
+def test_trainer_v2_recipe_validates_against_the_trainer_and_jobset_schemas() -> None:
+    from tests.deploy.crd_schemas import validate_crd
+
+    runtime, trainjob = kubeflow_v2()
+    validate_crd(runtime)
+    validate_crd(trainjob)
+    # The child Job as Trainer makes it (parallelism = completions = numNodes), against the
+    # Kubernetes releases we target: backoffLimitPerIndex and podReplacementPolicy are beta
+    # and on by default in 1.29.
+    template = trainer_job(runtime)["template"]
+    nodes = trainjob["spec"]["trainer"]["numNodes"]
+    validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "resnet-trainjob-node-0"},
+              "spec": {**template["spec"], "parallelism": nodes, "completions": nodes}})
+
+
+def test_trainer_v2_has_no_elastic_policy_which_is_why_the_agent_brings_its_own() -> None:
+    """Trainer v2 dropped ElasticPolicy (kubeflow/trainer PR 3235). Should it come back, this
+    fails, and the recipe should be reconsidered."""
+    from tests.deploy.crd_schemas import validate_crd
+
+    runtime, _ = kubeflow_v2()
+    runtime["spec"]["mlPolicy"]["torch"]["elasticPolicy"] = {"minNodes": 1, "maxNodes": 4}
+    with pytest.raises(AssertionError, match="elasticPolicy"):
+        validate_crd(runtime)
+
+
+def test_the_runtime_is_what_trainers_torch_plugin_looks_for() -> None:
+    runtime, _ = kubeflow_v2()
+    assert "namespace" not in runtime["metadata"], "ClusterTrainingRuntime is cluster-scoped"
+    assert runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    assert "torch" in runtime["spec"]["mlPolicy"]
+    assert trainer_job(runtime)["name"] == "node", "Trainer's PET_MASTER_ADDR and pod names assume it"
+    container = node_container(runtime)
+    assert container["name"] == "node", "Trainer injects PET_* and the TrainJob's image/args/env here"
+    assert container["command"] == ["elastic", "agent"]
+    assert not {e["name"] for e in container["env"]} & TORCHRUN_RESERVED
+
+
+def test_a_failure_replaces_only_the_failed_pod() -> None:
+    runtime, _ = kubeflow_v2()
+    spec = trainer_job(runtime)["template"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert pod_spec(runtime)["restartPolicy"] == "Never", "backoffLimitPerIndex and podFailurePolicy need it"
+    assert spec["backoffLimitPerIndex"] >= 1
+    assert "backoffLimit" not in spec, "with backoffLimitPerIndex it defaults to 2^31-1: per index it is"
+    assert "maxFailedIndexes" not in spec, "an index that gives up must not stop the others"
+    assert spec["podReplacementPolicy"] == "Failed", "the only value a podFailurePolicy allows"
+    rules = spec["podFailurePolicy"]["rules"]
+    # First: preemption, eviction and node loss are not the job's failures.
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # The agent's exit code for bad configuration (one line, exit 2) fails the Job at once.
+    assert [r for r in rules if "onExitCodes" in r] == [
+        {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]}}]
+    # If the child Job fails anyway, the JobSet does not recreate every pod.
+    policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
+    assert policy.get("maxRestarts", 0) == 0
+    assert policy["rules"]
+    for rule in policy["rules"]:
+        assert JOBSET_RULE_NAME.fullmatch(rule["name"]) and rule["action"] in JOBSET_ACTIONS
+        assert rule["action"] == "FailJobSet" and not rule.get("onJobFailureReasons"), rule
+
+
+def test_the_trainjob_is_elastic_within_our_own_range() -> None:
+    from agent.nnodes import parse_nnodes
+
+    runtime, trainjob = kubeflow_v2()
+    assert trainjob["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": runtime["metadata"]["name"]}
+    trainer = trainjob["spec"]["trainer"]
+    assert "command" not in trainer, "it would replace `elastic agent`"
+    assert not {e["name"] for e in trainer["env"]} & TORCHRUN_RESERVED, "Trainer's webhook refuses these"
+    container = node_container(runtime)
+    env = {e["name"]: e for e in container["env"]} | {e["name"]: e for e in trainer["env"]}  # Trainer upserts by name
+    low, high = parse_nnodes(env["ELASTIC_NNODES"]["value"], "ELASTIC_NNODES")
+    assert low < high, "MIN:MAX, or the job is not elastic"
+    for nodes in (runtime["spec"]["mlPolicy"]["numNodes"], trainer["numNodes"]):
+        assert low <= nodes <= high, f"numNodes {nodes} outside ELASTIC_NNODES {low}:{high}"
+    assert trainer["numProcPerNode"] >= 1, "else Trainer derives PET_NPROC_PER_NODE from the CPU request"
+    # One run, and one snapshot directory, per TrainJob.
+    rdzv_id = env["ELASTIC_RDZV_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert rdzv_id == f"metadata.labels['{JOBSET_NAME_LABEL}']"
+    names = [e["name"] for e in container["env"]]
+    snapshot_dir = env["ELASTIC_SNAPSHOT_DIR"]["value"]
+    assert "$(ELASTIC_RDZV_ID)" in snapshot_dir
+    assert names.index("ELASTIC_RDZV_ID") < names.index("ELASTIC_SNAPSHOT_DIR"), "$(VAR) sees only earlier ones"
+    # ... on the ReadWriteMany volume every node mounts.
+    (mount,) = [m for m in container["volumeMounts"] if snapshot_dir.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod_spec(runtime)["volumes"] if v["name"] == mount["name"]]
+    claims = [d for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml" for d in load_all(p)]
+    claim = one(claims, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 # --- how the pieces fit ----------------------------------------------------------------
@@ -272,15 +463,17 @@ def test_network_policy_lets_only_trainers_reach_etcds_client_port(rendered: dic
     assert allowed[2379] == [{"app.kubernetes.io/name": "trainer"}, {"app.kubernetes.io/name": "etcd-rbac"}]
     assert allowed[2380] == [{"app.kubernetes.io/name": "etcd"}]
     # Kubeflow's workers carry the trainer label, so the same policy admits them.
-    (kubeflow,) = load_all(K8S / "kubeflow" / "pytorchjob.yaml")
-    assert any(matches(sel, pod_labels(kubeflow)) for sel in allowed[2379])
+    for path in (LEGACY_PYTORCHJOB, RUNTIME):
+        (kubeflow,) = load_all(path)
+        assert any(matches(sel, pod_labels(kubeflow)) for sel in allowed[2379]), path.name
 
 
 def test_nothing_runs_privileged_and_secrets_stay_out_of_the_repo(rendered: dict[str, list[Doc]]) -> None:
-    for docs in rendered.values():
+    kubeflow = [d for p in sorted(KUBEFLOW.rglob("*.yaml")) for d in load_all(p)]
+    for docs in [*rendered.values(), kubeflow]:
         assert not [d for d in docs if d["kind"] == "Secret"], "Secrets are made outside the repo"
         for doc in docs:
-            if doc["kind"] not in {"Job", "StatefulSet"}:
+            if doc["kind"] not in {"Job", "StatefulSet", "PyTorchJob", "ClusterTrainingRuntime"}:
                 continue
             spec = pod_spec(doc)
             assert spec["securityContext"]["runAsNonRoot"] is True
@@ -293,10 +486,10 @@ def test_nothing_runs_privileged_and_secrets_stay_out_of_the_repo(rendered: dict
 
 def test_every_secret_the_manifests_mount_is_made_in_the_deploy_guide(rendered: dict[str, list[Doc]]) -> None:
     guide = (REPO / "docs" / "deploy.md").read_text()
-    docs = rendered["gpu"] + load_all(K8S / "kubeflow" / "pytorchjob.yaml")
+    docs = rendered["gpu"] + load_all(LEGACY_PYTORCHJOB) + load_all(RUNTIME)
     used: dict[str, set[str]] = {}
     for doc in docs:
-        if doc["kind"] not in {"Job", "StatefulSet", "PyTorchJob"}:
+        if doc["kind"] not in {"Job", "StatefulSet", "PyTorchJob", "ClusterTrainingRuntime"}:
             continue
         spec = pod_spec(doc)
         volumes = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
