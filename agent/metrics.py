@@ -80,7 +80,7 @@ class AgentMetrics:
         """``pids`` (local rank -> pid, what ``_start_workers`` returns) just started.
 
         The agent then exports ``elastic_rank_info`` for each of them until the worker
-        exports its own (``ElasticRun`` does); scripts that never import ``elastic`` get
+        exports its own (``ElasticRun`` does); scripts that do not use ``ElasticRun`` get
         theirs from here. The GPU is the one ``cuda:LOCAL_RANK`` names (torchrun's
         convention), found without CUDA: ``CUDA_VISIBLE_DEVICES`` and ``nvidia-smi``.
         """

@@ -11,8 +11,8 @@ Two things prometheus_client's own merge cannot do happen here, at each scrape:
 * samples a live worker retired when its rank changed in place (``RETIRED`` values in
   :mod:`elastic.metrics.catalogue`) are left out;
 * ``elastic_rank_info`` is one series per live rank: what each worker says of itself, and
-  the agent's own account (``stand_in``) of workers that say nothing (scripts that never
-  import ``elastic``). A worker's word wins from its first claim on, even a retired one.
+  the agent's own account (``stand_in``) of workers that say nothing (scripts that do not
+  use ``ElasticRun``). A worker's word wins from its first claim on, even a retired one.
 
 This module does not import torch: the agent should stay light.
 """
