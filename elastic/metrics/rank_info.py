@@ -120,7 +120,8 @@ def gpu_uuids_by_local_rank(cuda_visible_devices: str | None, gpus: Sequence[tup
             out.append(token)  # DCGM labels a slice with its parent's UUID: no join, but named
         else:
             matches = [u for u in uuids if u.startswith(token)]  # CUDA accepts a unique prefix
-            out.append(matches[0] if len(matches) == 1 else token)
+            whole = token if len(token) == FULL_UUID_LEN else ""  # a prefix alone names no GPU
+            out.append(matches[0] if len(matches) == 1 else whole)
     return out
 
 

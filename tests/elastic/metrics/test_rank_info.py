@@ -60,6 +60,7 @@ def test_local_ranks_get_the_gpu_cuda_will_give_them() -> None:
     assert gpu_uuids_by_local_rank(None, gpus, 3, pci_order=False) == [DCGM_UUID, OTHER, ""]
     assert gpu_uuids_by_local_rank("1,0", gpus, 2, pci_order=False) == [OTHER, DCGM_UUID]
     assert gpu_uuids_by_local_rank("GPU-604ac76c", gpus, 1, pci_order=False) == [DCGM_UUID]  # a unique prefix
+    assert gpu_uuids_by_local_rank("GPU-,GPU-9", gpus, 2, pci_order=False) == ["", ""]  # ambiguous, unknown
     assert gpu_uuids_by_local_rank("MIG-abc", gpus, 1, pci_order=False) == ["MIG-abc"]
 
 
