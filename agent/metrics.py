@@ -3,17 +3,20 @@
 Workers write prometheus-client multiprocess files into a directory the agent owns
 (``PROMETHEUS_MULTIPROC_DIR``); one scrape of the agent returns every local rank, and a
 killed worker's gauges are dropped (``mark_process_dead``) while its counters stay, so
-rates never go backwards across a restart.
+rates never go backwards across a restart. The agent also names each live rank's host and
+GPU (``elastic_rank_info``) for workers that do not name themselves.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Mapping
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from elastic.metrics.multiprocess import collector_registry, mark_dead
+from elastic.metrics.rank_info import RankInfo, agent_gpu_uuids, dcgm_hostname
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +26,12 @@ RENDEZVOUS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300, 600)
 
 class AgentMetrics:
     def __init__(self, node: str, version: str, worker_dir: Path) -> None:
+        self.node = node
         self.worker_dir = worker_dir
-        self.registry = collector_registry(worker_dir)  # the workers' files, merged at each scrape
+        self._workers: dict[int, RankInfo] = {}  # pid -> rank info; replaced whole, read by scrapes
+        self._gpus: list[str] | None = None  # GPU uuid by local rank, asked of nvidia-smi once
+        # the workers' files, merged at each scrape; rank info of workers that give none
+        self.registry = collector_registry(worker_dir, stand_in=lambda: self._workers)
         r = self.registry
         self.rendezvous = Histogram("elastic_agent_rendezvous_duration_seconds",
                                     "Time from entering a rendezvous round to its close, by outcome",
@@ -74,8 +81,29 @@ class AgentMetrics:
         log.info("metrics at %s", self.url)
         return self.url
 
+    def workers_started(self, worker_group: Any, pids: Mapping[int, int]) -> None:
+        """``pids`` (local rank -> pid, what ``_start_workers`` returns) just started.
+
+        The agent then exports ``elastic_rank_info`` for each of them until the worker
+        exports its own (``ElasticRun`` does); scripts that do not use ``ElasticRun`` get
+        theirs from here. The GPU is the one ``cuda:LOCAL_RANK`` names (torchrun's
+        convention), found without CUDA: ``CUDA_VISIBLE_DEVICES`` and ``nvidia-smi``.
+        """
+        if self._gpus is None:  # the first start only: nvidia-smi takes a fraction of a second
+            self._gpus = agent_gpu_uuids(worker_group.spec.local_world_size)
+        hostname = dcgm_hostname()
+        workers = {}
+        for worker in worker_group.workers:
+            pid = pids.get(worker.local_rank)
+            if pid is not None:
+                gpu = self._gpus[worker.local_rank] if worker.local_rank < len(self._gpus) else ""
+                workers[int(pid)] = RankInfo(worker.global_rank, worker.local_rank, self.node, hostname, gpu)
+        self._workers = {**self._workers, **workers}  # whole: scrapes read it
+
     def forget_pids(self, pids: list[int]) -> None:
         """Stopped workers: their live gauges go, their counters stay (see module doc)."""
+        gone = {int(pid) for pid in pids}
+        self._workers = {pid: info for pid, info in self._workers.items() if pid not in gone}  # whole: scrapes read it
         for pid in pids:
             try:
                 mark_dead(int(pid), self.worker_dir)

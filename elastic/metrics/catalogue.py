@@ -2,12 +2,20 @@
 
 The names are an interface: Prometheus rules, the Grafana dashboard and ``elastic top``
 query them, so add, never rename, and describe each in ``docs/metrics.md``. Labels stay
-bounded: ``rank`` (< world size), ``op``, ``backend`` and the build-info labels.
+bounded: ``rank`` (< world size), ``op``, ``backend``, the build-info labels and, on the
+one info series ``elastic_rank_info``, the rank's node, host and GPU (for DCGM joins).
 
 The gauges' ``multiprocess_mode`` decides what the agent's endpoint shows when several
 worker pids (live and dead) wrote the same series: ``live*`` modes drop a pid's value once
 the agent calls ``mark_dead(pid)``, so a gone rank's gauges vanish, while counters and
 histograms of dead pids keep counting so that they never go back after a restart.
+
+A live process whose rank changes in place (:meth:`WorkerMetrics.rank_changed`) cannot
+delete its old labelled samples: prometheus_client's ``remove()`` only forgets the child
+in memory and leaves the value in the process's mmap file (0.26 warns "not implemented in
+multi-process mode"). It writes :data:`RETIRED` values instead, which the agent's
+collector (:mod:`elastic.metrics.multiprocess`) leaves out; each sentinel loses to any
+real value in the family's merge, so a rank another process now holds shows that value.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import functools
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .rank_info import LABELS as RANK_INFO_LABELS
 
 RANK = ("rank",)
 COLLECTIVE = ("op", "backend")
@@ -28,6 +38,19 @@ COLLECTIVE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
                       1.0, 2.5, 10.0, 30.0)
 STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
 WRITE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# What a process writes over a rank-labelled gauge sample it no longer owns. Each is a value
+# the family never takes for real and loses its merge: max (livemax) or, for the info
+# series (liveall), it is simply dropped. The loss (livemostrecent) has no such value;
+# -inf is one no training loss reaches, and the new owner's next write (newer) wins.
+RANK_INFO = "elastic_rank_info"
+RANK_INFO_HELP = "Always 1: a live rank's local rank, node, host and GPU uuid (DCGM's Hostname and UUID)."
+RETIRED = {
+    RANK_INFO: 0.0,
+    "elastic_rank": -1.0,
+    "elastic_last_step_timestamp_seconds": 0.0,
+    "elastic_loss": float("-inf"),
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +67,7 @@ class Families:
     loss: Gauge
     world_size: Gauge
     rank: Gauge
+    rank_info: Gauge
     worker_restarts: Gauge
     build_info: Gauge
     collective_duration: Histogram
@@ -91,6 +115,9 @@ def families() -> Families:
                          multiprocess_mode="livemostrecent", registry=r),
         rank=Gauge("elastic_rank", "Global rank of a live worker (value = rank; presence = the rank is live).",
                    RANK, multiprocess_mode="livemax", registry=r),
+        # liveall: the agent's endpoint sees which pid claims which rank (so it can stand in
+        # for workers that never report, and drop retired claims), then strips the pid.
+        rank_info=Gauge(RANK_INFO, RANK_INFO_HELP, RANK_INFO_LABELS, multiprocess_mode="liveall", registry=r),
         worker_restarts=Gauge("elastic_worker_restarts",
                               "Times torchrun restarted this node's worker group (TORCHELASTIC_RESTART_COUNT).",
                               multiprocess_mode="livemax", registry=r),

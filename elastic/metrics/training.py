@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..distributed import DistInfo
 from .comm_hook import CollectiveTimer, register_comm_hook
 from .export import Export, start_export
+from .rank_info import RankInfo, dcgm_hostname, gpu_uuid_label, visible_token
 from .worker import DurableStats, WorkerMetrics
 
 
@@ -40,6 +41,24 @@ class LossReader:
         self._host.copy_(loss.detach().reshape(()).float(), non_blocking=True)
         self._event.record()  # type: ignore[union-attr]
         return value
+
+
+def cuda_gpu_uuid(device: torch.device) -> str:
+    """The uuid of the GPU ``device`` as DCGM's ``UUID`` label holds it; "" off NVIDIA CUDA.
+
+    CUDA's own answer for the device this worker trains on, so it is right whatever
+    ``CUDA_VISIBLE_DEVICES`` or the device order say. CUDA is already initialised here
+    (``init_distributed`` set the device).
+    """
+    if device.type != "cuda" or torch.version.hip is not None:
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    token = visible_token(os.environ.get("CUDA_VISIBLE_DEVICES"), index) or ""
+    return gpu_uuid_label(str(torch.cuda.get_device_properties(index).uuid), mig=token.startswith("MIG-"))
+
+
+def rank_identity(info: DistInfo) -> RankInfo:
+    return RankInfo(info.rank, info.local_rank, info.node, dcgm_hostname(), cuda_gpu_uuid(info.device))
 
 
 COLLECTIVE_METRICS_ENV = "ELASTIC_COLLECTIVE_METRICS"
@@ -102,7 +121,7 @@ class TrainingMetrics:
     def __init__(self, info: DistInfo) -> None:
         self.export: Export = start_export(info.local_rank)  # before any value exists (multiprocess dir)
         self.worker = WorkerMetrics(info.rank, info.world_size, backend=info.backend, device=info.device.type,
-                                    torch_version=torch.__version__)
+                                    torch_version=torch.__version__, identity=rank_identity(info))
         self.backend = info.backend
         self.collectives: CollectiveTimer | None = None
         self._loss = LossReader()
@@ -119,6 +138,10 @@ class TrainingMetrics:
             return True
         self.collectives = register_comm_hook(model, self.backend, average=average)
         return average
+
+    def rank_changed(self, rank: int, world_size: int) -> None:
+        """In-place recovery gave this process ``rank`` of ``world_size``: its per-rank series follow."""
+        self.worker.rank_changed(rank, world_size)
 
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None:
         self.worker.restored(seconds, snapshot_written_at)

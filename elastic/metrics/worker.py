@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
-from .catalogue import Families, families
+from prometheus_client import values
+
+from .catalogue import RETIRED, Families, families
+from .rank_info import RankInfo, dcgm_hostname
 
 _IMPORTED_AT = time.monotonic()
 STARTED_AT_ENV = "ELASTIC_WORKER_STARTED_AT"  # set by a warm-started worker (agent/warm_worker.py)
@@ -52,29 +56,74 @@ def package_version() -> str:
         return "unknown"
 
 
+def default_identity(rank: int, environ: Mapping[str, str] = os.environ) -> RankInfo:
+    """This process's rank info from torchrun's environment; no GPU (``TrainingMetrics`` knows it).
+
+    The node as ``elastic.distributed.node_name`` has it: the agent's name, else the host's.
+    """
+    node = environ.get("ELASTIC_NODE_NAME") or socket.gethostname()
+    return RankInfo(rank, int(environ.get("LOCAL_RANK", "0") or 0), node, dcgm_hostname(environ))
+
+
 class WorkerMetrics:
     """Progress, snapshot and recovery metrics of one rank (collectives: ``collective()``)."""
 
     def __init__(self, rank: int, world_size: int, *, backend: str, device: str, torch_version: str,
-                 restart_count: int | None = None, fam: Families | None = None) -> None:
+                 restart_count: int | None = None, fam: Families | None = None,
+                 identity: RankInfo | None = None) -> None:
         f = fam or families()
         self.families = f
-        label = str(rank)
         self.rank = rank
+        self.identity = identity if identity is not None else default_identity(rank)
+        if self.identity.rank != rank:
+            raise ValueError(f"identity is of rank {self.identity.rank}, not {rank}")
+        self._tokens: Any = None  # bound on first use: no series for jobs without tokens
+        self._bind(str(rank))
+        self._first_step_seen = False
+        if restart_count is None:
+            restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        f.world_size.set(world_size)
+        f.rank.labels(str(rank)).set(rank)
+        f.rank_info.labels(*self.identity.labels()).set(1)
+        f.worker_restarts.set(restart_count)
+        f.build_info.labels(package_version(), torch_version, backend, device).set(1)
+
+    def _bind(self, label: str) -> None:
+        f = self.families
         self._steps = f.steps.labels(label)
         self._samples = f.samples.labels(label)
         self._step_duration = f.step_duration.labels(label)
         self._data_wait = f.data_wait.labels(label)
         self._last_step = f.last_step_timestamp.labels(label)
         self._loss = f.loss.labels(label)
-        self._tokens: Any = None  # bound on first use: no series for jobs without tokens
-        self._first_step_seen = False
-        if restart_count is None:
-            restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if self._tokens is not None:
+            self._tokens = f.tokens.labels(label)
+
+    # ------------------------------------------------------------------ rank
+
+    def rank_changed(self, rank: int, world_size: int) -> None:
+        """This process now holds ``rank`` of ``world_size`` (in-place recovery, no restart).
+
+        The old rank's live series go: its info and gauges (``elastic_rank``, last step,
+        loss) are removed, or in multiprocess mode overwritten with their :data:`RETIRED`
+        value, which the agent's endpoint leaves out. Counters and histograms count on
+        under the new rank, the old rank's stay flat, as after a restart. Call it once the
+        new membership is known and before the first step in it.
+        """
+        f = self.families
+        old, new = str(self.rank), str(rank)
+        info = RankInfo(rank, self.identity.local_rank, self.identity.node, self.identity.hostname,
+                        self.identity.gpu_uuid)
+        if rank != self.rank:
+            for gauge in (f.rank, f.last_step_timestamp, f.loss):
+                _retire(gauge, (old,))
+        if info != self.identity:
+            _retire(f.rank_info, self.identity.labels())
+        self.rank, self.identity = rank, info
+        self._bind(new)
+        f.rank.labels(new).set(rank)
+        f.rank_info.labels(*info.labels()).set(1)
         f.world_size.set(world_size)
-        f.rank.labels(label).set(rank)
-        f.worker_restarts.set(restart_count)
-        f.build_info.labels(package_version(), torch_version, backend, device).set(1)
 
     # ------------------------------------------------------------------ steps
 
@@ -103,27 +152,6 @@ class WorkerMetrics:
     def world_changed(self, world_size: int) -> None:
         self.families.world_size.set(world_size)
 
-    def rank_changed(self, rank: int, world_size: int) -> None:
-        """In place, a surviving process may get a new rank: its series follow it.
-
-        Counters and histograms continue under the new label (the old one keeps its total,
-        so ``rate()`` over ranks is unaffected).
-        """
-        if rank == self.rank:
-            self.world_changed(world_size)
-            return
-        f, label = self.families, str(rank)
-        self.rank = rank
-        self._steps = f.steps.labels(label)
-        self._samples = f.samples.labels(label)
-        self._step_duration = f.step_duration.labels(label)
-        self._data_wait = f.data_wait.labels(label)
-        self._last_step = f.last_step_timestamp.labels(label)
-        self._loss = f.loss.labels(label)
-        self._tokens = None
-        f.rank.labels(label).set(rank)
-        self.world_changed(world_size)
-
     def healed(self, seconds: float, transferred_bytes: int) -> None:
         self.families.heal.set(seconds)
         if transferred_bytes:
@@ -151,3 +179,17 @@ class WorkerMetrics:
         f.snapshot_bytes.inc(stats.last_bytes)
         if stats.last_durable_time is not None:
             f.snapshot_last_durable.set(stats.last_durable_time)
+
+
+def _retire(gauge: Any, labels: tuple[str, ...]) -> None:
+    """Make one labelled sample of ``gauge`` disappear from what is served.
+
+    Served from this process (``ELASTIC_METRICS_PORT``): ``remove()`` does it. Written to
+    multiprocess files: the value stays in this pid's file whatever ``remove()`` does, so
+    overwrite it with the family's retired value, which the agent's collector drops.
+    """
+    if values.ValueClass is values.MutexValue:  # decided by prometheus_client at import, from the env
+        gauge.remove(*labels)
+    else:
+        (family,) = gauge.describe()
+        gauge.labels(*labels).set(RETIRED[family.name])

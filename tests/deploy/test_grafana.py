@@ -82,11 +82,33 @@ def test_quantiles_come_from_summed_buckets() -> None:
     assert buckets_read == len(quantiles)
 
 
+def joins_dcgm_to_ranks(expr: str) -> bool:
+    """DCGM series joined to ``elastic_rank_info`` on the GPU uuid: the join keeps the run's GPUs."""
+    return ("elastic_rank_info{" in expr and re.search(r"\bon \(gpu_uuid\)", expr) is not None
+            and all(re.search(r'label_replace\(\s*' + name + r'\{[^}]*\},\s*"gpu_uuid",\s*"\$1",\s*"UUID"', expr)
+                    for name in re.findall(r"\b(DCGM_\w+)\{", expr)))
+
+
 def test_every_elastic_selector_follows_the_run_and_node_variables() -> None:
     for expr in EXPRS:
         for name, matchers in re.findall(r"\b((?:elastic|DCGM)_\w+)\{([^}]*)\}", expr):
+            if name.startswith("DCGM_") and joins_dcgm_to_ranks(expr):
+                continue  # also works where DCGM is scraped without our labels (the GPU operator's own)
             assert 'run_id="$run_id"' in matchers and 'node=~"$node"' in matchers, (name, expr)
         assert not re.search(r"\b(?:elastic|DCGM)_\w+\b(?![\w{])", expr), f"unfiltered selector in {expr}"
+
+
+def test_one_panel_shows_each_ranks_gpu_beside_its_step_time() -> None:
+    """Issue 18: DCGM's temperature, SM clock and XID next to the rank that is slow."""
+    (panel,) = [p for p in PANELS if any(joins_dcgm_to_ranks(t["expr"]) for t in p["targets"])]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert "elastic_step_duration_seconds_sum{" in exprs[0] and "on (rank) group_left (hostname, gpu_uuid)" in exprs[0]
+    joined = " ".join(exprs[1:])
+    for dcgm in ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_XID_ERRORS"):
+        assert dcgm + "{" in joined, dcgm
+    for expr in exprs[1:]:
+        assert joins_dcgm_to_ranks(expr) and expr.startswith("max by (rank, hostname, gpu_uuid) (")
+        assert "max by (gpu_uuid) (label_replace(" in expr  # one series per GPU, however often it is scraped
 
 
 def test_queried_metrics_are_in_the_catalogue() -> None:
@@ -98,7 +120,7 @@ def test_queried_metrics_are_in_the_catalogue() -> None:
                    "elastic_collective_duration_seconds_bucket", "elastic_collective_bytes_total",
                    "elastic_world_size", "elastic_agent_restarts_total",
                    "elastic_agent_rendezvous_duration_seconds_bucket", "elastic_snapshot_stall_seconds_bucket",
-                   "elastic_snapshot_last_durable_timestamp_seconds", "DCGM_FI_DEV_GPU_UTIL"):
+                   "elastic_snapshot_last_durable_timestamp_seconds", "DCGM_FI_DEV_GPU_UTIL", "elastic_rank_info"):
         assert needed in queried, needed
 
 

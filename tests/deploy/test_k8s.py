@@ -172,10 +172,12 @@ def test_podmonitor_is_well_formed_and_selects_the_trainers(rendered: dict[str, 
         for endpoint in monitor["spec"]["podMetricsEndpoints"]:
             assert endpoint["port"] in ports
             assert endpoint["path"] == "/metrics"
-            assert set(endpoint) <= {"port", "path", "interval", "relabelings", "scheme"}
+            assert set(endpoint) <= {"port", "path", "interval", "relabelings", "metricRelabelings", "scheme"}
             for rule in endpoint.get("relabelings", []):
                 assert set(rule) <= {"sourceLabels", "targetLabel", "regex", "replacement", "action"}
                 assert {"node", "run_id"} >= {rule["targetLabel"]}
+            # as in deploy/prometheus: the series' own copy of the node (renamed exported_node) goes
+            assert endpoint.get("metricRelabelings") == [{"action": "labeldrop", "regex": "exported_node"}]
         # The run_id relabel reads the pod label Kubernetes exposes under this name.
         sources = [r["sourceLabels"][0] for e in monitor["spec"]["podMetricsEndpoints"] for r in e["relabelings"]]
         label = next(s for s in sources if "label" in s)
@@ -416,6 +418,8 @@ def test_trainers_run_elastic_agent_behind_a_headless_service(rendered: dict[str
         assert any(a.startswith("--nnodes=") and ":" in a for a in agent["args"])
         env = {e["name"]: e for e in agent["env"]}
         assert env["ELASTIC_METRICS_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        # rank info's hostname = DCGM exporter's Hostname: the node's name, as its DaemonSet sets it
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
         assert env["ELASTIC_RDZV_HMAC_KEY_FILE"]["value"].startswith("/etc/elastic/hmac/")
         mounts = {m["name"]: m for m in agent["volumeMounts"]}
         volumes = {v["name"]: v for v in spec["volumes"]}

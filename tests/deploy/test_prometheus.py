@@ -26,7 +26,7 @@ from elastic.etcd import EtcdClient
 from elastic.rendezvous.registry import NodeLease, NodeRecord
 from elastic.rendezvous.signing import StateSigner
 from tests.support import dashboard as dash
-from tests.support.metrics_standin import StandinNode, dcgm_registry
+from tests.support.metrics_standin import StandinNode, dcgm_registry, gpu_uuid
 from tests.support.prometheus import (PROM, RULES, PrometheusServer, ensure_prometheus, http_sd_config, shortened,
                                       start_sd, value_of)
 from tests.support.waiting import wait_until
@@ -87,8 +87,8 @@ def cleanup() -> Iterator[Callable[[Callable[[], object]], None]]:
 
 def two_nodes(cleanup: Callable[[Callable[[], object]], None]) -> dict[str, StandinNode]:
     """Stand-in endpoints of a 4-rank world; rank 2 is five times slower than the rest."""
-    nodes = {"node-a": StandinNode({0: 0.08, 1: 0.08}, world_size=4),
-             "node-b": StandinNode({2: 0.4, 3: 0.08}, world_size=4)}
+    nodes = {"node-a": StandinNode({0: 0.08, 1: 0.08}, world_size=4, host="node-a"),
+             "node-b": StandinNode({2: 0.4, 3: 0.08}, world_size=4, host="node-b")}
     for node in nodes.values():
         cleanup(node.close)
     nodes["node-a"].durable.set(time.time())
@@ -106,7 +106,7 @@ def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_
     cleanup(sd.shutdown)
     prom = PrometheusServer(tmp_path, http_sd_config(sd))
     # A DCGM exporter STAND-IN on node-a, listed in file_sd as docs/dashboard.md says.
-    dcgm, _ = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=dcgm_registry())
+    dcgm, _ = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=dcgm_registry(host="node-a"))
     cleanup(dcgm.server_close)
     cleanup(dcgm.shutdown)
     (tmp_path / "file_sd" / "dcgm-test.json").write_text(json.dumps(
@@ -142,6 +142,37 @@ def test_real_prometheus_follows_elastic_sd(promtool: str, tmp_path: Path, etcd_
                on_timeout=prom.tail)
     empty = [e for e in queries if not prom.query(dash.concrete(e, run_id=run_id))]
     assert empty == [], "dashboard queries without data"
+    check_gpu_by_rank_panel(prom, run_id)
+
+
+def check_gpu_by_rank_panel(prom: PrometheusServer, run_id: str) -> None:
+    """The panel that joins DCGM to ranks: each rank's row holds its own GPU's readings.
+
+    node-a's ranks 0 and 1 have its GPUs 0 and 1 (60 and 61 C; GPU 1 reported XID 79);
+    node-b's ranks 2 and 3 have no DCGM exporter scraped, so only their step time shows.
+    """
+    (panel,) = [p for p in dash.panels(dash.load()) if p["title"].startswith("Each rank's GPU")]
+    step, temperature, clock, xid = (
+        {r["metric"]["rank"]: (r["metric"].get("hostname"), r["metric"].get("gpu_uuid"), float(r["value"][1]))
+         for r in prom.query(dash.concrete(t["expr"], run_id=run_id))} for t in panel["targets"])
+    assert sorted(step) == ["0", "1", "2", "3"] and step["2"][2] == pytest.approx(0.4), step
+    assert step["2"][:2] == ("node-b", gpu_uuid("node-b", 0))
+    assert temperature == {"0": ("node-a", gpu_uuid("node-a", 0), 60.0), "1": ("node-a", gpu_uuid("node-a", 1), 61.0)}
+    assert {r: v for r, (_, _, v) in clock.items()} == {"0": 1980.0, "1": 1980.0}
+    assert {r: v for r, (_, _, v) in xid.items()} == {"0": 0.0, "1": 79.0}
+    # docs/metrics.md's example joins return the same rows
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    section = docs[docs.index("## Joining GPU metrics"):docs.index("## Cost")]
+    examples = re.findall(r"```promql\n(.*?)```", section, re.S)
+    assert len(examples) == 2
+    rows = [prom.query(e.replace("my-run", run_id)) for e in examples]
+    assert sorted((r["metric"]["rank"], float(r["value"][1])) for r in rows[0]) == [("0", 60.0), ("1", 61.0)]
+    slowest = max(rows[1], key=lambda r: float(r["value"][1]))["metric"]
+    assert len(rows[1]) == 3 and (slowest["rank"], slowest["gpu_uuid"]) == ("2", gpu_uuid("node-b", 0))
+    # One series per rank, and the agent's own `node` copy dropped at scrape (metric_relabel_configs).
+    info = prom.query(f'elastic_rank_info{{run_id="{run_id}"}}')
+    assert sorted(r["metric"]["rank"] for r in info) == ["0", "1", "2", "3"]
+    assert all("exported_node" not in r["metric"] and r["metric"]["node"] == r["metric"]["hostname"] for r in info)
 
 
 def test_real_prometheus_reads_file_sd(promtool: str, tmp_path: Path,

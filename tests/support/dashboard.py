@@ -18,7 +18,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashbo
 WORKER_METRICS = frozenset({
     "elastic_steps_total", "elastic_samples_total", "elastic_tokens_total",
     "elastic_step_duration_seconds", "elastic_data_wait_seconds",
-    "elastic_last_step_timestamp_seconds", "elastic_loss", "elastic_world_size", "elastic_rank",
+    "elastic_last_step_timestamp_seconds", "elastic_loss", "elastic_world_size", "elastic_rank", "elastic_rank_info",
     "elastic_worker_restarts", "elastic_build_info",
     "elastic_collective_duration_seconds", "elastic_collective_bytes_total", "elastic_collective_errors_total",
     "elastic_snapshot_stall_seconds", "elastic_snapshot_write_seconds", "elastic_snapshot_bytes_total",

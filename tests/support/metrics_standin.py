@@ -18,6 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH = 32  # samples per rank per step
+XID = {1: 79}  # the stand-in DCGM's GPU 1 last reported XID 79 ("GPU has fallen off the bus")
+
+
+def gpu_uuid(host: str, index: int) -> str:
+    """A made-up GPU uuid in NVML's format, the same for a host's stand-in node and stand-in DCGM."""
+    return f"GPU-{sum(host.encode()):08x}-0000-4000-8000-{index:012x}"
 
 
 @dataclass
@@ -26,6 +32,7 @@ class StandinNode:
 
     step_seconds: dict[int, float]
     world_size: int
+    host: str = "standin"  # hostname; local rank i has this host's GPU i (see dcgm_registry)
     allreduce_bytes: int = 4_000_000  # per rank per step
     allreduce_seconds: float = 0.01  # per rank per step
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -49,8 +56,11 @@ class StandinNode:
         self.errors = Counter("elastic_collective_errors_total", "collective errors", coll, registry=r)
         self._once(r)
         self.world.set(self.world_size)
-        for rk in self.step_seconds:
+        info = Gauge("elastic_rank_info", "rank info", ("rank", "local_rank", "node", "hostname", "gpu_uuid"),
+                     registry=r)
+        for local, rk in enumerate(self.step_seconds):
             self.rank.labels(str(rk)).set(rk)
+            info.labels(str(rk), str(local), self.host, self.host, gpu_uuid(self.host, local)).set(1)
         self.restarts.labels("worker_failed").inc(0)
         self.errors.labels("allreduce", "gloo").inc(0)
         self._server: object | None = None
@@ -114,14 +124,27 @@ class StandinNode:
             self._server.server_close()  # type: ignore[attr-defined]
 
 
-def dcgm_registry(gpus: int = 2) -> CollectorRegistry:
-    """A STAND-IN for NVIDIA's DCGM exporter: its metric and label names, fixed values."""
+def dcgm_registry(gpus: int = 2, host: str = "standin") -> CollectorRegistry:
+    """A STAND-IN for NVIDIA's DCGM exporter (which needs GPUs and cannot run here): its metric
+    and label names as released dcgm-exporter 4.x writes them (``Hostname`` capitalised), the
+    ``UUID`` in NVML's format, fixed values. GPU ``i`` temperature ``60 + i`` C."""
     r = CollectorRegistry()
-    labels = ("gpu", "UUID", "modelName", "Hostname")
+    labels = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
     for name, value in (("DCGM_FI_DEV_GPU_UTIL", 87), ("DCGM_FI_DEV_FB_USED", 30_000),
-                        ("DCGM_FI_DEV_POWER_USAGE", 350.5), ("DCGM_FI_DEV_GPU_TEMP", 61),
+                        ("DCGM_FI_DEV_POWER_USAGE", 350.5), ("DCGM_FI_DEV_GPU_TEMP", 60),
                         ("DCGM_FI_DEV_SM_CLOCK", 1980)):
         gauge = Gauge(name, name, labels, registry=r)
         for gpu in range(gpus):
-            gauge.labels(str(gpu), f"GPU-{gpu:04d}", "stand-in", "standin").set(value)
+            gauge.labels(*_gpu_labels(host, gpu)).set(value + (gpu if name == "DCGM_FI_DEV_GPU_TEMP" else 0))
+    xid = Gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.",
+                labels + ("err_code", "err_msg"), registry=r)
+    for gpu in range(gpus):
+        code = XID.get(gpu, 0)
+        xid.labels(*_gpu_labels(host, gpu), str(code),
+                   "GPU has fallen off the bus" if code else "No Error").set(code)
     return r
+
+
+def _gpu_labels(host: str, gpu: int) -> tuple[str, ...]:
+    return (str(gpu), gpu_uuid(host, gpu), f"00000000:{0x18 + gpu:02X}:00.0", f"nvidia{gpu}",
+            "NVIDIA H100 80GB HBM3", host)

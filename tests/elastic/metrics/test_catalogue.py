@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.metrics import MetricsConfigError, families, start_export
+from elastic.metrics import MetricsConfigError, RankInfo, WorkerMetrics, families, start_export
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 
@@ -31,6 +31,16 @@ def test_names_follow_the_conventions() -> None:
             assert metric.name.endswith("_seconds"), metric.name
         for sample in metric.samples:
             assert not {"pid", "step", "node"} & set(sample.labels), sample
+
+
+def test_rank_info_has_the_labels_issue_18_names_and_only_it_names_the_node() -> None:
+    fam = families.__wrapped__()  # private families: binding a child here must not leak into other tests
+    WorkerMetrics(3, 4, backend="gloo", device="cpu", torch_version="test", fam=fam,
+                  identity=RankInfo(3, 1, "node-b", "host-b", "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"))
+    labelled = {s.name: s.labels for m in fam.registry.collect() for s in m.samples}
+    assert labelled["elastic_rank_info"] == {"rank": "3", "local_rank": "1", "node": "node-b", "hostname": "host-b",
+                                             "gpu_uuid": "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"}
+    assert [name for name, labels in labelled.items() if {"pid", "step", "node"} & set(labels)] == ["elastic_rank_info"]
 
 
 @pytest.mark.parametrize(("env", "expect"), [

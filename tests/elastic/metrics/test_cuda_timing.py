@@ -2,11 +2,16 @@
 
 Needs a GPU; skipped on the CPU-only test machines. A world of one NCCL rank is enough to
 check what the CPU tests cannot: the events are recorded and later read, the bytes match
-the gradient, and the gradients are those of DDP without a hook.
+the gradient, and the gradients are those of DDP without a hook. Also here: the GPU uuid
+a worker puts in ``elastic_rank_info`` is the one DCGM labels that GPU's series with.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -72,3 +77,27 @@ def test_nccl_buckets_are_timed_with_events_and_gradients_are_unchanged(tmp_path
     assert r["sum"] > 0
     assert r["readings"][0] is None, "the first loss is still in flight: no synchronising read"
     assert r["settled"] is not None and r["settled"] > 0
+
+
+_UUID_PROBE = """
+import json, torch
+from elastic.metrics.rank_info import agent_gpu_uuids, query_gpus
+from elastic.metrics.training import cuda_gpu_uuid
+print(json.dumps({"torch": cuda_gpu_uuid(torch.device("cuda", 0)), "raw": str(torch.cuda.get_device_properties(0).uuid),
+                  "smi": [u for _, u, _ in query_gpus()], "agent": agent_gpu_uuids(1)[0]}))
+"""
+
+
+def test_a_workers_gpu_uuid_is_the_one_dcgm_labels_its_series_with() -> None:
+    """torch's bare uuid, prefixed, is nvidia-smi's (= NVML's = DCGM's ``UUID``); the agent,
+    which asks nvidia-smi instead of CUDA, names the same GPU for local rank 0. In a fresh
+    process, so that this one never initialises CUDA."""
+    done = subprocess.run([sys.executable, "-c", _UUID_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", got["torch"]), got
+    assert got["torch"] == "GPU-" + got["raw"].lower()
+    if got["smi"]:  # nvidia-smi is installed wherever the driver is, but a container may lack it
+        assert got["torch"] in got["smi"]
+        assert got["agent"] in (got["torch"], ""), "the agent named another GPU"  # "": a mixed-model host
