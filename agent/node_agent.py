@@ -318,8 +318,12 @@ class NodeAgent(ElasticAgent):
             self._restart(Decision(Action.RESTART, decision.reason))
             return
         self.channel.offer(self.offer)
-        for rank in ranks:
-            self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
+        started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
+                   for rank in ranks}
+        for worker in self._worker_group.workers:
+            if worker.local_rank in started:
+                worker.id = started[worker.local_rank]
+        self.metrics.workers_started(self._worker_group, started)
         self._group_started, self._refilled = time.time(), False
         assert decision.reason is not None
         self.metrics.restarts.labels(reason=decision.reason.value).inc()
@@ -452,6 +456,7 @@ class NodeAgent(ElasticAgent):
             worker.id = pids[worker.local_rank]
         self._worker_group.group_rank, self._worker_group.group_world_size = self.group_rank, self.group_world
         self._worker_group.state = WorkerState.HEALTHY
+        self.metrics.workers_started(self._worker_group, pids)  # rank info for scripts that export none
         self.metrics.set_state("healthy")
 
     def _command(self, local_rank: int) -> tuple[str, ...]:

@@ -37,8 +37,6 @@ def rank_info(node: Node) -> dict[str, dict[str, str]] | None:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="needs AgentMetrics.workers_started called from NodeAgent._start_workers "
-                                       "(agent/node_agent.py is being rewritten; the call site is in the report)")
 def test_the_agent_exports_rank_info_for_a_script_that_does_not(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
 ) -> None:
