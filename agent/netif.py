@@ -114,14 +114,25 @@ def interface_of(addr: str) -> str | None:
 
 
 def hostname_is_loopback(hostname: str | None = None) -> bool:
-    """Whether gloo, left to itself, would bind loopback: the hostname's first address is
-    loopback, or the name does not resolve (torch then falls back to loopback)."""
+    """Whether gloo, left to itself, ends up on loopback.
+
+    torch binds the first address the hostname resolves to that can be bound here, and
+    falls back to loopback when none can (a name that does not resolve, or one that names
+    another namespace's or container's address). Binding port 0 sends nothing.
+    """
     name = hostname or socket.gethostname()
     try:
         infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
     except OSError:
         return True
-    return not infos or ipaddress.ip_address(infos[0][4][0].split("%")[0]).is_loopback
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((sockaddr[0], 0, *sockaddr[2:]))
+        except OSError:
+            continue
+        return ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback
+    return True
 
 
 def worker_socket_env(env: Mapping[str, str], local_addr: str | None, nnodes: str,

@@ -73,6 +73,7 @@ def test_lookups_on_this_machine() -> None:
     assert route_source("127.0.0.1", 2379) == "127.0.0.1"  # a routing lookup, nothing is sent
     assert hostname_is_loopback("localhost")
     assert hostname_is_loopback("no-such-host.invalid")  # torch falls back to loopback too
+    assert hostname_is_loopback("192.0.2.254")  # resolves, but no interface here holds it: loopback too
 
 
 def test_worker_socket_env_looks_up_the_interface_of_a_routable_local_address() -> None:
