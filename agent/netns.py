@@ -3,8 +3,9 @@
 :class:`NodeNetwork` builds, as root, a Linux bridge in the root namespace with one
 address (the *central* address: etcd, a Prometheus, the test itself live there) and one
 namespace per node, joined to the bridge by a veth pair. Each namespace has ``lo`` up,
-one address on ``eth0`` in a private /24, and **no default route**: it can reach the
-bridge and its peers and nothing else. Faults are real network faults:
+one IPv4 address on ``eth0`` in a private /24 (no IPv6 addresses, not even link-local),
+and **no default route**: it can reach the bridge and its peers and nothing else. Faults
+are real network faults:
 
 * :meth:`NodeNetwork.partition`: the node's link goes down (its veth end on the bridge),
   as when a switch port drops; :meth:`NodeNetwork.heal` brings it back.
@@ -182,6 +183,7 @@ class NodeNetwork:
                 self.subnet = pick_subnet(_used_networks(), seed=self.names.pid * 7 + self.names.instance,
                                           pool=self.pool)
                 ip("link", "add", self.bridge, "type", "bridge")
+                ip("link", "set", self.bridge, "addrgenmode", "none")  # no IPv6 link-local: IPv4 only
                 ip("addr", "add", f"{self.central_addr}/{self.subnet.prefixlen}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
             for index, node in enumerate(self.nodes):  # type: ignore[arg-type]
@@ -200,6 +202,8 @@ class NodeNetwork:
         self.namespaces[node] = ns  # recorded at once, so close() removes it even if a step fails
         ip("link", "add", ns.host_link, "type", "veth", "peer", "name", peer, "netns", ns.name)
         ip("-n", ns.name, "link", "set", peer, "name", ns.ifname)
+        ip("-n", ns.name, "link", "set", ns.ifname, "addrgenmode", "none")
+        ip("link", "set", ns.host_link, "addrgenmode", "none")
         ip("-n", ns.name, "addr", "add", f"{ns.addr}/{self.subnet.prefixlen}", "dev", ns.ifname)
         ip("-n", ns.name, "link", "set", ns.ifname, "up")
         ip("-n", ns.name, "link", "set", "lo", "up")

@@ -19,8 +19,8 @@ DEFAULT_POOL = ipaddress.IPv4Network("10.233.0.0/16")
 CENTRAL_HOST = 1  # the bridge's address: etcd and anything else "central" listen there
 FIRST_NODE_HOST = 11  # node i gets .11+i, leaving .2-.10 for more central services later
 MAX_NODES = 254 - FIRST_NODE_HOST
-NODE_NAME = re.compile(r"^[A-Za-z0-9_]{1,32}$")
-_OWNED = re.compile(rf"^{PREFIX}(\d+)x(\d+)(?:b|[vp]\d+|-[A-Za-z0-9_]+)$")
+NODE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")  # `ip netns` names are file names
+_OWNED = re.compile(rf"^{PREFIX}(\d+)x(\d+)(?:b|[vp]\d+|-[A-Za-z0-9_.-]+)$")
 
 
 class NetnsNameError(ValueError):
@@ -52,7 +52,7 @@ class Names:
 
     def namespace(self, node: str) -> str:
         if not NODE_NAME.match(node):
-            raise NetnsNameError(f"node name {node!r} must be 1-32 letters, digits or '_'")
+            raise NetnsNameError(f"node name {node!r} must be 1-32 letters, digits, '_', '-' or '.'")
         return f"{self.tag}-{node}"
 
 

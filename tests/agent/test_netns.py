@@ -55,9 +55,9 @@ def test_each_node_has_its_own_address_lo_up_and_no_way_off_the_bridge(node_netw
     net = node_network(["a", "b"])
     assert net.subnet is not None and net.subnet.subnet_of(net.pool)
     for ns in net:
-        addrs = {a["ifname"]: [i["local"] for i in a["addr_info"] if i["family"] == "inet"]  # type: ignore[index]
+        addrs = {a["ifname"]: [i["local"] for i in a["addr_info"]]  # type: ignore[index]
                  for a in ip_json("-n", ns.name, "addr", "show")}
-        assert addrs == {"lo": ["127.0.0.1"], "eth0": [ns.addr]}
+        assert addrs == {"lo": ["127.0.0.1", "::1"], "eth0": [ns.addr]}  # IPv4 only on the wire
         routes = ip_json("-n", ns.name, "route", "show", "table", "all")
         assert not [r for r in routes if r.get("dst") == "default"], routes
         # nothing outside the /24 is routable: the connect fails at once, no packet leaves
