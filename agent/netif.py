@@ -144,6 +144,19 @@ def worker_socket_env(env: Mapping[str, str], local_addr: str | None, nnodes: st
     return socket_ifname_env(env, local_addr, many, hostname_loopback=loopback, ifname=ifname)
 
 
+def worker_env_for(rdzv_endpoint: str, local_addr: str | None, nnodes: str,
+                   env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """What the agent applies at start: the node's address is ``--local-addr``, else the
+    one it reaches the first routable rendezvous endpoint from."""
+    from elastic.etcd.settings import EtcdConfigError, parse_endpoints  # lazy: keeps this module light
+
+    try:
+        endpoints: Iterable[tuple[str, int]] = parse_endpoints(rdzv_endpoint)
+    except EtcdConfigError:
+        endpoints = ()  # the rendezvous reports a bad endpoint in its own words
+    return worker_socket_env(env, local_addr or local_address(endpoints), nnodes)
+
+
 def ipv4_addresses() -> list[tuple[str, str]]:
     """``(interface, address)`` for every IPv4 address here, via ``SIOCGIFCONF``."""
     count = 64

@@ -9,7 +9,7 @@ import pytest
 
 from agent.netif import (
     GLOO_IFNAME, NCCL_IFNAME, hostname_is_loopback, interface_of, ipv4_addresses, parse_if_inet6,
-    parse_ifconf, route_source, socket_ifname_env, spans_nodes, worker_socket_env,
+    parse_ifconf, route_source, socket_ifname_env, spans_nodes, worker_env_for, worker_socket_env,
 )
 
 
@@ -85,3 +85,9 @@ def test_worker_socket_env_looks_up_the_interface_of_a_routable_local_address() 
         pytest.skip("this host reaches everything over loopback")
     updates, line = worker_socket_env({}, addr, "1:4", hostname="localhost")
     assert updates == {GLOO_IFNAME: interface_of(addr), NCCL_IFNAME: interface_of(addr)}, line
+
+
+def test_the_agents_call_leaves_a_one_machine_job_alone() -> None:
+    assert worker_env_for("127.0.0.1:2379", None, "1:3", {}) == ({}, None)  # reached over loopback
+    assert worker_env_for("http://127.0.0.1:2379,127.0.0.2:2379", None, "1", {}) == ({}, None)
+    assert worker_env_for("not a port:x", None, "1:3", {})[0] == {}  # the rendezvous reports bad input

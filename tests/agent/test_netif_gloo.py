@@ -38,8 +38,8 @@ dist.destroy_process_group()
 """
 DECIDE = """
 import json, os, sys
-from agent.netif import route_source, worker_socket_env
-updates, line = worker_socket_env(os.environ, route_source(sys.argv[1], int(sys.argv[2])), "2")
+from agent.netif import worker_env_for
+updates, line = worker_env_for(sys.argv[1], None, "2", os.environ)  # the agent's own call
 print(json.dumps(updates))
 """
 
@@ -84,7 +84,7 @@ def test_gloo_across_namespaces_fails_on_loopback_and_works_with_the_computed_in
     # 2. Each node computes its own value, as the agent does before starting workers.
     envs = {}
     for node in ("a", "b"):
-        done = subprocess.run(net[node].wrap([sys.executable, "-c", DECIDE, net["a"].addr, str(PORT)]),
+        done = subprocess.run(net[node].wrap([sys.executable, "-c", DECIDE, f"{net['a'].addr}:{PORT}"]),
                               env=clean_env(), capture_output=True, text=True, timeout=60, check=True)
         updates = json.loads(done.stdout)
         assert updates == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}, done
