@@ -395,7 +395,7 @@ def unavailable_reason() -> str | None:
     if _reason:
         return _reason[0]
     if os.geteuid() != 0:
-        reason: str | None = "network namespaces need root (run as root, or in CI's root container)"
+        reason: str | None = f"network namespaces need root, and this process runs as uid {os.geteuid()}"
     elif shutil.which("ip") is None:
         reason = "iproute2's `ip` is not installed (apt-get install iproute2)"
     else:
