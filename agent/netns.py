@@ -153,8 +153,9 @@ class NodeNetwork:
         if len(set(self.nodes)) != len(self.nodes):
             raise NetnsNameError(f"node names must be distinct: {list(self.nodes)}")
         for index, node in enumerate(self.nodes):  # validate every name before touching the system
-            self.names.namespace(node), self.names.host_link(index), self.names.node_link(index)
-        self.names.bridge
+            self.names.namespace(node)
+            self.names.node_link(index)  # as long as host_link(index), the longest
+        _ = self.names.bridge
 
     # -- addresses ---------------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -25,7 +25,7 @@ Build = Callable[..., NodeNetwork]
 OUTSIDE = "198.51.100.1"  # TEST-NET-2: an address outside every harness subnet
 
 
-def ip_json(*args: str) -> list[dict[str, object]]:
+def ip_json(*args: str) -> list[dict[str, Any]]:
     return json.loads(subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=True).stdout or "[]")
 
 
@@ -48,14 +48,14 @@ def all_reach(net: NodeNetwork, port: int) -> bool:
 def leftovers(tag: str) -> list[str]:
     links = [link["ifname"] for link in ip_json("link", "show")]
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    return [name for name in [*links, *spaces] if str(name).startswith(tag)]
+    return [name for name in [*links, *spaces] if name.startswith(tag)]
 
 
 def test_each_node_has_its_own_address_lo_up_and_no_way_off_the_bridge(node_network: Build) -> None:
     net = node_network(["a", "b"])
     assert net.subnet is not None and net.subnet.subnet_of(net.pool)
     for ns in net:
-        addrs = {a["ifname"]: [i["local"] for i in a["addr_info"]]  # type: ignore[index]
+        addrs = {a["ifname"]: [i["local"] for i in a["addr_info"]]
                  for a in ip_json("-n", ns.name, "addr", "show")}
         assert addrs == {"lo": ["127.0.0.1", "::1"], "eth0": [ns.addr]}  # IPv4 only on the wire
         routes = ip_json("-n", ns.name, "route", "show", "table", "all")
@@ -159,7 +159,8 @@ def test_close_kills_what_runs_inside_and_removes_everything(node_network: Build
 
 def test_two_harnesses_coexist_on_separate_subnets_that_cannot_reach_each_other(node_network: Build) -> None:
     one, two = node_network(["a"]), node_network(["a"])
-    assert one.subnet != two.subnet and not one.subnet.overlaps(two.subnet)  # type: ignore[union-attr]
+    assert one.subnet is not None and two.subnet is not None
+    assert not one.subnet.overlaps(two.subnet)
     assert one.probe("a", two["a"].addr, 80).error.startswith("OSError: [Errno 101]")
 
 
