@@ -14,9 +14,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
+
+if TYPE_CHECKING:
+    from .netns import Namespace
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ELASTIC = [sys.executable, "-m", "agent.cli", "agent"]
@@ -27,7 +30,9 @@ class LocalNode:
     """``elastic agent`` (or plain ``torchrun``) running ``module`` as node ``name``.
 
     ``{progress}`` in ``module_args`` becomes this node's progress file; ``agent_args``
-    are extra launcher flags (``--metrics-port``, ``--hang-timeout``...).
+    are extra launcher flags (``--metrics-port``, ``--hang-timeout``...). With ``netns``
+    (from :class:`agent.netns.NodeNetwork`) the node runs inside that namespace and uses its
+    address for ``--local-addr`` and ``--metrics-addr``, as a node on its own host would.
     """
 
     name: str
@@ -45,6 +50,7 @@ class LocalNode:
     rdzv_backend: str = "etcd-v3"  # "c10d" for comparisons (then endpoint is the store host's)
     agent_args: Sequence[str] = ()
     metrics_port: int = 0
+    netns: Namespace | None = None  # run inside this network namespace (agent.netns), at its address
     process: subprocess.Popen[bytes] | None = None
     frozen: list[int] = field(default_factory=list)
     _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -55,12 +61,20 @@ class LocalNode:
         return self.workdir / f"{self.name}.log"
 
     @property
+    def metrics_host(self) -> str:
+        """Where this node's /metrics listens: its namespace's address, else loopback."""
+        return self.netns.addr if self.netns is not None else "127.0.0.1"
+
+    @property
     def progress_path(self) -> Path:
         return self.workdir / f"{self.name}.progress.jsonl"
 
     def command(self) -> list[str]:
         cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", str(self.metrics_port)] \
             if self.launcher == "elastic" else [TORCHRUN]
+        if self.netns is not None:  # peers and scrapers reach it at its own address, as on a host
+            cmd += ["--local-addr", self.netns.addr]
+            cmd += ["--metrics-addr", self.netns.addr] if self.launcher == "elastic" else []
         cmd += [
             "--nnodes", self.nnodes,
             "--nproc-per-node", str(self.nproc_per_node),
@@ -73,7 +87,8 @@ class LocalNode:
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf.items())]
         args = [a.replace("{progress}", str(self.progress_path)) for a in self.module_args]
-        return cmd + list(self.agent_args) + ["-m", self.module, *args]
+        cmd += [*self.agent_args, "-m", self.module, *args]
+        return self.netns.wrap(cmd) if self.netns is not None else cmd  # `ip netns exec` keeps the pid
 
     def start(self) -> "LocalNode":
         env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import pytest
 
 from elastic.etcd import EmbeddedEtcd, EtcdClient
+from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
 from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
@@ -66,3 +67,26 @@ def nodes(tmp_path: Path) -> Iterator[Callable[..., TorchrunNode]]:
     finally:
         for node in started:
             node.cleanup()
+
+
+@pytest.fixture
+def node_network() -> Iterator[Callable[..., NodeNetwork]]:
+    """Build nodes on their own network (bridge + namespaces); removed when the test ends.
+
+    Skips, saying why, where root or ``ip netns`` is missing (``-rs`` prints the reason).
+    """
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    built: list[NodeNetwork] = []
+
+    def build(nodes: object = 2, **kwargs: object) -> NodeNetwork:
+        network = NodeNetwork(nodes, **kwargs)  # type: ignore[arg-type]
+        built.append(network)
+        return network.start()
+
+    try:
+        yield build
+    finally:
+        for network in built:
+            network.close()
