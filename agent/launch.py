@@ -183,8 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
-    if settings.store_host is None and config.rdzv_backend == "etcd-v3":
-        settings = _with_store_host(settings, config.rdzv_endpoint)
+    settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
     spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
@@ -246,20 +245,23 @@ def _worker_command(cmd: object, cmd_args: list[str], with_python: bool, module:
     return (str(cmd), *args)
 
 
-def _with_store_host(settings: AgentSettings, endpoint: str) -> AgentSettings:
-    """Peers reach our round store at the address this node reaches etcd from."""
+def _with_network(settings: AgentSettings, endpoint: str, local_addr: str | None, nnodes: str) -> AgentSettings:
+    """Where peers reach this node (its round store), and the socket interface its workers'
+    collectives must use when the hostname resolves to loopback (agent/netif.py)."""
     import dataclasses
 
-    first = endpoint.split(",")[0].strip()
-    first = first.split("://", 1)[-1]
-    host, _, port = first.rpartition(":")
+    from elastic.etcd.settings import EtcdConfigError, parse_endpoints
+
+    from .netif import local_address, worker_env_for
+
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host or first, int(port or 2379)))  # a routing lookup; nothing is sent
-            address = probe.getsockname()[0]
-    except (OSError, ValueError):
-        return settings
-    return dataclasses.replace(settings, store_host=address)
+        address = local_addr or local_address(parse_endpoints(endpoint))
+    except EtcdConfigError:
+        address = local_addr
+    updates, line = worker_env_for(endpoint, local_addr, nnodes, os.environ)
+    if line:
+        logging.getLogger("elastic.agent").info("[%s] %s", settings.node_name, line)
+    return dataclasses.replace(settings, store_host=settings.store_host or address, worker_env=updates)
 
 
 def _advertised(bind: str) -> str:

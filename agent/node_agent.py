@@ -465,7 +465,8 @@ class NodeAgent(ElasticAgent):
     def _node_env(self) -> dict[str, str]:
         """What every worker of this node gets, the standbys included (they import
         prometheus_client before they know their rank, so its directory must be set)."""
-        env = {"ELASTIC_NODE_NAME": self.node,
+        env = {**self.settings.worker_env,
+               "ELASTIC_NODE_NAME": self.node,
                "ELASTIC_HEARTBEAT_DIR": str(self.settings.heartbeat_dir),
                MULTIPROC_ENV: str(self.settings.metrics_dir),
                AGENT_PID_ENV: str(os.getpid())}

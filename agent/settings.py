@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -22,6 +22,7 @@ class AgentSettings:
     standby_refill_after: float = 10.0  # a group alive this long without progress counts as up
     exit_barrier_timeout: float = 300.0  # a finished node waits this long for the others
     store_host: str | None = None  # the address peers reach this node's round store at
+    worker_env: dict[str, str] = field(default_factory=dict)  # e.g. GLOO_SOCKET_IFNAME (agent/netif.py)
 
     @property
     def heartbeat_dir(self) -> Path:
