@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -67,6 +68,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       help="let ElasticRun workers survive a peer lost or a node joining, in their own "
                            "processes and from memory (default on, with --rdzv-backend etcd-v3 and a torch "
                            "that can reconfigure a process group; --no-in-place restarts them instead)")
+    ours.add_argument("--agent-dir", "--agent_dir", dest="agent_dir", default=None, metavar="DIR",
+                      help="where the agent keeps its run-time files: heartbeats, worker metrics, the in-place "
+                           "channel and status.json (round, ranks) for tools (default: a fresh temporary directory)")
     ours.add_argument("--hang-startup-timeout", "--hang_startup_timeout", dest="hang_startup_timeout",
                       type=_positive_seconds, default=600.0, metavar="SECONDS",
                       help="once this node has seen the job make progress, how long a new worker group may "
@@ -156,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _standalone(args)
     config, cmd, cmd_args = config_from_args(args)
-    work = Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
+    work = _agent_dir(parser, args.agent_dir)
     settings = AgentSettings(
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
@@ -164,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hang_startup_timeout=args.hang_startup_timeout, store_host=config.local_addr,
         graceful_stop=float(getattr(args, "shutdown_timeout", None) or 5.0),
     )
-    settings.heartbeat_dir.mkdir()
+    settings.heartbeat_dir.mkdir(exist_ok=True)
     prepare_dir(settings.metrics_dir)
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)
     if settings.metrics_port:
@@ -205,6 +209,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def _agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Path:
+    if not value:
+        return Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in ("heartbeat", "control"):
+            shutil.rmtree(path / stale, ignore_errors=True)  # a previous agent's, not ours
+    except OSError as exc:
+        parser.exit(2, f"error: --agent-dir {path}: cannot create it ({exc.strerror}); pass a writable directory\n")
+    return path
 
 
 def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | None:

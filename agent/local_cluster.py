@@ -56,6 +56,7 @@ class Fault:
     resumed_step: int | None = None
     lifted_at: float | None = None  # etcd-outage: when etcd served again
     note: str = ""  # kill-rank0-snapshot: how the snapshot write was caught
+    last_step_at: float | None = None  # rank 0's last step before the fault
 
     @property
     def recovery_seconds(self) -> float | None:
@@ -66,6 +67,11 @@ class Fault:
     @property
     def steps_rolled_back(self) -> int | None:
         return None if self.resumed_step is None else max(0, self.step_before - (self.resumed_step - 1))
+
+    @property
+    def pause_seconds(self) -> float | None:
+        """Training stood still this long: the last step before the fault to the first after."""
+        return None if self.recovered_at is None or self.last_step_at is None else self.recovered_at - self.last_step_at
 
 
 @dataclass
@@ -120,7 +126,8 @@ class Cluster:
         if kind == KILL_SNAPSHOT:
             target = self.rank0() or target
         name = ETCD_TARGET if kind == ETCD_OUTAGE else (target.node.name if target else "?")
-        fault = Fault(kind, name, time.time(), self.world(), self.step(), row.get("round", -1) if row else -1)
+        fault = Fault(kind, name, time.time(), self.world(), self.step(), row.get("round", -1) if row else -1,
+                      last_step_at=row["time"] if row else None)
         if kind == ETCD_OUTAGE:
             if self.etcd is None:
                 raise ValueError("etcd-outage needs Cluster(etcd=...)")
@@ -175,6 +182,20 @@ class Cluster:
 
     def up(self) -> list[ClusterNode]:
         return [n for n in self.nodes if n.state in ("up", "starting") and n.node.alive()]
+
+    def finished(self, steps: int | None) -> bool:
+        """The job is over: every node that was up has exited (0) and, for an example job,
+        it reached ``steps``. A node still frozen or due back counts as not finished."""
+        running = [n for n in self.nodes if n.state in ("up", "starting", "frozen")]
+        if not running or any(n.node.alive() for n in running) or not self.quiet():
+            return False
+        codes = [n.node.process.returncode for n in running if n.node.process is not None]
+        return all(code == 0 for code in codes) and (steps is None or self.step() >= steps)
+
+    def reports_job_steps(self) -> bool:
+        """Whether the step numbers seen are the job's own (so rollbacks can be counted)."""
+        rows = self.rows()
+        return bool(rows) and all(r.get("kind", "file") in ("file", "job") for r in rows)
 
 
 def _recovery_rows(fault: Fault, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -278,7 +299,7 @@ def view(cluster: Cluster, title: str) -> Group:
             n.node.name, f"[{colour}]{state}[/{colour}]",
             str(last["rank"]) if last else "-", str(last["world_size"]) if last else "-",
             str(last["step"]) if last else "-", f"{rate:.0f}" if rate else "-",
-            f"{last['loss']:.4f}" if last else "-", str(n.faults),
+            f"{last['loss']:.4f}" if last and last.get("loss") is not None else "-", str(n.faults),
         )
     snaps = sorted((cluster.run_dir / "snapshots").glob("step-*"))
     recoveries = [f for f in cluster.faults if f.recovered_at is not None]
@@ -301,15 +322,23 @@ def summary(console: Console, cluster: Cluster) -> bool:
     table = Table(title="Faults and recoveries")
     for col in ("#", "fault", "node", "world before", "recovery s", "steps rolled back"):
         table.add_column(col, justify="right" if col not in ("fault", "node") else "left")
+    known = cluster.reports_job_steps()
     for i, f in enumerate(cluster.faults, 1):
         rec = f"{f.recovery_seconds:.1f}" if f.recovery_seconds is not None else "[red]not seen[/red]"
-        lost = str(f.steps_rolled_back) if f.steps_rolled_back is not None else "-"
+        if not known:
+            lost = "not known"  # the script reports no step numbers of its own: no guessing
+        else:
+            lost = str(f.steps_rolled_back) if f.steps_rolled_back is not None else "-"
         table.add_row(str(i), f.kind, f.node, str(f.world_before), rec, lost)
     console.print(table)
     rows = cluster.rows()
-    if rows:
+    if rows and known and rows[-1].get("loss") is not None:
         console.print(f"final step {rows[-1]['step']} in a world of {rows[-1]['world_size']}, "
                       f"final loss {rows[-1]['loss']:.4g} (first {rows[0]['loss']:.4g})")
+    elif rows:
+        console.print(f"last progress in a world of {rows[-1]['world_size']}"
+                      + ("" if known else " (the script reports no step numbers; steps rolled back are not known: "
+                                           "call elastic.report_progress(step) to have them counted)"))
     console.print(f"logs and snapshots: {cluster.run_dir}")
     return all(f.recovered_at is not None for f in cluster.faults)
 
@@ -356,12 +385,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     job_args: list[str] = []
     if "--" in argv:
         job_args, argv = argv[argv.index("--") + 1:], argv[: argv.index("--")]
-    p = argparse.ArgumentParser(prog="elastic local", description=__doc__.splitlines()[0],
-                                epilog="Arguments after -- go to the job (python -m elastic.train).")
+    p = argparse.ArgumentParser(
+        prog="elastic local", description=__doc__.splitlines()[0],
+        usage="elastic local [options] [--job mlp|resnet [-- job args] | SCRIPT [args] | -m MODULE [args]]",
+        epilog="With no SCRIPT or -m, an example job runs (python -m elastic.train; arguments after -- go to "
+               "it). SCRIPT or -m MODULE runs your own training script on every node, as torchrun takes it.")
     p.add_argument("--nodes", type=int, default=3, help="local nodes (default 3)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--job", choices=("mlp", "resnet"), default="mlp", help="example job (default mlp)")
-    p.add_argument("--steps", type=int, default=600, help="steps to train (default 600)")
+    p.add_argument("--steps", type=int, default=600, help="example job: steps to train (default 600)")
+    p.add_argument("-m", "--module", dest="as_module", action="store_true",
+                   help="SCRIPT is a module to run with python -m, as in torchrun")
+    p.add_argument("--netns", action="store_true",
+                   help="give each node its own network namespace and address, etcd on a bridge (root only)")
     p.add_argument("--chaos", default="kill,freeze",
                    help=f"fault kinds to cycle through, comma-separated, from {', '.join(KINDS)} "
                         "(default kill,freeze; bench/chaos_soak.py adds random timing and end-of-run checks)")
@@ -374,12 +410,30 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help=f"node lease TTL, seconds (default {DEFAULT_LEASE_TTL})")
     p.add_argument("--timeout", type=float, default=280.0, help="give up after this many seconds")
     p.add_argument("--run-dir", type=Path, default=None, help="logs and snapshots (default runs/local-TIME)")
+    p.add_argument("script", nargs="?", default=None, metavar="SCRIPT",
+                   help="your training script (or module, with -m); runs under elastic agent on every node")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="the script's arguments")
     args = p.parse_args(argv)
+    if args.as_module and not args.script:
+        p.error("-m needs a MODULE to run, e.g. elastic local -m my_pkg.train")
+    if args.script and job_args:
+        p.error("arguments after -- go to the example job; give your script's arguments after it instead")
+    if args.script and not args.as_module and not Path(args.script).is_file():
+        p.error(f"{args.script}: no such file; give the path of your training script (or -m MODULE)")
+    if args.netns:
+        from .netns import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            p.exit(2, f"error: --netns: {reason}; or run without --netns\n")
     if args.nodes < 2:
         p.error("--nodes must be at least 2: a fault needs survivors")
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
+    if args.script and KILL_SNAPSHOT in kinds:
+        p.error(f"--chaos {KILL_SNAPSHOT} needs to know where the job writes snapshots; it works with the "
+                "example jobs only")
     args.kinds = kinds
     return args, job_args
 
@@ -390,24 +444,49 @@ def _snapshot_every(module_args: Sequence[str]) -> int:
     return int(module_args[flags[-1] + 1]) if flags and flags[-1] + 1 < len(module_args) else 100
 
 
+@contextlib.contextmanager
+def _network(nodes: int, netns: bool) -> Iterator[Any]:
+    """With --netns, nodes node-0... on their own network (removed on the way out)."""
+    if not netns:
+        yield None
+        return
+    from .netns import NodeNetwork
+
+    with NodeNetwork([f"node-{i}" for i in range(nodes)]) as net:
+        yield net
+
+
+def _job(args: argparse.Namespace, job_args: list[str], run_dir: Path) -> tuple[dict[str, Any], str]:
+    """What every node runs (LocalNode fields) and how the header names it."""
+    if args.script:
+        if args.as_module:
+            return {"module": args.script, "module_args": args.script_args}, f"-m {args.script}"
+        return ({"script": str(Path(args.script).resolve()), "module_args": args.script_args},
+                Path(args.script).name)
+    module_args = ["--job", args.job, "--steps", str(args.steps), "--snapshot-dir", str(run_dir / "snapshots"),
+                   "--snapshot-every-steps", "20", "--step-sleep", "0.03", "--progress", "{progress}", *job_args]
+    return {"module": "elastic.train", "module_args": module_args}, f"job {args.job}"
+
+
 def main(argv: Sequence[str]) -> int:
     args, job_args = parse_args(argv)
     console = Console()
     run_dir = (args.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    module_args = ["--job", args.job, "--steps", str(args.steps), "--snapshot-dir", str(run_dir / "snapshots"),
-                   "--snapshot-every-steps", "20", "--step-sleep", "0.03", "--progress", "{progress}", *job_args]
-    with EmbeddedEtcd(data_dir=run_dir / "etcd") as etcd:
+    job, what = _job(args, job_args, run_dir)
+    with _network(args.nodes, args.netns) as net, \
+            EmbeddedEtcd(data_dir=run_dir / "etcd", host=net.central_addr if net else "127.0.0.1") as etcd:
         console.print(f"etcd at [cyan]{etcd.url}[/cyan]; {args.nodes} nodes x {args.nproc_per_node} workers; "
-                      f"job {args.job}; logs in {run_dir}")
+                      f"{what}; logs in {run_dir}")
         cluster = Cluster([
             ClusterNode(LocalNode(
-                name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, module="elastic.train",
-                module_args=module_args, nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node,
+                name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir,
+                nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node,
                 rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(),
-                agent_args=["--lease-ttl", str(args.lease_ttl)],
+                agent_args=["--lease-ttl", str(args.lease_ttl)], netns=net[f"node-{i}"] if net else None, **job,
             )) for i in range(args.nodes)
-        ], run_dir, args.nproc_per_node, etcd=etcd, snapshot_every=_snapshot_every(module_args))
+        ], run_dir, args.nproc_per_node, etcd=etcd,
+            snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0)
         stop, pressed, ctrl_c = threading.Event(), [], threading.Event()
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
@@ -423,11 +502,12 @@ def main(argv: Sequence[str]) -> int:
                         if ctrl_c.wait(0.1):  # Ctrl-C quits like q: clean up, then the summary
                             break
                         cluster.tick()
-                        if trained_at is None and cluster.step() > 0:
+                        if trained_at is None and cluster.rows():
                             trained_at = time.time()
                             next_fault = trained_at + args.first_fault_after
                         key = pressed.pop(0) if pressed else ""
-                        due = next_fault is not None and scheduled < args.faults and time.time() >= next_fault
+                        due = (next_fault is not None and scheduled < args.faults and time.time() >= next_fault
+                               and (args.script or cluster.step() < 0.8 * args.steps))  # room to recover in
                         candidates = [n for n in cluster.up() if n.node.progress()]
                         if key == "q":
                             break
@@ -440,8 +520,7 @@ def main(argv: Sequence[str]) -> int:
                                 scheduled += 1
                                 next_fault = time.time() + args.fault_every
                         live.update(view(cluster, f"elastic local  {time.time() - started:5.0f} s"))
-                        if cluster.step() >= args.steps and all(not n.node.alive() for n in cluster.nodes
-                                                                if n.state == "up"):
+                        if cluster.finished(None if args.script else args.steps):
                             finished = True
                             break
             finally:
@@ -452,7 +531,7 @@ def main(argv: Sequence[str]) -> int:
     ok = summary(console, cluster)
     if not finished:
         why = "Ctrl-C" if interrupted else "timeout or q"
-        console.print(f"[yellow]stopped before step {args.steps}[/yellow] ({why})")
+        console.print(f"[yellow]stopped before the job finished[/yellow] ({why})")
     if interrupted:
         return 130  # the shell's code for an interrupted command
     return 0 if ok and (finished or args.timeout <= 0) else 1

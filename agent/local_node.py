@@ -2,7 +2,12 @@
 
 The one-machine demo and the tests use it to stand for a machine: it can be killed
 (SIGKILL of the whole tree, since torchrun puts workers in their own sessions), frozen
-and thawed, and it reports each completed step through a progress file.
+and thawed. Its progress comes from the job's own progress file (``elastic.train
+--progress``) when there is one, else from the agent: the heartbeat every worker beats
+after each optimizer step and the agent's ``status.json`` (round and ranks), so any script
+can be followed without a change. Rows built that way carry ``kind``: ``job`` when the
+script reported its own step numbers (``elastic.report_progress(step)``), ``count`` when
+they only count this process's optimizer steps.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class LocalNode:
     workdir: Path
     module: str = "elastic.examples.tiny_ddp"
     module_args: Sequence[str] = ()
+    script: str | None = None  # run this file instead of ``-m module`` (its args: module_args)
     nnodes: str = "1:3"
     nproc_per_node: int = 1
     max_restarts: int = 20
@@ -55,6 +61,7 @@ class LocalNode:
     frozen: list[int] = field(default_factory=list)
     _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
     _read_to: int = field(default=0, repr=False)  # bytes of the progress file already parsed
+    _beats_seen: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict, repr=False)
 
     @property
     def log_path(self) -> Path:
@@ -69,9 +76,13 @@ class LocalNode:
     def progress_path(self) -> Path:
         return self.workdir / f"{self.name}.progress.jsonl"
 
+    @property
+    def agent_dir(self) -> Path:
+        return self.workdir / f"{self.name}.agent"
+
     def command(self) -> list[str]:
-        cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", str(self.metrics_port)] \
-            if self.launcher == "elastic" else [TORCHRUN]
+        cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", str(self.metrics_port),
+               "--agent-dir", str(self.agent_dir)] if self.launcher == "elastic" else [TORCHRUN]
         if self.netns is not None:  # peers and scrapers reach it at its own address, as on a host
             cmd += ["--local-addr", self.netns.addr]
             cmd += ["--metrics-addr", self.netns.addr] if self.launcher == "elastic" else []
@@ -87,7 +98,8 @@ class LocalNode:
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf.items())]
         args = [a.replace("{progress}", str(self.progress_path)) for a in self.module_args]
-        cmd += [*self.agent_args, "-m", self.module, *args]
+        target = [self.script] if self.script is not None else ["-m", self.module]
+        cmd += [*self.agent_args, *target, *args]
         return self.netns.wrap(cmd) if self.netns is not None else cmd  # `ip netns exec` keeps the pid
 
     def start(self) -> "LocalNode":
@@ -134,6 +146,11 @@ class LocalNode:
             pass
 
     def progress(self) -> list[dict[str, Any]]:
+        """Every progress row so far: the job's progress file, or else the agent's heartbeats."""
+        rows = self._file_progress()
+        return rows if rows else self._beat_progress()
+
+    def _file_progress(self) -> list[dict[str, Any]]:
         """Every complete progress line so far; only what was appended since the last call
         is read, since the live view and the tests poll this many times a second."""
         try:
@@ -141,15 +158,38 @@ class LocalNode:
                 f.seek(self._read_to)
                 fresh = f.read()
         except FileNotFoundError:
-            return []
+            return [r for r in self._rows if r.get("kind") == "file"]
         complete = fresh[: fresh.rfind(b"\n") + 1]  # a line still being written waits for its end
         self._read_to += len(complete)
         for line in complete.splitlines():
             try:
-                self._rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                pass  # a line cut short by SIGKILL, with the restarted node's next line glued on
-        return list(self._rows)
+                continue  # a line cut short by SIGKILL, with the restarted node's next line glued on
+            row.setdefault("kind", "file")
+            self._rows.append(row)
+        return [r for r in self._rows if r.get("kind") == "file"]
+
+    def _beat_progress(self) -> list[dict[str, Any]]:
+        """One row per new heartbeat seen (any script): rank and world from the agent's status."""
+        from elastic.heartbeat import JOB_STEP, read_beats
+
+        try:
+            status = json.loads((self.agent_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return [r for r in self._rows if r.get("kind") != "file"]
+        for local_rank, beat in sorted(read_beats(self.agent_dir / "heartbeat").items()):
+            key = (local_rank, beat.pid)
+            if self._beats_seen.get(key) == (beat.step, beat.time) or beat.time < float(status["time"]):
+                continue  # seen, or beaten before this round began (not this round's)
+            self._beats_seen[key] = (beat.step, beat.time)
+            self._rows.append({
+                "node": self.name, "rank": int(status["rank_base"]) + local_rank, "local_rank": local_rank,
+                "world_size": int(status["world_size"]), "step": beat.step, "time": beat.time,
+                "round": int(status["round"]), "pid": beat.pid, "loss": None, "samples": 0,
+                "kind": "job" if beat.kind == JOB_STEP else "count",
+            })
+        return [r for r in self._rows if r.get("kind") != "file"]
 
     def steps_at(self, world_size: int, after: float = 0.0) -> list[dict[str, Any]]:
         """Steps this node completed in a world of ``world_size`` after time ``after``."""

@@ -24,6 +24,7 @@ node registry; its workers learn each round through :mod:`elastic.inplace.channe
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -48,6 +49,7 @@ from torch.distributed.elastic.utils import macros
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from elastic.rendezvous.rounds import FAILURE, JOIN
 
 from .commands import CommandWatch
 from .metrics import AgentMetrics
@@ -269,7 +271,7 @@ class NodeAgent(ElasticAgent):
             self.remaining_restarts -= 1
         self.restart_count += 1
         previous = self.participants
-        self._rendezvous()
+        self._rendezvous(JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else FAILURE)
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             self.remaining_restarts += 1
@@ -284,7 +286,7 @@ class NodeAgent(ElasticAgent):
         assert self.channel is not None
         log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self._describe(decision))
         previous = self.round_number
-        self._rendezvous_for_offer()
+        self._rendezvous_for_offer(JOIN if decision.reason is Reason.SCALE_UP else FAILURE)
         if self.offer is None:
             log.warning("[%s] no usable round for in-place workers; restarting them", self.node)
             self._restart(Decision(Action.RESTART, Reason.PEER_LOST))
@@ -313,7 +315,7 @@ class NodeAgent(ElasticAgent):
             self.watch.forget(rank)
         if decision.counted:
             self.remaining_restarts -= 1
-        self._rendezvous_for_offer()
+        self._rendezvous_for_offer(FAILURE)
         if self.offer is None:
             self._restart(Decision(Action.RESTART, decision.reason))
             return
@@ -399,7 +401,10 @@ class NodeAgent(ElasticAgent):
 
     # ------------------------------------------------------------------ rounds and groups
 
-    def _rendezvous(self) -> None:
+    def _rendezvous(self, cause: str = JOIN) -> None:
+        """Take part in the next round; ``cause`` says why, should this node be the one to open it."""
+        if self.ours is not None:
+            self.ours.next_cause = cause
         started = time.monotonic()
         try:
             info = self.handler.next_rendezvous()
@@ -424,16 +429,32 @@ class NodeAgent(ElasticAgent):
             if ranks is not None:
                 self.rank_base, self.world_size = ranks
             if self.channel is not None:
+                cause = self.ours.round.cause if self.ours.round is not None else JOIN
                 self.offer = make_offer(self.round_number, self.participants, self.node, nprocs,
-                                        {n: r.store_addr for n, r in records.items()})
+                                        {n: r.store_addr for n, r in records.items()}, cause)
         self.metrics.round.set(self.round_number)
         self.metrics.nodes_in_round.set(self.group_world)
+        self._write_status()
 
-    def _rendezvous_for_offer(self) -> None:
+    def _write_status(self) -> None:
+        """``status.json`` in the agent's directory: where this node's workers stand, for tools
+        (``elastic local`` follows any script's progress through it and the heartbeats)."""
+        status = {"node": self.node, "round": self.round_number, "participants": list(self.participants),
+                  "group_rank": self.group_rank, "group_world": self.group_world, "rank_base": self.rank_base,
+                  "world_size": self.world_size, "nproc": self.spec.nproc, "time": time.time()}
+        path = self.settings.work_dir / "status.json"
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(status))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("cannot write %s: %s", path, exc)
+
+    def _rendezvous_for_offer(self, cause: str) -> None:
         """A round whose every member's record says where its store is (a member that died
         as the round closed has none: the next round leaves it out)."""
         for _ in range(_OFFER_TRIES):
-            self._rendezvous()
+            self._rendezvous(cause)
             if self.offer is not None:
                 return
 

@@ -117,11 +117,10 @@ def _append(path: str, flag: str) -> IO[str]:
 
 
 def _configure_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,  # rank 0 speaks for the job
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr,
-    )
+    # INFO everywhere: ElasticRun itself speaks only from whichever process is rank 0 now,
+    # and in place that can change without a restart (rank 0's node lost).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

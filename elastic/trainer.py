@@ -328,6 +328,7 @@ class ElasticRun:
         self.snapshots.attach(self.dist)
         step, state, written_at = self.snapshots.load_newest(self.dist)
         self._describe_restore(step, state)
+        self.metrics.state_from("disk" if step >= 0 else "fresh")
         steps = all_gather_ints(self.state.step, self.dist)
         if len(set(steps)) != 1:
             raise ElasticRunError(
@@ -377,9 +378,16 @@ class ElasticRun:
                 self.metrics.restored(time.perf_counter() - t0, written_at)
                 if step < 0:
                     plan, note = agreement.fresh_plan(self.dist.world_size), ", from rank 0's fresh state"
+                    self.metrics.state_from("fresh")
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
+                    self.metrics.state_from("disk")
+            elif plan.sources and self.dist.is_main:
+                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where,
+                         self.membership.round, plan.healed, plan.senders(), plan.step)
             moved = self._heal(plan) if plan.sources else 0
+            if self.dist.rank in plan.sources and not plan.from_disk:
+                self.metrics.state_from("replica")
             if plan.sources and not note:
                 note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB)"
         except RuntimeError as exc:

@@ -49,6 +49,7 @@ class RoundOffer:
     world_size: int
     store: str
     nprocs: tuple[int, ...] = ()
+    cause: str = "join"  # join: members only arrive; failure: the current world is broken
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,7 +60,7 @@ class RoundOffer:
         return cls(round=int(data["round"]), participants=tuple(data["participants"]),
                    node_rank=int(data["node_rank"]), rank_base=int(data["rank_base"]),
                    world_size=int(data["world_size"]), store=str(data["store"]),
-                   nprocs=tuple(int(n) for n in data.get("nprocs", ())))
+                   nprocs=tuple(int(n) for n in data.get("nprocs", ())), cause=str(data.get("cause", "join")))
 
 
 def assign_ranks(participants: Sequence[str], node: str, nprocs: Mapping[str, int | None]) -> tuple[int, int] | None:
@@ -75,7 +76,8 @@ def assign_ranks(participants: Sequence[str], node: str, nprocs: Mapping[str, in
 
 
 def make_offer(round_number: int, participants: Sequence[str], node: str,
-               nprocs: Mapping[str, int | None], stores: Mapping[str, str | None]) -> RoundOffer | None:
+               nprocs: Mapping[str, int | None], stores: Mapping[str, str | None],
+               cause: str = "join") -> RoundOffer | None:
     """The offer for ``node``'s workers, or None if a participant's registry record is
     missing what it needs (it died as the round closed: the next round will leave it out)."""
     ranks = assign_ranks(participants, node, nprocs)
@@ -84,7 +86,7 @@ def make_offer(round_number: int, participants: Sequence[str], node: str,
         return None
     sizes = tuple(int(nprocs[p]) for p in participants)  # type: ignore[arg-type]
     return RoundOffer(round=round_number, participants=tuple(participants), node_rank=list(participants).index(node),
-                      rank_base=ranks[0], world_size=ranks[1], store=store, nprocs=sizes)
+                      rank_base=ranks[0], world_size=ranks[1], store=store, nprocs=sizes, cause=cause)
 
 
 @dataclass(frozen=True)

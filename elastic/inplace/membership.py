@@ -215,15 +215,16 @@ class Membership:
         if world is None or offer.round <= world.round:
             return
         current, offered = set(world.participants), set(offer.participants)
-        grows_only = offered > current
+        grows_only = offered >= current and offer.cause != "failure"
         stuck = time.monotonic() - self._last_step > self._stall_limit()
         if (not grows_only or stuck) and self._tripped_for < offer.round:
             self._tripped_for = offer.round
             shut = self.fence.trip()
             aborted = abort_backend(self.backend)
+            why = ("leaves members out" if not offered >= current else "follows a failure" if not grows_only
+                   else "waits on a stuck step")
             log.info("[%s rank %d] round %d %s: interrupting the current collectives (%d sockets%s)", self.node,
-                     world.rank, offer.round, "leaves members out" if not grows_only else "waits on a stuck step",
-                     shut, ", NCCL abort" if aborted else "")
+                     world.rank, offer.round, why, shut, ", NCCL abort" if aborted else "")
         if grows_only:
             self._post_and_check(offer)
 

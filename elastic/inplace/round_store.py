@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-_SLICE = timedelta(milliseconds=100)
+_POLL_MAX_S = 0.01
 
 
 class RoundAbandoned(RuntimeError):
@@ -57,17 +57,14 @@ class RoundStore(dist.Store):
         return self._target
 
     def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Poll with ``check`` (a TCPStore ``wait`` that times out logs a warning each time)."""
         deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
-        while True:
-            store = self._store()
-            try:
-                store.wait(keys, _SLICE)
-                return
-            except (dist.DistStoreError, RuntimeError) as exc:
-                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                    raise
+        pause = 0.001
+        while not self._store().check(keys):
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"timed out waiting for round store keys {keys} at {self.address}")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     # ------------------------------------------------------------------ the Store interface
 

@@ -82,6 +82,7 @@ class Families:
     time_to_first_step: Gauge
     heal: Gauge
     heal_bytes: Counter
+    restores: Counter
 
 
 @functools.cache
@@ -153,6 +154,9 @@ def families() -> Families:
                    "In place: this worker's last re-formation, from the failure (or its start, for a joiner) "
                    "to standing on the agreed step with its group reconfigured.",
                    multiprocess_mode="livemax", registry=r),
+        restores=Counter("elastic_restores_total",
+                         "Times this worker took its state from somewhere: a snapshot on disk, a live replica "
+                         "(healed in place), or nowhere (a fresh start).", ("source",), registry=r),
         heal_bytes=Counter("elastic_heal_bytes_total",
                            "State bytes this worker sent to or received from a live replica when healing.",
                            registry=r),

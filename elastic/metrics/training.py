@@ -76,6 +76,7 @@ class MetricsLike(Protocol):
     def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool: ...
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None: ...
     def healed(self, seconds: float, transferred_bytes: int) -> None: ...
+    def state_from(self, source: str) -> None: ...
     def world_changed(self, rank: int, world_size: int) -> None: ...
     def snapshot_submitted(self, seconds: float) -> None: ...
     def snapshot_skipped(self) -> None: ...
@@ -96,6 +97,9 @@ class NoMetrics:
         pass
 
     def healed(self, seconds: float, transferred_bytes: int) -> None:
+        pass
+
+    def state_from(self, source: str) -> None:
         pass
 
     def world_changed(self, rank: int, world_size: int) -> None:
@@ -148,6 +152,9 @@ class TrainingMetrics:
 
     def healed(self, seconds: float, transferred_bytes: int) -> None:
         self.worker.healed(seconds, transferred_bytes)
+
+    def state_from(self, source: str) -> None:
+        self.worker.state_from(source)
 
     def world_changed(self, rank: int, world_size: int) -> None:
         self.worker.rank_changed(rank, world_size)

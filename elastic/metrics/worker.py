@@ -152,6 +152,10 @@ class WorkerMetrics:
     def world_changed(self, world_size: int) -> None:
         self.families.world_size.set(world_size)
 
+    def state_from(self, source: str) -> None:
+        """disk | replica | fresh: where this worker's state came from at its latest world."""
+        self.families.restores.labels(source).inc()
+
     def healed(self, seconds: float, transferred_bytes: int) -> None:
         self.families.heal.set(seconds)
         if transferred_bytes:

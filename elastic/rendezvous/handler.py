@@ -46,7 +46,7 @@ from elastic.etcd.mirror import PrefixMirror
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
-from .rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
+from .rounds import CLOSED, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 
@@ -97,6 +97,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joined_once = False
         self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
+        self.next_cause = JOIN  # set by the agent before next_rendezvous: why it may open a round
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
 
     # --------------------------------------------------------------- torch's ABC
@@ -233,8 +234,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             elif record.state == CLOSED:
                 if joined_round == record.round and self.node in record.participants:
                     return record
-                if self.node in record.participants or len(record.participants) < self.timings.max_nodes:
-                    self._swap_round(round_rev, record.next_open())
+                if joined_round == record.round + 1:
+                    self.mirror.wait(revision, _TICK_S)  # we opened the next one; the mirror lags behind
+                elif self.node in record.participants or len(record.participants) < self.timings.max_nodes:
+                    opened = self._open_and_join(round_rev, record.next_open(self.next_cause), joined_round)
+                    if opened is not None:  # our join is in the same transaction: the round cannot close without us
+                        joined_round, join_revision = record.round + 1, opened
                 else:
                     self.mirror.wait(revision, 1.0)  # a full world: wait for the next round
             elif joined_round != record.round:
@@ -273,6 +278,25 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         value = self.signer.seal(key.encode(), record.to_json())
         guard = tx.Version(key) == 0 if expected_mod_revision == 0 else tx.Mod(key) == expected_mod_revision
         return transact(self.client, [guard], [tx.Put(key, value)]).succeeded
+
+    def _open_and_join(self, expected_mod_revision: int, record: RoundRecord, previous_round: int | None) -> int | None:
+        """Open ``record`` and put our join key in one transaction; the revision, or None if
+        someone else changed the round record first."""
+        key = self._round_key
+        value = self.signer.seal(key.encode(), record.to_json())
+        join_key = f"{self._join_prefix}{record.round}/{self.node}"
+        join_value = self.signer.seal(join_key.encode(), json.dumps({"node": self.node, "t": time.time()}).encode())
+        stale = f"{self._join_prefix}{previous_round}/{self.node}" if previous_round is not None else None
+        stale = None if stale == join_key else stale
+
+        def put(lease_id: int) -> int | None:
+            ops = [tx.Put(key, value), tx.Put(join_key, join_value, lease=lease_id)]
+            if stale:
+                ops.append(tx.Delete(stale))
+            result = transact(self.client, [tx.Mod(key) == expected_mod_revision], ops)
+            return result.revision if result.succeeded else None
+
+        return self.lease.write(put)
 
     def _join(self, round_number: int, previous_round: int | None) -> int:
         """Put our join key (dropping the previous round's); returns the revision of the put."""

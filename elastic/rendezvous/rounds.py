@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Collection, Iterable, Mapping
 
 OPEN, CLOSED = "open", "closed"
+JOIN, FAILURE = "join", "failure"  # why a round was opened: a node arriving, or a broken world
 ON_THEIR_WAY = frozenset({"stopping", "rendezvous"})  # registry states of nodes heading to the next round
 
 
@@ -26,6 +27,7 @@ class RoundRecord:
     previous: tuple[str, ...] = ()  # the last closed round's participants, for stable ranks
     opened_at: float = field(default_factory=time.time)
     closed_at: float | None = None
+    cause: str = JOIN  # in place, survivors interrupt their collectives only for a broken world
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -37,13 +39,15 @@ class RoundRecord:
             round=int(data["round"]), state=str(data["state"]),
             participants=tuple(data.get("participants", ())), previous=tuple(data.get("previous", ())),
             opened_at=float(data.get("opened_at", 0.0)), closed_at=data.get("closed_at"),
+            cause=str(data.get("cause", JOIN)),
         )
 
-    def next_open(self) -> "RoundRecord":
-        return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous)
+    def next_open(self, cause: str = JOIN) -> "RoundRecord":
+        return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause)
 
     def closed_with(self, participants: Iterable[str]) -> "RoundRecord":
-        return RoundRecord(self.round, CLOSED, tuple(participants), self.previous, self.opened_at, time.time())
+        return RoundRecord(self.round, CLOSED, tuple(participants), self.previous, self.opened_at, time.time(),
+                           self.cause)
 
 
 @dataclass(frozen=True)

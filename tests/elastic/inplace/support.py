@@ -1,0 +1,68 @@
+"""Starting nodes that run the in-place test job, and reading what they report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from elastic.etcd import EmbeddedEtcd, free_port
+from tests.elastic.metrics.scrape import fetch
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+JOB = Path(__file__).with_name("job.py")
+FORM_TIMEOUT = 150  # cold torch imports on a loaded 2-core machine
+LEASE_TTL = 2
+
+
+def start_job(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, workdir: Path,
+              nnodes: str = "1:3", env: dict[str, str] | None = None, agent_args: Iterable[str] = ()) -> Node:
+    job_env = {"PROGRESS": str(workdir / f"{name}.rows.jsonl"), "SNAPSHOTS": str(workdir / "snapshots"),
+               "LEDGER": str(workdir / "ledger.jsonl"), "OMP_NUM_THREADS": "1", **(env or {})}
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(JOB), nnodes=nnodes,
+                 metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args])
+
+
+def rows(node: Node, workdir: Path) -> list[dict[str, Any]]:
+    path = workdir / f"{node.name}.rows.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut short by SIGKILL
+    return out
+
+
+def at_world(node: Node, workdir: Path, world: int, after: float = 0.0) -> list[dict[str, Any]]:
+    return [r for r in rows(node, workdir) if r["world_size"] == world and r["time"] > after]
+
+
+def logs(*group: Node) -> Callable[[], str]:
+    return lambda: "\n".join(n.log_tail(80) for n in group)
+
+
+def train_together(group: list[Node], workdir: Path, world: int, steps: int = 8, after: float = 0.0,
+                   timeout: float = FORM_TIMEOUT) -> None:
+    wait_until(lambda: all(len(at_world(n, workdir, world, after)) >= steps for n in group), timeout,
+               f"{[n.name for n in group]} to train {steps} steps in a world of {world}", on_timeout=logs(*group))
+
+
+def metric(node: Node, name: str, **labels: str) -> float:
+    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    assert series is not None, f"{node.name} serves no /metrics"
+    return sum(v for (n, ls), v in series.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def ledger_steps(workdir: Path) -> list[int]:
+    path = workdir / "ledger.jsonl"
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (json.JSONDecodeError, KeyError):
+            pass
+    return steps
