@@ -207,6 +207,18 @@ def tree_memory(pids: Sequence[int]) -> tuple[float, float]:
     return pss / 2**20, rss / 2**20
 
 
+def tree_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds these processes (all their threads) have used so far."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def mem_available_gib() -> float:
     """``MemAvailable`` from /proc/meminfo (what ``free`` shows as available)."""
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -57,7 +57,9 @@ from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port  # noqa: E402
 from elastic.etcd.mirror import PrefixMirror  # noqa: E402
 from elastic.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
 from elastic.rendezvous import registry  # noqa: E402
-from forked_nodes import NodeLinks, Zygote, gather, kill_all, mem_available_gib, tree_memory  # noqa: E402
+from forked_nodes import (  # noqa: E402
+    NodeLinks, Zygote, gather, kill_all, mem_available_gib, tree_cpu_seconds, tree_memory,
+)  # noqa: E402
 
 OURS, C10D = "etcd-v3", "c10d"
 MONITOR_INTERVAL_S = 0.1  # torch's LaunchConfig default, and `elastic local`'s
@@ -82,9 +84,10 @@ class _Counts:
     """This node process's etcd requests, keep-alives and watch events."""
 
     def __init__(self) -> None:
-        self.requests = self.keepalives = self.events = 0
+        self.requests = self.keepalives = self.events = self.looks = 0
         self._lock = threading.Lock()
         call, refresh, on_watch = EtcdClient.call, registry.refresh_lease, PrefixMirror._on_watch
+        entries = PrefixMirror.entries
         counts = self
 
         def counted_call(client, request, **kwargs):  # type: ignore[no-untyped-def]
@@ -103,9 +106,14 @@ class _Counts:
                     counts.events += len(response.events)
             return on_watch(mirror, response)
 
+        def counted_entries(mirror):  # type: ignore[no-untyped-def]
+            counts.looks += 1  # the handler's reads of its mirror; only its own thread reads during a round
+            return entries(mirror)
+
         EtcdClient.call = counted_call  # type: ignore[method-assign]
         registry.refresh_lease = counted_refresh  # type: ignore[assignment]
         PrefixMirror._on_watch = counted_watch  # type: ignore[method-assign]
+        PrefixMirror.entries = counted_entries  # type: ignore[method-assign]
 
 
 def _make_handler(spec: NodeSpec, index: int) -> RendezvousHandler:
@@ -183,7 +191,7 @@ def node_main(link: Connection, index: int, spec: NodeSpec) -> None:
     else:
         link.recv()  # "stop"
     _stop(handler)
-    link.send(("counts", counts.requests, counts.keepalives, counts.events))
+    link.send(("counts", counts.requests, counts.keepalives, counts.events, counts.looks))
 
 
 # ----------------------------------------------------------------------------- bench side
@@ -195,6 +203,7 @@ class Formation:
     requests: float  # per node, keep-alives included
     keepalives: float  # per node
     events: float  # watch events per node
+    looks: float  # the handler's reads of its mirror per node (each one an O(N) scan)
     cpu_s: float  # median CPU seconds per node, call to round
     pss_gib: float  # the node processes and the zygote, while all hold the round
     available_gib: float
@@ -202,6 +211,7 @@ class Formation:
 
 @dataclass
 class Loss:
+    idle_cores: float  # CPU the N following nodes used per second, before the kill
     expiry_s: float  # kill -> lease expiry seen (etcd-v3); nan for c10d
     from_expiry: list[float]  # per survivor: expiry -> holds the new round
     noticed: list[float]  # per survivor: expiry -> restart_reason() said why
@@ -265,6 +275,7 @@ class Bench:
             requests=sum(m[1] for m in counts.values()) / n,
             keepalives=sum(m[2] for m in counts.values()) / n,
             events=sum(m[3] for m in counts.values()) / n,
+            looks=sum(m[4] for m in counts.values()) / n,
             cpu_s=statistics.median(m[5] for m in rounds.values()),
             pss_gib=pss, available_gib=available,
         )
@@ -291,7 +302,9 @@ class Bench:
         pids, links = self._start(spec, n)
         try:
             self._first_round(links, n, timeout)
+            cpu = tree_cpu_seconds(pids)
             time.sleep(SETTLE_S)
+            idle_cores = (tree_cpu_seconds(pids) - cpu) / SETTLE_S
             killed = time.monotonic()
             os.kill(pids[victim], signal.SIGKILL)
             survivors = {i: c for i, c in links.items() if i != victim}
@@ -313,6 +326,7 @@ class Bench:
                 self.client.call(lambda c: c.cancel_watch(watch))
         expired = deleted.get(victim_key, float("nan"))
         return Loss(
+            idle_cores=idle_cores,
             expiry_s=expired - killed,
             from_expiry=[m[4] - expired for m in rounds.values()],
             noticed=[m[3] - expired for m in rounds.values()],
@@ -337,7 +351,7 @@ def _load() -> str:
 def run_formation(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nformation: N nodes, one process each, min = max = N; medians of {args.repeats}")
     print(f"{'nodes':>5}  {'etcd-v3 s':>9}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8}  {'keep-alive':>10}  "
-          f"{'events/node':>11}  {'cpu s/node':>10}  {'tree PSS GiB':>12}  {'avail GiB':>9}  load 1/5/15")
+          f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'tree PSS GiB':>12}  {'avail GiB':>9}  load 1/5/15")
     for n in args.nodes:
         ours = [t for t in (_attempt(f"etcd-v3 {n}", lambda r=r: bench.formation(OURS, n, r, args.give_up))
                             for r in range(args.repeats)) if t]
@@ -351,7 +365,7 @@ def run_formation(bench: Bench, args: argparse.Namespace) -> None:
         med = lambda attr, trials=ours: statistics.median(getattr(t, attr) for t in trials)  # noqa: E731
         c10d_s = med("seconds", theirs) if theirs else float("nan")
         print(f"{n:>5}  {med('seconds'):>9.2f}  {c10d_s:>6.2f}  {med('seconds') / c10d_s:>5.2f}  "
-              f"{med('requests'):>8.1f}  {med('keepalives'):>10.1f}  {med('events'):>11.0f}  "
+              f"{med('requests'):>8.1f}  {med('keepalives'):>10.1f}  {med('events'):>11.0f}  {med('looks'):>10.0f}  "
               f"{med('cpu_s'):>10.3f}  {max(t.pss_gib for t in ours):>12.2f}  "
               f"{min(t.available_gib for t in ours):>9.1f}  {_load()}", flush=True)
     print("(ratio = etcd-v3 / c10d; req/node includes the keep-alives; goals: 64 nodes <= 3 s and <= c10d, "
@@ -361,7 +375,8 @@ def run_formation(bench: Bench, args: argparse.Namespace) -> None:
 def run_loss(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nloss: N nodes (--nnodes N-1:N), the last one SIGKILLed after the first round; {args.repeats} trial(s)")
     print(f"{'nodes':>5}  {'kill->expiry s':>14}  {'expiry->notice s':>16}  {'expiry->all hold s':>18}  "
-          f"{'kill->all hold s':>16}  {'c10d kill->all hold s':>21}  {'ratio':>5}  load 1/5/15")
+          f"{'kill->all hold s':>16}  {'c10d kill->all hold s':>21}  {'ratio':>5}  {'idle cores':>10}  "
+          f"{'c10d':>5}  load 1/5/15")
     for n in args.kill:
         for _ in range(args.repeats):
             ours = _attempt(f"etcd-v3 loss {n}", lambda: bench.loss(OURS, n, args.give_up))
@@ -373,10 +388,12 @@ def run_loss(bench: Bench, args: argparse.Namespace) -> None:
             c10d_s = max(theirs.from_kill) if theirs else float("nan")
             print(f"{n:>5}  {ours.expiry_s:>14.2f}  {max(ours.noticed):>16.2f}  "
                   f"{max(ours.from_expiry):>8.2f} (med {statistics.median(ours.from_expiry):.2f})  "
-                  f"{max(ours.from_kill):>16.2f}  {c10d_s:>21.2f}  {max(ours.from_kill) / c10d_s:>5.2f}  {_load()}",
+                  f"{max(ours.from_kill):>16.2f}  {c10d_s:>21.2f}  {max(ours.from_kill) / c10d_s:>5.2f}  "
+                  f"{ours.idle_cores:>10.2f}  {theirs.idle_cores if theirs else float('nan'):>5.2f}  {_load()}",
                   flush=True)
     print("(every figure is the slowest survivor's, med = median survivor; ratio = etcd-v3 / c10d, both from the "
-          "kill; goal: expiry->all hold <= 1 s at 64 nodes)")
+          "kill; goal: expiry->all hold <= 1 s at 64 nodes;\n"
+          " idle cores: CPU the N nodes used per second of wall time while following a healthy round)")
 
 
 def main() -> None:
