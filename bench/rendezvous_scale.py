@@ -206,6 +206,7 @@ class Formation:
     looks: float  # the handler's reads of its mirror per node (each one an O(N) scan)
     cpu_s: float  # median CPU seconds per node, call to round
     pss_gib: float  # the node processes and the zygote, while all hold the round
+    rss_gib: float  # the same, counting each shared page once per process
     available_gib: float
 
 
@@ -260,7 +261,7 @@ class Bench:
         pids, links = self._start(spec, n)
         try:
             rounds = self._first_round(links, n, timeout)
-            pss, _ = tree_memory([*pids, self.zygote.pid])
+            pss, rss = tree_memory([*pids, self.zygote.pid])
             available = mem_available_gib()
             self.per_node_gib = max(self.per_node_gib, pss / n)
             for conn in links.values():
@@ -277,7 +278,7 @@ class Bench:
             events=sum(m[3] for m in counts.values()) / n,
             looks=sum(m[4] for m in counts.values()) / n,
             cpu_s=statistics.median(m[5] for m in rounds.values()),
-            pss_gib=pss, available_gib=available,
+            pss_gib=pss, rss_gib=rss, available_gib=available,
         )
 
     def loss(self, backend: str, n: int, timeout: float) -> Loss:
@@ -351,7 +352,7 @@ def _load() -> str:
 def run_formation(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nformation: N nodes, one process each, min = max = N; medians of {args.repeats}")
     print(f"{'nodes':>5}  {'etcd-v3 s':>9}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8}  {'keep-alive':>10}  "
-          f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'tree PSS GiB':>12}  {'avail GiB':>9}  load 1/5/15")
+          f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'tree PSS/RSS GiB':>16}  {'avail GiB':>9}  load 1/5/15")
     for n in args.nodes:
         ours = [t for t in (_attempt(f"etcd-v3 {n}", lambda r=r: bench.formation(OURS, n, r, args.give_up))
                             for r in range(args.repeats)) if t]
@@ -366,7 +367,7 @@ def run_formation(bench: Bench, args: argparse.Namespace) -> None:
         c10d_s = med("seconds", theirs) if theirs else float("nan")
         print(f"{n:>5}  {med('seconds'):>9.2f}  {c10d_s:>6.2f}  {med('seconds') / c10d_s:>5.2f}  "
               f"{med('requests'):>8.1f}  {med('keepalives'):>10.1f}  {med('events'):>11.0f}  {med('looks'):>10.0f}  "
-              f"{med('cpu_s'):>10.3f}  {max(t.pss_gib for t in ours):>12.2f}  "
+              f"{med('cpu_s'):>10.3f}  {max(t.pss_gib for t in ours):>7.2f}/{max(t.rss_gib for t in ours):<8.1f}  "
               f"{min(t.available_gib for t in ours):>9.1f}  {_load()}", flush=True)
     print("(ratio = etcd-v3 / c10d; req/node includes the keep-alives; goals: 64 nodes <= 3 s and <= c10d, "
           "256 nodes <= 10 s, requests per node flat within 20 %)")
