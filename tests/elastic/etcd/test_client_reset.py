@@ -1,0 +1,100 @@
+"""One thread's etcd timeout must not fail another thread's request.
+
+After a transient failure the client rebuilds its gRPC channel (so an etcd that came
+back is not left in gRPC's reconnect back-off). The channel is shared by every thread
+of a node: the lease keep-alive, the watch and the rendezvous. Under CPU starvation
+(256 simulated nodes on 2 cores) a keep-alive timed out, its reset closed the channel
+under the rendezvous thread's transaction, and that node crashed with "Cannot invoke
+RPC on closed channel!". Real etcd and real gRPC; the timeouts are gRPC's own
+DEADLINE_EXCEEDED for requests whose deadline has passed when they start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import etcd3
+import pytest
+from etcd3 import etcdrpc
+
+from elastic.etcd import EmbeddedEtcd, EtcdClient, EtcdError
+
+
+def _timed_out_read(c: etcd3.MultiEndpointEtcd3Client) -> object:
+    """A request whose deadline has already passed: DEADLINE_EXCEEDED, a transient error."""
+    return c.kvstub.Range(etcdrpc.RangeRequest(key=b"/reset/k"), -1.0, metadata=c.metadata)
+
+
+def test_requests_survive_another_threads_timeouts(etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
+    key = f"/{run_id}/k"
+    client.call(lambda c: c.put(key, "v"))
+    stop, failures, timeouts = threading.Event(), [], [0]
+
+    def time_out_repeatedly() -> None:
+        while not stop.wait(0.02):  # 50 resets a second; a starved keep-alive fails at most every 0.75 s
+            try:
+                client.call(_timed_out_read, deadline=0.01)
+            except EtcdError:
+                timeouts[0] += 1
+
+    spoiler = threading.Thread(target=time_out_repeatedly, daemon=True)
+    spoiler.start()
+    try:
+        for _ in range(200):
+            try:
+                assert client.call(lambda c: c.get(key))[0] == b"v"
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                failures.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        stop.set()
+        spoiler.join(timeout=10)
+        client.close()
+    assert timeouts[0] > 0, "the other thread never timed out; the test proved nothing"
+    assert failures == []
+
+
+def test_a_request_whose_channel_was_closed_under_it_is_retried(etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """Deterministic form of the race: the channel closes between taking it and using it."""
+    client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
+    key = f"/{run_id}/k"
+    client.call(lambda c: c.put(key, "v"))
+    attempts: list[object] = []
+
+    def read_after_a_reset(c: etcd3.MultiEndpointEtcd3Client) -> bytes:
+        attempts.append(c)
+        if len(attempts) == 1:
+            client.close()  # what another thread's reset does to the shared channel
+        return c.get(key)[0]
+
+    try:
+        assert client.call(read_after_a_reset) == b"v"
+        assert len(attempts) == 2 and attempts[0] is not attempts[1]
+    finally:
+        client.close()
+
+
+def test_a_stale_reset_leaves_the_new_channel_alone(etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """Two threads fail on one channel; the second reset must not close the channel the
+    first one just rebuilt (in-flight watches and keep-alives would break again)."""
+    client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
+    key = f"/{run_id}/k"
+    client.call(lambda c: c.put(key, "v"))
+    events: list[object] = []
+    try:
+        first = client.call(lambda c: c)
+        with pytest.raises(EtcdError):
+            client.call(_timed_out_read, deadline=0.01)  # resets `first`, builds none yet
+        watch = client.call(lambda c: c.add_watch_callback(key, events.append))
+        rebuilt = client.call(lambda c: c)
+        assert rebuilt is not first
+        client._reset(first)  # a late failure on the old channel  # noqa: SLF001
+        client.call(lambda c: c.put(key, "w"))
+        deadline = time.monotonic() + 5
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events and not isinstance(events[0], BaseException), events
+        client.call(lambda c: c.cancel_watch(watch))
+    finally:
+        client.close()
