@@ -155,7 +155,11 @@ def _rendezvous(handler: RendezvousHandler, link: Connection, started: float) ->
 
 
 def _follow(handler: RendezvousHandler, link: Connection) -> None:
-    """The agent's monitor loop without workers, until the bench says stop.
+    """The agent's monitor loop without workers, until the bench says quiet.
+
+    The bench quiets every node before any closes its handler: a closing node revokes
+    its lease, which a node still following would take for a lost peer, and it would
+    wait in a rendezvous that can no longer fill.
 
     etcd-v3: ``restart_reason()`` each monitor interval, as ``agent/node_agent.py`` does,
     then "stopping" in the registry and ``next_rendezvous``. c10d has no such signal
@@ -166,7 +170,7 @@ def _follow(handler: RendezvousHandler, link: Connection) -> None:
         told = None
         if link.poll(MONITOR_INTERVAL_S):
             told = link.recv()
-            if told == "stop":
+            if told == "quiet":
                 return
         if ours:
             if handler.restart_reason() is None:  # type: ignore[union-attr]
@@ -189,8 +193,8 @@ def node_main(link: Connection, index: int, spec: NodeSpec) -> None:
     _rendezvous(handler, link, time.monotonic())
     if spec.follow:
         _follow(handler, link)
-    else:
-        link.recv()  # "stop"
+        link.send(("quiet",))
+    link.recv()  # "stop"
     _stop(handler)
     link.send(("counts", counts.requests, counts.keepalives, counts.events, counts.looks))
 
@@ -221,6 +225,7 @@ class Loss:
     from_kill: list[float]  # per survivor: kill -> holds the new round
     cpu_s: float  # median survivor's CPU seconds, notice to holding the new round
     floor_s: float  # CPU of all nodes and etcd, expiry to the last survivor holding, over the cores
+    extra_rounds: int  # further re-rendezvous after every survivor held the new round (churn)
 
 
 def _stop_all(links: dict[int, Connection]) -> dict[int, Any]:
@@ -241,7 +246,7 @@ class Bench:
         self.zygote, self.etcd = zygote, etcd
         self.links = NodeLinks()
         self.client = EtcdClient(etcd.settings())  # the bench's own, for the loss watch
-        self.per_node_gib = 0.0
+        self.largest: tuple[int, float] = (0, 0.0)  # (nodes, tree PSS GiB) of the largest formation so far
 
     def close(self) -> None:
         self.client.close()
@@ -251,10 +256,11 @@ class Bench:
         return self.etcd.endpoint if backend == OURS else f"127.0.0.1:{free_port()}"
 
     def _start(self, spec: NodeSpec, n: int) -> tuple[list[int], dict[int, Connection]]:
-        needed = n * self.per_node_gib * 1.5 + 1.0
-        if self.per_node_gib and mem_available_gib() < needed:
-            raise MemoryError(f"{n} nodes need about {needed:.1f} GiB (1.5 x {self.per_node_gib * 1024:.0f} MiB "
-                              f"each, measured, + 1 GiB); {mem_available_gib():.1f} GiB available")
+        measured_n, measured_gib = self.largest
+        needed = 1.5 * measured_gib * max(n / measured_n, 1.0) + 1.0 if measured_n else 0.0
+        if mem_available_gib() < needed:
+            raise MemoryError(f"{n} nodes need about {needed:.1f} GiB (1.5 x {measured_gib:.2f} GiB measured at "
+                              f"{measured_n} nodes, scaled, + 1 GiB); {mem_available_gib():.1f} GiB available")
         pids = self.zygote.spawn(node_main, self.links.address, [spec] * n)
         try:
             links = self.links.accept(n, READY_TIMEOUT_S)
@@ -288,7 +294,7 @@ class Bench:
             rounds, cpu = self._first_round(pids, links, n, timeout)
             pss, rss = tree_memory([*pids, self.zygote.pid])
             available = mem_available_gib()
-            self.per_node_gib = max(self.per_node_gib, pss / n)
+            self.largest = max(self.largest, (n, pss))
             counts = _stop_all(links)
         finally:
             kill_all(pids)
@@ -343,6 +349,16 @@ class Bench:
             held = {(m[1], m[2]) for m in rounds.values()}
             if len(held) != 1 or next(iter(held))[1] != n - 1:
                 raise RuntimeError(f"survivors hold different rounds or worlds (round, world): {sorted(held)}")
+            extra: list[int] = []  # survivors that restarted again after holding the new round
+
+            def quiet(index: int, message: Any) -> bool:
+                if message[0] == "round":
+                    extra.append(index)
+                return message[0] == "quiet"
+
+            for conn in survivors.values():
+                conn.send("quiet")
+            gather(survivors, quiet, 60, "survivors leaving their monitor loop")
             _stop_all(survivors)
         finally:
             kill_all(pids)
@@ -359,6 +375,7 @@ class Bench:
             from_kill=[m[4] - killed for m in rounds.values()],
             cpu_s=statistics.median(m[5] for m in rounds.values()),
             floor_s=(cpu_end - cpu_at_expiry) / CORES,
+            extra_rounds=len(extra),
         )
 
 
@@ -406,7 +423,7 @@ def run_loss(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nloss: N nodes (--nnodes N-1:N), the last one SIGKILLed after the first round; {args.repeats} trial(s)")
     print(f"{'nodes':>5}  {'kill->expiry s':>14}  {'expiry->notice s':>16}  {'expiry->all hold s':>18}  "
           f"{'kill->all hold s':>16}  {'c10d kill->all hold s':>21}  {'ratio':>5}  {'cpu s/node':>10}  "
-          f"{'cpu floor s':>11}  {'idle cores':>10}  "
+          f"{'cpu floor s':>11}  {'extra rounds':>12}  {'idle cores':>10}  "
           f"{'c10d':>5}  load 1/5/15")
     for n in args.kill:
         for _ in range(args.repeats):
@@ -420,13 +437,14 @@ def run_loss(bench: Bench, args: argparse.Namespace) -> None:
             print(f"{n:>5}  {ours.expiry_s:>14.2f}  {max(ours.noticed):>16.2f}  "
                   f"{max(ours.from_expiry):>8.2f} (med {statistics.median(ours.from_expiry):.2f})  "
                   f"{max(ours.from_kill):>16.2f}  {c10d_s:>21.2f}  {max(ours.from_kill) / c10d_s:>5.2f}  "
-                  f"{ours.cpu_s:>10.3f}  {ours.floor_s:>11.2f}  "
+                  f"{ours.cpu_s:>10.3f}  {ours.floor_s:>11.2f}  {ours.extra_rounds:>12}  "
                   f"{ours.idle_cores:>10.2f}  {theirs.idle_cores if theirs else float('nan'):>5.2f}  {_load()}",
                   flush=True)
     print("(every figure is the slowest survivor's, med = median survivor; ratio = etcd-v3 / c10d, both from the\n"
           " kill; cpu s/node: median survivor, notice to new round; cpu floor: CPU of all nodes and etcd from the\n"
           f" expiry to the last survivor holding, over {CORES} cores; idle cores: CPU the N nodes used per second\n"
-          " while following a healthy round; goal: expiry->all hold <= 1 s at 64 nodes)")
+          " while following a healthy round; extra rounds: re-rendezvous after all held the new one (churn);\n"
+          " goal: expiry->all hold <= 1 s at 64 nodes)")
 
 
 def main() -> None:
@@ -441,6 +459,7 @@ def main() -> None:
     if any(n < 3 for n in args.kill):
         parser.error("--kill sizes must be at least 3 (a loss leaves N-1 >= 2 nodes)")
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up etcd and the nodes when stopped
     zygote = Zygote()  # before anything below opens a gRPC channel
     try:
         with EmbeddedEtcd() as etcd:
