@@ -301,8 +301,9 @@ class EtcdClient:
     ) -> bool:
         """Block until ``key`` (or the range) changes after ``start_revision``.
 
-        Returns ``False`` on timeout. Watching from a revision misses nothing that happened
-        between the caller's read and this call, so callers never need to poll.
+        Returns ``False`` on timeout, and ``True`` also when the watch broke: either way the
+        caller re-reads. Watching from a revision misses nothing that happened between the
+        caller's read and this call, so callers never need to poll.
         """
         events: queue.Queue[Any] = queue.Queue()
         kwargs: dict[str, Any] = {"start_revision": start_revision}
@@ -321,6 +322,10 @@ class EtcdClient:
         if isinstance(item, BaseException):
             if isinstance(item, etcd_exc.RevisionCompactedError):
                 return True  # history is gone; the caller re-reads the current value
+            if _is_transient(item):
+                # the stream broke (etcd restarting, or another thread rebuilt the channel):
+                # the caller re-reads, and that read's retries say whether etcd is really away
+                return True
             raise EtcdUnavailableError(f"etcd watch failed: {_short(item)}") from item
         return True
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import etcd3
 import pytest
 from etcd3 import etcdrpc
 
 from elastic.etcd import EmbeddedEtcd, EtcdClient, EtcdError
+from elastic.rendezvous import EtcdV3Store, StateSigner
+from tests.support.waiting import wait_until
 
 
 def _timed_out_read(c: etcd3.MultiEndpointEtcd3Client) -> object:
@@ -98,3 +102,35 @@ def test_a_stale_reset_leaves_the_new_channel_alone(etcd_server: EmbeddedEtcd, r
         client.call(lambda c: c.cancel_watch(watch))
     finally:
         client.close()
+
+
+def test_a_store_read_waiting_on_a_watch_survives_the_channel_being_rebuilt(tmp_path: Path) -> None:
+    """At 128 nodes a node's bootstrap read (``MASTER_ADDR``) waited on a watch when a
+    keep-alive timeout rebuilt the channel; the broken watch ended the node. Its own etcd,
+    so that etcd's watcher count is this test's alone."""
+    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as etcd:
+        reader = EtcdClient(etcd.settings(), retry_deadline=5.0)
+        writer = EtcdClient(etcd.settings(), retry_deadline=5.0)
+        store = EtcdV3Store(reader, "/run/store", StateSigner(None))
+        got: list[bytes] = []
+        waiting = threading.Thread(target=lambda: got.append(store.get("MASTER_ADDR")), daemon=True)
+        try:
+            waiting.start()
+            wait_until(lambda: _watchers(etcd) >= 1, 10, "the read to watch the key")
+            reader.close()  # what another thread's reset does to the channel the watch runs on
+            time.sleep(0.2)  # let the broken stream reach the waiting read before the write lands
+            EtcdV3Store(writer, "/run/store", StateSigner(None)).set("MASTER_ADDR", "10.0.0.1")
+            waiting.join(timeout=10)
+            assert got == [b"10.0.0.1"]
+        finally:
+            reader.close()
+            writer.close()
+
+
+def _watchers(etcd_server: EmbeddedEtcd) -> float:
+    """How many watchers etcd serves (its own metric, read over HTTP)."""
+    with urllib.request.urlopen(f"{etcd_server.url}/metrics", timeout=2) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                return float(line.split()[1])
+    raise AssertionError("etcd exports no etcd_debugging_mvcc_watcher_total")
