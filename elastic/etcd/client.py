@@ -58,6 +58,7 @@ _TRANSIENT_TYPES = (
     etcd_exc.ConnectionTimeoutError,
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
+    etcd_exc.WatchTimedOut,  # etcd did not confirm a new watch in time (seen at 128 nodes on 2 cores)
 )
 # An endpoint that failed is skipped only this long; etcd restarts must not lock us out.
 _ENDPOINT_RETRY_S = 0.3
