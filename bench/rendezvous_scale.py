@@ -76,6 +76,7 @@ class NodeSpec:
     min_nodes: int
     max_nodes: int
     follow: bool  # after the first round, watch for a lost peer and re-rendezvous
+    lease_ttl: int = 3  # ours; c10d gets keep-alives of lease_ttl / 3 s x 3 attempts, the same deadline
 
 
 # ----------------------------------------------------------------------------- node side
@@ -121,11 +122,12 @@ def _make_handler(spec: NodeSpec, index: int) -> RendezvousHandler:
     if spec.backend == OURS:
         return create_handler(RendezvousParameters(
             OURS, spec.endpoint, spec.run_id, spec.min_nodes, spec.max_nodes, join_timeout=600,
-            node_name=f"node{index}",
+            node_name=f"node{index}", lease_ttl=spec.lease_ttl,
         ))
     params = RendezvousParameters(
         C10D, spec.endpoint, spec.run_id, spec.min_nodes, spec.max_nodes, join_timeout=600,
-        last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3, is_host=index == 0,
+        last_call_timeout=1, keep_alive_interval=spec.lease_ttl // 3, keep_alive_max_attempt=3,
+        is_host=index == 0,
     )
     backend, store = c10d_backend(params)
     return dynamic_rendezvous.create_handler(store, backend, params)
@@ -242,8 +244,8 @@ def _stop_all(links: dict[int, Connection]) -> dict[int, Any]:
 
 
 class Bench:
-    def __init__(self, zygote: Zygote, etcd: EmbeddedEtcd) -> None:
-        self.zygote, self.etcd = zygote, etcd
+    def __init__(self, zygote: Zygote, etcd: EmbeddedEtcd, lease_ttl: int) -> None:
+        self.zygote, self.etcd, self.lease_ttl = zygote, etcd, lease_ttl
         self.links = NodeLinks()
         self.client = EtcdClient(etcd.settings())  # the bench's own, for the loss watch
         self.largest: tuple[int, float] = (0, 0.0)  # (nodes, tree PSS GiB) of the largest formation so far
@@ -256,6 +258,10 @@ class Bench:
         return self.etcd.endpoint if backend == OURS else f"127.0.0.1:{free_port()}"
 
     def _start(self, spec: NodeSpec, n: int) -> tuple[list[int], dict[int, Connection]]:
+        process = self.etcd.process
+        if spec.backend == OURS and (process is None or process.poll() is not None):
+            raise RuntimeError(f"etcd is gone (exit status {process.poll() if process else None}); "
+                               f"see {self.etcd.log_path}")
         measured_n, measured_gib = self.largest
         needed = 1.5 * measured_gib * max(n / measured_n, 1.0) + 1.0 if measured_n else 0.0
         if mem_available_gib() < needed:
@@ -288,7 +294,8 @@ class Bench:
         return rounds, cpu
 
     def formation(self, backend: str, n: int, run: int, timeout: float) -> Formation:
-        spec = NodeSpec(backend, self._endpoint(backend), f"form{n}-{run}-{time.time_ns()}", n, n, False)
+        spec = NodeSpec(backend, self._endpoint(backend), f"form{n}-{run}-{time.time_ns()}", n, n, False,
+                        self.lease_ttl)
         pids, links = self._start(spec, n)
         try:
             rounds, cpu = self._first_round(pids, links, n, timeout)
@@ -313,7 +320,7 @@ class Bench:
 
     def loss(self, backend: str, n: int, timeout: float) -> Loss:
         run_id = f"loss{n}-{time.time_ns()}"
-        spec = NodeSpec(backend, self._endpoint(backend), run_id, n - 1, n, True)
+        spec = NodeSpec(backend, self._endpoint(backend), run_id, n - 1, n, True, self.lease_ttl)
         victim = n - 1
         victim_key = f"{registry.nodes_prefix('/elastic', run_id)}node{victim}".encode()
         deleted: dict[bytes, tuple[float, float]] = {}  # key -> (when, CPU of nodes and etcd then)
@@ -394,7 +401,8 @@ def _load() -> str:
 
 
 def run_formation(bench: Bench, args: argparse.Namespace) -> None:
-    print(f"\nformation: N nodes, one process each, min = max = N; medians of {args.repeats}")
+    print(f"\nformation: N nodes, one process each, min = max = N, lease TTL {args.lease_ttl} s; "
+          f"medians of {args.repeats}")
     print(f"{'nodes':>5}  {'etcd-v3 s':>9}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8}  {'keep-alive':>10}  "
           f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'cpu floor s':>11}  {'tree PSS/RSS GiB':>16}  {'avail GiB':>9}  load 1/5/15")
     for n in args.nodes:
@@ -455,15 +463,20 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=[OURS, C10D], choices=[OURS, C10D])
     parser.add_argument("--c10d-max", type=int, default=1 << 30, help="skip c10d above this many nodes")
     parser.add_argument("--give-up", type=float, default=300.0, help="seconds before a round counts as failed")
+    parser.add_argument("--lease-ttl", type=int, default=3,
+                        help="our lease TTL; c10d keeps alive every TTL/3 s, 3 attempts (default 3, a multiple of 3)")
+    parser.add_argument("--etcd-log", type=Path, help="keep etcd's log here (default: removed with etcd)")
     args = parser.parse_args()
+    if args.lease_ttl < 3 or args.lease_ttl % 3:
+        parser.error("--lease-ttl must be a multiple of 3 (c10d's keep-alive interval is whole seconds)")
     if any(n < 3 for n in args.kill):
         parser.error("--kill sizes must be at least 3 (a loss leaves N-1 >= 2 nodes)")
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up etcd and the nodes when stopped
     zygote = Zygote()  # before anything below opens a gRPC channel
     try:
-        with EmbeddedEtcd() as etcd:
-            bench = Bench(zygote, etcd)
+        with EmbeddedEtcd(log_path=args.etcd_log) as etcd:
+            bench = Bench(zygote, etcd, args.lease_ttl)
             try:
                 if args.nodes:
                     run_formation(bench, args)
