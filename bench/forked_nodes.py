@@ -32,7 +32,7 @@ import time
 import traceback
 from multiprocessing.connection import Client, Connection, Pipe, wait
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 _PR_SET_PDEATHSIG = 1
 _REAP_EVERY_S = 0.2
@@ -180,10 +180,11 @@ def gather(links: dict[int, Connection], want: Callable[[int, Any], bool], timeo
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{what}: {len(got)} of {len(links)} nodes within {timeout:.0f} s")
-        for conn in wait([c for c, i in by_conn.items() if i not in got], timeout=left):
-            index = by_conn[conn]  # type: ignore[index]
+        for ready in wait([c for c, i in by_conn.items() if i not in got], timeout=left):
+            conn = cast(Connection, ready)
+            index = by_conn[conn]
             try:
-                message = conn.recv()  # type: ignore[union-attr]
+                message = conn.recv()
             except EOFError:
                 raise RuntimeError(f"{what}: node {index} exited (see its traceback above)") from None
             if want(index, message):

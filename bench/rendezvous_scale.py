@@ -21,10 +21,15 @@ lease), a few milliseconds after etcd acts. The c10d anchor is timed from the ki
 survivors are told of the death at the instant of the kill (a c10d agent learns it from
 its workers' failure, ~0.6 s later in practice), then call ``next_rendezvous``.
 
-c10d runs with the same settings as ours: keep-alive 1 s x 3 (our lease TTL is 3 s), last
-call 1 s, node 0 hosting the TCPStore (never the victim).
+c10d runs with the same settings as ours: keep-alives every TTL/3 s, 3 attempts (our lease
+TTL, ``--lease-ttl``, 3 s by default), last call 1 s, node 0 hosting the TCPStore (never
+the victim).
 
-    .venv/bin/python bench/rendezvous_scale.py --nodes 8 16 32 64 128 256 --kill 64 --repeats 1
+    .venv/bin/python bench/rendezvous_scale.py --nodes 8 16 32 64 --kill 16 32 64 64 64 --give-up 120
+    .venv/bin/python bench/rendezvous_scale.py --nodes 128 256 --kill --backends etcd-v3 --lease-ttl 9
+
+Every node and etcd share this machine's cores; the "cpu floor" printed beside each figure
+says how much of it the machine alone explains (see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from elastic.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: 
 from elastic.rendezvous import registry  # noqa: E402
 from forked_nodes import (  # noqa: E402
     NodeLinks, Zygote, gather, kill_all, mem_available_gib, tree_cpu_seconds, tree_memory,
-)  # noqa: E402
+)
 
 OURS, C10D = "etcd-v3", "c10d"
 MONITOR_INTERVAL_S = 0.1  # torch's LaunchConfig default, and `elastic local`'s
@@ -112,7 +117,7 @@ class _Counts:
             counts.looks += 1  # the handler's reads of its mirror; only its own thread reads during a round
             return entries(mirror)
 
-        EtcdClient.call = counted_call  # type: ignore[method-assign]
+        EtcdClient.call = counted_call  # type: ignore[method-assign, assignment]
         registry.refresh_lease = counted_refresh  # type: ignore[assignment]
         PrefixMirror._on_watch = counted_watch  # type: ignore[method-assign]
         PrefixMirror.entries = counted_entries  # type: ignore[method-assign]
@@ -167,18 +172,18 @@ def _follow(handler: RendezvousHandler, link: Connection) -> None:
     then "stopping" in the registry and ``next_rendezvous``. c10d has no such signal
     without workers; the bench sends ``peer_died`` instead.
     """
-    ours = isinstance(handler, EtcdV3RendezvousHandler)
+    ours = handler if isinstance(handler, EtcdV3RendezvousHandler) else None
     while True:
         told = None
         if link.poll(MONITOR_INTERVAL_S):
             told = link.recv()
             if told == "quiet":
                 return
-        if ours:
-            if handler.restart_reason() is None:  # type: ignore[union-attr]
+        if ours is not None:
+            if ours.restart_reason() is None:
                 continue
             noticed = time.monotonic()
-            handler.lease.update(state="stopping")  # type: ignore[union-attr]
+            ours.lease.update(state="stopping")
         elif told == "peer_died":
             noticed = time.monotonic()
         else:
@@ -400,18 +405,24 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def _formations(bench: Bench, backend: str, n: int, args: argparse.Namespace) -> list[Formation]:
+    trials = (_attempt(f"{backend} {n}", lambda: bench.formation(backend, n, run, args.give_up))
+              for run in range(args.repeats))
+    return [t for t in trials if t is not None]
+
+
+def _loss(bench: Bench, backend: str, n: int, args: argparse.Namespace) -> Loss | None:
+    return _attempt(f"{backend} loss {n}", lambda: bench.loss(backend, n, args.give_up))  # type: ignore[no-any-return]
+
+
 def run_formation(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nformation: N nodes, one process each, min = max = N, lease TTL {args.lease_ttl} s; "
           f"medians of {args.repeats}")
     print(f"{'nodes':>5}  {'etcd-v3 s':>9}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8}  {'keep-alive':>10}  "
           f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'cpu floor s':>11}  {'tree PSS/RSS GiB':>16}  {'avail GiB':>9}  load 1/5/15")
     for n in args.nodes:
-        ours = [t for t in (_attempt(f"etcd-v3 {n}", lambda r=r: bench.formation(OURS, n, r, args.give_up))
-                            for r in range(args.repeats)) if t]
-        theirs = []
-        if C10D in args.backends and n <= args.c10d_max:
-            theirs = [t for t in (_attempt(f"c10d {n}", lambda r=r: bench.formation(C10D, n, r, args.give_up))
-                                  for r in range(args.repeats)) if t]
+        ours = _formations(bench, OURS, n, args)
+        theirs = _formations(bench, C10D, n, args) if C10D in args.backends and n <= args.c10d_max else []
         if not ours:
             print(f"{n:>5}  etcd-v3 did not form (see above)", flush=True)
             continue
@@ -435,10 +446,8 @@ def run_loss(bench: Bench, args: argparse.Namespace) -> None:
           f"{'c10d':>5}  load 1/5/15")
     for n in args.kill:
         for _ in range(args.repeats):
-            ours = _attempt(f"etcd-v3 loss {n}", lambda: bench.loss(OURS, n, args.give_up))
-            theirs = None
-            if C10D in args.backends and n <= args.c10d_max:
-                theirs = _attempt(f"c10d loss {n}", lambda: bench.loss(C10D, n, args.give_up))
+            ours = _loss(bench, OURS, n, args)
+            theirs = _loss(bench, C10D, n, args) if C10D in args.backends and n <= args.c10d_max else None
             if ours is None:
                 continue
             c10d_s = max(theirs.from_kill) if theirs else float("nan")

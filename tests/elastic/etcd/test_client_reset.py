@@ -95,7 +95,7 @@ def test_a_stale_reset_leaves_the_new_channel_alone(etcd_server: EmbeddedEtcd, r
         watch = client.call(lambda c: c.add_watch_callback(key, events.append))
         rebuilt = client.call(lambda c: c)
         assert rebuilt is not first
-        client._reset(first)  # a late failure on the old channel  # noqa: SLF001
+        client._reset(first)  # a late failure on the old channel
         client.call(lambda c: c.put(key, "w"))
         deadline = time.monotonic() + 5
         while not events and time.monotonic() < deadline:
