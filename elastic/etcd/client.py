@@ -58,6 +58,7 @@ _TRANSIENT_TYPES = (
     etcd_exc.ConnectionTimeoutError,
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
+    etcd_exc.WatchTimedOut,  # etcd did not confirm a new watch in time (seen at 128 nodes on 2 cores)
 )
 # An endpoint that failed is skipped only this long; etcd restarts must not lock us out.
 _ENDPOINT_RETRY_S = 0.3
@@ -94,9 +95,25 @@ def _is_tls_failure(exc: BaseException) -> bool:
     return any(word in details for word in ("ssl", "tls", "handshake", "certificate"))
 
 
+def _is_closed_channel(exc: BaseException) -> bool:
+    """The request's channel was closed under it: another thread of this node rebuilt the
+    shared channel after a failure of its own. Retrying uses the new channel."""
+    if isinstance(exc, ValueError):  # grpc refuses to start a call on a closed channel
+        return _says_channel_closed(str(exc))
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() == grpc.StatusCode.CANCELLED and _says_channel_closed(rpc.details() or "")
+
+
+def _says_channel_closed(text: str) -> bool:
+    text = text.lower()  # grpc words it "closed channel", "Channel closed!" or "Stream removed (Channel closed!)"
+    return "closed channel" in text or "channel closed" in text
+
+
 def _is_transient(exc: BaseException) -> bool:
     if _is_tls_failure(exc):
         return False  # a certificate does not get better by asking again
+    if _is_closed_channel(exc):
+        return True
     if isinstance(exc, _TRANSIENT_TYPES):
         return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
@@ -185,9 +202,11 @@ class EtcdClient:
                 self._client = self._build()
             return self._client
 
-    def _reset(self) -> None:
+    def _reset(self, failed: etcd3.MultiEndpointEtcd3Client | None = None) -> None:
+        """Close the channel (``failed``: only if it is still the current one, so a late
+        failure on an old channel does not close the one another thread just rebuilt)."""
         with self._lock:
-            if self._client is not None:
+            if self._client is not None and (failed is None or self._client is failed):
                 try:
                     self._client.close()
                 except Exception:  # closing a broken channel must not mask the real error
@@ -229,11 +248,12 @@ class EtcdClient:
             try:
                 for attempt in retrying:
                     with attempt:
+                        raw = self._raw()
                         try:
-                            return request(self._raw())
+                            return request(raw)
                         except BaseException as exc:
                             if _is_transient(exc) and isinstance(exc, grpc.RpcError):
-                                self._reset()  # raw gRPC errors bypass etcd3's failover
+                                self._reset(raw)  # raw gRPC errors bypass etcd3's failover
                             raise
             except RetryError as exc:
                 last = exc.last_attempt.exception()
@@ -282,8 +302,9 @@ class EtcdClient:
     ) -> bool:
         """Block until ``key`` (or the range) changes after ``start_revision``.
 
-        Returns ``False`` on timeout. Watching from a revision misses nothing that happened
-        between the caller's read and this call, so callers never need to poll.
+        Returns ``False`` on timeout, and ``True`` also when the watch broke: either way the
+        caller re-reads. Watching from a revision misses nothing that happened between the
+        caller's read and this call, so callers never need to poll.
         """
         events: queue.Queue[Any] = queue.Queue()
         kwargs: dict[str, Any] = {"start_revision": start_revision}
@@ -302,6 +323,10 @@ class EtcdClient:
         if isinstance(item, BaseException):
             if isinstance(item, etcd_exc.RevisionCompactedError):
                 return True  # history is gone; the caller re-reads the current value
+            if _is_transient(item):
+                # the stream broke (etcd restarting, or another thread rebuilt the channel):
+                # the caller re-reads, and that read's retries say whether etcd is really away
+                return True
             raise EtcdUnavailableError(f"etcd watch failed: {_short(item)}") from item
         return True
 

@@ -86,6 +86,7 @@ class EmbeddedEtcd:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="etcd-"))
         self.log_path = Path(log_path) if log_path else self.data_dir.with_name(self.data_dir.name + ".log")
+        self._own_log = log_path is None
         self.client_port = 0
         self.peer_port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -221,10 +222,11 @@ class EmbeddedEtcd:
         self.process = None
 
     def close(self) -> None:
-        """Stop and remove the data directory if this object created it."""
+        """Stop and remove the data directory (and its log) if this object created them."""
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._own_dir and self._own_log:  # a log the caller named is theirs to keep
             try:
                 self.log_path.unlink()
             except FileNotFoundError:

@@ -43,6 +43,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
+from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
@@ -90,6 +91,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             signer, options.lease_ttl,
         )
         self.mirror = PrefixMirror(client, prefix + "/")
+        self._nodes_memo = DecodeMemo(lambda key, value: decode_node(signer, key, value))
+        self._joins_memo: DecodeMemo[bool] = DecodeMemo(self._open_join)
         self._lock = threading.Lock()
         self.round: RoundRecord | None = None  # the round our current workers belong to
         self._lease_generation = 0
@@ -350,27 +353,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 "check every agent uses the same HMAC key"
             ) from None
 
+    def _open_join(self, key: str, value: bytes) -> bool | None:
+        try:
+            self.signer.open(key.encode(), value)
+            return True
+        except SignatureError:
+            log.warning("ignoring forged join key %s", key)
+            return None
+
     def _joined(self, entries: dict, round_number: int) -> dict[str, int]:  # type: ignore[type-arg]
         prefix = f"{self._join_prefix}{round_number}/"
-        joined: dict[str, int] = {}
-        for key, entry in entries.items():
-            if key.startswith(prefix):
-                try:
-                    self.signer.open(key.encode(), entry.value)
-                except SignatureError:
-                    log.warning("ignoring forged join key %s", key)
-                    continue
-                joined[key[len(prefix):]] = entry.create_revision
-        return joined
+        ours = [(key, entry.value) for key, entry in entries.items() if key.startswith(prefix)]
+        return {key[len(prefix):]: entries[key].create_revision for key, _ in self._joins_memo.decode(ours)}
 
     def _records(self, entries: dict) -> dict[str, NodeRecord]:  # type: ignore[type-arg]
-        records: dict[str, NodeRecord] = {}
-        for key, entry in entries.items():
-            if key.startswith(self._nodes_prefix):
-                record = decode_node(self.signer, key, entry.value)
-                if record is not None:
-                    records[record.node] = record
-        return records
+        ours = [(key, entry.value) for key, entry in entries.items() if key.startswith(self._nodes_prefix)]
+        return {record.node: record for _, record in self._nodes_memo.decode(ours)}
 
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}
