@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)
-	$(VENV)/bin/elastic local --nodes 3 --steps 400 --faults 2
+	$(VENV)/bin/elastic local --nodes 3 --steps 2000 --faults 2
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -29,7 +29,10 @@ from .nnodes import apply_nnodes, environment_nnodes
 from .settings import AgentSettings
 
 ENV_PREFIX = "ELASTIC_"
-DEFAULT_METRICS_PORT = 9400
+# Outside 9100-9999, which Prometheus' default-port list has filled (9400 is NVIDIA's DCGM
+# exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
+# 10050-10051 and Ray's 10001.
+DEFAULT_METRICS_PORT = 10400
 DEFAULT_MAX_RESTARTS = 3
 
 
@@ -149,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     snapshot_dir = _checked_snapshot_dir(parser, args.snapshot_dir)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
     from torch.distributed.run import config_from_args
 
@@ -196,6 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)  # type: ignore[arg-type]
     try:
         result = agent.run()
+    except RendezvousClosedError as exc:
+        logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node, exc)
+        handler_close = getattr(handler, "close", None)
+        if callable(handler_close):
+            handler_close()
+        return 0
     except AgentSignal as exc:
         handler_close = getattr(handler, "close", None)  # leave now (peers notice), but keep the job open
         if callable(handler_close):
@@ -207,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.shutdown()
     if result.is_failed():
         print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
-        return 1
+        codes = {f.exitcode for f in result.failures.values()}
+        return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
     return 0
 
 

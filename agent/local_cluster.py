@@ -531,7 +531,8 @@ def main(argv: Sequence[str]) -> int:
     ok = summary(console, cluster)
     if not finished:
         why = "Ctrl-C" if interrupted else "timeout or q"
-        console.print(f"[yellow]stopped before the job finished[/yellow] ({why})")
+        console.print(f"[yellow]stopped before {'the script finished' if args.script else f'step {args.steps}'}"
+                      f"[/yellow] ({why})")
     if interrupted:
         return 130  # the shell's code for an interrupted command
     return 0 if ok and (finished or args.timeout <= 0) else 1

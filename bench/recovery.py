@@ -1,148 +1,380 @@
-"""Seconds from a node fault to the first completed step of the new world.
+"""Seconds from a node fault to the first completed step of the new world; join stalls.
 
-Two local nodes train the ``mlp`` job (``python -m elastic.train``, snapshots on, so our
-figure includes the restore). One node's whole process tree is SIGKILLed (or SIGSTOPped),
-and the clock runs from the fault to the first step the survivor completes in a world of
-one. Configurations, each over ``--trials`` fresh clusters in the same run:
+Local nodes on this machine, each a real process tree (``elastic agent`` or plain
+torchrun), on an embedded etcd. Configurations, interleaved trial by trial so machine
+noise lands on all of them alike:
 
-* ``ours-kill`` / ``ours-stop``: ``elastic agent`` (etcd-v3, lease TTL ``--lease-ttl``);
-* ``ours-kill-rank0``: the killed node is rank 0's;
-* ``ours-kill-cold``: as ``ours-kill`` with ``--no-warm-start`` (every worker imports torch
-  after the fault): what the standby workers of ``agent/warm_start.py`` save;
+Two nodes, the ``mlp`` job (``python -m elastic.train``, snapshots on), one fault per trial,
+the clock from the fault to the survivor's first step in a world of one:
+
+* ``ours-kill`` / ``ours-stop`` / ``ours-kill-rank0``: ``elastic agent`` (etcd-v3, lease TTL
+  ``--lease-ttl``), in-place recovery (the default);
+* ``restart-kill`` / ``restart-stop``: the same with ``--no-in-place``: the restart path
+  (warm standbys, restore from disk); ``restart-kill-cold`` adds ``--no-warm-start``;
 * ``c10d-tuned`` / ``c10d-default``: plain torchrun, torch's c10d backend, tuned
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
-* ``c10d-tuned-store-host``: the killed node hosts c10d's store (the job is expected to die);
-* ``torchrun-stop``: plain torchrun (c10d, tuned) with a SIGSTOPped node;
-* ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: no fault; a second node joins a node training
-  alone, and the figure is how long training stood still (the last step of the world of
-  one to the first step of the world of two, on the first node).
+  ``c10d-tuned-store-host`` kills the node hosting c10d's store; ``torchrun-stop`` freezes.
 
-etcd-v2 runs only where torch's v2 client (``python-etcd``) is installed; it is not here.
-A configuration that does not recover within ``--give-up`` seconds is reported as such.
+A plain training script (written here; it never imports ``elastic``), two faults per run
+(the second lands once the killed node is back and the world is whole, without waiting
+for standbys), both counted:
 
-    python bench/recovery.py --trials 5 [--configs ours-kill,ours-stop,c10d-tuned]
+* ``script-kill`` / ``script-stop``: under ``elastic agent``; ``torchrun-script-kill``:
+  plain torchrun, c10d tuned, the same script.
+
+Joins (no fault: how long the first node's training stood still while another joined):
+
+* ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: the ``mlp`` job;
+* ``ours-join-resnet``: three nodes... two train ResNet-50 + Adam (307 MB of state), a third
+  joins; the figure is the survivors' stand-still (their re-formation, transfer included)
+  beside the transfer alone and a raw gloo broadcast of the same bytes in the same run.
+
+Faults 12 s apart (``--churn SECONDS``): three nodes, a kill or a freeze every 12 s whether
+or not the previous recovery has settled (killed nodes restarted 4 s later, frozen ones
+thawed then), as faults cluster in real life; every SIGKILL's recovery counted, for
+``churn-ours``, ``churn-restart`` and ``churn-c10d-tuned`` (whose store host is spared).
+
+    python bench/recovery.py --trials 5 [--configs ours-kill,restart-kill,c10d-tuned]
+    python bench/recovery.py --trials 3 --configs script-kill,script-stop,torchrun-script-kill
+    python bench/recovery.py --churn 120 --configs churn-ours,churn-restart,churn-c10d-tuned
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import signal
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-from elastic.etcd import EmbeddedEtcd, free_port
-from agent.local_node import LocalNode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-cold", "c10d-tuned", "c10d-default",
-           "c10d-tuned-store-host", "torchrun-stop", "ours-join", "c10d-tuned-join",
-           "c10d-default-join")
-DEFAULT_CONFIGS = CONFIGS[:8]
+from agent.local_node import LocalNode  # noqa: E402
+from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+
+CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "restart-kill-cold",
+           "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
+           "script-kill", "script-stop", "torchrun-script-kill",
+           "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
+           "churn-ours", "churn-restart", "churn-c10d-tuned")
+DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 
+PLAIN_SCRIPT = textwrap.dedent('''\
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from torch import nn
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(10**9):
+        loss = model(torch.randn(32, 16)).pow(2).mean()
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+        time.sleep(0.02)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            with open(sys.argv[1], "a") as f:
+                f.write(json.dumps({"node": os.environ.get("ELASTIC_NODE_NAME", ""), "rank": rank, "world_size": world,
+                                    "step": step, "time": time.time(),
+                                    "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    "round": int(os.environ.get("ELASTIC_ROUND", "-1"))}) + "\\n")
+''')
 
-def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
-    ours = config.startswith("ours")
+
+def _agent_args(config: str, lease_ttl: int) -> list[str]:
+    args = ["--lease-ttl", str(lease_ttl)]
+    if config.startswith("restart") or config == "churn-restart":
+        args.append("--no-in-place")
+    if config.endswith("-cold"):
+        args.append("--no-warm-start")
+    return args
+
+
+def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEtcd, lease_ttl: int,
+               module: str = "elastic.train", job: list[str] | None = None, script: str | None = None) -> list[LocalNode]:
+    ours = not ("c10d" in config or "torchrun" in config)
     run_id = f"{config}-{time.time_ns()}"
-    snapshots = work / run_id / "snapshots"
-    job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(snapshots), "--snapshot-every-steps", "20",
-           "--step-sleep", "0.02", "--progress", "{progress}"]
-    common = dict(run_id=run_id, workdir=(work / run_id), module="elastic.train", module_args=job, nnodes="1:2")
-    (work / run_id).mkdir(parents=True)
+    workdir = work / run_id
+    workdir.mkdir(parents=True)
+    if job is None:
+        job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(workdir / "snapshots"),
+               "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
+    common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
+                                  nnodes=f"1:{len(names)}", script=script, env={"OMP_NUM_THREADS": "1"})
     nodes = []
     store_port = free_port()
-    for i, name in enumerate(("a", "b")):
+    for i, name in enumerate(names):
         if ours:
-            node = LocalNode(name=name, endpoint=etcd.endpoint, launcher="elastic", metrics_port=free_port(),
-                             agent_args=["--lease-ttl", str(lease_ttl)]
-                             + (["--no-warm-start"] if config.endswith("-cold") else []), **common)  # type: ignore[arg-type]
+            nodes.append(LocalNode(name=name, endpoint=etcd.endpoint, launcher="elastic", metrics_port=free_port(),
+                                   agent_args=_agent_args(config, lease_ttl), **common))
         else:
-            conf = dict(TUNED) if "tuned" in config or config == "torchrun-stop" else {}
+            conf = dict(TUNED) if "tuned" in config or "torchrun" in config else {}
             conf["is_host"] = "1" if i == 0 else "0"
-            node = LocalNode(name=name, endpoint=f"127.0.0.1:{store_port}", launcher="torchrun",
-                             rdzv_backend="c10d", rdzv_conf=conf, **common)  # type: ignore[arg-type]
-        nodes.append(node)
+            nodes.append(LocalNode(name=name, endpoint=f"127.0.0.1:{store_port}", launcher="torchrun",
+                                   rdzv_backend="c10d", rdzv_conf=conf, **common))
+    return nodes
+
+
+def _epoch(row: dict[str, Any]) -> tuple[int, int]:
+    """What changes when the world re-forms: our round, or torchrun's restart count."""
+    return int(row.get("round", -1)), int(row.get("restart", 0))
+
+
+def _first_after(node: LocalNode, fault_at: float, before: tuple[int, int], give_up: float) -> float | None:
+    while time.time() - fault_at < give_up:
+        for row in node.progress():
+            if row["time"] > fault_at and _epoch(row) > before:
+                return row["time"] - fault_at
+        if not node.alive():
+            return None  # the job died with the node
+        time.sleep(0.01)
+    return None
+
+
+def _steady(nodes: list[LocalNode], world: int, steps: int, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while not all(len(n.steps_at(world)) >= steps for n in nodes):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# ------------------------------------------------------------------ one fault, two nodes
+
+
+def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> list[float | None]:
     if config.endswith("-join"):
-        try:
-            return join_pause(nodes, ours, give_up)
-        finally:
-            for n in nodes:
-                n.cleanup()
+        return [join_pause(config, work, etcd, lease_ttl, give_up)]
+    nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()  # both at once: a 1 s last call cannot wait for a slow import
     try:
-        deadline = time.time() + 120
-        while not all(len(n.steps_at(2)) >= 20 for n in nodes):
-            if time.time() > deadline:
-                print(f"  {config}: no world of 2 within 120 s (torch's c10d handler chases a stale "
-                      "bootstrap store after a scale-up); skipping", file=sys.stderr, flush=True)
-                return None
-            time.sleep(0.1)
-        if ours and not config.endswith("-cold"):
-            # steady state: each survivor's standby worker has finished importing torch
-            while not all(_standbys_ready(n) for n in nodes):
-                if time.time() > deadline:
-                    print(f"  {config}: standby workers not ready within 120 s", file=sys.stderr, flush=True)
-                    return None
-                time.sleep(0.2)
-        host_node = nodes[0]
+        if not _steady(nodes, 2, 20, 120):
+            print(f"  {config}: no world of 2 within 120 s; skipping", file=sys.stderr, flush=True)
+            return [None]
+        if config.startswith(("ours", "restart")) and not config.endswith("-cold"):
+            _wait_standbys(nodes, 120)  # steady state: each survivor's standby worker has imported torch
         if config == "c10d-tuned-store-host":
-            victim = host_node
+            victim = nodes[0]
         elif config == "ours-kill-rank0":
             victim = next(n for n in nodes if n.steps_at(2)[-1]["rank"] == 0)
-        elif ours:
+        elif config.startswith(("ours", "restart")):
             victim = next(n for n in nodes if n.steps_at(2)[-1]["rank"] != 0)
         else:
             victim = nodes[1]
         survivor = next(n for n in nodes if n is not victim)
+        before = _epoch(survivor.steps_at(2)[-1])
         fault_at = time.time()
-        if config.endswith("stop"):  # ours-kill-cold is a kill
-            victim.freeze()
-        else:
-            victim.kill()
-        while time.time() - fault_at < give_up:
-            after = survivor.steps_at(1, after=fault_at)
-            if after:
-                return after[0]["time"] - fault_at
-            if not survivor.alive():
-                return None  # the job died with the node
-            time.sleep(0.02)
+        victim.freeze() if config.endswith("stop") else victim.kill()
+        return [_first_after(survivor, fault_at, before, give_up)]
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def script_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> list[float | None]:
+    """A plain script, two faults of one kind on node b; both recoveries counted."""
+    script = work / "plain_train.py"
+    script.write_text(PLAIN_SCRIPT)
+    nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl, job=["{progress}"], script=str(script))
+    for node in nodes:
+        node.start()
+    a, b = nodes
+    out: list[float | None] = []
+    try:
+        if not _steady(nodes, 2, 10, 120):
+            return [None, None]
+        for fault in (1, 2):
+            before = _epoch(a.steps_at(2)[-1])
+            fault_at = time.time()
+            b.freeze() if config.endswith("stop") else b.kill()
+            out.append(_first_after(a, fault_at, before, give_up))
+            if fault == 1:
+                if config.endswith("stop"):
+                    b.thaw()
+                else:
+                    b.start()
+                back_at = time.time()
+                if not _steady_after([a], 2, 5, back_at, 120):  # whole again; standbys not awaited
+                    out.append(None)
+                    break
+        return out
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _steady_after(nodes: list[LocalNode], world: int, steps: int, after: float, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while not all(len(n.steps_at(world, after=after)) >= steps for n in nodes):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def join_pause(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """Seconds the first node's training stood still while the second joined."""
+    first, second = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
+    ours = config.startswith("ours")
+    try:
+        first.start()
+        deadline = time.time() + 120
+        while len(first.steps_at(1)) < 20 or (ours and not _standbys_ready(first)):
+            if time.time() > deadline or not first.alive():
+                return None
+            time.sleep(0.1)
+        joined_at = time.time()
+        second.start()
+        while time.time() - joined_at < give_up:
+            together = first.steps_at(2, after=joined_at)
+            if together:
+                alone_before = [r["time"] for r in first.steps_at(1) if r["time"] < together[0]["time"]]
+                return together[0]["time"] - max(alone_before)
+            time.sleep(0.05)
+        return None
+    finally:
+        first.cleanup()
+        second.cleanup()
+
+
+# ------------------------------------------------------------------ a ResNet-50 joiner
+
+
+_REFORMED = re.compile(r"round (\d+) \(join\): world of (\d+), at step \d+, ranks \[[\d, ]+\] healed from "
+                       r"\[[\d, ]+\] \(([\d.]+) MB in ([\d.]+) s\) in ([\d.]+) s")
+
+
+def join_resnet(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> dict[str, float] | None:
+    """Two nodes train ResNet-50 + Adam; a third joins. The survivors' stand-still is their
+    re-formation (logged by rank 0 with the transfer's size and time)."""
+    nodes = make_nodes("ours-join-resnet", ("a", "b", "c"), work, etcd, lease_ttl, job=[
+        "--job", "resnet", "--steps", "1000000", "--global-batch-size", "4", "--image-size", "32",
+        "--dataset-size", "256", "--snapshot-dir", str(work / "resnet-snapshots"), "--snapshot-every-steps", "0",
+        "--progress", "{progress}"])
+    a, b, c = nodes
+    try:
+        a.start()
+        b.start()
+        if not _steady([a, b], 2, 5, 300):
+            return None
+        joined_at = time.time()
+        c.start()
+        deadline = time.time() + give_up + 120
+        while time.time() < deadline:
+            for node in (a, b):
+                match = _REFORMED.search(node.log_path.read_text(errors="replace"))
+                if match:
+                    stall = float(match.group(5))
+                    steps = [r["time"] for r in a.progress()]
+                    return {"stall": stall, "mb": float(match.group(3)), "transfer": float(match.group(4)),
+                            "joined_after": time.time() - joined_at, "steps": len(steps)}
+            time.sleep(0.2)
         return None
     finally:
         for n in nodes:
             n.cleanup()
 
 
-def join_pause(nodes: list[LocalNode], ours: bool, give_up: float) -> float | None:
-    """Seconds the first node's training stood still while the second joined."""
-    first, second = nodes
-    first.start()
-    deadline = time.time() + 120
-    while len(first.steps_at(1)) < 20 or (ours and not _standbys_ready(first)):
-        if time.time() > deadline or not first.alive():
-            return None
-        time.sleep(0.1)
-    joined_at = time.time()
-    second.start()
-    while time.time() - joined_at < give_up:
-        together = first.steps_at(2, after=joined_at)
-        if together:
-            alone_before = [r["time"] for r in first.steps_at(1) if r["time"] < together[0]["time"]]
-            return together[0]["time"] - max(alone_before)
-        time.sleep(0.05)
-    return None
+def raw_broadcast_seconds(nbytes: int, work: Path) -> float:
+    """A raw gloo broadcast of ``nbytes`` from rank 0 to two others, as the join's anchor."""
+    import subprocess
+
+    code = textwrap.dedent(f'''\
+        import sys, time, torch, torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", store=dist.FileStore({str(work / "raw-store")!r}, 3), rank=rank, world_size=3)
+        flat = torch.empty({nbytes}, dtype=torch.uint8)
+        times = []
+        for _ in range(3):
+            dist.barrier(); t0 = time.perf_counter(); dist.broadcast(flat, 0); dist.barrier()
+            times.append(time.perf_counter() - t0)
+        if rank == 0: print(sorted(times)[1])
+    ''')
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True)
+             for r in range(3)]
+    out = procs[0].communicate(timeout=300)[0]
+    for p in procs[1:]:
+        p.wait(timeout=60)
+    return float(out.strip())
+
+
+# ------------------------------------------------------------------ faults 12 s apart
+
+
+def churn(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, duration: float,
+          every: float = 12.0, back: float = 4.0) -> list[float | None]:
+    """Three nodes; a kill or a freeze every ``every`` s; every SIGKILL's recovery."""
+    nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl)
+    for n in nodes:
+        n.start()
+    recoveries: list[float | None] = []
+    due_back: dict[str, tuple[float, str]] = {}
+    try:
+        if not _steady(nodes, 3, 20, 180):
+            return [None]
+        started, k = time.time(), 0
+        while time.time() - started < duration:
+            kind = "freeze" if k % 3 == 2 else "kill"
+            up = [n for n in nodes if n.name not in due_back and n.alive()]
+            if config == "churn-c10d-tuned":
+                up = [n for n in up if n is not nodes[0]]  # c10d cannot lose its store host
+            latest = {n.name: (n.progress() or [{}])[-1] for n in nodes}
+            watcher = next((n for n in nodes if n.name not in due_back and n.alive()
+                            and (config != "churn-c10d-tuned" or n is nodes[0])), None)
+            if not up or watcher is None:
+                time.sleep(0.5)
+                continue
+            victim = next((n for n in up if n is not watcher), up[0])
+            before = _epoch(latest[watcher.name]) if latest[watcher.name] else (-1, 0)
+            fault_at = time.time()
+            if kind == "kill":
+                victim.kill()
+            else:
+                victim.freeze()
+            due_back[victim.name] = (fault_at + back, kind)
+            k += 1
+            end = fault_at + every
+            recovered: float | None = None
+            while time.time() < end:
+                for name, (when, how) in list(due_back.items()):
+                    if time.time() >= when:
+                        node = next(n for n in nodes if n.name == name)
+                        node.thaw() if how == "freeze" else node.start()
+                        del due_back[name]
+                if recovered is None:
+                    recovered = next((r["time"] - fault_at for r in watcher.progress()
+                                      if r["time"] > fault_at and _epoch(r) > before), None)
+                time.sleep(0.02)
+            if kind == "kill":
+                recoveries.append(recovered)
+        return recoveries
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+# ------------------------------------------------------------------ main
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all but the -join ones)")
+                   help=f"comma-separated, from {', '.join(CONFIGS)}")
     p.add_argument("--lease-ttl", type=int, default=3)
     p.add_argument("--give-up", type=float, default=90.0, help="seconds after which a trial counts as not recovered")
+    p.add_argument("--churn", type=float, default=120.0, help="seconds of faults per churn-* configuration")
+    p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up nodes and etcd
     configs = [c for c in args.configs.split(",") if c]
@@ -151,24 +383,52 @@ def main() -> int:
         p.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     results: dict[str, list[float | None]] = {c: [] for c in configs}
+    extra: dict[str, Any] = {}
     with EmbeddedEtcd(work / "etcd") as etcd:
         for t in range(args.trials):
             for config in configs:  # interleaved, so machine noise lands on every config alike
-                seconds = trial(config, work, etcd, args.lease_ttl, args.give_up)
-                results[config].append(seconds)
-                shown = f"{seconds:.2f} s" if seconds is not None else "not recovered"
+                if config.startswith("churn"):
+                    if t == 0:
+                        values = churn(config, work, etcd, args.lease_ttl, args.churn)
+                    else:
+                        continue
+                elif config.startswith(("script", "torchrun-script")):
+                    values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
+                elif config == "ours-join-resnet":
+                    found = join_resnet(work, etcd, args.lease_ttl, args.give_up)
+                    if found is not None:
+                        found["raw"] = raw_broadcast_seconds(int(found["mb"] * 1e6), work)
+                        extra.setdefault(config, []).append(found)
+                    values = [found["stall"] if found else None]
+                else:
+                    values = trial(config, work, etcd, args.lease_ttl, args.give_up)
+                results[config].extend(values)
+                shown = ", ".join(f"{v:.2f} s" if v is not None else "not recovered" for v in values)
                 print(f"trial {t + 1}/{args.trials} {config:24s} {shown}", flush=True)
-    anchors = {False: _median(results.get("c10d-tuned", [])), True: _median(results.get("c10d-tuned-join", []))
-               or _median(results.get("c10d-default-join", []))}
-    print(f"\n{'config':24s} {'median s':>9s} {'recovered':>10s} {'vs c10d-tuned[-join]':>21s}")
+    anchor = _median(results.get("c10d-tuned", [])) or _median(results.get("torchrun-script-kill", []))
+    print(f"\n{'config':24s} {'median s':>9s} {'recovered':>10s} {'vs c10d-tuned':>14s}")
     for config, values in results.items():
         med = _median(values)
         ok = sum(v is not None for v in values)
-        anchor = anchors[config.endswith("-join")]
-        ratio = f"{med / anchor:.2f}x" if med is not None and anchor else "-"
-        print(f"{config:24s} {med if med is not None else float('nan'):9.2f} {ok:>4d}/{len(values):<5d} {ratio:>21s}")
+        ratio = f"{med / anchor:.2f}x" if med is not None and anchor and not config.endswith(("join", "resnet")) else "-"
+        print(f"{config:24s} {med if med is not None else float('nan'):9.2f} {ok:>4d}/{len(values):<5d} {ratio:>14s}")
+    for found in extra.get("ours-join-resnet", []):
+        budget = found["transfer"] + 0.3
+        print(f"\nours-join-resnet: survivors stood still {found['stall']:.2f} s (goal <= transfer + 0.3 = "
+              f"{budget:.2f} s: {found['stall'] / budget:.2f}x); transfer {found['mb']:.1f} MB in "
+              f"{found['transfer']:.2f} s = {found['mb'] / 1e3 / found['transfer']:.2f} GB/s; raw gloo broadcast of the "
+              f"same bytes {found['raw']:.2f} s = {found['mb'] / 1e3 / found['raw']:.2f} GB/s; ours at "
+              f"{found['raw'] / found['transfer']:.0%} of the raw broadcast's throughput (goal >= 50%)")
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "extra": extra}, indent=1))
     return 0
+
+
+def _wait_standbys(nodes: list[LocalNode], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not all(_standbys_ready(n) for n in nodes) and time.time() < deadline:
+        time.sleep(0.2)
 
 
 def _standbys_ready(node: LocalNode) -> bool:

@@ -385,11 +385,13 @@ class ElasticRun:
             elif plan.sources and self.dist.is_main:
                 log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where,
                          self.membership.round, plan.healed, plan.senders(), plan.step)
+            t_heal = time.perf_counter()
             moved = self._heal(plan) if plan.sources else 0
+            t_heal = time.perf_counter() - t_heal
             if self.dist.rank in plan.sources and not plan.from_disk:
                 self.metrics.state_from("replica")
             if plan.sources and not note:
-                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB)"
+                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
         except RuntimeError as exc:
             if is_collective_failure(exc):
                 raise CollectiveFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc

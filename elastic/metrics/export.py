@@ -57,7 +57,7 @@ def start_export(local_rank: int) -> Export:
     try:
         base = int(port_text)
     except ValueError:
-        raise MetricsConfigError(f"{PORT_ENV}={port_text!r} is not a port number; set it to e.g. 9400") from None
+        raise MetricsConfigError(f"{PORT_ENV}={port_text!r} is not a port number; set it to e.g. 10400") from None
     port = base + local_rank
     if not 0 < port < 65536:
         raise MetricsConfigError(f"{PORT_ENV}={base} + local rank {local_rank} = {port} is not a valid port")

@@ -111,7 +111,8 @@ def test_frozen_node_is_written_off_within_the_lease_ttl_and_rejoins_after_thawi
     # TTL, etcd's expiry sweep, a restore and a worker start; generous for 2 loaded cores
     wait_until(lambda: bool(survivor.steps_at(1, after=frozen_at)), LEASE_TTL + 30,
                "the survivor to train alone after its peer froze", on_timeout=logs(survivor))
-    assert restarts(survivor)["peer_lost"] >= 1
+    reforms = by_label(survivor, "elastic_agent_inplace_reforms_total", "reason")
+    assert sum(reforms.values()) >= 1 and sum(restarts(survivor).values()) == 0  # in place: no restart
 
     thawed_at = time.time()
     frozen.thaw()

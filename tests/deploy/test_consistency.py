@@ -33,7 +33,7 @@ GUIDE = REPO / "docs" / "deploy.md"
 ENV_NAME = re.compile(r"\bELASTIC_[A-Z0-9_]*[A-Z0-9]\b")
 K8S_VAR = re.compile(r"\$\((\w+)\)")
 # What the files expect of the agent, beyond torchrun's parser (docs/deploy.md's table).
-EXPECTED_DEFAULTS = {"--rdzv-backend": "etcd-v3", "--metrics-port": "9400", "--metrics-addr": "127.0.0.1",
+EXPECTED_DEFAULTS = {"--rdzv-backend": "etcd-v3", "--metrics-port": "10400", "--metrics-addr": "127.0.0.1",
                      "--lease-ttl": "3", "--hang-timeout": "auto"}
 
 
