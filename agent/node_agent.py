@@ -452,11 +452,18 @@ class NodeAgent(ElasticAgent):
 
     def _rendezvous_for_offer(self, cause: str) -> None:
         """A round whose every member's record says where its store is (a member that died
-        as the round closed has none: the next round leaves it out)."""
-        for _ in range(_OFFER_TRIES):
-            self._rendezvous(cause)
-            if self.offer is not None:
-                return
+        as the round closed has none: the next round leaves it out). In-place workers need
+        no torchrun bootstrap (MASTER_ADDR), which could wait on a dead rank 0."""
+        if self.ours is not None:
+            self.ours.bootstrap = False
+        try:
+            for _ in range(_OFFER_TRIES):
+                self._rendezvous(cause)
+                if self.offer is not None:
+                    return
+        finally:
+            if self.ours is not None:
+                self.ours.bootstrap = True
 
     def _start_group(self) -> None:
         self.watch.reset()

@@ -76,6 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=0, help="let the job finish after this many epochs (default: "
                                                           "train until the soak ends)")
     p.add_argument("--lease-ttl", type=int, default=3, help="agents' --lease-ttl (default 3)")
+    p.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=True,
+                   help="survivors re-form in place (default); --no-in-place runs the restart path, for comparison")
     p.add_argument("--min-steps", type=int, default=20,
                    help="steps the whole world trains between faults, so faults land on progress and not on "
                         "restarts when the machine is slow (default 20)")
@@ -135,7 +137,8 @@ def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) ->
     nodes = [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="soak", workdir=run_dir, module="elastic.train",
         module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
-        metrics_port=free_port(), agent_args=["--lease-ttl", str(args.lease_ttl)],
+        metrics_port=free_port(),
+        agent_args=["--lease-ttl", str(args.lease_ttl), *([] if args.in_place else ["--no-in-place"])],
     )) for i in range(NODES)]
     return Cluster(nodes, run_dir, 1, etcd=etcd, snapshot_every=args.snapshot_every_steps)
 
@@ -303,10 +306,12 @@ def totals(out: Outcome, args: argparse.Namespace) -> list[str]:
         if times:
             per_kind.append(f"{kind} {statistics.median(times):.1f} s (n={len(times)}, max {max(times):.1f})")
     lines.append("median recovery: " + ("; ".join(per_kind) or "none"))
-    lost = [f.steps_rolled_back for f in faults if f.steps_rolled_back is not None]
+    lost = [f.steps_rolled_back for f in faults if f.steps_rolled_back is not None and f.kind != ETCD_OUTAGE]
     if lost:
         lines.append(f"median steps lost per fault: {statistics.median(lost):g} (max {max(lost)}, snapshot every "
                      f"{args.snapshot_every_steps} steps)")
+        zero = sum(n == 0 for n in lost)
+        lines.append(f"faults with no step rolled back: {zero} of {len(lost)} ({zero / len(lost):.0%})")
     facts = out.facts
     lines.append(f"ledger: {facts.get('ledger_steps', '?')} steps in the surviving history, "
                  f"{facts.get('completed_epochs', '?')} completed epochs, {facts.get('incarnations', '?')} incarnations")
@@ -342,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     out = Outcome()
     print(f"chaos soak: {NODES} nodes, {args.duration:.0f} s, seed {args.seed}, snapshot every "
-          f"{args.snapshot_every_steps} steps, lease TTL {args.lease_ttl} s; logs in {run_dir}", flush=True)
+          f"{args.snapshot_every_steps} steps, lease TTL {args.lease_ttl} s, "
+          f"{'in place' if args.in_place else 'restart path (--no-in-place)'}; logs in {run_dir}", flush=True)
     etcd = EmbeddedEtcd(data_dir=run_dir / "etcd")
     cluster: Cluster | None = None
     try:

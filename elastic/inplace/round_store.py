@@ -38,13 +38,24 @@ class RoundStore(dist.Store):
     # ------------------------------------------------------------------ ours
 
     def point_at(self, address: str, prefix: str, connect_timeout: float = 10.0) -> None:
-        """Forward to ``host:port``'s TCPStore, under ``prefix``."""
+        """Forward to ``host:port``'s TCPStore, under ``prefix``. Connects in short tries so
+        that a newer round (:meth:`abandon`) ends the wait for a store host that died."""
+        self._abandoned.clear()
+        self._target = None
         host, _, port = address.rpartition(":")
-        client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=connect_timeout))
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            try:
+                client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=1))
+                break
+            except (RuntimeError, dist.DistError) as exc:  # type: ignore[misc]
+                if self._abandoned.is_set():
+                    raise RoundAbandoned("a newer round came") from exc
+                if time.monotonic() > deadline:
+                    raise
         self._target = dist.PrefixStore(prefix, client)
         self.address = address
-        self._abandoned.clear()
 
     def abandon(self) -> None:
         self._abandoned.set()

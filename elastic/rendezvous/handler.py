@@ -101,6 +101,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
         self.next_cause = JOIN  # set by the agent before next_rendezvous: why it may open a round
+        # False when this node's workers go on in place: they never read MASTER_ADDR, and a
+        # non-zero rank would otherwise wait for a dead rank 0 to publish it. Rank 0 always
+        # publishes (one put): a joiner does not know yet whether its workers will need it.
+        self.bootstrap = True
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
 
     # --------------------------------------------------------------- torch's ABC
@@ -130,7 +134,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
                  time.monotonic() - started, rank, world, ", ".join(record.participants))
         store = dist.PrefixStore(f"round/{record.round}", self._store)
-        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr)
+        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if self.bootstrap or rank == 0 else None
         for callback in list(self.on_round):
             callback(record)
         return RendezvousInfo(store, rank, world, bootstrap)

@@ -105,7 +105,7 @@ def test_a_plain_script_that_hangs_is_restarted_with_its_stacks_in_the_log(
 ) -> None:
     rows = tmp_path / "rows.jsonl"
     node = start(nodes, "solo", etcd_server, run_id, script, steps=60, nnodes="1:1", nproc_per_node=2,
-                 agent_args=["--hang-timeout", "4"],
+                 agent_args=["--hang-timeout", "4", "--no-warm-start"],  # the cold path, end to end
                  env={"ROWS": str(rows), "HANG_AT": "20", "HANG_MARKER": str(tmp_path / "hung"),
                       "COLLECTIVE_TIMEOUT": "300"})
     wait_until(lambda: not node.alive(), 2 * FORM_TIMEOUT, "the job to finish despite the hang",
@@ -116,6 +116,7 @@ def test_a_plain_script_that_hangs_is_restarted_with_its_stacks_in_the_log(
     assert "train.py" in log and "most recent call first" in log  # every worker's stacks, via faulthandler
     assert "restart (hang)" in log
     assert len({r["pid"] for r in read_rows(rows)}) == 2  # the hang cost exactly one restart
+    assert "warm_worker" not in log  # --no-warm-start: every worker started cold, through the bootstrap
 
 
 @pytest.mark.slow
@@ -153,9 +154,9 @@ def test_two_sigkills_of_the_other_node_in_a_row_both_restart_the_survivor_warm(
 @pytest.mark.slow
 def test_elastic_local_runs_a_users_own_script_through_a_kill_and_a_freeze(script: Path, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--faults", "2", "--first-fault-after", "5",
-         "--fault-every", "12", "--back-after", "6", "--lease-ttl", "2", "--timeout", "240",
-         "--run-dir", str(tmp_path / "run"), str(script), "500"],
+        [sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--faults", "2", "--first-fault-after", "3",
+         "--fault-every", "6", "--back-after", "4", "--lease-ttl", "2", "--timeout", "240",
+         "--run-dir", str(tmp_path / "run"), str(script), "300"],
         capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL,
     )
     output = done.stdout + done.stderr
