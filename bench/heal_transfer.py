@@ -81,7 +81,7 @@ def _worker(rank: int, store_path: str, repeats: int, results: str) -> None:
     sha = hashlib.sha256()
     for p in list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values()
                                          if isinstance(t, torch.Tensor)]:
-        sha.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        sha.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     digest = torch.tensor([int.from_bytes(sha.digest()[:7], "big")], dtype=torch.int64)
     gathered = [torch.zeros_like(digest) for _ in range(WORLD)]
     dist.all_gather(gathered, digest)

@@ -3,11 +3,17 @@
 A joiner (or a rank that stands on another step) gets model, optimizer, scheduler, scaler,
 sampler, progress and RNG state from a survivor: no disk. The structure travels as the
 snapshot writer's tagged JSON (:mod:`checkpoints.wire`: dict vs OrderedDict, tuple vs
-list and key types come back exactly, and nothing is unpickled), the tensors as a few
-large flat byte buffers, so a 300 MB state costs a handful of sends rather than hundreds.
+list and key types come back exactly, and nothing is unpickled), the tensors behind it.
 
 The receiver needs nothing in advance: a fresh optimizer has no state tensors yet, so
-shapes and dtypes come in the header.
+shapes and dtypes come in the header. What costs time is copying, not framing, so:
+
+* tensors of ``DIRECT_BYTES`` or more travel as they are: sent from the sender's own
+  memory and received into their final tensor, no copy on either side;
+* the many small ones (biases, norms, RNG states, step counters) are packed into a few
+  buckets, so that they cost a handful of messages rather than hundreds;
+* every send and receive is posted at once (``isend``/``irecv``), so packing the next
+  bucket overlaps the wire, and gloo keeps the pair busy.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch.distributed as dist
 
 from checkpoints.wire import decode, encode
 
-BUCKET_BYTES = 64 << 20
+BUCKET_BYTES = 32 << 20
+DIRECT_BYTES = 1 << 20
 _ALIGN = 64
 
 
@@ -28,19 +35,20 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _buckets(sizes: list[int]) -> list[list[int]]:
-    """Tensor indices grouped so that each group's padded bytes stay near ``BUCKET_BYTES``."""
+def plan(sizes: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(indices sent directly, buckets of indices packed together), the same on both sides."""
+    direct = [i for i, n in enumerate(sizes) if n >= DIRECT_BYTES]
     groups: list[list[int]] = [[]]
     filled = 0
     for index, nbytes in enumerate(sizes):
-        if nbytes == 0:
+        if nbytes == 0 or nbytes >= DIRECT_BYTES:
             continue
         if groups[-1] and filled + _padded(nbytes) > BUCKET_BYTES:
             groups.append([])
             filled = 0
         groups[-1].append(index)
         filled += _padded(nbytes)
-    return [g for g in groups if g]
+    return direct, [g for g in groups if g]
 
 
 def send_state(state: Any, dst: int, device: torch.device) -> int:
@@ -57,43 +65,46 @@ def send_state(state: Any, dst: int, device: torch.device) -> int:
     dist.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst)
     sizes = [t.numel() * t.element_size() for t in tensors]
-    sent = 0
-    for group in _buckets(sizes):
+    direct, buckets = plan(sizes)
+    works, keep = [], []  # keep: the buffers stay alive until their sends complete
+    for group in buckets:
         buffer = torch.empty(sum(_padded(sizes[i]) for i in group), dtype=torch.uint8, device=device)
         offset = 0
         for i in group:
-            flat = tensors[i].contiguous().reshape(-1).view(torch.uint8)
-            buffer[offset:offset + sizes[i]].copy_(flat, non_blocking=True)
+            buffer[offset:offset + sizes[i]].copy_(tensors[i].contiguous().reshape(-1).view(torch.uint8))
             offset += _padded(sizes[i])
-        dist.send(buffer, dst)
-        sent += sum(sizes[i] for i in group)
-    return sent
+        keep.append(buffer)
+        works.append(dist.isend(buffer, dst))
+    for i in direct:
+        keep.append(tensors[i].contiguous().reshape(-1))
+        works.append(dist.isend(keep[-1], dst))
+    for work in works:
+        work.wait()
+    return sum(sizes)
 
 
 def recv_state(src: int, device: torch.device) -> Any:
-    """Receive what :func:`send_state` sent; tensors land on ``device``."""
+    """Receive what :func:`send_state` sent; tensors land on ``device``, each in its own storage."""
     length = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(length, src)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.recv(raw, src)
     header = json.loads(raw.cpu().numpy().tobytes())
     specs = [(getattr(torch, dtype), tuple(shape)) for dtype, shape in header["tensors"]]
-    sizes = [torch.empty(0, dtype=dtype).element_size() * _numel(shape) for dtype, shape in specs]
-    tensors: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
-    for group in _buckets(sizes):
-        buffer = torch.empty(sum(_padded(sizes[i]) for i in group), dtype=torch.uint8, device=device)
-        dist.recv(buffer, src)
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    direct, buckets = plan(sizes)
+    buffers = [torch.empty(sum(_padded(sizes[i]) for i in group), dtype=torch.uint8, device=device)
+               for group in buckets]
+    works = [dist.irecv(buffer, src) for buffer in buffers]
+    works += [dist.irecv(tensors[i].reshape(-1), src) for i in direct]
+    for work in works[:len(buffers)]:
+        work.wait()
+    for buffer, group in zip(buffers, buckets):  # unpacked while the large tensors still arrive
         offset = 0
         for i in group:
-            dtype, shape = specs[i]
-            # its own storage: some consumers (torch.set_rng_state) misread a view into a larger buffer
-            tensors[i] = buffer[offset:offset + sizes[i]].view(dtype).reshape(shape).clone()
+            tensors[i].reshape(-1).view(torch.uint8).copy_(buffer[offset:offset + sizes[i]])
             offset += _padded(sizes[i])
+    for work in works[len(buffers):]:
+        work.wait()
     return decode(header["tree"], tensors)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
