@@ -4,7 +4,9 @@ Every collective of a training step happens here, before the optimizer step, so 
 failure (a peer lost, a connection cut) always leaves this rank's state as it was after
 the previous step: the step is abandoned whole, never half-applied.
 
-* ``backward``: DDP's gradient all-reduce (through the metrics comm hook when it is on).
+* ``backward``: DDP's gradient all-reduce (through the metrics comm hook when it is on),
+  then DDP's one-time bucket rebuild, which DDP itself would run in the next forward
+  (:mod:`.ddp_buckets`).
 * ``sync_buffers``: rank 0's buffers (BatchNorm statistics) to everyone, as DDP's own
   ``broadcast_buffers`` would do at the next forward; done here instead, so the user's
   forward never runs a collective that could fail outside the trainer's reach.
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import ddp_buckets
 from .distributed import DistInfo, collective_device
 from .metrics.training import MetricsLike
 
@@ -53,12 +56,14 @@ class GradSync:
         self.averages = True  # does DDP average (True) or does the loss carry 1/world (False)?
         self._buffers = [b for b in module.buffers()]
         self._info: DistInfo | None = None
+        self._buckets_settled = False
 
     def build(self, info: DistInfo, init_sync: bool = False) -> DistributedDataParallel:
         """DDP for the current world. In place, replicas are already equal (healed) and
         nothing is broadcast; a world started by torchrun takes rank 0's parameters
         (``init_sync``), as DDP always did."""
         self._info = info
+        self._buckets_settled = False
         self.model = DistributedDataParallel(
             self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             broadcast_buffers=False, init_sync=init_sync,
@@ -73,6 +78,8 @@ class GradSync:
                 scaler.scale(loss).backward()
             else:
                 loss.backward()
+            if not self._buckets_settled and self.model is not None:
+                self._buckets_settled = ddp_buckets.settle(self.model)
         except RuntimeError as exc:
             if is_collective_failure(exc):
                 raise CollectiveFailure(_first_line(exc)) from exc
