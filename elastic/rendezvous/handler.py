@@ -43,6 +43,8 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
+from .lease_clock import Verdict
+from .lease_watch import LeaseWatch
 from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
@@ -102,6 +104,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.on_round: list[Callable[[RoundRecord], None]] = []
         self.next_cause = JOIN  # set by the agent before next_rendezvous: why it may open a round
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
+        self.advertise_host = local_addr  # where peers reach this node's witness (the agent may set it)
+        self.lease_watch = LeaseWatch(node_name, self.lease, signer)
 
     # --------------------------------------------------------------- torch's ABC
 
@@ -122,6 +126,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.lease.update(state="rendezvous", round=None, rank=None, world=None)
         started = time.monotonic()
         record = self._join_until_closed(started + self.options.timings["join_timeout"])
+        if self.lease_watch.past_deadline():
+            self.lease.refresh(timeout=self.lease.ttl / 4)  # judged by its clock, a stale lease would stop us again
         rank, world = record.participants.index(self.node), len(record.participants)
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
@@ -186,6 +192,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return None
         if self.lease.generation != generation or self.lease.suspect_lost():
             return LEASE_LOST
+        if self.lease_watch.verdict([n for n in current.participants if n != self.node]) is Verdict.CUT_OFF:
+            return LEASE_LOST
         if not self.mirror.healthy:
             return None
         entries, _ = self.mirror.entries()
@@ -201,14 +209,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def close(self) -> None:
         """Leave: revoke the lease (peers notice now, not at TTL) and stop watching."""
+        self.lease_watch.close()
         self.lease.close()
         self.mirror.close()
+
+    def _round_peers(self) -> dict[str, str | None] | None:
+        """The current round's other members and their witnesses, from the mirror (no etcd request)."""
+        with self._lock:
+            current = self.round
+        if current is None:
+            return None
+        records = self._records(self.mirror.entries()[0])
+        return {n: (records[n].witness_addr if n in records else None)
+                for n in current.participants if n != self.node}
 
     # --------------------------------------------------------------- the protocol
 
     def _start(self) -> None:
         if self._started:
             return
+        self.lease.update(witness_addr=self.lease_watch.start(self.advertise_host, self._round_peers))
         self.lease.start()
         self.mirror.start(deadline=self.options.connect_timeout)
         self._started = True

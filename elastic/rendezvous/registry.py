@@ -21,6 +21,7 @@ from typing import Any, Callable, TypeVar
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import is_lease_not_found, refresh_lease
 
+from .lease_clock import LeaseClock
 from .signing import SignatureError, StateSigner
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class NodeRecord:
     world: int | None = None
     started_at: float = field(default_factory=time.time)
     store_addr: str | None = None  # host:port of the agent's round store (in-place recovery)
+    witness_addr: str | None = None  # host:port where peers ask how this node's keep-alives fare
     nproc: int | None = None  # local workers: ranks are assigned node by node
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -110,6 +112,8 @@ class NodeLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_tick = time.monotonic()
+        self._confirmed_at: float | None = None  # send time of the last keep-alive (or grant) etcd confirmed
+        self._failing_since: float | None = None  # send time of the first failed attempt after it
 
     @property
     def record(self) -> NodeRecord:
@@ -123,9 +127,24 @@ class NodeLease:
             return self._lease_id
 
     def _grant(self) -> None:
+        sent = time.monotonic()
         lease = self.client.call(lambda c: c.lease(self.ttl))
         self._lease_id = lease.id
+        self._confirmed(sent)
         self._put()
+
+    def _confirmed(self, sent: float) -> None:
+        if self._confirmed_at is None or sent > self._confirmed_at:
+            self._confirmed_at = sent
+        self._failing_since = None
+
+    def _failed(self, sent: float) -> None:
+        if self._failing_since is None:
+            self._failing_since = sent
+
+    def clock(self) -> LeaseClock:
+        """What this node knows of its lease, for :func:`.lease_clock.judge`."""
+        return LeaseClock(float(self.ttl), self._confirmed_at, self._failing_since)
 
     def _put(self) -> None:
         lease_id, value = self._lease_id, self.signer.seal(self.key.encode(), self._record.to_json())
@@ -170,17 +189,29 @@ class NodeLease:
             next_tick = max(next_tick + interval, time.monotonic())
             if self._stop.wait(next_tick - time.monotonic()):
                 return
-            try:
-                lease_id = self.lease_id()
-                ttl = refresh_lease(self.client, lease_id, timeout=interval)
-            except EtcdError as exc:
-                # etcd away: not a verdict on us; etcd extends every lease when it returns
-                log.debug("lease refresh failed (etcd unreachable?): %s", exc)
-                self._last_tick = time.monotonic()
-                continue
-            if ttl <= 0:
-                self._lost(lease_id)
+            self.refresh(interval)
             self._last_tick = time.monotonic()
+
+    def refresh(self, timeout: float) -> bool:
+        """One keep-alive now; True if etcd confirmed the lease (or granted a new one).
+
+        A failure is not a verdict on us (etcd may be down for everyone, and then it
+        extends every lease when it returns); it is recorded, and the rendezvous judges it
+        by this node's clock and its peers' word (:mod:`.lease_clock`).
+        """
+        sent = time.monotonic()
+        try:
+            lease_id = self.lease_id()
+            ttl = refresh_lease(self.client, lease_id, timeout=timeout)
+        except EtcdError as exc:
+            log.debug("lease refresh failed (etcd unreachable?): %s", exc)
+            self._failed(sent)
+            return False
+        if ttl <= 0:
+            self._lost(lease_id)
+            return self._lease_id is not None
+        self._confirmed(sent)
+        return True
 
     def _lost(self, lost_id: int | None) -> None:
         with self._lock:
