@@ -112,6 +112,7 @@ class NodeAgent(ElasticAgent):
             self.ours.lease.update(metrics_url=metrics.url, nproc=spec.nproc)
             self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
             self.ours.mirror.listeners.append(self._wake)
+            self.ours.reachability.listeners.append(self._on_keep_out)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -193,6 +194,13 @@ class NodeAgent(ElasticAgent):
         in_place, reform = self._in_place_statuses()
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
                            reform_requested=reform, restarts_left=self.remaining_restarts)
+
+    def _on_keep_out(self, out: Any) -> None:
+        """The rendezvous keeps this node out (``out``: why and how long) or lets it back in (None)."""
+        self.metrics.kept_out.set(1 if out is not None else 0)
+        self.metrics.keep_out_backoff.set(out.backoff if out is not None else 0)
+        if out is not None:
+            self.metrics.kept_out_total.inc()
 
     def _export_lease(self) -> None:
         if self.ours is None:
@@ -287,6 +295,8 @@ class NodeAgent(ElasticAgent):
             self.remaining_restarts -= 1
         self.restart_count += 1
         previous = self.participants
+        if reason is Reason.WORKER_FAILED and self.ours is not None:
+            self.ours.report_unreachable()  # a peer cut off from us fails our workers, its lease intact
         self._rendezvous(JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else FAILURE)
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
@@ -302,6 +312,8 @@ class NodeAgent(ElasticAgent):
         assert self.channel is not None
         log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self._describe(decision))
         previous = self.round_number
+        if decision.reason is Reason.REFORM and self.ours is not None:
+            self.ours.report_unreachable()  # so the next round can leave out a member nobody reaches
         self._rendezvous_for_offer(JOIN if decision.reason is Reason.SCALE_UP else FAILURE)
         if self.offer is None:
             log.warning("[%s] no usable round for in-place workers; restarting them", self.node)

@@ -26,8 +26,9 @@ The rule, :func:`judge`, for a node whose own deadline has passed:
 "Late enough to tell": a peer that reaches etcd confirms a keep-alive every ``ttl/4``, so
 its last confirmation is at most ``ttl/4`` (plus scheduling slack) old. Only an answer to a
 question sent more than that after this node's first failure can show that the peer has
-confirmed nothing since. The deadline has a margin (``ttl/8``, at most 0.5 s) so that the
-workers are dead before etcd's own deadline, not after.
+confirmed nothing since. The deadline has a margin (``ttl/4``, at most 1 s) so that the
+workers are dead before etcd's own deadline even when the agent runs a little late on a
+loaded machine, not after.
 
 Every time is this process's ``time.monotonic()``; a peer's answer carries durations
 only, so no two clocks are ever compared.
@@ -76,7 +77,7 @@ class PeerWord:
 
 def margin(ttl: float) -> float:
     """How long before etcd could expire the lease this node stops its workers."""
-    return min(0.5, ttl / 8)
+    return min(1.0, ttl / 4)
 
 
 def deadline(clock: LeaseClock) -> float | None:
@@ -90,7 +91,7 @@ def telling_after(clock: LeaseClock) -> float | None:
     """Answers to questions sent after this time can tell an outage from a cut-off."""
     if clock.failing_since is None:
         return None
-    slack = clock.interval / 4  # the peer's keep-alive thread running late, a slow etcd reply
+    slack = clock.interval / 8  # the peer's keep-alive thread running late, a slow etcd reply
     return clock.failing_since + clock.interval + 2 * slack
 
 
@@ -103,7 +104,7 @@ def lost_etcd_too(clock: LeaseClock, word: PeerWord) -> bool:
         return True  # it never had a confirmed keep-alive: it certainly had none since
     assert clock.failing_since is not None
     latest_confirmation = word.answered_at - word.age
-    return latest_confirmation <= clock.failing_since + clock.interval / 4
+    return latest_confirmation <= clock.failing_since + clock.interval / 8
 
 
 def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[str, PeerWord]) -> Verdict:
@@ -117,9 +118,9 @@ def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[
 
 
 def should_ask(clock: LeaseClock, now: float, last_asked: float | None) -> bool:
-    """Ask the peers while failing, about twice per keep-alive interval, and always once
-    the answers could tell (so the freshest telling answer is there before the deadline)."""
+    """Ask the peers while failing, four times per keep-alive interval, so that several
+    answers that can tell arrive between :func:`telling_after` and the deadline."""
     if clock.failing_since is None:
         return False
-    every = clock.interval / 2
+    every = clock.interval / 4
     return last_asked is None or now - last_asked >= every
