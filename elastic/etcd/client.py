@@ -69,8 +69,12 @@ _TRANSIENT_TYPES = (
 )
 # An endpoint that failed is skipped only this long; etcd restarts must not lock us out.
 _ENDPOINT_RETRY_S = 0.3
-# After a failure, a rebuilt channel starts on another member for this long.
-_AVOID_S = 2.0
+# After a failure, a rebuilt channel starts on another member for this long: long for a
+# member that let a request hang (cut off from its peers, it cannot confirm its leadership),
+# short for one that answered at once (down, or between leaders: it may be the first to
+# have one again).
+_AVOID_HUNG_S = 2.0
+_AVOID_ANSWERED_S = 0.3
 # etcd rejects a request carrying this (and cancels such a watch) on a member that has no
 # leader, instead of letting it wait for a quorum it cannot reach (etcd's rpctypes).
 REQUIRE_LEADER = ("hasleader", "true")
@@ -220,14 +224,15 @@ class EtcdClient:
                 self._client = self._build()
             return self._client
 
-    def _reset(self, failed: etcd3.MultiEndpointEtcd3Client | None = None) -> None:
+    def _reset(self, failed: etcd3.MultiEndpointEtcd3Client | None = None, error: BaseException | None = None) -> None:
         """Close the channel (``failed``: only if it is still the current one, so a late
         failure on an old channel does not close the one another thread just rebuilt)."""
         with self._lock:
             if failed is not None and len(self.settings.endpoints) > 1:
                 label = getattr(failed, "_current_endpoint_label", None)
+                hung = isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if label:
-                    self._avoid[label] = time.monotonic() + _AVOID_S
+                    self._avoid[label] = time.monotonic() + (_AVOID_HUNG_S if hung else _AVOID_ANSWERED_S)
             if self._client is not None and (failed is None or self._client is failed):
                 try:
                     self._client.close()
@@ -275,7 +280,7 @@ class EtcdClient:
                             return request(raw)
                         except BaseException as exc:
                             if _is_transient(exc) and isinstance(exc, grpc.RpcError):
-                                self._reset(raw)  # raw gRPC errors bypass etcd3's failover
+                                self._reset(raw, exc)  # raw gRPC errors bypass etcd3's failover
                             raise
             except RetryError as exc:
                 last = exc.last_attempt.exception()

@@ -18,8 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
+from etcd3 import transactions as tx
+
 from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import is_lease_not_found, refresh_lease
+from elastic.etcd.kv import is_lease_not_found, refresh_lease, transact
 
 from .lease_clock import LeaseClock
 from .signing import SignatureError, StateSigner
@@ -105,7 +107,8 @@ class NodeLease:
         self.client, self.signer, self.ttl = client, signer, ttl
         self.key = nodes_prefix(key_prefix, run_id) + record.node
         self._record = record
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the lease id and the record; never held across a request but a grant
+        self._put_lock = threading.Lock()  # record writes, one at a time
         self._lease_id: int | None = None
         self.generation = 0
         self.on_lost: list[Callable[[], None]] = []
@@ -120,6 +123,9 @@ class NodeLease:
         return self._record
 
     def lease_id(self) -> int:
+        known = self._lease_id
+        if known is not None:
+            return known  # no lock: the keep-alive must never wait behind another thread's request
         with self._lock:
             if self._lease_id is None:
                 self._grant()
@@ -146,9 +152,14 @@ class NodeLease:
         """What this node knows of its lease, for :func:`.lease_clock.judge`."""
         return LeaseClock(float(self.ttl), self._confirmed_at, self._failing_since)
 
-    def _put(self) -> None:
-        lease_id, value = self._lease_id, self.signer.seal(self.key.encode(), self._record.to_json())
-        self.client.call(lambda c: c.put(self.key, value, lease=lease_id))
+    def _put(self, deadline: float | None = None) -> None:
+        """Write the record (the newest one when several threads update it at once)."""
+        with self._put_lock:
+            lease_id, record = self._lease_id, self._record
+            if lease_id is None:
+                return
+            value = self.signer.seal(self.key.encode(), record.to_json())
+            transact(self.client, [], [tx.Put(self.key, value, lease=lease_id)], deadline=deadline)
 
     def start(self) -> "NodeLease":
         self.lease_id()
@@ -163,11 +174,11 @@ class NodeLease:
             self._record = replace(self._record, **changes)
             if self._lease_id is None:
                 return
-            try:
-                with self.client.deadline(1.0):
-                    self._put()
-            except EtcdError as exc:
-                log.debug("registry update deferred: %s", exc)
+        try:
+            with self.client.deadline(1.0):
+                self._put(deadline=1.0)
+        except EtcdError as exc:
+            log.debug("registry update deferred: %s", exc)
 
     def suspect_lost(self) -> bool:
         """True right after this process was frozen (SIGSTOP, a VM pause) for over the TTL.
@@ -202,7 +213,7 @@ class NodeLease:
         sent = time.monotonic()
         try:
             lease_id = self.lease_id()
-            ttl = refresh_lease(self.client, lease_id, timeout=timeout)
+            ttl = refresh_lease(self.client, lease_id, timeout=timeout, attempt=timeout / 2)
         except EtcdError as exc:
             log.debug("lease refresh failed (etcd unreachable?): %s", exc)
             self._failed(sent)

@@ -105,9 +105,11 @@ class EtcdCluster:
         return self
 
     def leader(self, among: Sequence[str] | None = None) -> str | None:
-        """The name of the member every reachable member of ``among`` calls leader, if they agree."""
+        """The member of ``among`` (default: all) that every live member of ``among`` calls
+        leader, if they agree; None during an election or while they still name a dead one."""
+        among = list(among or self.members)
         seen = set()
-        for name in among or list(self.members):
+        for name in among:
             member = self.members[name]
             if not member.alive():
                 continue
@@ -119,7 +121,8 @@ class EtcdCluster:
                 seen.add(None)
             finally:
                 client.close()
-        return seen.pop() if len(seen) == 1 else None
+        leader = seen.pop() if len(seen) == 1 else None
+        return leader if leader in among and self.members[leader].alive() else None
 
     def wait_for_leader(self, timeout: float, among: Sequence[str] | None = None) -> str:
         deadline = time.monotonic() + timeout

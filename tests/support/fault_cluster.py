@@ -24,8 +24,9 @@ from agent.netns import NodeNetwork
 from elastic.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
 from elastic.etcd.settings import EtcdSettings
 from elastic.ledger import read_ledger
-from elastic.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix
-from elastic.rendezvous.signing import StateSigner
+from elastic.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
+from elastic.rendezvous.rounds import RoundRecord
+from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, StateSigner
 from tests.elastic.metrics.scrape import fetch
 
 DATASET = 512  # 16 steps per epoch at the default global batch of 32
@@ -49,25 +50,32 @@ class FaultCluster:
     collective_timeout: float = 4.0
     step_sleep: float = 0.05
     seed: int = 0
+    hmac_key: bytes | None = None  # sign the rendezvous state, as production does
     nodes: dict[str, LocalNode] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        env = {"OMP_NUM_THREADS": "1"}
+        if self.hmac_key is not None:
+            key_file = self.workdir / "job.key"
+            key_file.write_bytes(self.hmac_key)
+            key_file.chmod(0o600)
+            env[HMAC_KEY_FILE_ENV] = str(key_file)
         for name in self.names:
             self.nodes[name] = LocalNode(
                 name=name, endpoint=self.endpoint, run_id=self.run_id, workdir=self.workdir, module="elastic.train",
                 module_args=job_args(self.workdir, self.collective_timeout, self.step_sleep, self.seed),
                 nnodes=f"1:{len(self.names)}", max_restarts=1000, metrics_port=free_port(),
-                agent_args=["--lease-ttl", str(self.lease_ttl)], netns=self.net[name],
-                env={"OMP_NUM_THREADS": "1"})
+                agent_args=["--lease-ttl", str(self.lease_ttl)], netns=self.net[name], env=dict(env))
+        self.signer = StateSigner(self.hmac_key)
         self.client = EtcdClient(EtcdSettings(endpoints=parse_endpoints(self.endpoint), request_timeout=2.0),
                                  retry_deadline=3.0)
 
     def __getitem__(self, name: str) -> LocalNode:
         return self.nodes[name]
 
-    def start(self) -> "FaultCluster":
-        for node in self.nodes.values():
-            node.start()
+    def start(self, names: Iterable[str] | None = None) -> "FaultCluster":
+        for name in names if names is not None else self.names:
+            self.nodes[name].start()
         return self
 
     def close(self) -> None:
@@ -100,8 +108,14 @@ class FaultCluster:
         return sum(v for (n, ls), v in series.items() if n == metric and labels.items() <= dict(ls).items())
 
     def registry(self) -> dict[str, NodeRecord]:
-        """The node registry as ``elastic top`` reads it (unsigned job: no HMAC key)."""
-        return {r.node: r for r in list_nodes(self.client, self.run_id, StateSigner(None))}
+        """The node registry as ``elastic top`` reads it (with the job's key, if it has one)."""
+        return {r.node: r for r in list_nodes(self.client, self.run_id, self.signer)}
+
+    def round_record(self) -> RoundRecord | None:
+        """The current round, verified with the job's key."""
+        key = f"{run_prefix('/elastic', self.run_id)}/rdzv/round"
+        value = self.client.call(lambda c: c.get(key))[0]
+        return None if value is None else RoundRecord.from_json(self.signer.open(key.encode(), value))
 
     def ledger(self) -> list[dict[str, Any]]:
         path = self.workdir / "ledger.jsonl"
