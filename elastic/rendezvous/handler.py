@@ -134,7 +134,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
             self._joined_once = True
-        self.reachability.admitted()
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
                  time.monotonic() - started, rank, world, ", ".join(record.participants))

@@ -107,8 +107,8 @@ def backoff(strikes: int, base: float = BACKOFF_BASE_S, cap: float = BACKOFF_CAP
     return min(cap, base * 2 ** max(0, strikes - 1))
 
 
-def next_strikes(strikes: int, admitted_for: float | None) -> int:
-    """The strike count for a new keep-out, given how long the node was back in since the last."""
-    if admitted_for is not None and admitted_for >= STRIKES_FORGOTTEN_AFTER_S:
+def next_strikes(strikes: int, back_for: float | None) -> int:
+    """The strike count for a new keep-out, given how long the node has been back since the last."""
+    if back_for is not None and back_for >= STRIKES_FORGOTTEN_AFTER_S:
         return 1
     return strikes + 1

@@ -41,7 +41,7 @@ class Reachability:
         self.keepout_prefix = f"{run_prefix}/keepout/"
         self.strikes = 0
         self._served = -1  # the newest round whose exclusion of this node it has sat out
-        self._admitted_at: float | None = None
+        self._back_at: float | None = None  # when this node last came back from a keep-out
         self.listeners: list[Callable[[KeepOut | None], None]] = []  # told when this node goes out / comes back
 
     # ------------------------------------------------------------------ after a failed round
@@ -104,9 +104,6 @@ class Reachability:
             return False
         return record.round > self._served and self.node in self.excluded(record, entries)
 
-    def admitted(self) -> None:
-        self._admitted_at = time.monotonic()
-
     # ------------------------------------------------------------------ staying out
 
     def _why(self, record: RoundRecord, entries: Mapping[str, object]) -> tuple[str, ...]:
@@ -123,8 +120,8 @@ class Reachability:
         """Sit out the back-off, then wait until every member that trains is reachable; each
         time they are still not, the back-off doubles. Returns once this node may rejoin."""
         self._served = record.round
-        admitted_for = None if self._admitted_at is None else time.monotonic() - self._admitted_at
-        self.strikes = next_strikes(self.strikes, admitted_for)
+        back_for = None if self._back_at is None else time.monotonic() - self._back_at
+        self.strikes = next_strikes(self.strikes, back_for)
         cut = self._why(record, entries)
         since = time.monotonic()
         log.warning("[%s] kept out of round %d: its peers cannot reach it%s; it stays out %.0f s (strike %d), "
@@ -144,6 +141,7 @@ class Reachability:
             log.warning("[%s] still cannot reach %s after %.0f s out: staying out %.0f s more (strike %d)",
                         self.node, ", ".join(cut), time.monotonic() - since, backoff(self.strikes), self.strikes)
         log.info("[%s] reaches its peers again after %.0f s kept out; rejoining", self.node, time.monotonic() - since)
+        self._back_at = time.monotonic()
         self._publish(None)
 
     def _sleep(self, seconds: float, closed: Callable[[], bool]) -> bool:

@@ -49,8 +49,8 @@ def test_the_backoff_doubles_up_to_its_cap_and_strikes_are_forgotten_after_a_lon
     assert [backoff(s, base=5.0) for s in (1, 2, 3)] == [5.0, 10.0, 20.0]
     assert backoff(40) == BACKOFF_CAP_S
     assert next_strikes(0, None) == 1
-    assert next_strikes(2, admitted_for=30.0) == 3
-    assert next_strikes(2, admitted_for=3600.0) == 1
+    assert next_strikes(2, back_for=30.0) == 3
+    assert next_strikes(2, back_for=3600.0) == 1
 
 
 def test_records_round_trip_and_describe_themselves() -> None:
