@@ -57,6 +57,20 @@ class AgentMetrics:
         self.standbys_ready = Gauge("elastic_agent_standby_workers_ready",
                                     "Pre-imported standby workers ready for the next start (0 with --no-warm-start)",
                                     registry=r)
+        self.keepalive_age = Gauge("elastic_agent_etcd_keepalive_age_seconds",
+                                   "Seconds since this node sent the last etcd keep-alive etcd confirmed "
+                                   "(its workers stop at the lease TTL unless every peer confirms an etcd outage)",
+                                   registry=r)
+        self.etcd_outage = Gauge("elastic_agent_etcd_outage",
+                                 "1 while this node trains through an etcd outage every member of its round confirms",
+                                 registry=r)
+        self.kept_out = Gauge("elastic_agent_kept_out",
+                              "1 while this node is kept out of rounds because its peers cannot reach it", registry=r)
+        self.keep_out_backoff = Gauge("elastic_agent_keep_out_backoff_seconds",
+                                      "The current keep-out back-off (doubles each time the node is kept out again)",
+                                      registry=r)
+        self.kept_out_total = Counter("elastic_agent_keep_outs", "Times this node was kept out of a round because "
+                                      "its peers could not reach it", registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],
               registry=r).labels(node=node, version=version).set(1)
         for op in ("unavailable", "denied", "refused"):

@@ -49,6 +49,7 @@ from torch.distributed.elastic.utils import macros
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from elastic.rendezvous.lease_clock import Verdict
 from elastic.rendezvous.rounds import FAILURE, JOIN
 
 from .commands import CommandWatch
@@ -107,9 +108,11 @@ class NodeAgent(ElasticAgent):
             self.store_server, store_addr = _start_round_store(settings.store_host or spec.local_addr)
             self.ours.lease.update(store_addr=store_addr)
         if self.ours is not None:
+            self.ours.advertise_host = settings.store_host or spec.local_addr  # where peers ask for its witness
             self.ours.lease.update(metrics_url=metrics.url, nproc=spec.nproc)
             self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
             self.ours.mirror.listeners.append(self._wake)
+            self.ours.reachability.listeners.append(self._on_keep_out)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -166,6 +169,7 @@ class NodeAgent(ElasticAgent):
             if self.commands is not None:
                 self.commands.poll()  # `elastic kill` of this node from another machine
             decision = decide(self._observe())
+            self._export_lease()
             if decision.action is Action.CONTINUE:
                 self._while_healthy()
             elif decision.action is Action.SUCCEED:
@@ -191,6 +195,20 @@ class NodeAgent(ElasticAgent):
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
                            reform_requested=reform, restarts_left=self.remaining_restarts)
 
+    def _on_keep_out(self, out: Any) -> None:
+        """The rendezvous keeps this node out (``out``: why and how long) or lets it back in (None)."""
+        self.metrics.kept_out.set(1 if out is not None else 0)
+        self.metrics.keep_out_backoff.set(out.backoff if out is not None else 0)
+        if out is not None:
+            self.metrics.kept_out_total.inc()
+
+    def _export_lease(self) -> None:
+        if self.ours is None:
+            return
+        age = self.ours.lease.clock().age(time.monotonic())
+        self.metrics.keepalive_age.set(age if age is not None else 0.0)
+        self.metrics.etcd_outage.set(1 if self.ours.lease_watch.verdict_now is Verdict.OUTAGE else 0)
+
     def _in_place_statuses(self) -> tuple[bool, bool]:
         """(every running local worker runs in place, one asked for a new round)."""
         if self.channel is None:
@@ -209,6 +227,9 @@ class NodeAgent(ElasticAgent):
         return in_place, reform
 
     def _wait(self, timeout: float) -> None:
+        due = self.ours.lease_watch.seconds_to_deadline() if self.ours is not None else None
+        if due is not None:
+            timeout = min(timeout, due + 0.01)  # judge the lease on time, not at the next tick
         fds = [self._wake_r] + ([self.channel.wake_fd] if self.channel is not None else [])
         ready, _, _ = select.select(fds, [], [], timeout)
         for fd in ready:
@@ -261,16 +282,21 @@ class NodeAgent(ElasticAgent):
         log.warning("[%s] %s: stopping local workers now", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
+        sig = stop_signal(reason, self.watch.progressed())
+        grace = min(self.settings.graceful_stop, 30.0)
+        if reason is Reason.LEASE_LOST:
+            self._stop(sig, grace)  # first: etcd may be out of reach, and its answer must not delay the fence
         if self.ours is not None:
             self.ours.lease.update(state="stopping")
         self.metrics.set_state("stopped")
-        sig = stop_signal(reason, self.watch.progressed())
-        grace = min(self.settings.graceful_stop, 30.0)
-        self._stop(sig, grace)
+        if reason is not Reason.LEASE_LOST:
+            self._stop(sig, grace)
         if decision.counted:
             self.remaining_restarts -= 1
         self.restart_count += 1
         previous = self.participants
+        if reason is Reason.WORKER_FAILED and self.ours is not None:
+            self.ours.report_unreachable()  # a peer cut off from us fails our workers, its lease intact
         self._rendezvous(JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else FAILURE)
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
@@ -286,6 +312,8 @@ class NodeAgent(ElasticAgent):
         assert self.channel is not None
         log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self._describe(decision))
         previous = self.round_number
+        if decision.reason is Reason.REFORM and self.ours is not None:
+            self.ours.report_unreachable()  # so the next round can leave out a member nobody reaches
         self._rendezvous_for_offer(JOIN if decision.reason is Reason.SCALE_UP else FAILURE)
         if self.offer is None:
             log.warning("[%s] no usable round for in-place workers; restarting them", self.node)
@@ -369,6 +397,8 @@ class NodeAgent(ElasticAgent):
             since = f"for {time.time() - last:.0f} s" if last is not None else "since the group started"
             return (f"no rank on this node made progress {since} (hang timeout {self.watch.describe_timeout()}); "
                     "dumping worker stacks, then restarting")
+        if reason is Reason.LEASE_LOST and self.ours is not None and self.ours.lease_watch.verdict_now is Verdict.CUT_OFF:
+            return self.ours.lease_watch.detail
         if decision.detail:
             return decision.detail
         return {

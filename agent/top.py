@@ -36,15 +36,16 @@ SCRAPE_TIMEOUT = 2.0
 def scrape(record: NodeRecord, timeout: float = SCRAPE_TIMEOUT) -> NodeScrape:
     """One node's endpoint now; an unreachable or garbled endpoint is an error, not a crash."""
     at = time.time()
+    note = str(record.extra.get("kept_out", ""))  # a node its peers cannot reach says why and for how long
     if not record.metrics_url:
-        return NodeScrape(record.node, record.state, at, error="no metrics endpoint")
+        return NodeScrape(record.node, record.state, at, error="no metrics endpoint", note=note)
     try:
         with urllib.request.urlopen(record.metrics_url, timeout=timeout) as reply:
             text = reply.read().decode("utf-8", errors="replace")
-        return NodeScrape(record.node, record.state, at, Exposition.parse(text))
+        return NodeScrape(record.node, record.state, at, Exposition.parse(text), note=note)
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        return NodeScrape(record.node, record.state, at, error=f"scrape failed: {reason}")
+        return NodeScrape(record.node, record.state, at, error=f"scrape failed: {reason}", note=note)
 
 
 def scrape_all(records: Iterable[NodeRecord], timeout: float = SCRAPE_TIMEOUT) -> dict[str, NodeScrape]:
@@ -85,10 +86,10 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for node in view.nodes:
         if not node.ranks:
-            table.add_row(node.node, "-", node.state, *["-"] * 8, node.error or "no live ranks",
+            table.add_row(node.node, "-", node.state, *["-"] * 8, node.note or node.error or "no live ranks",
                           style="yellow")
         for r in node.ranks:
-            flag = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else ""
+            flag = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else node.note
             table.add_row(r.node, r.rank, r.state, fmt_count(r.steps), fmt_rate(r.samples_per_s, ""),
                           fmt_seconds(r.step_p50), fmt_seconds(r.step_p99), fmt_seconds(r.allreduce_s_per_step),
                           fmt_rate(r.busbw, "B/s"), fmt_seconds(r.snapshot_age_s), fmt_count(r.restarts),

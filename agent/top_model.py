@@ -63,6 +63,7 @@ class NodeScrape:
     at: float  # unix time of the scrape
     metrics: Exposition | None = None
     error: str | None = None
+    note: str = ""  # what the node says of itself beyond its state, e.g. why it is kept out
 
 
 def increase(cur: float | None, prev: float | None) -> float | None:
@@ -136,6 +137,7 @@ class NodeView:
     state: str
     error: str | None
     ranks: tuple[RankView, ...]
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def build_view(current: Mapping[str, NodeScrape], previous: Mapping[str, NodeScr
     by_node: dict[str, list[RankView]] = {n: [] for n in names}
     for row in rows:
         by_node[row.node].append(row)
-    nodes = tuple(NodeView(n, current[n].state, current[n].error, tuple(by_node[n])) for n in names)
+    nodes = tuple(NodeView(n, current[n].state, current[n].error, tuple(by_node[n]), current[n].note) for n in names)
     worlds = [s.metrics.total("elastic_world_size") for s in current.values() if s.metrics]
     world = max((w for w in worlds if w is not None), default=None)
     rates = [r.samples_per_s for r in rows if r.samples_per_s is not None]

@@ -26,6 +26,7 @@ totals, and exits 1 on any violation. Everything is seeded by ``--seed``.
 
     .venv/bin/python bench/chaos_soak.py                      # 10 minutes
     .venv/bin/python bench/chaos_soak.py --duration 120 --faults 5 --seed 1
+    .venv/bin/python bench/chaos_soak.py --netns              # issue 19's network and etcd faults (root)
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wedge-after", type=float, default=30.0,
                    help="at the end, the job must have stepped within this many seconds (default 30)")
     p.add_argument("--run-dir", type=Path, default=None, help="logs, ledger, snapshots (default runs/soak-TIME)")
+    p.add_argument("--netns", action="store_true",
+                   help="issue 19's fault table instead: nodes in network namespaces, a 3-member etcd cluster, "
+                        "partitions, cuts and etcd leader faults (root only; see bench/netns_soak.py)")
+    p.add_argument("--collective-timeout", type=float, default=6.0,
+                   help="--netns: the job's collective timeout, which bounds how long a node cut from its peers "
+                        "stalls the others before it is kept out (default 6)")
     args = p.parse_args(argv)
     if args.snapshot_every_steps < 1:
         p.error("--snapshot-every-steps must be at least 1: kill-rank0-snapshot needs snapshots")
@@ -341,6 +348,11 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.netns:
+        from bench.netns_soak import run as run_netns
+
+        signal.signal(signal.SIGTERM, _terminate)
+        return run_netns(args)
     rng = random.Random(args.seed)
     run_dir = (args.run_dir or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from .errors import (
     SnapshotExistsError,
     SnapshotMismatchError,
 )
+from .fence import Fence, FenceToken, SnapshotFencedError
 from .rng import capture_rng_state, restore_rng_state
 from .store import SnapshotInfo, SnapshotStatus, SnapshotStore, TempDirStatus
 from .writer import AsyncSnapshotWriter, WriterStats
@@ -40,6 +41,9 @@ __all__ = [
     "SnapshotDirError",
     "SnapshotDiskFullError",
     "SnapshotExistsError",
+    "SnapshotFencedError",
+    "Fence",
+    "FenceToken",
     "capture_rng_state",
     "restore_rng_state",
     "check_state_compatible",

@@ -5,7 +5,9 @@ Write protocol (a snapshot without a valid manifest does not exist):
   2. write and fsync ``MANIFEST.json`` (sizes + sha256 of every file, plus its own checksum);
   3. fsync the temp dir, rename it to ``step-<step>/``, fsync the root.
 Only then is it "newest"; only then are old snapshots pruned. A crash at any point leaves
-either the previous state or a temp dir that later saves clean up.
+either the previous state or a temp dir that later saves clean up. A snapshot whose
+``extra_meta`` carries a ``fence`` token is renamed only while the directory's fence
+(:mod:`.fence`) still stands at that token: a stale group's snapshot never becomes newest.
 
 Recycling: pruning keeps the newest pruned snapshot as the spare ``.spare-step-.../``
 instead of deleting it, and the next save claims it by renaming it to its temp dir (step
@@ -19,6 +21,7 @@ holds the +1.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -41,6 +44,7 @@ from .errors import (
     SnapshotError,
     SnapshotExistsError,
 )
+from .fence import Fence, FenceToken
 from .manifest import FileEntry, Manifest, ManifestError
 from .tree import check_state
 
@@ -264,8 +268,10 @@ class SnapshotStore:
         finally:
             os.close(fd)
         layout.fsync_dir(tmp)
+        token = FenceToken.from_meta(extra_meta.get("fence"))
         try:
-            os.rename(tmp, final)  # fails (ENOTEMPTY/EEXIST) rather than clobbering a snapshot
+            with Fence(self.root).holding(token) if token is not None else contextlib.nullcontext():
+                os.rename(tmp, final)  # fails (ENOTEMPTY/EEXIST) rather than clobbering a snapshot
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise

@@ -49,11 +49,14 @@ class Ledger:
         self._seq = 0
         self.resumed_from = 0  # the step the current world started from (set by the trainer)
 
-    def record(self, *, epoch: int, step: int, world_size: int, samples: Sequence[int], resumed_from: int) -> None:
+    def record(self, *, epoch: int, step: int, world_size: int, samples: Sequence[int], resumed_from: int,
+               round_number: int = -1) -> None:
         line = {
             "incarnation": self.incarnation, "seq": self._seq, "time": time.time(), "epoch": epoch,
             "step": step, "world_size": world_size, "resumed_from": resumed_from, "samples": list(samples),
         }
+        if round_number >= 0:
+            line["round"] = round_number  # the rendezvous round of the group that committed it (split-brain check)
         self._seq += 1
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._file.flush()
@@ -119,6 +122,7 @@ def check_ledger(
     if not rows:
         return LedgerReport(["ledger is empty"], 0, [], [])
     incarnations = list(dict.fromkeys(r["incarnation"] for r in rows))
+    violations += split_brain(rows)
     if final_step is None:
         final_step = max(int(r["step"]) for r in rows if r["incarnation"] == rows[-1]["incarnation"])
     latest = {s: r for s, r in effective_steps(rows).items() if s <= final_step}
@@ -155,6 +159,28 @@ def check_ledger(
     if expect_epochs is not None and len(completed) < expect_epochs:
         violations.append(f"expected {expect_epochs} completed epoch(s), found {len(completed)}: {completed}")
     return LedgerReport(violations, len(latest), completed, incarnations)
+
+
+def split_brain(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Lines committed by a group of an older round after a newer round's group committed.
+
+    Every group commits under the snapshot directory's fence, so the file order is the
+    commit order and the rounds in it never go back; a line that does means two groups
+    committed steps for one job at once. Lines without a round (no ``elastic agent``
+    round, or an older ledger) are not judged.
+    """
+    found: list[str] = []
+    newest: dict[str, Any] | None = None
+    for row in rows:
+        if "round" not in row:
+            continue
+        if newest is not None and int(row["round"]) < int(newest["round"]):
+            found.append(f"split brain: step {row['step']} committed by round {row['round']} "
+                         f"(incarnation {row['incarnation']}) after round {newest['round']} had committed step "
+                         f"{newest['step']}: two groups committed steps at once")
+        if newest is None or int(row["round"]) >= int(newest["round"]):
+            newest = row
+    return found
 
 
 def _some(items: list[int], limit: int = 10) -> str:

@@ -14,6 +14,7 @@ for step k is written then too. A re-run step therefore never has a ledger line 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore
+from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
 
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
 from .ledger import Ledger, LedgerError
@@ -33,11 +34,20 @@ log = logging.getLogger(__name__)
 WriterMode = Literal["process", "thread"]
 
 
+class StaleGroupError(RuntimeError):
+    """A newer round of this job commits to the snapshot directory: this group must stop.
+
+    Not an :class:`ElasticRunError` (a usage error, which would end the job): the worker
+    exits like a crash, and its agent, whose lease is gone, rejoins the job anew."""
+
+
 class Snapshots:
     def __init__(self, root: Path, *, keep: int, every_steps: int | None, every_seconds: float | None,
                  writer_mode: WriterMode, ledger: str | Path | None, meta: dict[str, Any],
-                 metrics: MetricsLike) -> None:
+                 metrics: MetricsLike, round_of: Callable[[], int] | None = None) -> None:
         self.root, self.keep, self.every_steps, self.every_seconds = root, keep, every_steps, every_seconds
+        self.round_of = round_of or _round_from_env  # the rendezvous round this world was formed in
+        self.fence: Fence | None = None
         self.writer_mode, self.ledger_path, self.meta, self.metrics = writer_mode, ledger, meta, metrics
         self.store: SnapshotStore | None = None
         self.writer: AsyncSnapshotWriter | None = None
@@ -59,9 +69,14 @@ class Snapshots:
                     self.ledger = Ledger(self.ledger_path)
             except (SnapshotError, LedgerError) as e:
                 problem = str(e)
-        if broadcast_int(int(bool(problem)), info):
+        stale = self._raise_fence() if info.is_main and not problem else ""
+        verdict = broadcast_int(1 if problem else 2 if stale else 0, info)
+        if verdict == 1:
             raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {self.root} or ledger; "
                                              "see rank 0's log")
+        if verdict == 2:
+            raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
+                                           "group is stale")
         if check_dir:
             check_shared_dir(self.root, info)
         if self.store is None:
@@ -72,6 +87,32 @@ class Snapshots:
             self.writer = AsyncSnapshotWriter(self.store, overlap_policy="skip",
                                               on_durable=getattr(self.metrics, "snapshot_durable", None),
                                               mode=self.writer_mode)
+
+    def token(self) -> FenceToken | None:
+        """This world's fence token: the job's run id and its rendezvous round (None outside
+        ``elastic agent``/torchrun with our rendezvous: nothing to fence against)."""
+        run, round_number = os.environ.get("TORCHELASTIC_RUN_ID"), self.round_of()
+        return FenceToken(run, round_number) if run and round_number >= 0 else None
+
+    def _raise_fence(self) -> str:
+        """Rank 0 of a new world stands the fence at its round; why not, if this group is stale.
+
+        A fence that cannot be written (a read-only directory would have failed before)
+        is logged and skipped: it guards against a rare split brain, and must not stop a
+        job the snapshots themselves do not stop."""
+        token = self.token()
+        if token is None:
+            return ""
+        try:
+            self.fence = self.fence or Fence(self.root)
+            self.fence.raise_to(token)
+        except SnapshotFencedError as e:
+            return str(e)
+        except OSError as e:
+            log.warning("cannot write the fence of snapshot dir %s (%s); commits are not fenced", self.root,
+                        e.strerror or e)
+            self.fence = None
+        return ""
 
     # ------------------------------------------------------------------ reading (no replica left)
 
@@ -103,6 +144,9 @@ class Snapshots:
             self.ledger.sync()  # ledger lines up to this step outlive a machine crash
         t0 = time.perf_counter()
         meta = {**self.meta, "epoch": epoch, "cursor": cursor, "samples": samples}
+        token = self.token()
+        if token is not None:
+            meta["fence"] = token.to_meta()  # the store renames it into place only under this fence
         if self.writer.submit(step, state(), world_size=world_size, extra_meta=meta):
             self._last_time = time.monotonic()
             self.metrics.snapshot_submitted(time.perf_counter() - t0)
@@ -122,7 +166,9 @@ class Snapshots:
         self.writer.flush()  # so the overlap policy cannot skip the last one
         if self.ledger is not None:
             self.ledger.sync()
-        self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta})
+        token = self.token()
+        fence = {"fence": token.to_meta()} if token is not None else {}
+        self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta, **fence})
         self.writer.flush()
 
     # ------------------------------------------------------------------ the ledger after a re-formation
@@ -141,9 +187,18 @@ class Snapshots:
                         "them)", last + 1, recent[0].step - 1)
 
     def _write_line(self, record: StepRecord) -> None:
+        """One committed step's line, appended under the fence: a stale group's rank 0 is
+        refused (and stops) instead of interleaving its steps with the new group's."""
         assert self.ledger is not None
-        self.ledger.record(epoch=record.epoch, step=record.step, world_size=record.world_size,
-                           samples=list(record.samples), resumed_from=self.ledger.resumed_from)
+        token = self.token()
+        fence = self.fence.holding(token) if self.fence is not None and token is not None else contextlib.nullcontext()
+        try:
+            with fence:
+                self.ledger.record(epoch=record.epoch, step=record.step, world_size=record.world_size,
+                                   samples=list(record.samples), resumed_from=self.ledger.resumed_from,
+                                   round_number=token.round if token is not None else -1)
+        except SnapshotFencedError as e:
+            raise StaleGroupError(str(e)) from None
 
     # ------------------------------------------------------------------ closing
 
@@ -158,6 +213,14 @@ class Snapshots:
         finally:
             if self.ledger is not None:
                 self.ledger.close()
+
+
+def _round_from_env() -> int:
+    """The round ``elastic agent`` started this worker in (restart path: it never changes)."""
+    try:
+        return int(os.environ.get("ELASTIC_ROUND", "-1"))
+    except ValueError:
+        return -1
 
 
 def last_ledger_step(path: str | os.PathLike[str]) -> int:

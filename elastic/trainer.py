@@ -216,7 +216,8 @@ class ElasticRun:
         self.sync = GradSync(self.state.module, self.metrics)
         self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
                                    every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer, ledger=ledger,
-                                   meta=dict(snapshot_meta or {}), metrics=self.metrics)
+                                   meta=dict(snapshot_meta or {}), metrics=self.metrics,
+                                   round_of=lambda: self.round)  # the fence token: a stale group commits nothing
         self._pending: _Pending | None = None
         self._generation = 0  # bumped at every change of world: the loader is built again
         self._has_state = False  # a fresh process holds nothing until restored or healed

@@ -10,13 +10,20 @@ python3-etcd3 leaves three things to its caller, and each matters for fault tole
   :class:`EtcdUnavailableError`, so callers can tell "etcd unreachable" from a real answer.
 * Its auth token is fetched once. etcd expires simple tokens (5 minutes by default), so
   a long-running agent must re-authenticate when it is told the token is invalid.
+* A member cut off from the rest of its cluster still accepts connections: unary requests
+  hang until their timeout and a watch on it stays open but silent, a stale picture that
+  looks healthy. Every request here carries etcd's ``hasleader`` metadata, so such a member
+  answers "no leader" at once and cancels our watches, and a channel rebuilt after a
+  failure starts on another member.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -62,6 +69,15 @@ _TRANSIENT_TYPES = (
 )
 # An endpoint that failed is skipped only this long; etcd restarts must not lock us out.
 _ENDPOINT_RETRY_S = 0.3
+# After a failure, a rebuilt channel starts on another member for this long: long for a
+# member that let a request hang (cut off from its peers, it cannot confirm its leadership),
+# short for one that answered at once (down, or between leaders: it may be the first to
+# have one again).
+_AVOID_HUNG_S = 2.0
+_AVOID_ANSWERED_S = 0.3
+# etcd rejects a request carrying this (and cancels such a watch) on a member that has no
+# leader, instead of letting it wait for a quorum it cannot reach (etcd's rpctypes).
+REQUIRE_LEADER = ("hasleader", "true")
 
 
 class EtcdError(RuntimeError):
@@ -139,6 +155,7 @@ class EtcdClient:
         self.retry_deadline = retry_deadline
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._avoid: dict[str, float] = {}  # netloc -> monotonic time until which a rebuild avoids it
         self._local = threading.local()
         # Called with "unavailable", "denied" or "refused" whenever a request fails for
         # good; the agent counts them (elastic_agent_etcd_errors_total).
@@ -194,6 +211,11 @@ class EtcdClient:
             # gRPC refuses call credentials on a plaintext channel ("insufficient security
             # level"); etcd also reads the token from the metadata etcd3 sends anyway.
             client.call_credentials = None
+        client.metadata = tuple(client.metadata or ()) + (REQUIRE_LEADER,)
+        now = time.monotonic()
+        usable = [label for label in client.endpoints if self._avoid.get(label, 0.0) <= now]
+        if usable and client._current_endpoint_label not in usable:
+            client._current_endpoint_label = random.choice(usable)
         return client
 
     def _raw(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -202,10 +224,15 @@ class EtcdClient:
                 self._client = self._build()
             return self._client
 
-    def _reset(self, failed: etcd3.MultiEndpointEtcd3Client | None = None) -> None:
+    def _reset(self, failed: etcd3.MultiEndpointEtcd3Client | None = None, error: BaseException | None = None) -> None:
         """Close the channel (``failed``: only if it is still the current one, so a late
         failure on an old channel does not close the one another thread just rebuilt)."""
         with self._lock:
+            if failed is not None and len(self.settings.endpoints) > 1:
+                label = getattr(failed, "_current_endpoint_label", None)
+                hung = isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if label:
+                    self._avoid[label] = time.monotonic() + (_AVOID_HUNG_S if hung else _AVOID_ANSWERED_S)
             if self._client is not None and (failed is None or self._client is failed):
                 try:
                     self._client.close()
@@ -253,7 +280,7 @@ class EtcdClient:
                             return request(raw)
                         except BaseException as exc:
                             if _is_transient(exc) and isinstance(exc, grpc.RpcError):
-                                self._reset(raw)  # raw gRPC errors bypass etcd3's failover
+                                self._reset(raw, exc)  # raw gRPC errors bypass etcd3's failover
                             raise
             except RetryError as exc:
                 last = exc.last_attempt.exception()

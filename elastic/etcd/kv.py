@@ -47,9 +47,12 @@ def transact(
             success=c._ops_to_requests(list(success)),
             failure=c._ops_to_requests(list(failure)),
         )
+        # one attempt never outlives the caller's deadline: a proposal stuck on a member whose
+        # leader just died would otherwise hold it for the whole request timeout
+        timeout = c.timeout if deadline is None else min(c.timeout or deadline, deadline)
         try:
             reply = c.kvstub.Txn(
-                txn, c.timeout, credentials=c.call_credentials, metadata=c.metadata
+                txn, timeout, credentials=c.call_credentials, metadata=c.metadata
             )
         except grpc.RpcError as exc:
             c._manage_grpc_errors(exc)  # maps to etcd3's exception types, marks the endpoint
@@ -68,20 +71,23 @@ def transact(
     return client.call(request, deadline=deadline)
 
 
-def refresh_lease(client: EtcdClient, lease_id: int, timeout: float) -> int:
+def refresh_lease(client: EtcdClient, lease_id: int, timeout: float, attempt: float | None = None) -> int:
     """One keep-alive of ``lease_id``; its remaining TTL (0: etcd no longer has it).
 
     etcd3's own ``refresh_lease`` waits up to the client's request timeout (5 s) for an
     answer, longer than a short lease lives: an etcd that is back but has no leader yet
-    would hold the keep-alive past the lease's expiry. Here one attempt waits ``timeout``.
+    would hold the keep-alive past the lease's expiry. Here the whole refresh takes at most
+    ``timeout``, each attempt at most ``attempt`` (default: all of it), so that a member
+    that hangs leaves time to retry on another.
     """
+    per_attempt = timeout if attempt is None else min(attempt, timeout)
 
     def request(c: etcd3.MultiEndpointEtcd3Client) -> int:
         keep_alive = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         # A raw gRPC error reaches EtcdClient.call, which rebuilds the channel instead of
         # letting it sit in gRPC's reconnect back-off after etcd returns.
         for reply in c.leasestub.LeaseKeepAlive(
-            iter([keep_alive]), timeout, credentials=c.call_credentials, metadata=c.metadata
+            iter([keep_alive]), per_attempt, credentials=c.call_credentials, metadata=c.metadata
         ):
             return int(reply.TTL)
         return 0

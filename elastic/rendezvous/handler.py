@@ -43,9 +43,12 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
+from .lease_clock import Verdict
+from .lease_watch import LeaseWatch
 from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
+from .reachability import Reachability
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
 from .rounds import CLOSED, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
@@ -106,6 +109,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # publishes (one put): a joiner does not know yet whether its workers will need it.
         self.bootstrap = True
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
+        self.advertise_host = local_addr  # where peers reach this node's witness (the agent may set it)
+        self.lease_watch = LeaseWatch(node_name, self.lease, signer)
+        self.reachability = Reachability(node_name, client, signer, self.lease, prefix)
 
     # --------------------------------------------------------------- torch's ABC
 
@@ -126,6 +132,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.lease.update(state="rendezvous", round=None, rank=None, world=None)
         started = time.monotonic()
         record = self._join_until_closed(started + self.options.timings["join_timeout"])
+        if self.lease_watch.past_deadline():
+            self.lease.refresh(timeout=self.lease.ttl / 4)  # judged by its clock, a stale lease would stop us again
         rank, world = record.participants.index(self.node), len(record.participants)
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
@@ -190,6 +198,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return None
         if self.lease.generation != generation or self.lease.suspect_lost():
             return LEASE_LOST
+        if self.lease_watch.verdict([n for n in current.participants if n != self.node]) is Verdict.CUT_OFF:
+            return LEASE_LOST
         if not self.mirror.healthy:
             return None
         entries, _ = self.mirror.entries()
@@ -203,16 +213,37 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return PEER_LOST
         return None
 
+    def report_unreachable(self) -> list[str]:
+        """After the current round failed with every lease held: probe its other members and
+        record in etcd those this node cannot reach, so the next round can leave them out."""
+        with self._lock:
+            current = self.round
+        if current is None or len(current.participants) < 2:
+            return []
+        return self.reachability.report(current.round, current.participants, self.node_records())
+
     def close(self) -> None:
         """Leave: revoke the lease (peers notice now, not at TTL) and stop watching."""
+        self.lease_watch.close()
         self.lease.close()
         self.mirror.close()
+
+    def _round_peers(self) -> dict[str, str | None] | None:
+        """The current round's other members and their witnesses, from the mirror (no etcd request)."""
+        with self._lock:
+            current = self.round
+        if current is None:
+            return None
+        records = self._records(self.mirror.entries()[0])
+        return {n: (records[n].witness_addr if n in records else None)
+                for n in current.participants if n != self.node}
 
     # --------------------------------------------------------------- the protocol
 
     def _start(self) -> None:
         if self._started:
             return
+        self.lease.update(witness_addr=self.lease_watch.start(self.advertise_host, self._round_peers))
         self.lease.start()
         self.mirror.start(deadline=self.options.connect_timeout)
         self._started = True
@@ -236,6 +267,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 continue
             record = self._decode_round(entries)
             round_rev = entries[self._round_key].mod_revision if self._round_key in entries else 0
+            if record is not None and self.reachability.must_stay_out(record, entries):
+                self.reachability.stay_out(record, entries, self.node_records,
+                                           lambda: self._closed_in(self.mirror.entries()[0]))
+                joined_round = None
+                continue
             if record is None:
                 self._swap_round(0, RoundRecord(0, OPEN))
             elif record.state == CLOSED:
@@ -253,7 +289,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 join_revision = self._join(record.round, joined_round)
                 joined_round = record.round
             else:
-                joined, live = self._joined(entries, record.round), self._live(entries)
+                excluded = self.reachability.excluded(record, entries)
+                joined = {n: rev for n, rev in self._joined(entries, record.round).items() if n not in excluded}
+                live = self._live(entries)
                 if self.node not in joined and revision >= join_revision:
                     # our join key went with a lost lease (a freeze, a starved keep-alive)
                     log.warning("[%s] our join of round %d vanished with our lease; joining again",
@@ -263,7 +301,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if len(joined) >= self.timings.min_nodes or record.previous:
                     first_seen.setdefault(record.round, time.monotonic())
                 waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
-                dead = self._proven_dead(record, joined, entries)
+                dead = self._proven_dead(record, joined, entries) | excluded  # neither is waited for
                 if self.node in joined and should_close(record, joined, live, self.timings, waited, dead):
                     participants = rank_order(joined, record.previous, self.timings.max_nodes)
                     if self._swap_round(round_rev, record.closed_with(participants)):

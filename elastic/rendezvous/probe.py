@@ -33,6 +33,33 @@ def refused(addr: str, timeout: float = 0.5) -> bool:
         return False
 
 
+OK, REFUSED, UNREACHABLE = "ok", "refused", "unreachable"
+_UNREACHABLE_ERRNOS = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EINVAL, errno.ETIMEDOUT, errno.EHOSTDOWN,
+                       errno.ENETDOWN}
+
+
+def reach(addr: str, timeout: float = 1.0) -> str:
+    """What a TCP connect to ``host:port`` says about the path to it: ``ok``; ``refused``
+    (the host answered, nobody listens: a dead agent); or ``unreachable`` (the connect timed
+    out or the route failed: a network fault between us). A blackhole route fails at once
+    with EINVAL; a link down with EHOSTUNREACH after about a second; a dropped SYN-ACK is
+    a timeout."""
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return OK
+    except ConnectionRefusedError:
+        return REFUSED
+    except (TimeoutError, socket.timeout):
+        return UNREACHABLE
+    except OSError as exc:
+        if exc.errno == errno.ECONNREFUSED:
+            return REFUSED
+        return UNREACHABLE if exc.errno in _UNREACHABLE_ERRNOS else OK  # no verdict on what we cannot read
+    except ValueError:
+        return OK  # not an address we can judge: no verdict against it
+
+
 class DeathProbe:
     """Probes in the background; ``dead(addrs)`` answers from what has come back so far."""
 

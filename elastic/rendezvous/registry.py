@@ -18,9 +18,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
-from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import is_lease_not_found, refresh_lease
+from etcd3 import transactions as tx
 
+from elastic.etcd import EtcdClient, EtcdError
+from elastic.etcd.kv import is_lease_not_found, refresh_lease, transact
+
+from .lease_clock import LeaseClock
 from .signing import SignatureError, StateSigner
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class NodeRecord:
     world: int | None = None
     started_at: float = field(default_factory=time.time)
     store_addr: str | None = None  # host:port of the agent's round store (in-place recovery)
+    witness_addr: str | None = None  # host:port where peers ask how this node's keep-alives fare
     nproc: int | None = None  # local workers: ranks are assigned node by node
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -103,19 +107,25 @@ class NodeLease:
         self.client, self.signer, self.ttl = client, signer, ttl
         self.key = nodes_prefix(key_prefix, run_id) + record.node
         self._record = record
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the lease id and the record; never held across a request but a grant
+        self._put_lock = threading.Lock()  # record writes, one at a time
         self._lease_id: int | None = None
         self.generation = 0
         self.on_lost: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_tick = time.monotonic()
+        self._confirmed_at: float | None = None  # send time of the last keep-alive (or grant) etcd confirmed
+        self._failing_since: float | None = None  # send time of the first failed attempt after it
 
     @property
     def record(self) -> NodeRecord:
         return self._record
 
     def lease_id(self) -> int:
+        known = self._lease_id
+        if known is not None:
+            return known  # no lock: the keep-alive must never wait behind another thread's request
         with self._lock:
             if self._lease_id is None:
                 self._grant()
@@ -123,13 +133,33 @@ class NodeLease:
             return self._lease_id
 
     def _grant(self) -> None:
+        sent = time.monotonic()
         lease = self.client.call(lambda c: c.lease(self.ttl))
         self._lease_id = lease.id
+        self._confirmed(sent)
         self._put()
 
-    def _put(self) -> None:
-        lease_id, value = self._lease_id, self.signer.seal(self.key.encode(), self._record.to_json())
-        self.client.call(lambda c: c.put(self.key, value, lease=lease_id))
+    def _confirmed(self, sent: float) -> None:
+        if self._confirmed_at is None or sent > self._confirmed_at:
+            self._confirmed_at = sent
+        self._failing_since = None
+
+    def _failed(self, sent: float) -> None:
+        if self._failing_since is None:
+            self._failing_since = sent
+
+    def clock(self) -> LeaseClock:
+        """What this node knows of its lease, for :func:`.lease_clock.judge`."""
+        return LeaseClock(float(self.ttl), self._confirmed_at, self._failing_since)
+
+    def _put(self, deadline: float | None = None) -> None:
+        """Write the record (the newest one when several threads update it at once)."""
+        with self._put_lock:
+            lease_id, record = self._lease_id, self._record
+            if lease_id is None:
+                return
+            value = self.signer.seal(self.key.encode(), record.to_json())
+            transact(self.client, [], [tx.Put(self.key, value, lease=lease_id)], deadline=deadline)
 
     def start(self) -> "NodeLease":
         self.lease_id()
@@ -144,11 +174,11 @@ class NodeLease:
             self._record = replace(self._record, **changes)
             if self._lease_id is None:
                 return
-            try:
-                with self.client.deadline(1.0):
-                    self._put()
-            except EtcdError as exc:
-                log.debug("registry update deferred: %s", exc)
+        try:
+            with self.client.deadline(1.0):
+                self._put(deadline=1.0)
+        except EtcdError as exc:
+            log.debug("registry update deferred: %s", exc)
 
     def suspect_lost(self) -> bool:
         """True right after this process was frozen (SIGSTOP, a VM pause) for over the TTL.
@@ -170,17 +200,29 @@ class NodeLease:
             next_tick = max(next_tick + interval, time.monotonic())
             if self._stop.wait(next_tick - time.monotonic()):
                 return
-            try:
-                lease_id = self.lease_id()
-                ttl = refresh_lease(self.client, lease_id, timeout=interval)
-            except EtcdError as exc:
-                # etcd away: not a verdict on us; etcd extends every lease when it returns
-                log.debug("lease refresh failed (etcd unreachable?): %s", exc)
-                self._last_tick = time.monotonic()
-                continue
-            if ttl <= 0:
-                self._lost(lease_id)
+            self.refresh(interval)
             self._last_tick = time.monotonic()
+
+    def refresh(self, timeout: float) -> bool:
+        """One keep-alive now; True if etcd confirmed the lease (or granted a new one).
+
+        A failure is not a verdict on us (etcd may be down for everyone, and then it
+        extends every lease when it returns); it is recorded, and the rendezvous judges it
+        by this node's clock and its peers' word (:mod:`.lease_clock`).
+        """
+        sent = time.monotonic()
+        try:
+            lease_id = self.lease_id()
+            ttl = refresh_lease(self.client, lease_id, timeout=timeout, attempt=timeout / 2)
+        except EtcdError as exc:
+            log.debug("lease refresh failed (etcd unreachable?): %s", exc)
+            self._failed(sent)
+            return False
+        if ttl <= 0:
+            self._lost(lease_id)
+            return self._lease_id is not None
+        self._confirmed(sent)
+        return True
 
     def _lost(self, lost_id: int | None) -> None:
         with self._lock:

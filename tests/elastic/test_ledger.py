@@ -43,3 +43,32 @@ def test_repeats_losses_and_gaps_are_violations(tmp_path: Path) -> None:
     assert "missing 3" in text
     assert "epoch 0: samples seen more than once: 2" in text
     assert "epoch 0: 1 sample(s) never seen: 4" in text
+
+
+def test_a_line_of_an_older_round_after_a_newer_rounds_line_is_a_split_brain(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    sampler = ElasticSampler(10, seed=3)
+    old, new = Ledger(path, incarnation="old"), Ledger(path, incarnation="new")
+    for step, (writer, round_number) in enumerate([(old, 4), (old, 4), (new, 6), (old, 4), (new, 6)], start=1):
+        ids = sampler.global_batch(2)
+        writer.record(epoch=0, step=step, world_size=2, samples=ids, resumed_from=0, round_number=round_number)
+        sampler.advance(len(ids))
+    old.close()
+    new.close()
+    report = check_ledger(path, 10)
+    assert [v for v in report.violations if v.startswith("split brain")] == [
+        "split brain: step 4 committed by round 4 (incarnation old) after round 6 had committed step 3: "
+        "two groups committed steps at once"]
+
+
+def test_rounds_that_only_rise_are_no_split_brain(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    sampler = ElasticSampler(10, seed=3)
+    _write(path, sampler, 1, 2, world=2, resumed_from=0)  # lines without a round are not judged
+    ledger = Ledger(path)
+    for step, round_number in ((3, 1), (4, 1), (5, 3)):
+        ids = sampler.global_batch(2)
+        ledger.record(epoch=0, step=step, world_size=2, samples=ids, resumed_from=0, round_number=round_number)
+        sampler.advance(len(ids))
+    ledger.close()
+    assert not [v for v in check_ledger(path, 10).violations if v.startswith("split brain")]

@@ -1,0 +1,126 @@
+"""Is this node's etcd lease still good? Judged by its own clock, and by its peers' word.
+
+etcd expires a lease ``ttl`` seconds after the last keep-alive it received. A node that
+cannot reach etcd is never told: its keep-alives just fail. So it must count for itself:
+its lease is safe only until ``confirmed + ttl``, where ``confirmed`` is when it *sent* the
+last keep-alive etcd confirmed (etcd received it later, so etcd's own deadline is later
+still). Past that, its workers must be stopped, or the others (who see the lease expire
+and re-form without it) and this node's stale workers could both commit steps.
+
+But etcd can also be down for everyone. Then nobody's lease expires (etcd extends every
+lease when it comes back, and nothing can form a new round meanwhile), so stopping would
+throw away training for nothing. The two cases look the same from one node, and differ
+from its peers': if etcd is merely unreachable from *this* node, the others' keep-alives
+still succeed. So a failing node asks the members of its round, over a channel that does
+not need etcd (:mod:`.witness`), how long ago their last confirmed keep-alive was sent.
+
+The rule, :func:`judge`, for a node whose own deadline has passed:
+
+* **outage** (keep training) only if *every* other member of the round answered a
+  question sent late enough to tell, each says its own keep-alives fail too, and none has
+  had one confirmed since this node's began to fail;
+* **cut off** (stop the workers) otherwise: a peer that still reaches etcd, a peer that
+  cannot be asked (cut off from us too), a round of one, or a keep-alive thread so starved
+  that it has not even seen an attempt fail.
+
+"Late enough to tell": a peer that reaches etcd confirms a keep-alive every ``ttl/4``, so
+its last confirmation is at most ``ttl/4`` (plus scheduling slack) old. Only an answer to a
+question sent more than that after this node's first failure can show that the peer has
+confirmed nothing since. The deadline has a margin (``ttl/4``, at most 1 s) so that the
+workers are dead before etcd's own deadline even when the agent runs a little late on a
+loaded machine, not after.
+
+Every time is this process's ``time.monotonic()``; a peer's answer carries durations
+only, so no two clocks are ever compared.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+
+class Verdict(str, enum.Enum):
+    HELD = "held"  # confirmed recently enough: nothing to decide
+    OUTAGE = "outage"  # past our deadline, but etcd is down for the whole round: train on
+    CUT_OFF = "cut_off"  # past our deadline and not proven an outage: stop the workers
+
+
+@dataclass(frozen=True)
+class LeaseClock:
+    """What the keep-alive thread knows: the send time of the last keep-alive etcd confirmed,
+    and of the first one that failed after it (None while the last attempt succeeded)."""
+
+    ttl: float
+    confirmed_at: float | None
+    failing_since: float | None = None
+
+    @property
+    def interval(self) -> float:
+        return self.ttl / 4
+
+    def age(self, now: float) -> float | None:
+        return None if self.confirmed_at is None else now - self.confirmed_at
+
+
+@dataclass(frozen=True)
+class PeerWord:
+    """One peer's answer: ``age`` is how long before answering it sent its last confirmed
+    keep-alive (None: it has none); ``failing`` whether its latest attempt failed."""
+
+    asked_at: float
+    answered_at: float
+    age: float | None
+    failing: bool
+
+
+def margin(ttl: float) -> float:
+    """How long before etcd could expire the lease this node stops its workers."""
+    return min(1.0, ttl / 4)
+
+
+def deadline(clock: LeaseClock) -> float | None:
+    """When, by this node's clock, its workers must be stopped unless an outage is proven."""
+    if clock.confirmed_at is None:
+        return None
+    return clock.confirmed_at + clock.ttl - margin(clock.ttl)
+
+
+def telling_after(clock: LeaseClock) -> float | None:
+    """Answers to questions sent after this time can tell an outage from a cut-off."""
+    if clock.failing_since is None:
+        return None
+    slack = clock.interval / 8  # the peer's keep-alive thread running late, a slow etcd reply
+    return clock.failing_since + clock.interval + 2 * slack
+
+
+def lost_etcd_too(clock: LeaseClock, word: PeerWord) -> bool:
+    """The peer's keep-alives fail as well, and none succeeded after ours began to fail."""
+    after = telling_after(clock)
+    if after is None or word.asked_at < after or not word.failing:
+        return False
+    if word.age is None:
+        return True  # it never had a confirmed keep-alive: it certainly had none since
+    assert clock.failing_since is not None
+    latest_confirmation = word.answered_at - word.age
+    return latest_confirmation <= clock.failing_since + clock.interval / 8
+
+
+def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[str, PeerWord]) -> Verdict:
+    """This node's verdict on its own lease; see the module's docstring for the rule."""
+    due = deadline(clock)
+    if due is None or now < due:
+        return Verdict.HELD
+    if clock.failing_since is not None and peers and all(p in words and lost_etcd_too(clock, words[p]) for p in peers):
+        return Verdict.OUTAGE
+    return Verdict.CUT_OFF
+
+
+def should_ask(clock: LeaseClock, now: float, last_asked: float | None) -> bool:
+    """Ask the peers while failing, four times per keep-alive interval, so that several
+    answers that can tell arrive between :func:`telling_after` and the deadline."""
+    if clock.failing_since is None:
+        return False
+    every = clock.interval / 4
+    return last_asked is None or now - last_asked >= every

@@ -1,0 +1,83 @@
+"""A node's lease and watch on a real 3-member etcd cluster losing its leader or a member.
+
+The members live in network namespaces (tests/support/etcd_cluster.py): the leader is
+SIGKILLed, then the member this client talks to is cut off from the other two (it still
+accepts connections, but has no quorum). Through both, the lease must never be lost nor
+even pass its own-clock deadline (the client fails over in time), and the watch-fed
+mirror must keep seeing new writes (a cut-off member's silent watch is not trusted).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from elastic.etcd import EtcdClient
+from elastic.etcd.mirror import PrefixMirror
+from elastic.rendezvous.lease_clock import deadline
+from elastic.rendezvous.registry import NodeLease, NodeRecord
+from elastic.rendezvous.signing import StateSigner
+from tests.support.etcd_cluster import EtcdCluster
+from tests.support.netns import NodeNetwork, unavailable_reason
+from tests.support.waiting import wait_until
+
+MEMBERS = ("e0", "e1", "e2")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    with NodeNetwork(list(MEMBERS)) as net:
+        etcd = EtcdCluster(net, tmp_path, MEMBERS)
+        try:
+            yield etcd.start()
+        finally:
+            etcd.close()
+
+
+def watch_lease(lease: NodeLease, seconds: float) -> float:
+    """Hold for ``seconds``; return the worst margin to the own-clock deadline seen (>0: never passed)."""
+    worst = float("inf")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        due = deadline(lease.clock())
+        assert due is not None
+        worst = min(worst, due - time.monotonic())
+        time.sleep(0.02)
+    return worst
+
+
+def test_a_lease_and_a_watch_survive_a_dead_leader_and_a_cut_off_member(cluster: EtcdCluster) -> None:
+    client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
+    lease = NodeLease(client, "/t", "run", NodeRecord(node="n", host="h", pid=1), StateSigner(None), ttl=2).start()
+    mirror = PrefixMirror(client, "/t/").start()
+    try:
+        leader = cluster.wait_for_leader(30)
+        cluster.members[leader].kill()
+        cluster.wait_for_leader(30, among=[m for m in MEMBERS if m != leader])
+        margin = watch_lease(lease, 3.0)
+        client.call(lambda c: c.put("/t/after-kill", "1"))
+        wait_until(lambda: "/t/after-kill" in mirror.entries()[0], 10, "the mirror to see a write after the kill")
+        cluster.members[leader].start()
+        cluster.wait_for_leader(60)
+
+        used = client._raw()._current_endpoint_label  # the member this client talks to now
+        victim = next(m for m in MEMBERS if cluster.members[m].endpoint == used)
+        cluster.isolate(victim)
+        cluster.wait_for_leader(30, among=[m for m in MEMBERS if m != victim])
+        margin = min(margin, watch_lease(lease, 4.0))
+        client.call(lambda c: c.put("/t/after-cut", "1"))
+        wait_until(lambda: "/t/after-cut" in mirror.entries()[0], 10,
+                   f"the mirror to see a write while {victim} is cut off")
+        assert lease.generation == 0, "the lease was lost"
+        assert margin > 0, f"the lease went {-margin:.2f} s past its own-clock deadline"
+        print(f"worst margin to the own-clock deadline: {margin:.2f} s (ttl 2 s)")
+    finally:
+        mirror.close()
+        lease.close()
+        client.close()

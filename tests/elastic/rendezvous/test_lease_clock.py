@@ -1,0 +1,83 @@
+"""The own-clock lease rule: when a node cut from etcd stops its workers, and when an etcd
+outage for everyone lets it train on. Pure: times are plain numbers (seconds)."""
+
+from __future__ import annotations
+
+from elastic.rendezvous.lease_clock import (
+    LeaseClock, PeerWord, Verdict, deadline, judge, margin, should_ask, telling_after,
+)
+
+TTL = 2.0  # keep-alive every 0.5 s; deadline 1.5 s after the last confirmed one was sent
+HEALTHY = LeaseClock(TTL, confirmed_at=10.0)
+FAILING = LeaseClock(TTL, confirmed_at=10.0, failing_since=10.5)  # the next keep-alive failed
+
+
+def outage_word(asked: float, age_at_answer: float | None) -> PeerWord:
+    """A peer whose keep-alives fail too; ``age_at_answer`` since its last confirmed one."""
+    return PeerWord(asked_at=asked, answered_at=asked + 0.01, age=age_at_answer, failing=True)
+
+
+def test_the_deadline_comes_before_etcd_could_expire_the_lease() -> None:
+    assert margin(2.0) == 0.5 and margin(10.0) == 1.0
+    assert deadline(HEALTHY) == 11.5
+    assert deadline(LeaseClock(TTL, confirmed_at=None)) is None  # never confirmed: nothing to count from
+
+
+def test_before_the_deadline_nothing_is_decided_even_while_failing() -> None:
+    assert judge(FAILING, 11.45, peers=["b"], words={}) is Verdict.HELD
+    assert judge(HEALTHY, 11.45, peers=[], words={}) is Verdict.HELD
+
+
+def test_cut_off_alone_a_node_stops_by_its_own_clock_when_no_peer_can_be_asked() -> None:
+    # a full partition: the peers do not answer either
+    assert judge(FAILING, 11.5, peers=["b", "c"], words={}) is Verdict.CUT_OFF
+
+
+def test_a_round_of_one_cannot_prove_an_outage() -> None:
+    assert judge(FAILING, 11.5, peers=[], words={}) is Verdict.CUT_OFF
+
+
+def test_a_peer_that_still_reaches_etcd_means_this_node_is_cut_off() -> None:
+    words = {"b": PeerWord(asked_at=11.2, answered_at=11.21, age=0.2, failing=False),
+             "c": outage_word(11.2, 1.0)}
+    assert judge(FAILING, 11.55, peers=["b", "c"], words=words) is Verdict.CUT_OFF
+
+
+def test_every_peer_failing_since_before_our_failure_is_an_etcd_outage() -> None:
+    # etcd died at 10.4: b last confirmed at 10.3, c at 10.45; asked at 11.2 (telling after 11.125)
+    words = {"b": outage_word(11.2, 11.21 - 10.3), "c": outage_word(11.2, 11.21 - 10.45)}
+    assert telling_after(FAILING) == 11.125
+    assert judge(FAILING, 11.55, peers=["b", "c"], words=words) is Verdict.OUTAGE
+    assert judge(FAILING, 30.0, peers=["b", "c"], words=words) is Verdict.OUTAGE  # the outage goes on
+
+
+def test_one_peer_missing_from_the_answers_is_not_proof() -> None:
+    words = {"b": outage_word(11.2, 0.9)}
+    assert judge(FAILING, 11.55, peers=["b", "c"], words=words) is Verdict.CUT_OFF
+
+
+def test_an_answer_asked_too_soon_after_our_failure_cannot_tell() -> None:
+    # 0.1 s after our first failure a healthy peer may simply not have refreshed yet
+    words = {"b": outage_word(10.6, 0.4)}
+    assert judge(FAILING, 11.55, peers=["b"], words=words) is Verdict.CUT_OFF
+
+
+def test_a_peer_that_confirmed_a_keep_alive_after_ours_failed_saw_etcd_alive() -> None:
+    # b is failing now (a blip), but it confirmed one at 11.0, after we began to fail at 10.5
+    words = {"b": PeerWord(asked_at=11.2, answered_at=11.21, age=0.21, failing=True)}
+    assert judge(FAILING, 11.55, peers=["b"], words=words) is Verdict.CUT_OFF
+
+
+def test_a_peer_that_never_had_a_confirmed_keep_alive_lost_etcd_too() -> None:
+    assert judge(FAILING, 11.55, peers=["b"], words={"b": outage_word(11.2, None)}) is Verdict.OUTAGE
+
+
+def test_a_starved_keep_alive_thread_that_saw_no_failure_is_cut_off_past_the_deadline() -> None:
+    assert judge(HEALTHY, 11.55, peers=["b"], words={"b": outage_word(11.2, 0.9)}) is Verdict.CUT_OFF
+
+
+def test_peers_are_asked_only_while_failing_and_four_times_per_interval() -> None:
+    assert not should_ask(HEALTHY, 11.0, None)
+    assert should_ask(FAILING, 10.6, None)
+    assert not should_ask(FAILING, 10.7, last_asked=10.6)
+    assert should_ask(FAILING, 10.73, last_asked=10.6)

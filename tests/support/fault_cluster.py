@@ -1,0 +1,161 @@
+"""A training job on nodes with their own network, for fault tests and ``bench/chaos_soak.py --netns``.
+
+Each node is a real ``elastic agent`` process tree inside its own namespace of a
+:class:`~agent.netns.NodeNetwork` (its own address for the agent, the round store, the
+witness, the metrics and every gloo pair), running ``elastic.train`` with a ledger and
+snapshots in one shared directory. etcd is whatever the caller started: one member on
+the bridge, or a 3-member :class:`~tests.support.etcd_cluster.EtcdCluster`.
+
+What a test reads is what a user would: each node's progress lines (step, world, round,
+worker pid), its ``/metrics``, the node registry in etcd, the ledger and the snapshots.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from agent.local_node import LocalNode
+from agent.netns import NodeNetwork
+from elastic.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
+from elastic.etcd.settings import EtcdSettings
+from elastic.ledger import read_ledger
+from elastic.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
+from elastic.rendezvous.rounds import RoundRecord
+from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, StateSigner
+from tests.elastic.metrics.scrape import fetch
+
+DATASET = 512  # 16 steps per epoch at the default global batch of 32
+
+
+def job_args(workdir: Path, collective_timeout: float, step_sleep: float = 0.05, seed: int = 0) -> list[str]:
+    return ["--job", "mlp", "--epochs", "100000", "--dataset-size", str(DATASET), "--seed", str(seed),
+            "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every-steps", "10",
+            "--ledger", str(workdir / "ledger.jsonl"), "--progress", "{progress}",
+            "--step-sleep", str(step_sleep), "--collective-timeout", str(collective_timeout)]
+
+
+@dataclass
+class FaultCluster:
+    net: NodeNetwork
+    endpoint: str  # etcd, as --rdzv-endpoint takes it (one or several host:port)
+    workdir: Path
+    names: Sequence[str]
+    run_id: str = "faults"
+    lease_ttl: int = 2
+    collective_timeout: float = 4.0
+    step_sleep: float = 0.05
+    seed: int = 0
+    hmac_key: bytes | None = None  # sign the rendezvous state, as production does
+    nodes: dict[str, LocalNode] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        env = {"OMP_NUM_THREADS": "1"}
+        if self.hmac_key is not None:
+            key_file = self.workdir / "job.key"
+            key_file.write_bytes(self.hmac_key)
+            key_file.chmod(0o600)
+            env[HMAC_KEY_FILE_ENV] = str(key_file)
+        for name in self.names:
+            self.nodes[name] = LocalNode(
+                name=name, endpoint=self.endpoint, run_id=self.run_id, workdir=self.workdir, module="elastic.train",
+                module_args=job_args(self.workdir, self.collective_timeout, self.step_sleep, self.seed),
+                nnodes=f"1:{len(self.names)}", max_restarts=1000, metrics_port=free_port(),
+                agent_args=["--lease-ttl", str(self.lease_ttl)], netns=self.net[name], env=dict(env))
+        self.signer = StateSigner(self.hmac_key)
+        self.client = EtcdClient(EtcdSettings(endpoints=parse_endpoints(self.endpoint), request_timeout=2.0),
+                                 retry_deadline=3.0)
+
+    def __getitem__(self, name: str) -> LocalNode:
+        return self.nodes[name]
+
+    def start(self, names: Iterable[str] | None = None) -> "FaultCluster":
+        for name in names if names is not None else self.names:
+            self.nodes[name].start()
+        return self
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.cleanup()
+        self.client.close()
+
+    # ------------------------------------------------------------------ progress
+
+    def rows(self, name: str, world: int | None = None, after: float = 0.0) -> list[dict[str, Any]]:
+        return [r for r in self.nodes[name].progress()
+                if r["time"] > after and (world is None or r["world_size"] == world)]
+
+    def train_together(self, names: Iterable[str], world: int, steps: int = 5, after: float = 0.0) -> bool:
+        return all(len(self.rows(n, world, after)) >= steps for n in names)
+
+    def worker_pid(self, name: str) -> int:
+        return int(self.rows(name)[-1]["pid"])
+
+    def logs(self, *names: str, lines: int = 50) -> str:
+        return "\n".join(self.nodes[n].log_tail(lines) for n in (names or self.names))
+
+    # ------------------------------------------------------------------ what users look at
+
+    def metric(self, name: str, metric: str, **labels: str) -> float | None:
+        node = self.nodes[name]
+        series = fetch(f"http://{node.metrics_host}:{node.metrics_port}/metrics", timeout=3)
+        if series is None:
+            return None
+        return sum(v for (n, ls), v in series.items() if n == metric and labels.items() <= dict(ls).items())
+
+    def registry(self) -> dict[str, NodeRecord]:
+        """The node registry as ``elastic top`` reads it (with the job's key, if it has one)."""
+        return {r.node: r for r in list_nodes(self.client, self.run_id, self.signer)}
+
+    def round_record(self) -> RoundRecord | None:
+        """The current round, verified with the job's key."""
+        key = f"{run_prefix('/elastic', self.run_id)}/rdzv/round"
+        value = self.client.call(lambda c: c.get(key))[0]
+        return None if value is None else RoundRecord.from_json(self.signer.open(key.encode(), value))
+
+    def ledger(self) -> list[dict[str, Any]]:
+        path = self.workdir / "ledger.jsonl"
+        return read_ledger(path) if path.exists() else []
+
+
+class KeyWatch:
+    """When did etcd drop a node's registry key (its lease expired)? Seen by a real watch."""
+
+    def __init__(self, cluster: FaultCluster, node: str) -> None:
+        self.key = nodes_prefix("/elastic", cluster.run_id) + node
+        self.client = cluster.client
+        self.gone_at: float | None = None
+        self._lock = threading.Lock()
+        self._watch_id = self.client.call(lambda c: c.add_watch_callback(self.key, self._event))
+
+    def _event(self, response: Any) -> None:
+        if isinstance(response, BaseException):
+            return
+        for event in response.events:
+            if type(event).__name__ == "DeleteEvent":
+                with self._lock:
+                    self.gone_at = self.gone_at or time.time()
+
+    def close(self) -> None:
+        try:
+            self.client.call(lambda c: c.cancel_watch(self._watch_id), deadline=1.0)
+        except EtcdError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is as dead as a worker gets until its agent reaps it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
