@@ -46,12 +46,14 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
+from elastic.goodput.files import GOODPUT_DIR_ENV
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
 from elastic.rendezvous.rounds import FAILURE, JOIN
 
 from .commands import CommandWatch
+from .goodput import GoodputAccountant, fault_nodes
 from .metrics import AgentMetrics
 from .policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
 from .settings import AgentSettings
@@ -110,6 +112,8 @@ class NodeAgent(ElasticAgent):
             self.ours.lease.update(metrics_url=metrics.url, nproc=spec.nproc)
             self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
             self.ours.mirror.listeners.append(self._wake)
+        self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
+                                         self.ours)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -146,7 +150,9 @@ class NodeAgent(ElasticAgent):
             return self._loop()
         except AgentSignal as exc:
             log.warning("[%s] %s: stopping local workers", self.node, exc)
+            pids = self.workers.pids()
             self.workers.stop(signal.SIGTERM, grace=self.settings.graceful_stop)
+            self.goodput.tick(pids, self.rank_base, force=True)  # rank 0's last marks, written as it stopped
             raise
         finally:
             for sig, handler in previous.items():
@@ -165,6 +171,7 @@ class NodeAgent(ElasticAgent):
             self._wait(self.spec.monitor_interval)
             if self.commands is not None:
                 self.commands.poll()  # `elastic kill` of this node from another machine
+            self.goodput.tick(self.workers.pids(), self.rank_base)
             decision = decide(self._observe())
             if decision.action is Action.CONTINUE:
                 self._while_healthy()
@@ -258,6 +265,8 @@ class NodeAgent(ElasticAgent):
 
     def _restart(self, decision: Decision) -> None:
         reason = decision.reason or Reason.SCALE_UP
+        acted_at = time.time()
+        self.goodput.acted(reason.value)
         log.warning("[%s] %s: stopping local workers now", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
@@ -266,7 +275,10 @@ class NodeAgent(ElasticAgent):
         self.metrics.set_state("stopped")
         sig = stop_signal(reason, self.watch.progressed())
         grace = min(self.settings.graceful_stop, 30.0)
+        pids, rank_base = self.workers.pids(), self.rank_base
         self._stop(sig, grace)
+        self.goodput.tick(pids, rank_base, force=True)  # what rank 0 marked before it stopped
+        self.goodput.workers_stopped()
         if decision.counted:
             self.remaining_restarts -= 1
         self.restart_count += 1
@@ -275,6 +287,8 @@ class NodeAgent(ElasticAgent):
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             self.remaining_restarts += 1
+        self.goodput.restarted(self.rank_base == 0, reason.value,
+                               fault_nodes(reason.value, self.node, previous, self.participants), acted_at, time.time())
         self._start_group()
         log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.node, reason.value,
                  self.group_world, self.remaining_restarts)
@@ -302,17 +316,23 @@ class NodeAgent(ElasticAgent):
         """In place: start again only the local ranks that died or hung."""
         assert self.channel is not None
         ranks = list(decision.ranks)
+        acted_at = time.time()
+        if decision.reason is not None:
+            self.goodput.acted(decision.reason.value)
         log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", self.node,
                     self._describe(decision), ranks)
         if decision.dump_stacks:
             self._dump_stacks(ranks)
         pids = [pid for rank, pid in self.workers.pids().items() if rank in ranks]
+        before = self.workers.pids()
         self.workers.stop(signal.SIGKILL, ranks=ranks)
+        self.goodput.tick(before, self.rank_base, force=True)  # what rank 0 marked before it died
         self.workers.forget(ranks)
         self.metrics.forget_pids(pids)
         for rank in ranks:
             self.channel.forget(rank)
             self.watch.forget(rank)
+        self.goodput.workers_stopped(ranks)
         if decision.counted:
             self.remaining_restarts -= 1
         self._rendezvous_for_offer(FAILURE)
@@ -320,6 +340,9 @@ class NodeAgent(ElasticAgent):
             self._restart(Decision(Action.RESTART, decision.reason))
             return
         self.channel.offer(self.offer)
+        if 0 in ranks and decision.reason is not None:  # rank 0 of the job, if this node comes first
+            self.goodput.restarted(self.rank_base == 0, decision.reason.value, (self.node,), acted_at, time.time())
+            self.goodput.workers_started(time.time())
         started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
                    for rank in ranks}
         for worker in self._worker_group.workers:
@@ -335,6 +358,7 @@ class NodeAgent(ElasticAgent):
 
     def _succeed(self) -> RunResult:
         log.info("[%s] local workers finished", self.node)
+        self.goodput.tick(self.workers.pids(), self.rank_base, force=True)  # rank 0's last steps
         if self.ours is not None:
             self.ours.lease.update(state="succeeded")
         self._exit_barrier()
@@ -346,7 +370,9 @@ class NodeAgent(ElasticAgent):
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
+        pids = self.workers.pids()
         stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)
+        self.goodput.tick(pids, self.rank_base, force=True)
         failures = failed_alone or stopped
         if self.ours is not None:
             self.ours.lease.update(state="failed")
@@ -470,6 +496,7 @@ class NodeAgent(ElasticAgent):
         launches = {rank: Launch(self._command(rank), self._env(rank)) for rank in range(self.spec.nproc)}
         pids = self.workers.start_all(launches)
         self._group_started, self._refilled = time.time(), False
+        self.goodput.workers_started(self._group_started)
         self._worker_group.workers = [
             Worker(local_rank=rank, global_rank=self.rank_base + rank, role_rank=self.rank_base + rank,
                    world_size=self.world_size, role_world_size=self.world_size) for rank in pids]
@@ -495,6 +522,8 @@ class NodeAgent(ElasticAgent):
             env["ELASTIC_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir)
         if self.channel is not None:
             env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
+        if self.goodput.enabled:
+            env[GOODPUT_DIR_ENV] = str(self.settings.goodput_dir)
         return env
 
     def _env(self, local_rank: int) -> dict[str, str]:
