@@ -1,15 +1,19 @@
 """The agent's side of goodput: fold what happened on this node into the job's record.
 
-One agent at a time accounts: the one whose node runs global rank 0. Each monitor tick it
-gathers the intervals nobody has counted yet:
+Each monitor tick an agent gathers the intervals of the job's time that it witnessed and
+nobody has counted yet; normally only the agent of rank 0's node has any:
 
-* its own, for a restart of rank 0's worker (the restart path, or an in-place
-  replacement of rank 0): detection up to the moment it acted, then the rendezvous;
-* rank 0's worker's, if it runs ``ElasticRun`` (``worker-{local_rank}.json``, written by
-  :class:`elastic.goodput.GoodputLog`): steps, snapshot stalls, each re-formation's phases;
-* otherwise its heartbeats (any script): step time is productive, recomputed (job steps
-  at or below the high water) or, for scripts that report no job steps, ``unknown`` once
-  the job has had a fault, because a redone step cannot be told from a new one.
+* its own, when it restarts or replaces workers because the job's world broke (not when
+  its own lease was lost: the job trained on without it): detection up to the moment it
+  acted, then the rendezvous (for a node joining, both are the join's);
+* its ``ElasticRun`` workers' (``worker-{local_rank}.json``, written by
+  :class:`elastic.goodput.GoodputLog`, which hands in only what it witnessed for the job:
+  rank 0's steps, snapshot stalls and each re-formation's phases);
+* for any other script, rank 0's heartbeats: step time is productive, recomputed (job
+  steps at or below the high water) or, for scripts that report no job steps,
+  ``unknown`` once the job has had a fault, because a redone step cannot be told from a
+  new one; the start of the worker to its first beat (its imports, its own restore, its
+  first step, which cannot be told apart) is ``worker_start``.
 
 It folds them into the record at ``{prefix}/{run}/goodput/account`` (signed like every
 value we write) with :func:`elastic.goodput.extend`, under a compare-and-swap on the
@@ -183,11 +187,11 @@ class GoodputAccountant:
         except EtcdError as exc:
             log.debug("goodput note not written: %s", exc)
 
-    def restarted(self, hosts_rank0: bool, reason: str, nodes: tuple[str, ...], acted_at: float,
-                  rendezvous_done: float) -> None:
-        """Rank 0's worker is being started anew (``hosts_rank0``): the time to ``acted_at``
-        was detection and the rest rendezvous (for a node joining: both are the join's)."""
-        if self.handler is None or not hosts_rank0:
+    def restarted(self, reason: str, nodes: tuple[str, ...], acted_at: float, rendezvous_done: float) -> None:
+        """Workers are started anew because the job's world broke (or grew): the time to
+        ``acted_at`` was detection and the rest rendezvous (for a node joining: both are the
+        join's). A node whose own lease was lost witnessed nothing of the job's time."""
+        if self.handler is None or reason == "lease_lost":
             return
         first, second = (JOIN, JOIN) if reason == "scale_up" else (DETECTION, RENDEZVOUS)
         self._pending += [Interval(end=acted_at, cause=first, reason=reason, nodes=nodes),
@@ -212,11 +216,15 @@ class GoodputAccountant:
             return
         self._refresh()
         now = self.clock()
-        if not force and (now - self._last_push < self.push_every or now < self._retry_at):
+        if now < self._retry_at and not force:
             return
         intervals, beat = self._gather(workers, rank_base)
-        if not intervals or (self.record.to is not None and max(iv.end for iv in intervals) <= self.record.to):
+        counted = self.record.to if self.record.to is not None else float("-inf")
+        if not intervals or max(iv.end for iv in intervals) <= counted:
             self._pending = []  # everything there is was counted already (by someone)
+            return
+        news = any(iv.reason and iv.end > counted for iv in intervals)  # a fault: record it now
+        if not (force or news) and now - self._last_push < self.push_every:
             return
         if not self.handler.mirror.healthy:
             return  # etcd is away: keep it all for when it is back
@@ -228,12 +236,11 @@ class GoodputAccountant:
 
     def _gather(self, workers: Mapping[int, int], rank_base: int) -> tuple[list[Interval], Beat | None]:
         intervals = list(self._pending)
-        reports = {rank: self._report(rank, pid) for rank, pid in workers.items()}
-        rank0 = [r for r in reports.values() if r is not None and r.rank == 0]
-        if rank0:
-            return intervals + list(rank0[0].intervals), None
-        if rank_base != 0 or 0 not in workers or reports.get(0) is not None:
-            return intervals, None  # not rank 0's node, or an ElasticRun worker that is not rank 0
+        reports = [r for r in (self._report(rank, pid) for rank, pid in workers.items()) if r is not None]
+        if reports:  # ElasticRun workers: what they witnessed, in time order across them
+            return sorted(intervals + [iv for r in reports for iv in r.intervals], key=lambda iv: iv.end), None
+        if rank_base != 0 or 0 not in workers:
+            return intervals, None  # not rank 0's node
         beat = read_beats(self.heartbeat_dir).get(0)
         if beat is None or beat.pid != workers[0] or self._beats.counted_to is None:
             return intervals, None

@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
 from elastic.goodput.files import GOODPUT_DIR_ENV
+from elastic.goodput.recorder import RECOVERY_ENV
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
@@ -130,6 +131,7 @@ class NodeAgent(ElasticAgent):
         self._group_started = time.time()
         self._refilled = False
         self._said_in_place = False
+        self._recovering = False  # the workers started next repair a broken world (goodput)
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -287,8 +289,9 @@ class NodeAgent(ElasticAgent):
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             self.remaining_restarts += 1
-        self.goodput.restarted(self.rank_base == 0, reason.value,
-                               fault_nodes(reason.value, self.node, previous, self.participants), acted_at, time.time())
+        self.goodput.restarted(reason.value, fault_nodes(reason.value, self.node, previous, self.participants),
+                               acted_at, time.time())
+        self._recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         self._start_group()
         log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.node, reason.value,
                  self.group_world, self.remaining_restarts)
@@ -340,9 +343,11 @@ class NodeAgent(ElasticAgent):
             self._restart(Decision(Action.RESTART, decision.reason))
             return
         self.channel.offer(self.offer)
-        if 0 in ranks and decision.reason is not None:  # rank 0 of the job, if this node comes first
-            self.goodput.restarted(self.rank_base == 0, decision.reason.value, (self.node,), acted_at, time.time())
+        if decision.reason is not None:
+            self.goodput.restarted(decision.reason.value, (self.node,), acted_at, time.time())
+        if 0 in ranks:
             self.goodput.workers_started(time.time())
+        self._recovering = True
         started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
                    for rank in ranks}
         for worker in self._worker_group.workers:
@@ -542,6 +547,8 @@ class NodeAgent(ElasticAgent):
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "ELASTIC_ROUND": str(self.round_number),
         })
+        if self._recovering:
+            env[RECOVERY_ENV] = "1"
         return env
 
 

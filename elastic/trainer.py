@@ -397,6 +397,7 @@ class ElasticRun:
             t_heal = time.perf_counter() - t_heal
             if self.dist.rank in plan.sources and not plan.from_disk:
                 self.metrics.state_from("replica")
+                self.goodput.healed_from_replica()
             if plan.sources and not note:
                 note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
         except RuntimeError as exc:

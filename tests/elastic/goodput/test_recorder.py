@@ -140,3 +140,70 @@ def test_from_env_without_the_agent_is_disabled(monkeypatch: pytest.MonkeyPatch,
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert not GoodputLog.from_env().enabled
+
+
+def test_a_newcomer_healed_from_a_live_replica_hands_in_nothing_of_its_start(tmp_path: Path) -> None:
+    """The job trained on while it started; once it is rank 0, its steps are the job's."""
+    clock = Clock()
+    log = log_at(tmp_path, clock)
+    log.forming("start")
+    clock.tick(1)
+    log.joined()
+    log.healed_from_replica()
+    clock.tick(1)
+    log.formed(("c", "a"), rank=0)
+    clock.tick(1)
+    log.stepped(7)
+    log.flush(force=True)
+    assert [(iv.start, iv.cause) for iv in handed_in(tmp_path)] == [(102, "productive")]
+
+
+def test_a_replacement_started_to_repair_a_broken_world_hands_in_its_start(tmp_path: Path) -> None:
+    clock = Clock()
+    log = GoodputLog(tmp_path, 0, started_at=99, recovery=True, clock=clock)
+    log.forming("start")
+    clock.tick(1)
+    log.joined()
+    log.healed_from_replica()
+    clock.tick(1)
+    log.formed(("a", "b"), rank=0)
+    assert [iv.cause for iv in handed_in(tmp_path)] == ["worker_start", "rendezvous", "restore"]
+
+
+def test_rank_0_demoted_by_a_join_hands_in_the_stand_still_and_then_nothing(tmp_path: Path) -> None:
+    clock = Clock()
+    log = log_at(tmp_path, clock)
+    log.forming("start")
+    log.formed(("b",), rank=0)
+    clock.tick(1)
+    log.stepped(1)
+    log.forming("join")
+    clock.tick(0.5)
+    log.joined()
+    log.formed(("a", "b"), rank=1)  # the newcomer on node a is rank 0 now
+    clock.tick(1)
+    log.stepped(2)
+    log.flush(force=True)
+    intervals = handed_in(tmp_path)
+    assert [iv.cause for iv in intervals] == ["worker_start", "restore", "productive", "join", "join"]
+    assert intervals[-1].end == 101.5 and intervals[-1].nodes == ("a",)
+
+
+def test_a_newcomer_that_later_takes_rank_0_over_never_hands_in_its_own_start(tmp_path: Path) -> None:
+    """It joined as the job trained on; when rank 0's node dies it hands in the job's time it saw."""
+    clock = Clock()
+    log = log_at(tmp_path, clock)
+    log.forming("start")
+    log.joined()
+    log.healed_from_replica()
+    clock.tick(1)
+    log.formed(("b", "a"), rank=1)
+    clock.tick(1)
+    log.stepped(5)
+    clock.tick(1)
+    log.failed()
+    log.forming("failure")
+    log.joined()
+    log.formed(("a",), rank=0)
+    assert [(iv.cause, iv.start) for iv in handed_in(tmp_path)] == [
+        ("productive", 101), ("detection", 102), ("rendezvous", 103), ("restore", 103)]
