@@ -295,7 +295,7 @@ class GoodputAccountant:
         assert self.handler is not None
         old = self.record
         new = extend(old, intervals)
-        new = name_faults(new, self._notes(), since=max(0, len(old.faults) - 1))
+        new = name_faults(new, self._notes(), since=len(old.faults) - (old.state != "idle"))
         value = self.handler.signer.seal(self.key.encode(), new.to_json())
         guard = tx.Version(self.key) == 0 if self.revision == 0 else tx.Mod(self.key) == self.revision
         try:

@@ -223,13 +223,16 @@ def added(new: Account, old: Account) -> tuple[float, dict[str, float]]:
 
 
 def name_faults(account: Account, notes: Mapping[str, tuple[str, float]], since: int,
-                window: float = 30.0) -> Account:
+                slack: float = 1.0) -> Account:
     """Name the faults from index ``since`` on that nobody named, from other agents' notes.
+
+    ``since`` is the first fault the caller's fold may have opened or extended, so a fault
+    already closed keeps its name.
 
     An agent that acts on a fault of its own node (a worker failed or hung, its lease was
     lost) leaves a note ``node -> (reason, when)``. The accountant is often on another
     node and sees only that a collective failed (``reform``) or nothing at all; a note
-    from within ``window`` seconds after the fault began names it.
+    written during the fault (within ``slack`` seconds of its ends) names it.
     """
     faults = list(account.faults)
     changed = False
@@ -237,8 +240,9 @@ def name_faults(account: Account, notes: Mapping[str, tuple[str, float]], since:
         fault = faults[i]
         if fault.reason not in ("", "reform"):
             continue
+        until = fault.at + fault.seconds + slack  # the note's agent acted during the fault
         near = sorted((at, node, reason) for node, (reason, at) in notes.items()
-                      if reason in LOCAL_REASONS and fault.at - 1.0 <= at <= fault.at + window)
+                      if reason in LOCAL_REASONS and fault.at - slack <= at <= until)
         if near:
             _, node, reason = near[0]
             faults[i] = replace(fault, reason=reason, nodes=(node,))
