@@ -45,10 +45,11 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from agent.local_cluster import (  # noqa: E402
-    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault,
+    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, job_goodput,
 )
 from agent.local_node import LocalNode  # noqa: E402
 from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
 
 NODES = 3
@@ -93,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wedge-after", type=float, default=30.0,
                    help="at the end, the job must have stepped within this many seconds (default 30)")
     p.add_argument("--run-dir", type=Path, default=None, help="logs, ledger, snapshots (default runs/soak-TIME)")
+    p.add_argument("--no-in-place", dest="in_place", action="store_false",
+                   help="agents restart every worker on a fault or a join, as before in-place recovery (the "
+                        "'before' of docs/BENCHMARKS.md's goodput figures)")
     args = p.parse_args(argv)
     if args.snapshot_every_steps < 1:
         p.error("--snapshot-every-steps must be at least 1: kill-rank0-snapshot needs snapshots")
@@ -135,7 +139,8 @@ def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) ->
     nodes = [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="soak", workdir=run_dir, module="elastic.train",
         module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
-        metrics_port=free_port(), agent_args=["--lease-ttl", str(args.lease_ttl)],
+        metrics_port=free_port(), agent_args=["--lease-ttl", str(args.lease_ttl)] + ([] if args.in_place else
+                                                                                    ["--no-in-place"]),
     )) for i in range(NODES)]
     return Cluster(nodes, run_dir, 1, etcd=etcd, snapshot_every=args.snapshot_every_steps)
 
@@ -232,9 +237,19 @@ def check(cluster: Cluster, args: argparse.Namespace, out: Outcome, was_finished
     for f in cluster.faults:
         if f.recovered_at is None:
             out.violations.append(f"{f.kind} {f.node} at {f.at:.0f}: never recovered")
+    _goodput(job_goodput(cluster), out)
     _check_ledger(run_dir / "ledger.jsonl", out)
     _check_snapshots(run_dir / "snapshots", out)
     _check_loss(rows, out)
+
+
+def _goodput(account: Account | None, out: Outcome) -> None:
+    """The job's goodput record: its line for the summary, its figures for soak.json."""
+    out.facts["goodput_line"] = describe(account)
+    if account is not None and account.goodput is not None:
+        out.facts["goodput"] = round(account.goodput, 4)
+        out.facts["wall_seconds"] = round(account.wall, 1)
+        out.facts["lost_seconds"] = {cause: round(s, 1) for cause, s in account.lost.items()}
 
 
 def _check_ledger(path: Path, out: Outcome) -> None:
@@ -314,6 +329,7 @@ def totals(out: Outcome, args: argparse.Namespace) -> list[str]:
                  f"loads")
     lines.append(f"loss (median of rank 0's first and last 32 steps): {facts.get('loss_first', '?')} -> "
                  f"{facts.get('loss_final', '?')}")
+    lines.append(str(facts.get("goodput_line", "goodput: ?")))
     lines.append("job: finished" if facts.get("finished") else
                  f"job: still training (last step {facts.get('seconds_since_last_step', '?')} s before the end)")
     lines.append(f"violations: {len(out.violations)}")
@@ -342,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     out = Outcome()
     print(f"chaos soak: {NODES} nodes, {args.duration:.0f} s, seed {args.seed}, snapshot every "
-          f"{args.snapshot_every_steps} steps, lease TTL {args.lease_ttl} s; logs in {run_dir}", flush=True)
+          f"{args.snapshot_every_steps} steps, lease TTL {args.lease_ttl} s, "
+          f"{'in place' if args.in_place else 'restart path (--no-in-place)'}; logs in {run_dir}", flush=True)
     etcd = EmbeddedEtcd(data_dir=run_dir / "etcd")
     cluster: Cluster | None = None
     try:

@@ -8,6 +8,8 @@ PHASE_ORDER = ("detection", "rendezvous", "worker_start", "restore", "join", "un
 
 
 def _seconds(value: float) -> str:
+    if value < 1:
+        return f"{value:.2f} s"
     if value < 120:
         return f"{value:.1f} s"
     if value < 7200:
