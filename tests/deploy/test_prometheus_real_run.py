@@ -11,8 +11,9 @@ Checked is what a user looks at: both nodes are ``up`` targets, the samples/s an
 all-reduce bus-bandwidth recording rules return data for the run (busbw = algbw at n = 2),
 every rule evaluates cleanly, every recording rule, every metric the docs name and every
 dashboard query has data, and the metrics a user reads first have sane values. After one
-node's tree is SIGKILLed, its target leaves http_sd, world size reads 1, and samples/s
-keeps coming from the survivor.
+node's tree is SIGKILLed, its target leaves http_sd, world size reads 1, samples/s
+keeps coming from the survivor, and the kill is in the goodput fault timeline and the
+dashboard's fault annotation, at the time it happened.
 """
 
 from __future__ import annotations
@@ -194,4 +195,14 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
         assert (single(prom, f"job:elastic_samples:rate1m{{{run}}}") or 0) > 0
         assert (single(prom, f"node:elastic_samples:rate1m{{{node}}}") or 0) > 0
         assert (single(prom, f'sum(elastic_agent_inplace_reforms_total{{{node}}})') or 0) >= 1  # in place
+        # The kill is in the fault timeline, and the dashboard's "Faults" annotation marks it
+        # at the time it began (the query's value, in ms: Grafana's "series value as timestamp").
+        fault = f'elastic_last_fault_timestamp_seconds{{{run}, fault_node="{victim.name}", reason="peer_lost"}}'
+        began = wait_until(lambda: single(prom, f"max({fault})"), 30, "the kill in Prometheus' fault timeline",
+                           on_timeout=prom.tail)
+        assert killed_at - 5 < began <= killed_at + 1
+        (annotation,) = dash.annotation_queries(dash.load())
+        marks = [(r["metric"]["fault_node"], r["metric"]["reason"], float(r["value"][1]) / 1000)
+                 for r in prom.query(dash.concrete(annotation["expr"], run_id=run_id))]
+        assert marks == [(victim.name, "peer_lost", pytest.approx(began))], marks
         assert [(r["name"], r.get("lastError")) for r in prom.rules() if r["health"] != "ok"] == []
