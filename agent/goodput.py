@@ -248,7 +248,7 @@ class GoodputAccountant:
             return intervals, None
         cause = WORKER_START if self._beats.first else beat_cause(beat, self.record.high_water,
                                                                    bool(self.record.faults))
-        step = beat.step if beat.kind == JOB_STEP else None
+        step = beat.step if beat.kind == JOB_STEP or cause == UNKNOWN else None  # see Interval.step
         intervals.append(Interval(end=beat.time, cause=cause, start=self._beats.counted_to, step=step))
         return intervals, beat
 

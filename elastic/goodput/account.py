@@ -52,7 +52,9 @@ class Interval:
     """``[start, end]`` spent on ``cause``; ``start`` None: from wherever the account stands.
 
     ``step`` is the job step a productive or recomputed interval ended at (it raises the
-    high water); ``reason`` and ``nodes`` name the fault the interval belongs to, if known.
+    high water); on an ``unknown`` interval any step count says it was step time of unknown
+    worth (a plain script's steps after a fault), not a gap nobody reported. ``reason`` and
+    ``nodes`` name the fault the interval belongs to, if known.
     """
 
     end: float
@@ -195,6 +197,8 @@ class _Fold:
         elif cause == RECOMPUTE and self.state in (_FAULT, _RECOMPUTE) and self.faults:
             self._phase(cause, seconds, iv)
             self.state = _RECOMPUTE
+        elif cause == UNKNOWN and iv.step is not None:
+            self.state = _IDLE  # steps were taken again: whatever they were worth, the fault is over
         elif cause == UNKNOWN and self.state == _FAULT:
             self._phase(cause, seconds, iv)
         # snapshot stalls (and unknown outside a fault) leave the fault reading as it is

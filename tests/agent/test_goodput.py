@@ -186,13 +186,13 @@ def test_a_kill_on_the_restart_path_costs_detection_rendezvous_start_restore_and
     account = read_account(etcd_client, StateSigner(None), "/elastic", run_id)
     assert account is not None and account.goodput is not None
 
-    (fault,) = account.faults
-    assert (fault.reason, fault.nodes) == ("peer_lost", (victim.name,))
+    fault = account.faults[-1]  # the kill (a node that came up late may have cost a restart before it)
+    assert (fault.reason, fault.nodes) == ("peer_lost", (victim.name,)), account.faults
     phases = ("detection", "rendezvous", "worker_start") + (("restore", "recompute") if job == "restart-path" else ())
     assert all(fault.phases.get(p, 0) > 0 for p in phases), fault
     assert account.productive + sum(account.lost.values()) == pytest.approx(account.wall, rel=1e-9)
     if job == "restart-path":
-        assert account.lost["recompute"] == fault.phases["recompute"] and account.lost["unknown"] == 0
+        assert account.lost["recompute"] >= fault.phases["recompute"] and account.lost["unknown"] == 0
     else:  # a plain script's steps after a fault: counted, but as what cannot be known
         assert account.lost["unknown"] > 0 and account.lost["recompute"] == 0
     rows = rank0_rows(a, b)

@@ -84,8 +84,14 @@ def test_a_second_fault_during_the_redo_of_the_first_is_a_fault_of_its_own() -> 
 
 
 def test_unknown_steps_of_a_plain_script_are_lost_but_are_no_fault() -> None:
-    a = extend(Account(), [iv(0, 10, "productive"), iv(10, 20, "unknown")])
+    a = extend(Account(), [iv(0, 10, "productive"), iv(10, 20, "unknown", step=3)])
     assert a.lost["unknown"] == 10 and a.faults == ()
+    # after a restart they end the fault, as productive steps would: the next one is its own
+    a = extend(a, [iv(None, 21, "detection", reason="peer_lost", nodes=("b",)), iv(21, 22, "worker_start"),
+                   iv(22, 25, "unknown", step=2), iv(None, 26, "detection", reason="peer_lost", nodes=("c",))])
+    assert [(f.nodes, f.phases) for f in a.faults] == [(("b",), {"detection": 1, "worker_start": 1}),
+                                                       (("c",), {"detection": 1})]
+    assert a.high_water == -1  # a process's own step count is no job step
 
 
 def test_only_the_newest_faults_are_kept_and_the_totals_keep_every_second() -> None:
