@@ -227,7 +227,7 @@ def _agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Path:
     path = Path(value)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        for stale in ("heartbeat", "control"):
+        for stale in ("heartbeat", "control", "goodput"):
             shutil.rmtree(path / stale, ignore_errors=True)  # a previous agent's, not ours
     except OSError as exc:
         parser.exit(2, f"error: --agent-dir {path}: cannot create it ({exc.strerror}); pass a writable directory\n")

@@ -35,6 +35,8 @@ from rich.table import Table
 
 from checkpoints.layout import parse_temp_dirname, pid_alive
 from elastic.etcd import EmbeddedEtcd, free_port
+from elastic.goodput import Account, describe, newest_account
+from elastic.goodput.files import JOB_FILE
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 
 from .local_node import LocalNode
@@ -318,6 +320,11 @@ def _rate(rows: list[dict[str, Any]], window: float = 5.0) -> float:
     return samples / (recent[-1]["time"] - recent[0]["time"]) / max(1, recent[-1]["world_size"])
 
 
+def job_goodput(cluster: Cluster) -> Account | None:
+    """The job's goodput record as the agents last mirrored it (each keeps a copy)."""
+    return newest_account(n.node.agent_dir / "goodput" / JOB_FILE for n in cluster.nodes)
+
+
 def summary(console: Console, cluster: Cluster) -> bool:
     table = Table(title="Faults and recoveries")
     for col in ("#", "fault", "node", "world before", "recovery s", "steps rolled back"):
@@ -339,6 +346,7 @@ def summary(console: Console, cluster: Cluster) -> bool:
         console.print(f"last progress in a world of {rows[-1]['world_size']}"
                       + ("" if known else " (the script reports no step numbers; steps rolled back are not known: "
                                            "call elastic.report_progress(step) to have them counted)"))
+    console.print(describe(job_goodput(cluster)))
     console.print(f"logs and snapshots: {cluster.run_dir}")
     return all(f.recovered_at is not None for f in cluster.faults)
 

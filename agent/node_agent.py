@@ -46,6 +46,8 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
+from elastic.goodput.files import GOODPUT_DIR_ENV
+from elastic.goodput.recorder import RECOVERY_ENV
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
@@ -53,6 +55,7 @@ from elastic.rendezvous.lease_clock import Verdict
 from elastic.rendezvous.rounds import FAILURE, JOIN
 
 from .commands import CommandWatch
+from .goodput import GoodputAccountant, fault_nodes
 from .metrics import AgentMetrics
 from .policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
 from .settings import AgentSettings
@@ -113,6 +116,8 @@ class NodeAgent(ElasticAgent):
             self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
             self.ours.mirror.listeners.append(self._wake)
             self.ours.reachability.listeners.append(self._on_keep_out)
+        self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
+                                         self.ours)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -129,6 +134,7 @@ class NodeAgent(ElasticAgent):
         self._group_started = time.time()
         self._refilled = False
         self._said_in_place = False
+        self._recovering = False  # the workers started next repair a broken world (goodput)
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -149,7 +155,9 @@ class NodeAgent(ElasticAgent):
             return self._loop()
         except AgentSignal as exc:
             log.warning("[%s] %s: stopping local workers", self.node, exc)
+            pids = self.workers.pids()
             self.workers.stop(signal.SIGTERM, grace=self.settings.graceful_stop)
+            self.goodput.tick(pids, self.rank_base, force=True)  # rank 0's last marks, written as it stopped
             raise
         finally:
             for sig, handler in previous.items():
@@ -168,6 +176,7 @@ class NodeAgent(ElasticAgent):
             self._wait(self.spec.monitor_interval)
             if self.commands is not None:
                 self.commands.poll()  # `elastic kill` of this node from another machine
+            self.goodput.tick(self.workers.pids(), self.rank_base)
             decision = decide(self._observe())
             self._export_lease()
             if decision.action is Action.CONTINUE:
@@ -279,11 +288,14 @@ class NodeAgent(ElasticAgent):
 
     def _restart(self, decision: Decision) -> None:
         reason = decision.reason or Reason.SCALE_UP
+        acted_at = time.time()
+        self.goodput.acted(reason.value)
         log.warning("[%s] %s: stopping local workers now", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         sig = stop_signal(reason, self.watch.progressed())
         grace = min(self.settings.graceful_stop, 30.0)
+        pids, rank_base = self.workers.pids(), self.rank_base
         if reason is Reason.LEASE_LOST:
             self._stop(sig, grace)  # first: etcd may be out of reach, and its answer must not delay the fence
         if self.ours is not None:
@@ -291,6 +303,8 @@ class NodeAgent(ElasticAgent):
         self.metrics.set_state("stopped")
         if reason is not Reason.LEASE_LOST:
             self._stop(sig, grace)
+        self.goodput.tick(pids, rank_base, force=True)  # what rank 0 marked before it stopped
+        self.goodput.workers_stopped()
         if decision.counted:
             self.remaining_restarts -= 1
         self.restart_count += 1
@@ -301,6 +315,9 @@ class NodeAgent(ElasticAgent):
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             self.remaining_restarts += 1
+        self.goodput.restarted(reason.value, fault_nodes(reason.value, self.node, previous, self.participants),
+                               acted_at, time.time())
+        self._recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         self._start_group()
         log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.node, reason.value,
                  self.group_world, self.remaining_restarts)
@@ -330,17 +347,23 @@ class NodeAgent(ElasticAgent):
         """In place: start again only the local ranks that died or hung."""
         assert self.channel is not None
         ranks = list(decision.ranks)
+        acted_at = time.time()
+        if decision.reason is not None:
+            self.goodput.acted(decision.reason.value)
         log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", self.node,
                     self._describe(decision), ranks)
         if decision.dump_stacks:
             self._dump_stacks(ranks)
         pids = [pid for rank, pid in self.workers.pids().items() if rank in ranks]
+        before = self.workers.pids()
         self.workers.stop(signal.SIGKILL, ranks=ranks)
+        self.goodput.tick(before, self.rank_base, force=True)  # what rank 0 marked before it died
         self.workers.forget(ranks)
         self.metrics.forget_pids(pids)
         for rank in ranks:
             self.channel.forget(rank)
             self.watch.forget(rank)
+        self.goodput.workers_stopped(ranks)
         if decision.counted:
             self.remaining_restarts -= 1
         self._rendezvous_for_offer(FAILURE)
@@ -348,6 +371,11 @@ class NodeAgent(ElasticAgent):
             self._restart(Decision(Action.RESTART, decision.reason))
             return
         self.channel.offer(self.offer)
+        if decision.reason is not None:
+            self.goodput.restarted(decision.reason.value, (self.node,), acted_at, time.time())
+        if 0 in ranks:
+            self.goodput.workers_started(time.time())
+        self._recovering = True
         started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
                    for rank in ranks}
         for worker in self._worker_group.workers:
@@ -363,6 +391,7 @@ class NodeAgent(ElasticAgent):
 
     def _succeed(self) -> RunResult:
         log.info("[%s] local workers finished", self.node)
+        self.goodput.tick(self.workers.pids(), self.rank_base, force=True)  # rank 0's last steps
         if self.ours is not None:
             self.ours.lease.update(state="succeeded")
         self._exit_barrier()
@@ -374,7 +403,9 @@ class NodeAgent(ElasticAgent):
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
+        pids = self.workers.pids()
         stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)
+        self.goodput.tick(pids, self.rank_base, force=True)
         failures = failed_alone or stopped
         if self.ours is not None:
             self.ours.lease.update(state="failed")
@@ -507,6 +538,7 @@ class NodeAgent(ElasticAgent):
         launches = {rank: Launch(self._command(rank), self._env(rank)) for rank in range(self.spec.nproc)}
         pids = self.workers.start_all(launches)
         self._group_started, self._refilled = time.time(), False
+        self.goodput.workers_started(self._group_started)
         self._worker_group.workers = [
             Worker(local_rank=rank, global_rank=self.rank_base + rank, role_rank=self.rank_base + rank,
                    world_size=self.world_size, role_world_size=self.world_size) for rank in pids]
@@ -532,6 +564,8 @@ class NodeAgent(ElasticAgent):
             env["ELASTIC_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir)
         if self.channel is not None:
             env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
+        if self.goodput.enabled:
+            env[GOODPUT_DIR_ENV] = str(self.settings.goodput_dir)
         return env
 
     def _env(self, local_rank: int) -> dict[str, str]:
@@ -550,6 +584,8 @@ class NodeAgent(ElasticAgent):
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "ELASTIC_ROUND": str(self.round_number),
         })
+        if self._recovering:
+            env[RECOVERY_ENV] = "1"
         return env
 
 

@@ -14,7 +14,7 @@ class AgentSettings:
     lease_ttl: int
     hang_timeout: float | None  # None: derived from the observed step time
     snapshot_dir: Path | None
-    work_dir: Path  # heartbeat/, metrics/ and control/ live here
+    work_dir: Path  # heartbeat/, metrics/, control/ and goodput/ live here
     warm_start: bool = True  # keep pre-imported standby workers (agent/warm_start.py)
     in_place: bool = True  # let ElasticRun workers survive membership changes (elastic/inplace)
     graceful_stop: float = 5.0  # SIGTERM -> SIGKILL grace when a healthy world re-forms
@@ -35,3 +35,7 @@ class AgentSettings:
     @property
     def control_dir(self) -> Path:
         return self.work_dir / "control"
+
+    @property
+    def goodput_dir(self) -> Path:
+        return self.work_dir / "goodput"

@@ -3,7 +3,9 @@
 Each refresh lists the live nodes from the registry (so joins and losses show at once),
 scrapes every node's ``metrics_url`` in parallel, and shows one row per live rank. Rates
 and step-time quantiles cover the time between two refreshes (see ``agent.top_model``), so
-``--once`` scrapes twice, ``--interval`` apart, and prints one table.
+``--once`` scrapes twice, ``--interval`` apart, and prints one table. Under it: the job's
+goodput since its first step, lost time by cause and the latest fault's phases, read from
+the job's goodput record in etcd (``agent.goodput``).
 
 No Prometheus is needed; this is the view for a terminal next to the job.
 """
@@ -15,6 +17,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Iterable
 
 from rich.console import Console, Group
@@ -23,8 +26,9 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.etcd_args import EtcdTarget, add_etcd_arguments, connect
+from agent.goodput import read_account
 from agent.top_model import (DEFAULT_STRAGGLER_RATIO, Exposition, JobView, NodeScrape, build_view, fmt_count,
-                             fmt_rate, fmt_seconds)
+                             fmt_rate, fmt_seconds, goodput_lines)
 from elastic.etcd import EtcdConfigError, EtcdError
 from elastic.rendezvous.registry import NodeRecord, list_nodes
 from elastic.rendezvous.signing import HmacKeyError
@@ -67,8 +71,9 @@ class Watcher:
         t = self.target
         with t.client.deadline(SCRAPE_TIMEOUT):
             records = list_nodes(t.client, t.run_id, t.signer, t.key_prefix)
+            account = read_account(t.client, t.signer, t.key_prefix, t.run_id)
         current = scrape_all(records)
-        view = build_view(current, self.previous, self.ratio)
+        view = replace(build_view(current, self.previous, self.ratio), goodput=account)
         self.previous = current
         return view
 
@@ -95,6 +100,7 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
                           fmt_rate(r.busbw, "B/s"), fmt_seconds(r.snapshot_age_s), fmt_count(r.restarts),
                           flag, style="bold red" if r.straggler else None)
     parts: list[Table | Text] = [table]
+    parts += [Text(line) for line in goodput_lines(view.goodput, time.time())]
     if view.stragglers:
         parts.append(Text(f"stragglers (step p50 ≥ ratio × median): {', '.join(view.stragglers)}", style="bold red"))
     if not view.nodes:

@@ -19,6 +19,9 @@ from typing import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic.goodput.account import Account
+from elastic.goodput.report import describe, describe_fault
+
 Labels = Mapping[str, str]
 DEFAULT_STRAGGLER_RATIO = 1.2
 
@@ -147,6 +150,18 @@ class JobView:
     samples_per_s: float | None
     snapshot_age_s: float | None
     stragglers: tuple[str, ...] = field(default=())  # "node/rank"
+    goodput: Account | None = None  # the job's record in etcd (agent.goodput), read beside the scrapes
+
+
+def goodput_lines(account: Account | None, now: float) -> list[str]:
+    """Goodput since the first step, and the latest fault's phases (``elastic top``'s footer)."""
+    if account is None:
+        return ["goodput: no record yet (agents of this version record it once the job has stepped)"]
+    lines = [describe(account)]
+    if account.faults:
+        last = account.faults[-1]
+        lines.append(f"last fault {fmt_seconds(max(0.0, now - last.at))} ago, {describe_fault(last)}")
+    return lines
 
 
 def _delta(cur: Exposition, prev: Exposition | None, name: str, **match: str) -> float | None:

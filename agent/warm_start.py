@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from .warm_worker import READY_FD_ENV, STANDBY_CODE
 from .worker_boot import parse_boot_command
@@ -98,8 +99,8 @@ class WarmPool:
             if proc.poll() is not None or proc.stdin is None:
                 continue
             try:
-                proc.stdin.write(json.dumps({**spec, "env": env, "stdout": stdout, "stderr": stderr}).encode()
-                                 + b"\n")
+                given = {**spec, "env": env, "stdout": stdout, "stderr": stderr, "given_at": time.time()}
+                proc.stdin.write(json.dumps(given).encode() + b"\n")
                 proc.stdin.close()
             except OSError:  # it died between poll() and write()
                 continue

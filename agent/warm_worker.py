@@ -50,7 +50,9 @@ def become(spec: dict[str, Any]) -> None:
     """Turn this process into the worker ``spec`` describes, then run it to the end."""
     os.environ.clear()
     os.environ.update(spec["env"])
-    os.environ[STARTED_AT_ENV] = repr(time.time())  # what a cold start's process start time means
+    # What a cold start's process start time means: when the agent gave this standby its
+    # rank, even if the standby was still importing then (it reads its rank only after).
+    os.environ[STARTED_AT_ENV] = repr(float(spec.get("given_at") or time.time()))
     _redirect(0, os.devnull, os.O_RDONLY)
     if spec.get("stdout"):
         _redirect(1, spec["stdout"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)

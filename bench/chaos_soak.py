@@ -46,10 +46,11 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from agent.local_cluster import (  # noqa: E402
-    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault,
+    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, job_goodput,
 )
 from agent.local_node import LocalNode  # noqa: E402
 from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
 
 NODES = 3
@@ -242,9 +243,19 @@ def check(cluster: Cluster, args: argparse.Namespace, out: Outcome, was_finished
     for f in cluster.faults:
         if f.recovered_at is None:
             out.violations.append(f"{f.kind} {f.node} at {f.at:.0f}: never recovered")
+    _goodput(job_goodput(cluster), out)
     _check_ledger(run_dir / "ledger.jsonl", out)
     _check_snapshots(run_dir / "snapshots", out)
     _check_loss(rows, out)
+
+
+def _goodput(account: Account | None, out: Outcome) -> None:
+    """The job's goodput record: its line for the summary, its figures for soak.json."""
+    out.facts["goodput_line"] = describe(account)
+    if account is not None and account.goodput is not None:
+        out.facts["goodput"] = round(account.goodput, 4)
+        out.facts["wall_seconds"] = round(account.wall, 1)
+        out.facts["lost_seconds"] = {cause: round(s, 1) for cause, s in account.lost.items()}
 
 
 def _check_ledger(path: Path, out: Outcome) -> None:
@@ -326,6 +337,7 @@ def totals(out: Outcome, args: argparse.Namespace) -> list[str]:
                  f"loads")
     lines.append(f"loss (median of rank 0's first and last 32 steps): {facts.get('loss_first', '?')} -> "
                  f"{facts.get('loss_final', '?')}")
+    lines.append(str(facts.get("goodput_line", "goodput: ?")))
     lines.append("job: finished" if facts.get("finished") else
                  f"job: still training (last step {facts.get('seconds_since_last_step', '?')} s before the end)")
     lines.append(f"violations: {len(out.violations)}")

@@ -54,6 +54,7 @@ class Snapshots:
         self.ledger: Ledger | None = None
         self._last_time = time.monotonic()
         self._checked_members: tuple[int, int] | None = None
+        self._stalled = 0.0  # seconds training waited on snapshots since the last take_stall()
 
     # ------------------------------------------------------------------ opening, per world
 
@@ -140,6 +141,7 @@ class Snapshots:
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         if not (force or by_steps or by_time) or step == 0:
             return
+        t_sync = time.perf_counter()
         if self.ledger is not None:
             self.ledger.sync()  # ledger lines up to this step outlive a machine crash
         t0 = time.perf_counter()
@@ -152,13 +154,21 @@ class Snapshots:
             self.metrics.snapshot_submitted(time.perf_counter() - t0)
         else:
             self.metrics.snapshot_skipped()
+        self._stalled += time.perf_counter() - t_sync
 
     def wait_capture(self) -> None:
         """Before the optimizer step: the snapshot's copy of the parameters must predate it."""
         if self.writer is not None:
             t0 = time.perf_counter()
             self.writer.wait_capture()
-            self.metrics.capture_waited(time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self.metrics.capture_waited(waited)
+            self._stalled += waited
+
+    def take_stall(self) -> float:
+        """Seconds training stood still for snapshots since the last call (goodput's ``snapshot``)."""
+        stalled, self._stalled = self._stalled, 0.0
+        return stalled
 
     def final(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
         if self.writer is None:

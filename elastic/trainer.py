@@ -70,6 +70,7 @@ from .distributed import (
     node_name,
     pick_backend,
 )
+from .goodput.recorder import GoodputLog
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import agreement
@@ -226,6 +227,7 @@ class ElasticRun:
         self._closed = False
         take_over_progress()  # committed steps, not optimizer calls, are this job's progress
         self._heartbeat = Heartbeat.from_env()  # the agent's hang watchdog reads it
+        self.goodput = GoodputLog.from_env()  # where this process's time went, for the job's goodput
         if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
         if self.membership is not None:
@@ -326,6 +328,7 @@ class ElasticRun:
     def _start_fixed_world(self) -> None:
         """torchrun's world: every rank restores the newest snapshot, as every restart does."""
         t0 = time.perf_counter()
+        self.goodput.forming("start")
         self.snapshots.attach(self.dist)
         step, state, written_at = self.snapshots.load_newest(self.dist)
         self._describe_restore(step, state)
@@ -340,13 +343,16 @@ class ElasticRun:
         self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
         self.sync.build(self.dist, init_sync=True)
         self.metrics.restored(time.perf_counter() - t0, written_at)
+        self.goodput.formed((), self.dist.rank)
 
     def _form_world(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
         """Join the agent's newest round, agree on a step, heal who needs it, build DDP."""
         started = since if since is not None else time.perf_counter()
+        self.goodput.forming(reason)
         while True:
             world = self.membership.join(min_round)
             self.dist = self.membership_info
+            self.goodput.joined()
             try:
                 moved, healed = self._agree_and_heal()
                 self.sync.build(self.dist)
@@ -360,6 +366,7 @@ class ElasticRun:
         self._generation += 1
         self.metrics.world_changed(self.dist.rank, self.dist.world_size)
         self.metrics.healed(time.perf_counter() - started, moved)
+        self.goodput.formed(world.participants, self.dist.rank)
         if self.dist.is_main:
             log.info("%s round %d (%s): world of %d, at step %d%s in %.3f s", self._where, world.round, reason,
                      self.dist.world_size, self.state.step, healed, time.perf_counter() - started)
@@ -391,6 +398,7 @@ class ElasticRun:
             t_heal = time.perf_counter() - t_heal
             if self.dist.rank in plan.sources and not plan.from_disk:
                 self.metrics.state_from("replica")
+                self.goodput.healed_from_replica()
             if plan.sources and not note:
                 note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
         except RuntimeError as exc:
@@ -521,6 +529,7 @@ class ElasticRun:
             self._heartbeat.beat(self.state.step)
         if self.membership is not None:
             self.membership.stepped(self.state.step)
+        self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
         self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, loss, pending.tokens)
         if self.on_step_end is not None:
@@ -567,6 +576,7 @@ class ElasticRun:
         if self.membership is None:
             raise exc.__cause__ or exc  # the restart path: the agent starts a new group
         started = time.perf_counter()
+        self.goodput.failed()
         log.warning("%s step %d abandoned (%s); re-forming in place", self._where, self.state.step + 1, exc)
         self.membership.failed(str(exc))
         self._form_world("failure", min_round=self.membership.round + 1, since=started)
@@ -610,6 +620,7 @@ class ElasticRun:
         if self._closed:
             return
         self._closed = True
+        self.goodput.close()
         try:
             self.snapshots.close()
         finally:

@@ -61,6 +61,8 @@ def test_five_random_faults_of_every_kind_lose_no_sample_and_corrupt_no_snapshot
     # Rolled-back work is bounded by the snapshot interval (one more if a write was skipped or cut short).
     assert all(int(f["lost"]) <= 2 * SNAPSHOT_EVERY for f in faults), output
     assert re.search(r"kill-rank0-snapshot .*\((caught \.tmp-step-|no write seen)", output), output
+    goodput = re.search(r"^goodput ([\d.]+) % of .* since the first step \(productive .*; lost: (.*)\)$", output, re.M)
+    assert goodput and 0 < float(goodput.group(1)) < 100 and "detection" in goodput.group(2), output
 
     report = check_ledger(run_dir / "ledger.jsonl", dataset_size=1024)
     assert report.ok, report.violations

@@ -22,6 +22,7 @@ def test_local_cluster_runs_end_to_end_with_a_kill_and_a_freeze(tmp_path: Path) 
     assert all(float(f[3]) < 60 for f in faults), output
     assert all(f[4] == "0" for f in faults), output  # in place: no step rolled back
     assert "final step 900" in output, output
+    assert re.search(r"^goodput [\d.]+ % of .* since the first step \(productive ", output, re.M), output
     first, final = map(float, re.search(r"final loss ([\d.e-]+) \(first ([\d.e-]+)\)", output).groups()[::-1])
     assert final < first, output
     snapshots = sorted((tmp_path / "run" / "snapshots").glob("step-*"))

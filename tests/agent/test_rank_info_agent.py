@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import pytest
 
 from elastic.etcd import EmbeddedEtcd, free_port
 from tests.elastic.metrics.scrape import fetch_samples

@@ -20,7 +20,8 @@ from typing import Callable, Iterator
 import pytest
 
 from agent.top import main
-from agent.top_model import Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, quantile
+from agent.top_model import Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, goodput_lines, quantile
+from elastic.goodput import Account, Interval, extend
 from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
 from elastic.rendezvous.registry import NodeLease, NodeRecord
 from elastic.rendezvous.signing import StateSigner
@@ -177,6 +178,7 @@ def test_once_against_a_real_two_node_run(etcd_server: EmbeddedEtcd, run_id: str
     rank_of = {n.name: str(n.progress()[-1]["rank"]) for n in (a, b)}
     assert sorted(rows) == sorted(rank_of.items()) and sorted(rank_of.values()) == ["0", "1"], out
     assert f"run {run_id} · world 2 · 2 nodes" in out
+    assert re.search(r"^goodput \d+\.\d % of [\d.]+ s since the first step \(productive ", out, re.M), out
     assert re.search(r"samples · newest snapshot [\d.]+ (ms|s) old", out), out
     for (node, rank), (_, _, state, steps, rate, p50, p99, allreduce, busbw, age, restarts, _note) in rows.items():
         where = f"{node}/{rank}: {rows[node, rank]}"
@@ -189,6 +191,19 @@ def test_once_against_a_real_two_node_run(etcd_server: EmbeddedEtcd, run_id: str
         assert restarts.isdigit(), where
         if rank == "0":  # rank 0 writes the snapshots: its node has the newest durable one
             assert re.fullmatch(r"[\d.]+ (ms|s)", age), where
+
+
+def test_goodput_lines_show_the_share_the_causes_and_the_last_faults_phases() -> None:
+    account = extend(Account(), [Interval(start=0, end=90, cause="productive", step=9),
+                                 Interval(end=93, cause="detection", reason="peer_lost", nodes=("b",)),
+                                 Interval(start=93, end=93.5, cause="rendezvous"),
+                                 Interval(start=93.5, end=94, cause="restore"),
+                                 Interval(start=94, end=100, cause="productive", step=10)])
+    assert goodput_lines(account, now=110) == [
+        "goodput 96.0 % of 100.0 s since the first step (productive 96.0 s; lost: detection 3.0 s, "
+        "rendezvous 0.50 s, restore 0.50 s)",
+        "last fault 20.00 s ago, peer_lost b: detection 3.0 s, rendezvous 0.50 s, restore 0.50 s (4.0 s)"]
+    assert goodput_lines(None, now=0)[0].startswith("goodput: no record yet")
 
 
 def test_unreachable_etcd_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import yaml
 
 from tests.deploy.test_compose import resolved as compose_resolved
 from tests.deploy.test_k8s import LEGACY_PYTORCHJOB, RUNTIME, TRAINJOB, load_all, pod_spec, render

@@ -146,6 +146,29 @@ def test_promql_parses(tmp_path: Path) -> None:
     assert f"SUCCESS: {len(EXPRS)} rules found" in done.stdout
 
 
+def test_goodput_row_and_the_fault_annotations(tmp_path: Path) -> None:
+    """Issue 18: goodput over time, lost time by cause stacked, and a fault timeline."""
+    (row,) = [p for p in DB["panels"] if p["type"] == "row" and p["title"] == "Goodput"]
+    goodput = [p for p in PANELS if row["gridPos"]["y"] < p["gridPos"]["y"] <= row["gridPos"]["y"] + 16]
+    exprs = " ".join(t["expr"] for p in goodput for t in p["targets"])
+    assert "elastic_productive_seconds_total{" in exprs and "sum by (cause) (rate(elastic_lost_seconds_total{" in exprs
+    (stacked,) = [p for p in goodput if p["fieldConfig"]["defaults"].get("custom", {}).get("stacking")]
+    assert stacked["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    (timeline,) = [p for p in goodput if p["type"] == "table"]
+    phases = {re.search(r'phase="(\w+)"', t["expr"]).group(1) for t in timeline["targets"] if "phase=" in t["expr"]}
+    assert phases == {"detection", "rendezvous", "worker_start", "restore", "join", "recompute", "unknown"}
+    (faults,) = dash.annotation_queries(DB)
+    assert faults["datasource"]["uid"] == "${datasource}" and faults["useValueForTime"]
+    assert "{{fault_node}}" in faults["titleFormat"] and "{{reason}}" in faults["titleFormat"]
+    for name, matchers in re.findall(r"\b(elastic_\w+)\{([^}]*)\}", faults["expr"]):
+        assert 'run_id="$run_id"' in matchers and 'node=~"$node"' in matchers, name
+    path = tmp_path / "annotations.yml"  # and it is PromQL promtool accepts
+    path.write_text("groups:\n  - name: annotations\n    rules:\n      - record: dashboard:faults\n        expr: '"
+                    + dash.concrete(faults["expr"]).replace("'", "''") + "'\n")
+    done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
     datasource = (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
     assert re.search(r"^\s+type: prometheus$", datasource, re.M)

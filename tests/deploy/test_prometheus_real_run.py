@@ -11,8 +11,9 @@ Checked is what a user looks at: both nodes are ``up`` targets, the samples/s an
 all-reduce bus-bandwidth recording rules return data for the run (busbw = algbw at n = 2),
 every rule evaluates cleanly, every recording rule, every metric the docs name and every
 dashboard query has data, and the metrics a user reads first have sane values. After one
-node's tree is SIGKILLed, its target leaves http_sd, world size reads 1, and samples/s
-keeps coming from the survivor.
+node's tree is SIGKILLed, its target leaves http_sd, world size reads 1, samples/s
+keeps coming from the survivor, and the kill is in the goodput fault timeline and the
+dashboard's fault annotation, at the time it happened.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 # The mlp job counts no tokens (docs/metrics.md: "Absent otherwise"), so neither the metric
 # nor the rule over it has data.
 NOT_IN_MLP = {"elastic_tokens_total", "job:elastic_tokens:rate1m"}
+# The fault timeline has a series once there was a fault; this run has none until its end.
+AFTER_A_FAULT = {"elastic_last_fault_timestamp_seconds", "elastic_last_fault_phase_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
 
         # Every metric the docs name is in Prometheus for the run, and every dashboard panel
         # shows data: real metrics carry the labels the rules and the dashboard select on.
-        documented = documented_metrics() - NOT_IN_MLP
+        documented = documented_metrics() - NOT_IN_MLP - AFTER_A_FAULT
 
         def undocumented() -> set[str]:
             stored = {r["metric"]["__name__"] for r in prom.query(f"count by (__name__) ({{{run}}})")}
@@ -162,7 +165,8 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
         wait_until(lambda: prom.query(f"{snapshot_age} < 60"), 30, "a durable snapshot under a minute old",
                    on_timeout=lambda: str(prom.query(snapshot_age)))
         panels = [e for e in dash.expressions(dash.load())
-                  if not dash.metrics_in(e) & NOT_IN_MLP and not any(map(dash.is_external, dash.metrics_in(e)))]
+                  if not dash.metrics_in(e) & (NOT_IN_MLP | AFTER_A_FAULT)
+                  and not any(map(dash.is_external, dash.metrics_in(e)))]
 
         def empty() -> list[str]:
             return [e for e in panels if not prom.query(dash.concrete(e, run_id=run_id))]
@@ -191,4 +195,14 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
         assert (single(prom, f"job:elastic_samples:rate1m{{{run}}}") or 0) > 0
         assert (single(prom, f"node:elastic_samples:rate1m{{{node}}}") or 0) > 0
         assert (single(prom, f'sum(elastic_agent_inplace_reforms_total{{{node}}})') or 0) >= 1  # in place
+        # The kill is in the fault timeline, and the dashboard's "Faults" annotation marks it
+        # at the time it began (the query's value, in ms: Grafana's "series value as timestamp").
+        fault = f'elastic_last_fault_timestamp_seconds{{{run}, fault_node="{victim.name}", reason="peer_lost"}}'
+        began = wait_until(lambda: single(prom, f"max({fault})"), 30, "the kill in Prometheus' fault timeline",
+                           on_timeout=prom.tail)
+        assert killed_at - 5 < began <= killed_at + 1
+        (annotation,) = dash.annotation_queries(dash.load())
+        marks = [(r["metric"]["fault_node"], r["metric"]["reason"], float(r["value"][1]) / 1000)
+                 for r in prom.query(dash.concrete(annotation["expr"], run_id=run_id))]
+        assert marks == [(victim.name, "peer_lost", pytest.approx(began))], marks
         assert [(r["name"], r.get("lastError")) for r in prom.rules() if r["health"] != "ok"] == []

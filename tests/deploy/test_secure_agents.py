@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pytest
 
 from elastic.etcd import free_port
 from tests.support.nodes import TorchrunNode as Node

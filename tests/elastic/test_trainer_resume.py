@@ -14,7 +14,6 @@ floating-point summation order is that of the undisturbed run whichever node is 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Callable
 

@@ -30,7 +30,12 @@ AGENT_METRICS = frozenset({
     "elastic_agent_remaining_restarts", "elastic_agent_worker_group_state", "elastic_agent_nodes_in_round",
     "elastic_agent_round", "elastic_agent_info", "elastic_agent_etcd_errors_total",
 })
-CATALOGUE = WORKER_METRICS | AGENT_METRICS
+# Goodput (docs/metrics.md "Goodput"): exported by the agents from the job's record.
+GOODPUT_METRICS = frozenset({
+    "elastic_productive_seconds_total", "elastic_lost_seconds_total", "elastic_goodput_ratio",
+    "elastic_last_fault_timestamp_seconds", "elastic_last_fault_phase_seconds",
+})
+CATALOGUE = WORKER_METRICS | AGENT_METRICS | GOODPUT_METRICS
 # NVIDIA's DCGM exporter, scraped separately where it runs; never in our own endpoints.
 EXTERNAL_PREFIXES = ("DCGM_",)
 
@@ -83,10 +88,16 @@ def metrics_in(expr: str) -> set[str]:
     return names
 
 
+def annotation_queries(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dashboard's annotations that query Prometheus (not Grafana's built-in one)."""
+    return [a for a in dashboard.get("annotations", {}).get("list", []) if a.get("expr")]
+
+
 def queried_metrics(dashboard: dict[str, Any]) -> set[str]:
-    """Every metric name the dashboard's panels and variables query, as written in PromQL."""
+    """Every metric name the dashboard's panels, variables and annotations query, as written in PromQL."""
     found: set[str] = set()
-    for expr in expressions(dashboard) + variable_queries(dashboard):
+    for expr in expressions(dashboard) + variable_queries(dashboard) + [a["expr"] for a in
+                                                                        annotation_queries(dashboard)]:
         found |= metrics_in(expr)
     return found
 

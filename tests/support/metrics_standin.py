@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from agent.goodput import GoodputMetrics
+from elastic.goodput import Account, Interval, extend
+
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH = 32  # samples per rank per step
 XID = {1: 79}  # the stand-in DCGM's GPU 1 last reported XID 79 ("GPU has fallen off the bus")
@@ -86,6 +89,14 @@ class StandinNode:
         Gauge("elastic_agent_round", "round", registry=r).set(1)
         Gauge("elastic_agent_info", "agent", ("node", "version"), registry=r).labels("standin", "0.1.0").set(1)
         Counter("elastic_agent_etcd_errors_total", "etcd errors", ("op",), registry=r).labels("put").inc(0)
+        # Goodput as the agents export it (the real families): one fault so far, and every
+        # step below adds its seconds, nearly all productive.
+        self.goodput = GoodputMetrics(r)
+        self.goodput.mirror(extend(Account(), [
+            Interval(start=0.0, end=100.0, cause="productive", step=50),
+            Interval(end=101.5, cause="detection", reason="peer_lost", nodes=("b",)),
+            Interval(start=101.5, end=102.0, cause="rendezvous"), Interval(start=102.0, end=102.2, cause="restore"),
+            Interval(start=102.2, end=110.0, cause="productive", step=60)]))
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
@@ -100,6 +111,9 @@ class StandinNode:
                 self.last_step.labels(label).set(time.time())
                 self.coll_time.labels("allreduce", "gloo").observe(self.allreduce_seconds)
                 self.coll_bytes.labels("allreduce", "gloo").inc(self.allreduce_bytes)
+            slowest = max(self.step_seconds.values(), default=0.0)
+            self.goodput.productive.inc(0.9 * slowest)
+            self.goodput.lost.labels(cause="snapshot").inc(0.1 * slowest)
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
