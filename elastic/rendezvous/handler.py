@@ -50,7 +50,7 @@ from .options import RendezvousOptions, connect
 from .probe import DeathProbe
 from .reachability import Reachability
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
-from .rounds import CLOSED, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
+from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 
@@ -103,7 +103,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joined_once = False
         self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
-        self.next_cause = JOIN  # set by the agent before next_rendezvous: why it may open a round
+        # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
+        # agent (None): a newcomer joins, a member asking again had its workers fail
+        self.next_cause: str | None = None
         # False when this node's workers go on in place: they never read MASTER_ADDR, and a
         # non-zero rank would otherwise wait for a dead rank 0 to publish it. Rank 0 always
         # publishes (one put): a joiner does not know yet whether its workers will need it.
@@ -124,6 +126,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     @property
     def use_agent_store(self) -> bool:
         return False  # workers bootstrap their own TCPStore on rank 0; nothing to keep alive here
+
+    def _cause(self) -> str:
+        if self.next_cause is not None:
+            return self.next_cause
+        return FAILURE if self._joined_once else JOIN
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._start()
@@ -280,7 +287,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if joined_round == record.round + 1:
                     self.mirror.wait(revision, _TICK_S)  # we opened the next one; the mirror lags behind
                 elif self.node in record.participants or len(record.participants) < self.timings.max_nodes:
-                    opened = self._open_and_join(round_rev, record.next_open(self.next_cause), joined_round)
+                    opened = self._open_and_join(round_rev, record.next_open(self._cause()), joined_round)
                     if opened is not None:  # our join is in the same transaction: the round cannot close without us
                         joined_round, join_revision = record.round + 1, opened
                 else:

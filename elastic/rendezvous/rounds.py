@@ -76,9 +76,14 @@ def should_close(
 
     Later rounds close as soon as every previous member that is alive has joined. A
     previous member still marked ``running`` may be dead with its lease not yet expired
-    (SIGKILL), or just slow to notice: it gets ``rejoin`` seconds. One marked
-    ``stopping`` or ``rendezvous`` is alive and on its way, so it is waited for (up to
-    ``stop_grace``, in case it is wedged).
+    (SIGKILL), or just slow to notice: after a failure it gets ``rejoin`` seconds. One
+    marked ``stopping`` or ``rendezvous`` is alive and on its way, so it is waited for (up
+    to ``stop_grace``, in case it is wedged). So is a running one in a round opened for a
+    join: nothing broke, so it is training and only late to see the round (its watch
+    failing over to another etcd member after the leader died, say); closing without it
+    would start a world beside the one it trains in. A dead one is still not waited for:
+    the probe proves a SIGKILL, and a frozen or unreachable one leaves ``live`` when its
+    lease expires.
     """
     if len(joined) >= timings.max_nodes:
         return True
@@ -89,7 +94,7 @@ def should_close(
     missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
     if not missing:
         return True
-    if any(live[n] in ON_THEIR_WAY for n in missing):
+    if record.cause == JOIN or any(live[n] in ON_THEIR_WAY for n in missing):
         return waited >= timings.stop_grace
     return waited >= timings.rejoin
 

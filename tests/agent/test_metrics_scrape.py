@@ -28,6 +28,7 @@ from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
 NOT_IN_MLP = {"elastic_tokens_total"}  # the mlp job defines no tokens (documented in metrics.md)
+AFTER_A_FAULT = {"elastic_last_fault_timestamp_seconds", "elastic_last_fault_phase_seconds"}  # the fault timeline
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -76,7 +77,7 @@ def test_metrics_of_a_real_run_follow_training_and_a_kill(
 
     first = {n.name: scrape(n) for n in (a, b)}
     exposed = {family(name) for s in first.values() for name in s}
-    wanted = {family(m) for m in queried_metrics(load()) if not is_external(m)} - NOT_IN_MLP
+    wanted = {family(m) for m in queried_metrics(load()) if not is_external(m)} - NOT_IN_MLP - AFTER_A_FAULT
     assert wanted <= exposed, f"dashboard queries metrics no node exports: {sorted(wanted - exposed)}"
 
     gradient_bytes = sum(p.numel() for p in make_model().parameters()) * 4
@@ -106,6 +107,8 @@ def test_metrics_of_a_real_run_follow_training_and_a_kill(
     after = scrape(survivor)
     counted_after = steps_by_rank(survivor.progress())
     assert total(after, "elastic_world_size") == 1  # the dead worker's gauge is gone, not averaged in
+    wait_until(lambda: AFTER_A_FAULT <= {family(name) for name in scrape(survivor)}, 10,
+               "the survivor to export the fault timeline the dashboard shows")
     assert total(after, "elastic_agent_nodes_in_round") == 1
     # the mlp job runs in place: the survivor re-formed its world without a restart
     assert total(after, "elastic_agent_inplace_reforms_total") >= 1

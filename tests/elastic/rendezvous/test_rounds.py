@@ -8,11 +8,12 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous import create_handler
-from elastic.rendezvous.rounds import CLOSED, OPEN, RoundRecord, Timings, rank_order, should_close
+from elastic.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
 from tests.support.waiting import wait_until
 
 T = Timings(min_nodes=1, max_nodes=3, last_call=1.0, rejoin=0.5, stop_grace=30.0)
-LATER = RoundRecord(5, OPEN, previous=("a", "b", "c"))
+LATER = RoundRecord(5, OPEN, previous=("a", "b", "c"), cause=FAILURE)
+JOINING = RoundRecord(5, OPEN, previous=("a", "b", "c"), cause=JOIN)
 
 
 def test_first_round_waits_the_last_call_after_min_nodes() -> None:
@@ -31,6 +32,14 @@ def test_a_member_still_running_may_be_dead_and_gets_only_the_rejoin_timeout() -
     live = {"a": "rendezvous", "b": "running"}  # b: SIGKILLed, lease not yet expired?
     assert not should_close(LATER, {"a": 1}, live, T, waited=0.3)
     assert should_close(LATER, {"a": 1}, live, T, waited=0.5)
+
+
+def test_a_round_opened_for_a_join_waits_for_running_members_that_are_not_proven_dead() -> None:
+    live = {"a": "running", "b": "running", "c": "running"}  # c joins; a and b train, their watches late
+    assert not should_close(JOINING, {"c": 1}, live, T, waited=5.0)
+    assert should_close(JOINING, {"c": 1, "a": 2, "b": 3}, live, T, waited=0.0)
+    assert should_close(JOINING, {"c": 1, "a": 2}, live, T, waited=0.0, dead={"b"})
+    assert should_close(JOINING, {"c": 1}, live, T, waited=30.0)  # unless they are wedged
 
 
 def test_a_member_proven_dead_is_not_waited_for_although_its_lease_holds() -> None:
