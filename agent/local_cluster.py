@@ -395,12 +395,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         job_args, argv = argv[argv.index("--") + 1:], argv[: argv.index("--")]
     p = argparse.ArgumentParser(
         prog="elastic local", description=__doc__.splitlines()[0],
-        usage="elastic local [options] [--job mlp|resnet [-- job args] | SCRIPT [args] | -m MODULE [args]]",
+        usage="elastic local [options] [--job mlp|resnet|resnet50 [-- job args] | SCRIPT [args] | -m MODULE [args]]",
         epilog="With no SCRIPT or -m, an example job runs (python -m elastic.train; arguments after -- go to "
                "it). SCRIPT or -m MODULE runs your own training script on every node, as torchrun takes it.")
     p.add_argument("--nodes", type=int, default=3, help="local nodes (default 3)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument("--job", choices=("mlp", "resnet"), default="mlp", help="example job (default mlp)")
+    p.add_argument("--job", choices=("mlp", "resnet", "resnet50"), default="mlp", help="example job (default mlp)")
     p.add_argument("--steps", type=int, default=600, help="example job: steps to train (default 600)")
     p.add_argument("-m", "--module", dest="as_module", action="store_true",
                    help="SCRIPT is a module to run with python -m, as in torchrun")

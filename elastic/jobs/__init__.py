@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the runner parses its flags before paying for ``import torc
     from torch import nn
     from torch.utils.data import Dataset
 
-JOBS = ("mlp", "resnet")
+JOBS = ("mlp", "resnet", "resnet50")
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,10 @@ def build_job(name: str, *, seed: int, dataset_size: int | None = None, data: st
     if name == "mlp":
         from .mlp import build
         return build(seed=seed, dataset_size=dataset_size)
-    if name == "resnet":
+    if name in ("resnet", "resnet50"):
         from .resnet import build as build_resnet
-        return build_resnet(seed=seed, dataset_size=dataset_size, data=data, image_size=image_size)
+        return build_resnet(seed=seed, dataset_size=dataset_size, data=data, image_size=image_size,
+                            depth=50 if name == "resnet50" else 18)
     raise ValueError(f"unknown job {name!r}; choose one of {', '.join(JOBS)}")
 
 

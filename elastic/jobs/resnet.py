@@ -1,4 +1,5 @@
-"""ResNet-18 (torchvision, random init) on FakeData, or on an ImageFolder with ``--data``.
+"""ResNet-18 + SGD (``resnet``) or ResNet-50 + Adam (``resnet50``: 307 MB of training state,
+the size the heal benchmarks move), torchvision, random init, on FakeData or an ImageFolder.
 
 FakeData draws image ``i`` from a generator seeded by ``i``, so sample ``i`` is the same
 picture on every rank and after every restart, and nothing is downloaded.
@@ -26,7 +27,12 @@ def _sgd(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4)
 
 
-def build(*, seed: int, dataset_size: int | None = None, data: str | None = None, image_size: int = 64) -> Job:
+def _adam(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=lr)
+
+
+def build(*, seed: int, dataset_size: int | None = None, data: str | None = None, image_size: int = 64,
+          depth: int = 18) -> Job:
     from torchvision import datasets, models, transforms
 
     to_tensor = transforms.Compose([
@@ -42,5 +48,8 @@ def build(*, seed: int, dataset_size: int | None = None, data: str | None = None
             num_classes=classes, transform=transforms.ToTensor(), random_offset=seed,
         )
     torch.manual_seed(seed)
+    if depth == 50:
+        return Job("resnet50", models.resnet50(weights=None, num_classes=classes), dataset, loss, _adam,
+                   default_lr=1e-3)
     model = models.resnet18(weights=None, num_classes=classes)
     return Job("resnet", model, dataset, loss, _sgd, default_lr=0.1)
