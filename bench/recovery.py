@@ -263,7 +263,7 @@ def join_resnet(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) 
     """Two nodes train ResNet-50 + Adam; a third joins. The survivors' stand-still is their
     re-formation (logged by rank 0 with the transfer's size and time)."""
     nodes = make_nodes("ours-join-resnet", ("a", "b", "c"), work, etcd, lease_ttl, job=[
-        "--job", "resnet50", "--steps", "1000000", "--global-batch-size", "4", "--image-size", "32",
+        "--job", "resnet50", "--steps", "1000000", "--global-batch-size", "6", "--image-size", "32",
         "--dataset-size", "256", "--snapshot-dir", str(work / "resnet-snapshots"), "--snapshot-every-steps", "0",
         "--progress", "{progress}"])
     a, b, c = nodes
