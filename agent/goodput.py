@@ -45,7 +45,8 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.goodput.account import (DETECTION, FAULT_PHASES, JOIN, LOCAL_REASONS, LOST_CAUSES, PRODUCTIVE,
                                      RECOMPUTE, RENDEZVOUS, UNKNOWN, WORKER_START, Account, Interval, added, extend,
                                      name_faults)
-from elastic.goodput.files import JOB_FILE, WorkerReport, read_report, worker_file, write_atomically
+from elastic.atomic_file import write_atomically
+from elastic.goodput.files import JOB_FILE, WorkerReport, read_report, worker_file
 from elastic.heartbeat import JOB_STEP, Beat, read_beats
 from elastic.rendezvous.registry import run_prefix
 from elastic.rendezvous.signing import SignatureError, StateSigner

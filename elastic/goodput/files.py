@@ -12,10 +12,7 @@ the old file or the new one, and either side survives the other's death.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -45,18 +42,6 @@ class WorkerReport:
         data = json.loads(raw)
         return cls(pid=int(data["pid"]), rank=int(data["rank"]),
                    intervals=tuple(Interval.from_row(row) for row in data["intervals"]))
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_report(path: Path) -> WorkerReport | None:

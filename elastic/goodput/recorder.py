@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 
 from .account import (DETECTION, JOIN, PRODUCTIVE, RECOMPUTE, RENDEZVOUS, RESTORE, SNAPSHOT, WORKER_START,
                       Interval)
-from .files import GOODPUT_DIR_ENV, JOB_FILE, WorkerReport, read_job_file, worker_file, write_atomically
+from ..atomic_file import write_atomically
+from .files import GOODPUT_DIR_ENV, JOB_FILE, WorkerReport, read_job_file, worker_file
 
 RECOVERY_ENV = "ELASTIC_GOODPUT_RECOVERY"  # "1": the agent started this worker to repair a broken world
 FLUSH_EVERY_S = 0.5

@@ -21,10 +21,11 @@ import contextlib
 import errno
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from ..atomic_file import write_atomically
 
 CONTROL_DIR_ENV = "ELASTIC_CONTROL_DIR"
 OFFER_FILE = "round.json"
@@ -113,18 +114,6 @@ class WorkerStatus:
         return cls(**known)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 class AgentChannel:
     """The agent's end: it writes offers, reads statuses and waits on the wake FIFO."""
 
@@ -138,7 +127,7 @@ class AgentChannel:
         self.wake_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
 
     def offer(self, offer: RoundOffer) -> None:
-        _write_atomically(self.directory / OFFER_FILE, offer.to_json())
+        write_atomically(self.directory / OFFER_FILE, offer.to_json())
 
     def withdraw(self) -> None:
         """No round for the workers: a restart path's new workers must not read an old offer."""
@@ -199,7 +188,7 @@ class WorkerChannel:
         return self._offer
 
     def report(self, status: WorkerStatus, wake: bool = False) -> None:
-        _write_atomically(self.directory / f"worker-{self.local_rank}.json", status.to_json())
+        write_atomically(self.directory / f"worker-{self.local_rank}.json", status.to_json())
         if wake:
             self.wake_agent()
 

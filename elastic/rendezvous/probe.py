@@ -19,20 +19,6 @@ from typing import Callable, Mapping
 _REPROBE_S = 0.2
 
 
-def refused(addr: str, timeout: float = 0.5) -> bool:
-    """True only if ``host:port`` actively refused a TCP connect (nobody listens there)."""
-    host, _, port = addr.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError as exc:
-        return exc.errno == errno.ECONNREFUSED
-    except ValueError:
-        return False
-
-
 OK, REFUSED, UNREACHABLE = "ok", "refused", "unreachable"
 _UNREACHABLE_ERRNOS = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EINVAL, errno.ETIMEDOUT, errno.EHOSTDOWN,
                        errno.ENETDOWN}
@@ -58,6 +44,11 @@ def reach(addr: str, timeout: float = 1.0) -> str:
         return UNREACHABLE if exc.errno in _UNREACHABLE_ERRNOS else OK  # no verdict on what we cannot read
     except ValueError:
         return OK  # not an address we can judge: no verdict against it
+
+
+def refused(addr: str, timeout: float = 0.5) -> bool:
+    """True only if ``host:port`` actively refused a TCP connect (nobody listens there)."""
+    return reach(addr, timeout) == REFUSED
 
 
 class DeathProbe:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from elastic.goodput.account import Account, Interval, extend
-from elastic.goodput.files import JOB_FILE, read_report, worker_file, write_atomically
+from elastic.atomic_file import write_atomically
+from elastic.goodput.files import JOB_FILE, read_report, worker_file
 from elastic.goodput.recorder import GoodputLog
 
 
