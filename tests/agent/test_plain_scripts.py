@@ -141,7 +141,8 @@ def test_two_sigkills_of_the_other_node_in_a_row_both_restart_the_survivor_warm(
         b.kill()
         wait_until(lambda: len(at_world(1, killed_at)) >= 3, 60, f"a alone after kill {fault}",
                    on_timeout=lambda: a.log_tail(60))
-        if fault == 1:
+        if fault == 1:  # b returns once a's standby is back, so the scale-up restart is warm too
+            wait_until(standby_ready, FORM_TIMEOUT, "a's standby before b returns", on_timeout=lambda: a.log_tail(60))
             back_at = time.time()
             b.start()
             wait_until(lambda: len(at_world(2, back_at)) >= 5, FORM_TIMEOUT, "b back",
