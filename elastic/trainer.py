@@ -479,6 +479,10 @@ class ElasticRun:
         tokens = self.count_tokens(batch) if self.count_tokens is not None else None
         self._pending = _Pending(ids, local_n, started, now - started, tokens)
         if self.membership is not None:
+            replaced_by = self.membership.replaced_by()
+            if replaced_by is not None:  # a world of one has no collective to fail: give way here
+                self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world")
+                return
             try:  # the newest round every rank could switch to; overlaps forward and backward
                 self._pending.control = self.sync.start_control(self.membership.ready_round())
             except CollectiveFailure as exc:

@@ -9,7 +9,11 @@ One object, used by the trainer in a fixed order:
    the group to exactly those members (:mod:`.reconfigure`). It returns the new
    :class:`World`. A round that cannot be completed (a member died in the meantime) is
    given up for a newer one; the worker asks its agent for one.
-3. Every step, :meth:`ready_round` is the newest round the watcher has seen every member's
+3. Every step, :meth:`replaced_by` says whether a newer round replaces this world (it
+   leaves a member out, or follows a failure); the trainer then abandons the step and joins
+   it. A world whose collectives cannot fail (a world of one has no peer to fail with)
+   would otherwise train on alone while the others wait for it in the new round.
+   :meth:`ready_round` is the newest round the watcher has seen every member's
    handle for. The trainer all-reduces it (MAX), so that all ranks switch to a round that
    adds members at the same step boundary, and survivors only stand still for the switch,
    never for a joiner's start-up.
@@ -73,6 +77,7 @@ class Membership:
         self._ready = -1
         self._posted: dict[int, object] = {}  # round -> the watcher's client to that round's store
         self._tripped_for = -1
+        self._replaced_by = -1  # the newest round that replaces this world rather than growing it
         self._last_step = time.monotonic()
         self._intervals: deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
@@ -157,6 +162,11 @@ class Membership:
 
     # ------------------------------------------------------------------ 3. every step
 
+    def replaced_by(self) -> int | None:
+        """A newer round this world must give way to (not one that only adds members), or None."""
+        with self._lock:
+            return self._replaced_by if self._replaced_by > self.round else None
+
     def ready_round(self) -> int:
         with self._lock:
             return max(self._ready, self.round)
@@ -217,6 +227,9 @@ class Membership:
         current, offered = set(world.participants), set(offer.participants)
         grows_only = offered >= current and offer.cause != "failure"
         stuck = time.monotonic() - self._last_step > self._stall_limit()
+        if not grows_only:
+            with self._lock:
+                self._replaced_by = max(self._replaced_by, offer.round)
         if (not grows_only or stuck) and self._tripped_for < offer.round:
             self._tripped_for = offer.round
             shut = self.fence.trip()

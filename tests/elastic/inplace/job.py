@@ -9,6 +9,8 @@ and whether every rank holds identical parameters.
 ``DIE_AT_STEP`` / ``DIE_ON_NODE``: that node's worker SIGKILLs itself inside the optimizer
 step of that step, after every collective of the step completed: a real failure between
 the gradient all-reduce and the optimizer step. ``DIE_MARKER`` makes it happen once.
+``FAIL_AT_START_MARKER``: the first worker (the marker file does not exist yet) exits 1
+before it builds anything: a joiner whose worker fails before it ever joined a round.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class DyingAdam(torch.optim.Adam):
         return super().step(closure)
 
 
+fail_marker = os.environ.get("FAIL_AT_START_MARKER", "")
+if fail_marker and not os.path.exists(fail_marker):
+    open(fail_marker, "w").close()
+    raise SystemExit(1)
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 time.sleep(float(os.environ.get("START_DELAY", "0")))  # a joiner slow to build its model
 torch.manual_seed(int(os.environ.get("INIT_SEED", "0")))

@@ -146,6 +146,28 @@ def test_a_failure_between_the_all_reduce_and_the_optimizer_step_leaves_identica
 
 
 @pytest.mark.slow
+def test_a_lone_survivor_gives_way_to_a_round_that_follows_a_joiners_failure(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    """b trains alone; a joins, but a's first worker fails before it joined. a's agent opens
+    a round that follows a failure. b's world of one has no collective that could fail, so
+    b must leave it at the next step by itself, or a waits for it forever (seen in CI)."""
+    b = start_job(nodes, "b", etcd_server, run_id, tmp_path)
+    train_together([b], tmp_path, 1, steps=5)
+    pid = last_pid(b, tmp_path)
+    marker = tmp_path / "a-failed-once"
+    joined_at = time.time()
+    a = start_job(nodes, "a", etcd_server, run_id, tmp_path, env={"FAIL_AT_START_MARKER": str(marker)})
+    wait_until(marker.exists, FORM_TIMEOUT, "a's first worker to fail at its start", on_timeout=logs(a, b))
+    train_together([a, b], tmp_path, 2, steps=5, after=joined_at, timeout=90)
+    assert {r["pid"] for r in rows(b, tmp_path) if r["time"] > joined_at} == {pid}  # b kept its process
+    assert "replaces this world" in b.log_path.read_text()
+    assert metric(a, "elastic_restores_total", source="disk") == 0  # healed from b's replica
+    same_params_at([a, b], tmp_path, joined_at)
+    assert_ledger_once(tmp_path)
+
+
+@pytest.mark.slow
 def test_two_nodes_killed_at_once_leave_one_survivor_training_in_place(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
