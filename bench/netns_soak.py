@@ -11,7 +11,8 @@ healed:
 * ``cut-peers``: a node cut from its peers, still reaching etcd;
 * ``leader-kill``: the etcd leader SIGKILLed during training (restarted after a while);
 * ``leader-in-round``: a node cut from etcd, and the etcd leader SIGKILLed the moment the
-  round that leaves it out opens;
+  round that leaves it out opens (the first round opened after etcd dropped the node's
+  key; a round opened before that waits for the node, and cannot complete);
 * ``member-cut``: the etcd leader cut from the other two members;
 * ``etcd-down``: every etcd member down for 30 s while a node is SIGKILLed (once).
 
@@ -199,9 +200,9 @@ class Soak:
         finally:
             self._heal_node(fault)
 
-    def _cut_etcd(self, fault: NetFault) -> None:
+    def _cut_etcd(self, fault: NetFault, expiry: KeyWatch | None = None) -> None:
         stale = self.cluster.worker_pid(fault.target)
-        expiry = KeyWatch(self.cluster, fault.target)
+        expiry = expiry or KeyWatch(self.cluster, fault.target)
         with_target = fault.round_before
         self.cluster.net.cut_from_peers(fault.target, list(MEMBERS))  # every etcd member, not its peers
         try:
@@ -251,6 +252,7 @@ class Soak:
         key = f"/elastic/{self.cluster.run_id}/rdzv/round"
         killed: dict[str, Any] = {}
         lock = threading.Lock()
+        expiry = KeyWatch(self.cluster, fault.target)
 
         def on_round(response: Any) -> None:
             if isinstance(response, BaseException):
@@ -260,13 +262,14 @@ class Soak:
                     continue
                 record = RoundRecord.from_json(self.cluster.signer.open(key.encode(), event.value))
                 with lock:
-                    if record.state == OPEN and record.round > fault.round_before and not killed:
+                    if (record.state == OPEN and record.round > fault.round_before and not killed
+                            and expiry.gone(now=True)):
                         self.etcd.members[leader].kill()
                         killed.update(at=time.time(), round=record.round)
 
         watch = self.cluster.client.call(lambda c: c.add_watch_callback(key, on_round))
         try:
-            self._cut_etcd(fault)
+            self._cut_etcd(fault, expiry)
         finally:
             try:
                 self.cluster.client.call(lambda c: c.cancel_watch(watch), deadline=2.0)

@@ -123,28 +123,55 @@ class FaultCluster:
 
 
 class KeyWatch:
-    """When did etcd drop a node's registry key (its lease expired)? Seen by a real watch."""
+    """When did etcd drop a node's registry key (its lease expired)? Seen by real watches.
+
+    One watch per etcd member, each through a client of its own: a watch breaks with the
+    member it streams from (the soak kills the leader while a node is cut off), and
+    python3-etcd3 does not resume it. With a watch on every member, a member's death
+    leaves the others' watches running, and the first delete any of them sees is the time.
+    """
 
     def __init__(self, cluster: FaultCluster, node: str) -> None:
         self.key = nodes_prefix("/elastic", cluster.run_id) + node
-        self.client = cluster.client
         self.gone_at: float | None = None
         self._lock = threading.Lock()
-        self._watch_id = self.client.call(lambda c: c.add_watch_callback(self.key, self._event))
+        self._watches: list[tuple[EtcdClient, int]] = []
+        for endpoint in parse_endpoints(cluster.endpoint):
+            client = EtcdClient(EtcdSettings(endpoints=[endpoint], request_timeout=2.0), retry_deadline=3.0)
+            try:
+                self._watches.append((client, client.call(lambda c: c.add_watch_callback(self.key, self._event))))
+            except EtcdError:
+                client.close()  # a member down right now: the others watch
+        if not self._watches:
+            raise EtcdError(f"no etcd member of {cluster.endpoint} accepted a watch on {self.key}")
 
     def _event(self, response: Any) -> None:
         if isinstance(response, BaseException):
-            return
+            return  # this member's stream ended; the other members' watches go on
         for event in response.events:
             if type(event).__name__ == "DeleteEvent":
                 with self._lock:
                     self.gone_at = self.gone_at or time.time()
 
+    def gone(self, now: bool = False) -> bool:
+        """Has etcd dropped the key? ``now`` also asks etcd, for a caller that must not
+        act on a delete event still on its way."""
+        if self.gone_at is not None or not now:
+            return self.gone_at is not None
+        for client, _ in self._watches:
+            try:
+                return client.call(lambda c: c.get(self.key), deadline=1.0)[0] is None
+            except EtcdError:
+                continue
+        return False
+
     def close(self) -> None:
-        try:
-            self.client.call(lambda c: c.cancel_watch(self._watch_id), deadline=1.0)
-        except EtcdError:
-            pass
+        for client, watch_id in self._watches:
+            try:
+                client.call(lambda c: c.cancel_watch(watch_id), deadline=1.0)
+            except EtcdError:
+                pass
+            client.close()
 
 
 def pid_alive(pid: int) -> bool:
