@@ -10,9 +10,9 @@ healed:
 * ``cut-etcd``: a node cut from every etcd member, still reaching its peers;
 * ``cut-peers``: a node cut from its peers, still reaching etcd;
 * ``leader-kill``: the etcd leader SIGKILLed during training (restarted after a while);
-* ``leader-in-round``: a node cut from etcd, and the etcd leader SIGKILLed the moment the
-  round that leaves it out opens (the first round opened after etcd dropped the node's
-  key; a round opened before that waits for the node, and cannot complete);
+* ``leader-in-round``: a node cut from etcd; the survivors' round opens and waits for its
+  lease to expire; the etcd leader is SIGKILLed the moment etcd drops the node's key, as
+  that round can close (it must complete);
 * ``member-cut``: the etcd leader cut from the other two members;
 * ``etcd-down``: every etcd member down for 30 s while a node is SIGKILLed (once).
 
@@ -34,7 +34,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any, Callable
 from agent.netns import NodeNetwork, unavailable_reason
 from elastic.etcd import EtcdError
 from elastic.ledger import check_ledger
-from elastic.rendezvous.rounds import OPEN, RoundRecord
+from elastic.rendezvous.rounds import OPEN
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.fault_cluster import DATASET, FaultCluster, KeyWatch, pid_alive
 
@@ -248,37 +247,30 @@ class Soak:
             self._heal_node(fault)
 
     def _leader_in_round(self, fault: NetFault) -> None:
+        """The survivors' round is open, waiting for the cut-off node's lease to expire; the
+        leader dies the moment etcd drops the node's key, i.e. as that round can close."""
         leader = self.etcd.wait_for_leader(30)
-        key = f"/elastic/{self.cluster.run_id}/rdzv/round"
         killed: dict[str, Any] = {}
-        lock = threading.Lock()
-        expiry = KeyWatch(self.cluster, fault.target)
 
-        def on_round(response: Any) -> None:
-            if isinstance(response, BaseException):
-                return
-            for event in response.events:
-                if not event.value:
-                    continue
-                record = RoundRecord.from_json(self.cluster.signer.open(key.encode(), event.value))
-                with lock:
-                    if (record.state == OPEN and record.round > fault.round_before and not killed
-                            and expiry.gone(now=True)):
-                        self.etcd.members[leader].kill()
-                        killed.update(at=time.time(), round=record.round)
-
-        watch = self.cluster.client.call(lambda c: c.add_watch_callback(key, on_round))
-        try:
-            self._cut_etcd(fault, expiry)
-        finally:
+        def on_gone() -> None:
             try:
-                self.cluster.client.call(lambda c: c.cancel_watch(watch), deadline=2.0)
+                record = self.cluster.round_record()
             except EtcdError:
-                pass
+                record = None
+            if record is not None and record.state == OPEN and record.round > fault.round_before:
+                self.etcd.members[leader].kill()
+                killed.update(at=time.time(), round=record.round)
+            else:
+                killed.update(missed=record.round if record is not None else None)
+
+        try:
+            self._cut_etcd(fault, KeyWatch(self.cluster, fault.target, on_gone))
+        finally:
             self.etcd.members[leader].start()
         survivors = [r for n in NODES if n != fault.target for r in self.cluster.rows(n, 2, after=fault.at)]
-        if not killed:
-            fault.note += "; the round opened before the watch saw it (leader not killed)"
+        if "round" not in killed:
+            fault.note += (f"; no round was open when etcd dropped {fault.target} (round {killed.get('missed')} "
+                           "closed already): leader not killed")
         elif survivors and min(r["round"] for r in survivors) != killed["round"]:
             self.violations.append(f"leader-in-round: round {killed['round']}, open when leader {leader} died, "
                                    "did not complete")

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from agent.local_node import LocalNode
 from agent.netns import NodeNetwork
@@ -131,9 +131,10 @@ class KeyWatch:
     leaves the others' watches running, and the first delete any of them sees is the time.
     """
 
-    def __init__(self, cluster: FaultCluster, node: str) -> None:
+    def __init__(self, cluster: FaultCluster, node: str, on_gone: Callable[[], None] | None = None) -> None:
         self.key = nodes_prefix("/elastic", cluster.run_id) + node
         self.gone_at: float | None = None
+        self.on_gone = on_gone  # called once, on the watch thread, when the delete is first seen
         self._lock = threading.Lock()
         self._watches: list[tuple[EtcdClient, int]] = []
         for endpoint in parse_endpoints(cluster.endpoint):
@@ -151,24 +152,15 @@ class KeyWatch:
         for event in response.events:
             if type(event).__name__ == "DeleteEvent":
                 with self._lock:
+                    first = self.gone_at is None
                     self.gone_at = self.gone_at or time.time()
-
-    def gone(self, now: bool = False) -> bool:
-        """Has etcd dropped the key? ``now`` also asks etcd, for a caller that must not
-        act on a delete event still on its way."""
-        if self.gone_at is not None or not now:
-            return self.gone_at is not None
-        for client, _ in self._watches:
-            try:
-                return client.call(lambda c: c.get(self.key), deadline=1.0)[0] is None
-            except EtcdError:
-                continue
-        return False
+                if first and self.on_gone is not None:
+                    self.on_gone()
 
     def close(self) -> None:
         for client, watch_id in self._watches:
             try:
-                client.call(lambda c: c.cancel_watch(watch_id), deadline=1.0)
+                client.call(lambda c, w=watch_id: c.cancel_watch(w), deadline=1.0)
             except EtcdError:
                 pass
             client.close()
