@@ -100,6 +100,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true",
                    help="issue 19's fault table instead: nodes in network namespaces, a 3-member etcd cluster, "
                         "partitions, cuts and etcd leader faults (root only; see bench/netns_soak.py)")
+    p.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                   help="--netns: draw faults only from these kinds (partition cut-etcd cut-peers leader-kill "
+                        "leader-in-round member-cut etcd-down; default all)")
     p.add_argument("--collective-timeout", type=float, default=6.0,
                    help="--netns: the job's collective timeout, which bounds how long a node cut from its peers "
                         "stalls the others before it is kept out (default 6)")

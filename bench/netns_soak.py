@@ -10,9 +10,9 @@ healed:
 * ``cut-etcd``: a node cut from every etcd member, still reaching its peers;
 * ``cut-peers``: a node cut from its peers, still reaching etcd;
 * ``leader-kill``: the etcd leader SIGKILLed during training (restarted after a while);
-* ``leader-in-round``: a node cut from etcd; the survivors' round opens and waits for its
-  lease to expire; the etcd leader is SIGKILLed the moment etcd drops the node's key, as
-  that round can close (it must complete);
+* ``leader-in-round``: a node cut from etcd, and the etcd leader SIGKILLed the moment the
+  round that leaves it out opens (the node stops its workers and its round store by its
+  own clock, which proves it gone; the round must complete);
 * ``member-cut``: the etcd leader cut from the other two members;
 * ``etcd-down``: every etcd member down for 30 s while a node is SIGKILLed (once).
 
@@ -34,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from typing import Any, Callable
 from agent.netns import NodeNetwork, unavailable_reason
 from elastic.etcd import EtcdError
 from elastic.ledger import check_ledger
-from elastic.rendezvous.rounds import OPEN
+from elastic.rendezvous.rounds import OPEN, RoundRecord
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.fault_cluster import DATASET, FaultCluster, KeyWatch, pid_alive
 
@@ -121,12 +122,13 @@ class Soak:
         if not self.wait("first world of 3", lambda: self.whole(), self.args.start_deadline):
             return
         self.log(f"world of 3 at step {self.newest()['step']}")  # type: ignore[index]
-        first = list(KINDS)
+        kinds = tuple(self.args.kinds or KINDS)
+        first = list(kinds)
         self.rng.shuffle(first)
         self.started = time.time()
         while time.time() - self.started < self.args.duration and not self.violations_wedged():
             kind = first[len(self.faults)] if len(self.faults) < len(first) else \
-                self.rng.choice([k for k in KINDS if k != ETCD_DOWN])
+                self.rng.choice([k for k in kinds if k != ETCD_DOWN] or list(kinds))
             since = time.time()
             time.sleep(self.rng.uniform(*self.args.gap))
             if not self.wait("whole world before the next fault",
@@ -247,36 +249,50 @@ class Soak:
             self._heal_node(fault)
 
     def _leader_in_round(self, fault: NetFault) -> None:
-        """The survivors' round is open, waiting for the cut-off node's lease to expire; the
-        leader dies the moment etcd drops the node's key, i.e. as that round can close."""
         leader = self.etcd.wait_for_leader(30)
+        key = f"/elastic/{self.cluster.run_id}/rdzv/round"
         killed: dict[str, Any] = {}
+        lock = threading.Lock()
 
-        def on_gone() -> None:
-            try:
-                record = self.cluster.round_record()
-            except EtcdError:
-                record = None
-            if record is not None and record.state == OPEN and record.round > fault.round_before:
-                self.etcd.members[leader].kill()
-                killed.update(at=time.time(), round=record.round)
-            else:
-                killed.update(missed=record.round if record is not None else None)
+        def on_round(response: Any) -> None:
+            if isinstance(response, BaseException):
+                return
+            for event in response.events:
+                if not event.value:
+                    continue
+                record = RoundRecord.from_json(self.cluster.signer.open(key.encode(), event.value))
+                with lock:
+                    if record.state == OPEN and record.round > fault.round_before and not killed:
+                        self.etcd.members[leader].kill()
+                        killed.update(at=time.time(), round=record.round)
 
+        watch = self.cluster.client.call(lambda c: c.add_watch_callback(key, on_round))
         try:
-            self._cut_etcd(fault, KeyWatch(self.cluster, fault.target, on_gone))
+            self._cut_etcd(fault)
         finally:
+            try:
+                self.cluster.client.call(lambda c: c.cancel_watch(watch), deadline=2.0)
+            except EtcdError:
+                pass
             self.etcd.members[leader].start()
         survivors = [r for n in NODES if n != fault.target for r in self.cluster.rows(n, 2, after=fault.at)]
-        if "round" not in killed:
-            fault.note += (f"; no round was open when etcd dropped {fault.target} (round {killed.get('missed')} "
-                           "closed already): leader not killed")
+        if not killed:
+            fault.note += "; the round opened before the watch saw it (leader not killed)"
         elif survivors and min(r["round"] for r in survivors) != killed["round"]:
             self.violations.append(f"leader-in-round: round {killed['round']}, open when leader {leader} died, "
                                    "did not complete")
+            self.log(f"  what the agents logged about round {killed['round']}:\n" + self._round_lines(killed["round"]))
         else:
             fault.note += f"; leader {leader} killed while round {killed['round']} was open, and it completed"
         self.etcd.wait_for_leader(60)
+
+    def _round_lines(self, number: int) -> str:
+        """Every agent's log lines that name the round, or the next: the evidence for a flag."""
+        marks = (f"round {number} ", f"round {number}:", f"round {number + 1} ", f"-> {number}")
+        lines = [f"    {n}: {text}" for n in NODES
+                 for text in self.cluster[n].log_path.read_text(errors="replace").splitlines()
+                 if any(m in text for m in marks)]
+        return "\n".join(lines[-40:])
 
     def _etcd_down(self, fault: NetFault) -> None:
         self.etcd.stop_all()
@@ -386,6 +402,11 @@ def totals(soak: Soak, facts: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Called by ``bench/chaos_soak.py --netns``."""
+    unknown = sorted(set(args.kinds or ()) - set(KINDS))
+    if unknown:
+        print(f"error: --kinds: unknown fault kind(s) {', '.join(unknown)}; choose from {' '.join(KINDS)}",
+              file=sys.stderr)
+        return 2
     reason = unavailable_reason()
     if reason:
         print(f"error: --netns: {reason}; run bench/chaos_soak.py without --netns", file=sys.stderr)
