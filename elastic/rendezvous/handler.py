@@ -43,7 +43,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
-from .lease_clock import Verdict
+from .lease_clock import PeerWord, Verdict
 from .lease_watch import LeaseWatch
 from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
@@ -53,10 +53,12 @@ from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nod
 from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
+from .witness import PeerAsker
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.1  # re-check time-based close rules at least this often
+_VOUCH_TIMEOUT_S = 0.3  # a late member's witness answers well within the rejoin timeout, or not at all
 
 # Why num_nodes_waiting asked for a restart; the agent exports and logs it.
 PEER_LOST, LEASE_LOST, NEW_ROUND = "peer_lost", "lease_lost", "scale_up"
@@ -111,6 +113,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # publishes (one put): a joiner does not know yet whether its workers will need it.
         self.bootstrap = True
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
+        self._vouch = PeerAsker(signer, timeout=_VOUCH_TIMEOUT_S)  # late members' witnesses, after a failure
         self.advertise_host = local_addr  # where peers reach this node's witness (the agent may set it)
         self.lease_watch = LeaseWatch(node_name, self.lease, signer)
         self.reachability = Reachability(node_name, client, signer, self.lease, prefix)
@@ -309,7 +312,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     first_seen.setdefault(record.round, time.monotonic())
                 waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
                 dead = self._proven_dead(record, joined, entries) | excluded  # neither is waited for
-                if self.node in joined and should_close(record, joined, live, self.timings, waited, dead):
+                vouched = self._vouched(record, joined, entries, live, dead, first_seen.get(record.round))
+                if self.node in joined and should_close(record, joined, live, self.timings, waited, dead, vouched):
                     participants = rank_order(joined, record.previous, self.timings.max_nodes)
                     if self._swap_round(round_rev, record.closed_with(participants)):
                         self._forget_round(record.round - 2)
@@ -317,6 +321,30 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self.mirror.wait(revision, _TICK_S)
                 continue
             self.mirror.wait(revision, _TICK_S)
+
+    def _vouched(self, record: RoundRecord, joined: dict[str, int], entries: dict,  # type: ignore[type-arg]
+                 live: dict[str, str], dead: set[str], since: float | None) -> set[str]:
+        """Previous members still running, not joined, whose witness answered since the round
+        opened and who still reach etcd: alive, only late (asked in the background, so an
+        answer is in before the rejoin timeout runs out; a frozen or partitioned agent never
+        answers)."""
+        if record.cause == JOIN or since is None:
+            return set()
+        missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
+        if not missing:
+            return set()
+        words = self._vouch.words()
+        vouched = {n for n in missing if n in words and words[n].asked_at >= since and self._in_touch(words[n])}
+        records = self._records(entries)
+        self._vouch.ask_all({n: records[n].witness_addr if n in records else None
+                             for n in missing if n not in vouched})
+        return vouched
+
+    def _in_touch(self, word: PeerWord) -> bool:
+        """Whether a member that answered can still reach etcd to join: its keep-alives
+        succeed, or failed only briefly (an etcd leader election). A member cut off from etcd
+        answers too, with an old keep-alive; waiting for it would wait for its lease."""
+        return not word.failing or (word.age is not None and word.age < self.lease.ttl / 2)
 
     def _proven_dead(self, record: RoundRecord, joined: dict[str, int], entries: dict) -> set[str]:  # type: ignore[type-arg]
         """Previous members that have not joined and whose agent's port refuses connects."""

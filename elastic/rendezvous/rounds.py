@@ -66,6 +66,7 @@ def should_close(
     timings: Timings,
     waited: float,
     dead: Collection[str] = (),
+    vouched: Collection[str] = (),
 ) -> bool:
     """Whether an open round may close now.
 
@@ -81,9 +82,11 @@ def should_close(
     to ``stop_grace``, in case it is wedged). So is a running one in a round opened for a
     join: nothing broke, so it is training and only late to see the round (its watch
     failing over to another etcd member after the leader died, say); closing without it
-    would start a world beside the one it trains in. A dead one is still not waited for:
-    the probe proves a SIGKILL, and a frozen or unreachable one leaves ``live`` when its
-    lease expires.
+    would start a world beside the one it trains in. So is a running one in a round that
+    follows a failure once its agent ``vouched`` for itself since the round opened (its
+    witness answered: alive, reachable, only late; the etcd leader's death delays every
+    member's watch). A dead one is still not waited for: the probe proves a SIGKILL, and a
+    frozen or unreachable one cannot answer, and leaves ``live`` when its lease expires.
     """
     if len(joined) >= timings.max_nodes:
         return True
@@ -94,7 +97,7 @@ def should_close(
     missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
     if not missing:
         return True
-    if record.cause == JOIN or any(live[n] in ON_THEIR_WAY for n in missing):
+    if record.cause == JOIN or any(live[n] in ON_THEIR_WAY or n in vouched for n in missing):
         return waited >= timings.stop_grace
     return waited >= timings.rejoin
 

@@ -129,7 +129,8 @@ def test_the_leader_killed_while_a_round_is_open_lets_the_round_complete(
     assert record is not None and record.round >= killed["round"] and set(record.participants) == set(NODES)
     first = min(r["round"] for r in cluster.rows("c", 3, after=joined_at))
     print(f"leader {leader} killed while round {killed['round']} was open; c trained first in round {first}")
-    assert first == killed["round"], "the round that was open when the leader died did not complete"
+    assert first == killed["round"], ("the round that was open when the leader died did not complete\n"
+                                      + cluster.logs(lines=80))
     assert set(cluster.registry()) == set(NODES)  # every registry record still verifies
     etcd.members[leader].start()
     rejoined(etcd)

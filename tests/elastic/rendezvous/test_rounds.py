@@ -42,6 +42,14 @@ def test_a_round_opened_for_a_join_waits_for_running_members_that_are_not_proven
     assert should_close(JOINING, {"c": 1}, live, T, waited=30.0)  # unless they are wedged
 
 
+def test_after_a_failure_a_running_member_that_vouched_for_itself_is_waited_for() -> None:
+    live = {"a": "rendezvous", "b": "running", "c": "running"}  # the etcd leader died: b's watch is late
+    assert not should_close(LATER, {"a": 1, "c": 3}, live, T, waited=5.0, vouched={"b"})
+    assert should_close(LATER, {"a": 1, "c": 3, "b": 4}, live, T, waited=0.0, vouched={"b"})
+    assert should_close(LATER, {"a": 1, "c": 3}, live, T, waited=0.5, vouched={"c"})  # b did not answer
+    assert should_close(LATER, {"a": 1, "c": 3}, live, T, waited=30.0, vouched={"b"})  # unless it is wedged
+
+
 def test_a_member_proven_dead_is_not_waited_for_although_its_lease_holds() -> None:
     live = {"a": "rendezvous", "b": "running", "c": "running"}  # b's agent refused a connect: SIGKILLed
     assert should_close(LATER, {"a": 1, "c": 3}, live, T, waited=0.0, dead={"b"})
