@@ -201,9 +201,9 @@ class Soak:
         finally:
             self._heal_node(fault)
 
-    def _cut_etcd(self, fault: NetFault, expiry: KeyWatch | None = None) -> None:
+    def _cut_etcd(self, fault: NetFault) -> None:
         stale = self.cluster.worker_pid(fault.target)
-        expiry = expiry or KeyWatch(self.cluster, fault.target)
+        expiry = KeyWatch(self.cluster, fault.target)
         with_target = fault.round_before
         self.cluster.net.cut_from_peers(fault.target, list(MEMBERS))  # every etcd member, not its peers
         try:

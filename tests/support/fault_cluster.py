@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from agent.local_node import LocalNode
 from agent.netns import NodeNetwork
@@ -131,10 +131,9 @@ class KeyWatch:
     leaves the others' watches running, and the first delete any of them sees is the time.
     """
 
-    def __init__(self, cluster: FaultCluster, node: str, on_gone: Callable[[], None] | None = None) -> None:
+    def __init__(self, cluster: FaultCluster, node: str) -> None:
         self.key = nodes_prefix("/elastic", cluster.run_id) + node
         self.gone_at: float | None = None
-        self.on_gone = on_gone  # called once, on the watch thread, when the delete is first seen
         self._lock = threading.Lock()
         self._watches: list[tuple[EtcdClient, int]] = []
         for endpoint in parse_endpoints(cluster.endpoint):
@@ -152,10 +151,7 @@ class KeyWatch:
         for event in response.events:
             if type(event).__name__ == "DeleteEvent":
                 with self._lock:
-                    first = self.gone_at is None
                     self.gone_at = self.gone_at or time.time()
-                if first and self.on_gone is not None:
-                    self.on_gone()
 
     def close(self) -> None:
         for client, watch_id in self._watches:
