@@ -43,14 +43,14 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
-from .lease_clock import PeerWord, Verdict
+from .lease_clock import Verdict, still_reaches_etcd
 from .lease_watch import LeaseWatch
 from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
 from .reachability import Reachability
 from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
-from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
+from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, missing_members, rank_order, should_close
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 from .witness import PeerAsker
@@ -330,21 +330,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         answers)."""
         if record.cause == JOIN or since is None:
             return set()
-        missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
+        missing = missing_members(record, joined, live, dead)
         if not missing:
             return set()
         words = self._vouch.words()
-        vouched = {n for n in missing if n in words and words[n].asked_at >= since and self._in_touch(words[n])}
+        vouched = {n for n in missing
+                   if n in words and words[n].asked_at >= since and still_reaches_etcd(words[n], self.lease.ttl)}
         records = self._records(entries)
         self._vouch.ask_all({n: records[n].witness_addr if n in records else None
                              for n in missing if n not in vouched})
         return vouched
-
-    def _in_touch(self, word: PeerWord) -> bool:
-        """Whether a member that answered can still reach etcd to join: its keep-alives
-        succeed, or failed only briefly (an etcd leader election). A member cut off from etcd
-        answers too, with an old keep-alive; waiting for it would wait for its lease."""
-        return not word.failing or (word.age is not None and word.age < self.lease.ttl / 2)
 
     def _proven_dead(self, record: RoundRecord, joined: dict[str, int], entries: dict) -> set[str]:  # type: ignore[type-arg]
         """Previous members that have not joined and whose agent's port refuses connects."""

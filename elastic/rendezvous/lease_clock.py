@@ -107,6 +107,13 @@ def lost_etcd_too(clock: LeaseClock, word: PeerWord) -> bool:
     return latest_confirmation <= clock.failing_since + clock.interval / 8
 
 
+def still_reaches_etcd(word: PeerWord, ttl: float) -> bool:
+    """Whether a peer that answered can still reach etcd (and so join a round): its
+    keep-alives succeed, or have failed only briefly (an etcd leader election). A peer cut
+    off from etcd answers too, with a keep-alive older than half a TTL."""
+    return not word.failing or (word.age is not None and word.age < ttl / 2)
+
+
 def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[str, PeerWord]) -> Verdict:
     """This node's verdict on its own lease; see the module's docstring for the rule."""
     due = deadline(clock)

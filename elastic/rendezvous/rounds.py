@@ -59,6 +59,13 @@ class Timings:
     stop_grace: float = 30.0  # ...and this long for one that says it is stopping its workers
 
 
+def missing_members(record: RoundRecord, joined: Mapping[str, int], live: Mapping[str, str],
+                    dead: Collection[str] = ()) -> list[str]:
+    """Previous members that still hold a lease, have not joined, and are not proven dead:
+    the ones a later round may wait for."""
+    return [n for n in record.previous if n in live and n not in joined and n not in dead]
+
+
 def should_close(
     record: RoundRecord,
     joined: Mapping[str, int],
@@ -94,7 +101,7 @@ def should_close(
         return False
     if not record.previous:
         return waited >= timings.last_call
-    missing = [n for n in record.previous if n in live and n not in joined and n not in dead]
+    missing = missing_members(record, joined, live, dead)
     if not missing:
         return True
     if record.cause == JOIN or any(live[n] in ON_THEIR_WAY or n in vouched for n in missing):

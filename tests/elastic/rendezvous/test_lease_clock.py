@@ -4,7 +4,7 @@ outage for everyone lets it train on. Pure: times are plain numbers (seconds).""
 from __future__ import annotations
 
 from elastic.rendezvous.lease_clock import (
-    LeaseClock, PeerWord, Verdict, deadline, judge, margin, should_ask, telling_after,
+    LeaseClock, PeerWord, Verdict, deadline, judge, margin, should_ask, still_reaches_etcd, telling_after,
 )
 
 TTL = 2.0  # keep-alive every 0.5 s; deadline 1.5 s after the last confirmed one was sent
@@ -81,3 +81,11 @@ def test_peers_are_asked_only_while_failing_and_four_times_per_interval() -> Non
     assert should_ask(FAILING, 10.6, None)
     assert not should_ask(FAILING, 10.7, last_asked=10.6)
     assert should_ask(FAILING, 10.73, last_asked=10.6)
+
+
+def test_a_peer_reaches_etcd_if_its_keep_alives_succeed_or_failed_only_briefly() -> None:
+    """What a round that follows a failure waits for: a late member still able to join."""
+    assert still_reaches_etcd(PeerWord(asked_at=1.0, answered_at=1.01, age=0.2, failing=False), TTL)
+    assert still_reaches_etcd(outage_word(1.0, 0.9), TTL)  # failing for under half a TTL: an election
+    assert not still_reaches_etcd(outage_word(1.0, 1.2), TTL)  # cut off from etcd this long: it cannot join
+    assert not still_reaches_etcd(outage_word(1.0, None), TTL)
