@@ -113,6 +113,8 @@ def exit_now(code: int) -> None:
     """Exit a failed worker without the C++ teardown, keeping what Python promises:
     atexit handlers (the snapshot writer flushes there) and flushed stdio. After a peer
     dies, gloo's teardown holds a survivor 1-3 s more before its agent can even notice."""
+    if "elastic.inplace.reconfigure" in sys.modules:  # its exit hook would do that teardown
+        sys.modules["elastic.inplace.reconfigure"].skip_leave_at_exit()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
