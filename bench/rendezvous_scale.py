@@ -59,6 +59,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous  # noqa: E40
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend as c10d_backend  # noqa: E402
 
 from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port  # noqa: E402
+from elastic.etcd.keepalive import KeepAlive  # noqa: E402
 from elastic.etcd.mirror import PrefixMirror  # noqa: E402
 from elastic.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
 from elastic.rendezvous import registry  # noqa: E402
@@ -93,7 +94,7 @@ class _Counts:
     def __init__(self) -> None:
         self.requests = self.keepalives = self.events = self.looks = 0
         self._lock = threading.Lock()
-        call, refresh, on_watch = EtcdClient.call, registry.refresh_lease, PrefixMirror._on_watch
+        call, refresh, on_watch = EtcdClient.call, KeepAlive.refresh, PrefixMirror._on_watch
         entries = PrefixMirror.entries
         counts = self
 
@@ -102,10 +103,10 @@ class _Counts:
                 counts.requests += 1
             return call(client, request, **kwargs)
 
-        def counted_refresh(client, lease_id, timeout):  # type: ignore[no-untyped-def]
+        def counted_refresh(sender, lease_id, **kwargs):  # type: ignore[no-untyped-def]
             with counts._lock:
                 counts.keepalives += 1
-            return refresh(client, lease_id, timeout)
+            return refresh(sender, lease_id, **kwargs)
 
         def counted_watch(mirror, response):  # type: ignore[no-untyped-def]
             if not isinstance(response, BaseException):
@@ -118,7 +119,7 @@ class _Counts:
             return entries(mirror)
 
         EtcdClient.call = counted_call  # type: ignore[method-assign, assignment]
-        registry.refresh_lease = counted_refresh  # type: ignore[assignment]
+        KeepAlive.refresh = counted_refresh  # type: ignore[method-assign]
         PrefixMirror._on_watch = counted_watch  # type: ignore[method-assign]
         PrefixMirror.entries = counted_entries  # type: ignore[method-assign]
 

@@ -135,6 +135,18 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
 
 
+_FINAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def is_final(exc: BaseException) -> bool:
+    """An answer that asking again, here or on another member, cannot change (auth, TLS,
+    permission). Anything else, etcd's own "context deadline exceeded" included, may."""
+    if _is_tls_failure(exc):
+        return True
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() in _FINAL_CODES
+
+
 def _is_expired_token(exc: BaseException) -> bool:
     return (
         isinstance(exc, grpc.RpcError)
@@ -242,6 +254,22 @@ class EtcdClient:
 
     def close(self) -> None:
         self._reset()
+
+    # -- for callers that address members one by one (lease keep-alives) ---------------
+    def member_channel(self, host: str, port: int) -> grpc.Channel:
+        """A channel of its own to one member, with this client's TLS settings. gRPC retries
+        its connection within half a second, so a member that comes back is used at once."""
+        creds = self._credentials()
+        target = f"{host}:{port}"
+        options = [("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+        if creds is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, creds, options=options)
+
+    def request_metadata(self, deadline: float) -> tuple[tuple[tuple[str, str], ...], grpc.CallCredentials | None]:
+        """What every request must carry: the auth token (if any) and ``hasleader``."""
+        return self.call(lambda c: (tuple(c.metadata or ()), c.call_credentials), deadline=deadline)
 
     # -- requests ---------------------------------------------------------------------
     def call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], *, deadline: float | None = None) -> T:

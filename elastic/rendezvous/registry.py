@@ -21,7 +21,8 @@ from typing import Any, Callable, TypeVar
 from etcd3 import transactions as tx
 
 from elastic.etcd import EtcdClient, EtcdError
-from elastic.etcd.kv import is_lease_not_found, refresh_lease, transact
+from elastic.etcd.keepalive import KeepAlive
+from elastic.etcd.kv import is_lease_not_found, transact
 
 from .lease_clock import LeaseClock
 from .signing import SignatureError, StateSigner
@@ -117,6 +118,7 @@ class NodeLease:
         self._last_tick = time.monotonic()
         self._confirmed_at: float | None = None  # send time of the last keep-alive (or grant) etcd confirmed
         self._failing_since: float | None = None  # send time of the first failed attempt after it
+        self._keep_alive_sender = KeepAlive(client)
 
     @property
     def record(self) -> NodeRecord:
@@ -147,6 +149,11 @@ class NodeLease:
     def _failed(self, sent: float) -> None:
         if self._failing_since is None:
             self._failing_since = sent
+
+    @property
+    def keep_alive_member(self) -> str:
+        """The etcd member (``host:port``) the next keep-alive goes to first."""
+        return self._keep_alive_sender.preferred
 
     def clock(self) -> LeaseClock:
         """What this node knows of its lease, for :func:`.lease_clock.judge`."""
@@ -218,7 +225,7 @@ class NodeLease:
         sent = time.monotonic()
         try:
             lease_id = self.lease_id()
-            ttl = refresh_lease(self.client, lease_id, timeout=timeout, attempt=timeout / 2)
+            ttl = self._keep_alive_sender.refresh(lease_id, timeout=timeout, attempt=timeout / 2)
         except EtcdError as exc:
             log.debug("lease refresh failed (etcd unreachable?): %s", exc)
             self._failed(sent)
@@ -260,6 +267,7 @@ class NodeLease:
     def close(self) -> None:
         """Revoke the lease: peers see this node leave at once instead of after the TTL."""
         self._stop.set()
+        self._keep_alive_sender.close()
         with self._lock:
             lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:

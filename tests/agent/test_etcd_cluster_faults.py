@@ -85,7 +85,9 @@ def test_the_leader_killed_during_training_changes_nothing(job: tuple[FaultClust
     etcd.members[leader].kill()
     new_leader = etcd.wait_for_leader(30, among=[m for m in MEMBERS if m != leader])
     trains_on(cluster, ("a", "b"), after=time.time())
-    assert snapshot(cluster, ("a", "b")) == before, "a leader change alone restarted or re-formed the job"
+    after = snapshot(cluster, ("a", "b"))
+    assert after == before, (f"a leader change alone restarted or re-formed the job: {before} -> {after}\n"
+                             + cluster.logs(lines=60))
     print(f"leader {leader} killed; {new_leader} leads; training went on in round {before['a'][1]}")
     etcd.members[leader].start()
     rejoined(etcd)
@@ -144,7 +146,9 @@ def test_one_member_partitioned_from_the_other_two_changes_nothing(job: tuple[Fa
     try:
         etcd.wait_for_leader(30, among=[m for m in MEMBERS if m != leader])
         trains_on(cluster, NODES, after=time.time())
-        assert snapshot(cluster, NODES) == before, "a partitioned etcd member restarted or re-formed the job"
+        after = snapshot(cluster, NODES)
+        assert after == before, (f"cutting off the leader {leader} restarted or re-formed the job: {before} -> {after}\n"
+                                 + cluster.logs(lines=60))
     finally:
         cluster.net.heal(leader)
     rejoined(etcd)

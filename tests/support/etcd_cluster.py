@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from etcd3 import etcdrpc
+
 from agent.netns import NodeNetwork
 from elastic.etcd import EtcdClient, EtcdError, EtcdSettings, find_etcd_binary
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
+MEMBERS = ("e0", "e1", "e2")
 
 
 @dataclass
@@ -81,7 +84,7 @@ class EtcdCluster:
 
     net: NodeNetwork
     root: Path
-    names: Sequence[str] = ("e0", "e1", "e2")
+    names: Sequence[str] = MEMBERS
     members: dict[str, EtcdMember] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +135,24 @@ class EtcdCluster:
                 return leader
             time.sleep(0.1)
         raise AssertionError(f"the etcd cluster elected no leader within {timeout:.0f} s; see {self.root}/etcd-*.log")
+
+    def move_leader(self, to: str, timeout: float = 30.0) -> None:
+        """Hand the leadership to ``to`` (etcd's MoveLeader), so a test can choose who leads."""
+        leader = self.wait_for_leader(timeout)
+        if leader == to:
+            return
+        client = self.members[leader].client(timeout=5.0)
+        try:
+            target = next(m.id for m in client.call(lambda c: list(c.members)) if m.name == to)
+            client.call(lambda c: c.maintenancestub.MoveLeader(etcdrpc.MoveLeaderRequest(targetID=target), 5.0,
+                                                               metadata=c.metadata))
+        finally:
+            client.close()
+        deadline = time.monotonic() + timeout
+        while self.leader() != to:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"etcd did not hand the leadership to {to} within {timeout:.0f} s")
+            time.sleep(0.1)
 
     def isolate(self, name: str) -> None:
         """Cut ``name`` from the other members (clients still reach it, but it has no quorum)."""
