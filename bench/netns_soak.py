@@ -127,6 +127,8 @@ class Soak:
         self.rng.shuffle(first)
         self.started = time.time()
         while time.time() - self.started < self.args.duration and not self.violations_wedged():
+            if self.args.faults and len(self.faults) >= self.args.faults:
+                break  # inject() returns once the fault is healed and judged
             kind = first[len(self.faults)] if len(self.faults) < len(first) else \
                 self.rng.choice([k for k in kinds if k != ETCD_DOWN] or list(kinds))
             since = time.time()

@@ -201,9 +201,10 @@ class NodeLease:
         """Refresh every TTL/4 on a fixed schedule; after a failed attempt, again after a
         fifth of that. The node judges its lease by its own clock (the last confirmed
         keep-alive), so while etcd elects a leader (every member answers "no leader" at
-        once) or the client moves off a member that hung, the first keep-alive that can
-        succeed must not wait for the next tick: at a 3 s TTL an election can otherwise
-        use up the whole margin and the node fences itself for nothing."""
+        once) the first keep-alive that can succeed must not wait for the next tick: at a
+        3 s TTL an election can otherwise use up the whole margin and the node fences
+        itself for nothing. Each keep-alive asks every member when the one in use is slow
+        (:mod:`elastic.etcd.keepalive`)."""
         interval = self.ttl / 4
         next_tick = time.monotonic()
         while True:
