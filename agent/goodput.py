@@ -177,14 +177,21 @@ class GoodputAccountant:
 
     # ------------------------------------------------------------------ what the agent tells us
 
-    def acted(self, reason: str) -> None:
-        """This agent acts on ``reason`` now; a local one is noted for the accountant."""
+    def acted(self, reason: str, at: float | None = None) -> None:
+        """This agent acted on ``reason`` (at ``at``, default now); a local one is noted for
+        the accountant. Each attempt is capped like the whole (etcd3's own request timeout is
+        5 s, and a node cut off from etcd calls this on its way to fencing itself)."""
         if self.handler is None or reason not in LOCAL_REASONS:
             return
+        from etcd3 import transactions as tx
+
+        from elastic.etcd.kv import transact
+
         key = self.notes + self.node
-        value = self.handler.signer.seal(key.encode(), json.dumps({"reason": reason, "at": self.clock()}).encode())
+        when = self.clock() if at is None else at
+        value = self.handler.signer.seal(key.encode(), json.dumps({"reason": reason, "at": when}).encode())
         try:
-            self.handler.client.call(lambda c: c.put(key, value), deadline=ETCD_DEADLINE_S)
+            transact(self.handler.client, [], [tx.Put(key, value)], deadline=ETCD_DEADLINE_S)
         except EtcdError as exc:
             log.debug("goodput note not written: %s", exc)
 

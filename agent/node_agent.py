@@ -289,7 +289,6 @@ class NodeAgent(ElasticAgent):
     def _restart(self, decision: Decision) -> None:
         reason = decision.reason or Reason.SCALE_UP
         acted_at = time.time()
-        self.goodput.acted(reason.value)
         log.warning("[%s] %s: stopping local workers now", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
@@ -297,7 +296,8 @@ class NodeAgent(ElasticAgent):
         grace = min(self.settings.graceful_stop, 30.0)
         pids, rank_base = self.workers.pids(), self.rank_base
         if reason is Reason.LEASE_LOST:
-            self._stop(sig, grace)  # first: etcd may be out of reach, and its answer must not delay the fence
+            self._stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
+        self.goodput.acted(reason.value, at=acted_at)
         if self.ours is not None:
             self.ours.lease.update(state="stopping")
         self.metrics.set_state("stopped")

@@ -255,6 +255,13 @@ class EtcdClient:
     def close(self) -> None:
         self._reset()
 
+    def drop_channel(self) -> None:
+        """Close the shared channel; the next request builds a new one. For a caller that
+        learned that no member answers (a lease keep-alive, on channels of its own): the
+        other threads' requests then fail at once on a fresh connection (a cut-off route
+        refuses it) instead of waiting out etcd3's 5 s timeout on a connection that is gone."""
+        self._reset()
+
     # -- for callers that address members one by one (lease keep-alives) ---------------
     def member_channel(self, host: str, port: int) -> grpc.Channel:
         """A channel of its own to one member, with this client's TLS settings. gRPC retries

@@ -19,7 +19,9 @@ soon after it exists. :class:`KeepAlive` sends to the member that answered last;
 one has not answered within ``hedge_after``, or failed, every member is asked at once, on
 channels of their own; each member that fails is asked again after a short pause, and the
 first answer wins (the others are cancelled). Over a healthy cluster that is one request
-per keep-alive, as before.
+per keep-alive, as before. When no member answered, the client's shared channel is
+dropped too, as a failed keep-alive on it used to do: a node cut off from etcd must not
+have its agent wait 5 s on a dead connection on its way to fencing itself.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class KeepAlive:
         finally:
             for pending in in_flight.values():
                 pending.call.cancel()
+        self._client.drop_channel()  # the shared channel is no better off: let its users fail fast
         raise EtcdUnavailableError(
             f"no etcd member at {self._client.settings.describe()} confirmed the keep-alive within "
             f"{timeout:.2f} s ({_describe(last_error)})"
