@@ -122,6 +122,8 @@ class KeepAlive:
             for pending in in_flight.values():
                 pending.call.cancel()
         self._client.drop_channel()  # the shared channel is no better off: let its users fail fast
+        for listener in list(self._client.error_listeners):  # counted as every failed request is
+            listener("unavailable")
         raise EtcdUnavailableError(
             f"no etcd member at {self._client.settings.describe()} confirmed the keep-alive within "
             f"{timeout:.2f} s ({_describe(last_error)})"
