@@ -264,12 +264,11 @@ class EtcdClient:
 
     # -- for callers that address members one by one (lease keep-alives) ---------------
     def member_channel(self, host: str, port: int) -> grpc.Channel:
-        """A channel of its own to one member, with this client's TLS settings. gRPC retries
-        its connection within half a second, so a member that comes back is used at once."""
+        """A channel of its own to one member, with this client's TLS settings (the caller
+        replaces it after a failed connection rather than wait out gRPC's reconnect back-off)."""
         creds = self._credentials()
         target = f"{host}:{port}"
-        options = [("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+        options = [("grpc.enable_retries", 0)]
         if creds is None:
             return grpc.insecure_channel(target, options=options)
         return grpc.secure_channel(target, creds, options=options)

@@ -48,6 +48,7 @@ _PAUSES_S = (0.05, 0.1, 0.2)
 @dataclass(frozen=True)
 class _Attempt:
     member: str
+    channel: grpc.Channel
     call: Any  # the gRPC stream call, cancellable
 
 
@@ -112,6 +113,8 @@ class KeepAlive:
                 if is_final(outcome):
                     return refresh_lease(self._client, lease_id, timeout=max(end - time.monotonic(), 0.1))
                 last_error = outcome
+                if _connection_suspect(outcome):
+                    self._forget(done)
                 count = failures[done.member] = failures.get(done.member, 0) + 1
                 now = time.monotonic()
                 due[done.member] = now + _PAUSES_S[min(count, len(_PAUSES_S)) - 1]
@@ -131,18 +134,36 @@ class KeepAlive:
 
     def _send(self, member: str, request: Any, timeout: float, metadata: Any, credentials: Any,
               results: "queue.Queue[tuple[_Attempt, int | BaseException]]") -> _Attempt:
-        stub = etcdrpc.LeaseStub(self._channel(member))
-        call = stub.LeaseKeepAlive(iter([request]), timeout, metadata=metadata, credentials=credentials)
-        sent = _Attempt(member, call)
-        self._pool.submit(_wait_for_reply, sent, results)
+        channel = self._channel(member)
+        call = etcdrpc.LeaseStub(channel).LeaseKeepAlive(iter([request]), timeout, metadata=metadata,
+                                                         credentials=credentials)
+        sent = _Attempt(member, channel, call)
+        try:
+            self._pool.submit(_wait_for_reply, sent, results)
+        except RuntimeError as exc:  # closed under us: the lease is being revoked
+            call.cancel()
+            raise EtcdUnavailableError("the keep-alive sender is closed") from exc
         return sent
 
     def _channel(self, member: str) -> grpc.Channel:
         with self._lock:
+            if self._closed:
+                raise EtcdUnavailableError("the keep-alive sender is closed")
             channel = self._channels.get(member)
             if channel is None:
                 channel = self._channels[member] = self._client.member_channel(*self._address[member])
             return channel
+
+    def _forget(self, attempt: _Attempt) -> None:
+        """A new channel for the next attempt to this member: one that failed to connect
+        sits in gRPC's reconnect back-off, and after an etcd outage the node whose channel
+        reconnects last could hear its peers reach etcd again before it does, and judge
+        itself cut off (:mod:`elastic.rendezvous.lease_clock`)."""
+        with self._lock:
+            if self._channels.get(attempt.member) is not attempt.channel:
+                return  # another thread's failure replaced it already
+            del self._channels[attempt.member]
+        attempt.channel.close()
 
     def close(self) -> None:
         with self._lock:
@@ -165,6 +186,12 @@ def _wait_for_reply(attempt: _Attempt, results: "queue.Queue[tuple[_Attempt, int
         results.put((attempt, EtcdUnavailableError("the keep-alive stream ended without an answer")))
     except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
         results.put((attempt, exc))
+
+
+def _connection_suspect(exc: BaseException) -> bool:
+    """The member could not be reached, or the request hung on its connection."""
+    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                              grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _describe(exc: BaseException | None) -> str:

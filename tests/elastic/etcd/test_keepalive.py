@@ -14,7 +14,9 @@ import os
 import signal
 import time
 
-from elastic.etcd import EtcdClient
+import pytest
+
+from elastic.etcd import EtcdClient, EtcdUnavailableError
 from elastic.etcd.keepalive import KeepAlive
 from tests.support.etcd_cluster import MEMBERS, EtcdCluster
 from tests.support.waiting import wait_until
@@ -77,4 +79,17 @@ def test_a_lease_etcd_no_longer_has_is_reported_gone_not_unreachable(cluster: Et
         assert sender.refresh(lease.id, timeout=2.0, attempt=1.0) == 0
     finally:
         sender.close()
+        client.close()
+
+
+def test_a_keep_alive_after_close_fails_as_unreachable_not_with_a_crash(cluster: EtcdCluster) -> None:
+    """The lease's own thread may be mid-refresh when the agent revokes the lease."""
+    client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
+    sender = KeepAlive(client)
+    try:
+        lease = client.call(lambda c: c.lease(3))
+        sender.close()
+        with pytest.raises(EtcdUnavailableError):
+            sender.refresh(lease.id, timeout=1.0, attempt=0.5)
+    finally:
         client.close()
