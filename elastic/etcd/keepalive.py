@@ -102,6 +102,8 @@ class KeepAlive:
                         in_flight[member] = self._send(member, request, min(attempt, end - now),
                                                        metadata, credentials, results)
                 next_send = min([due[m] for m in self._members if m not in in_flight] + [end])
+                if not in_flight and next_send >= end:
+                    break  # every member failed and none can be asked again in time: say so now
                 try:
                     done, outcome = results.get(timeout=max(0.0, next_send - now))
                 except queue.Empty:
