@@ -320,7 +320,7 @@ class EtcdClient:
                 last = exc.last_attempt.exception()
                 raise EtcdUnavailableError(
                     f"etcd at {self.settings.describe()} did not answer for {budget:.0f} s "
-                    f"({_short(last)}); check that etcd is running and reachable"
+                    f"({describe_error(last)}); check that etcd is running and reachable"
                 ) from last
             except _TRANSIENT_TYPES as exc:
                 if _is_tls_failure(exc):
@@ -388,11 +388,12 @@ class EtcdClient:
                 # the stream broke (etcd restarting, or another thread rebuilt the channel):
                 # the caller re-reads, and that read's retries say whether etcd is really away
                 return True
-            raise EtcdUnavailableError(f"etcd watch failed: {_short(item)}") from item
+            raise EtcdUnavailableError(f"etcd watch failed: {describe_error(item)}") from item
         return True
 
 
-def _short(exc: BaseException | None) -> str:
+def describe_error(exc: BaseException | None) -> str:
+    """One line for an etcd failure: the gRPC code and details, else the exception's text."""
     if exc is None:
         return "no error"
     if isinstance(exc, grpc.RpcError):

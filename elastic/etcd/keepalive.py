@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
-from .client import EtcdClient, EtcdUnavailableError, is_final
+from .client import EtcdClient, EtcdUnavailableError, describe_error, is_final
 from .kv import refresh_lease
 
 # Before asking a member again after it failed: short, since an election ends at an
@@ -131,7 +131,7 @@ class KeepAlive:
             listener("unavailable")
         raise EtcdUnavailableError(
             f"no etcd member at {self._client.settings.describe()} confirmed the keep-alive within "
-            f"{timeout:.2f} s ({_describe(last_error)})"
+            f"{timeout:.2f} s ({describe_error(last_error) if last_error is not None else 'no answer'})"
         )
 
     def _send(self, member: str, request: Any, timeout: float, metadata: Any, credentials: Any,
@@ -194,11 +194,3 @@ def _connection_suspect(exc: BaseException) -> bool:
     """The member could not be reached, or the request hung on its connection."""
     return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE,
                                                               grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "no answer"
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc) or type(exc).__name__

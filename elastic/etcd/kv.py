@@ -71,23 +71,21 @@ def transact(
     return client.call(request, deadline=deadline)
 
 
-def refresh_lease(client: EtcdClient, lease_id: int, timeout: float, attempt: float | None = None) -> int:
-    """One keep-alive of ``lease_id``; its remaining TTL (0: etcd no longer has it).
+def refresh_lease(client: EtcdClient, lease_id: int, timeout: float) -> int:
+    """One keep-alive of ``lease_id`` through the shared client; its remaining TTL (0: etcd
+    no longer has it). :class:`.keepalive.KeepAlive` falls back to it for answers only
+    :class:`EtcdClient` handles (an expired token, a TLS or permission error).
 
     etcd3's own ``refresh_lease`` waits up to the client's request timeout (5 s) for an
-    answer, longer than a short lease lives: an etcd that is back but has no leader yet
-    would hold the keep-alive past the lease's expiry. Here the whole refresh takes at most
-    ``timeout``, each attempt at most ``attempt`` (default: all of it), so that a member
-    that hangs leaves time to retry on another.
+    answer, longer than a short lease lives: here the whole refresh takes at most ``timeout``.
     """
-    per_attempt = timeout if attempt is None else min(attempt, timeout)
 
     def request(c: etcd3.MultiEndpointEtcd3Client) -> int:
         keep_alive = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         # A raw gRPC error reaches EtcdClient.call, which rebuilds the channel instead of
         # letting it sit in gRPC's reconnect back-off after etcd returns.
         for reply in c.leasestub.LeaseKeepAlive(
-            iter([keep_alive]), per_attempt, credentials=c.call_credentials, metadata=c.metadata
+            iter([keep_alive]), timeout, credentials=c.call_credentials, metadata=c.metadata
         ):
             return int(reply.TTL)
         return 0

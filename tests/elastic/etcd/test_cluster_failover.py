@@ -36,6 +36,13 @@ def watch_lease(lease: NodeLease, seconds: float) -> float:
     return worst
 
 
+def assert_held(lease: NodeLease, margin: float) -> None:
+    """Never lost, never past its own-clock deadline (``margin`` from :func:`watch_lease`)."""
+    assert lease.generation == 0, "the lease was lost"
+    assert margin > 0, f"the lease went {-margin:.2f} s past its own-clock deadline"
+    print(f"worst margin to the own-clock deadline: {margin:.2f} s (ttl {lease.ttl} s)")
+
+
 def test_a_lease_and_a_watch_survive_a_dead_leader_and_a_cut_off_member(cluster: EtcdCluster) -> None:
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
     lease = NodeLease(client, "/t", "run", NodeRecord(node="n", host="h", pid=1), StateSigner(None), ttl=3).start()
@@ -58,9 +65,7 @@ def test_a_lease_and_a_watch_survive_a_dead_leader_and_a_cut_off_member(cluster:
         client.call(lambda c: c.put("/t/after-cut", "1"))
         wait_until(lambda: "/t/after-cut" in mirror.entries()[0], 10,
                    f"the mirror to see a write while {victim} is cut off")
-        assert lease.generation == 0, "the lease was lost"
-        assert margin > 0, f"the lease went {-margin:.2f} s past its own-clock deadline"
-        print(f"worst margin to the own-clock deadline: {margin:.2f} s (ttl 3 s)")
+        assert_held(lease, margin)
     finally:
         mirror.close()
         lease.close()
@@ -83,9 +88,7 @@ def test_a_lease_kept_alive_through_a_follower_survives_the_leader_cut_off(clust
         cluster.isolate(leader)
         cluster.wait_for_leader(30, among=[m for m in MEMBERS if m != leader])
         margin = watch_lease(lease, 4.0)
-        assert lease.generation == 0, "the lease was lost"
-        assert margin > 0, f"the lease went {-margin:.2f} s past its own-clock deadline"
-        print(f"worst margin to the own-clock deadline: {margin:.2f} s (ttl 3 s)")
+        assert_held(lease, margin)
     finally:
         lease.close()
         client.close()
