@@ -32,6 +32,7 @@ import torch
 from . import layout, sched
 from .capture import Capture, Stager
 from .errors import SnapshotError
+from .fence import SnapshotFencedError
 from .procwriter import WriterProcess
 from .store import SnapshotInfo, SnapshotStore
 from .workers import DaemonPool
@@ -333,7 +334,9 @@ class AsyncSnapshotWriter:
                     self._error = e
                     self._stats.errors += 1
                     self._stats.last_error = str(e)
-                log.error("snapshot step %d failed: %s", job.step, e)
+                # a fenced write is the round protocol at work, not a disk fault
+                log.log(logging.WARNING if isinstance(e, SnapshotFencedError) else logging.ERROR,
+                        "snapshot step %d failed: %s", job.step, e)
             finally:
                 job.captured.set()
                 job.done.set()

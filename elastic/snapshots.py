@@ -173,13 +173,31 @@ class Snapshots:
     def final(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
         if self.writer is None:
             return
-        self.writer.flush()  # so the overlap policy cannot skip the last one
+        self._settle(self.writer.flush)  # so the overlap policy cannot skip the last one
         if self.ledger is not None:
             self.ledger.sync()
         token = self.token()
         fence = {"fence": token.to_meta()} if token is not None else {}
         self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta, **fence})
-        self.writer.flush()
+        self._settle(self.writer.flush)
+
+    def _settle(self, wait: Callable[[], None]) -> None:
+        """Wait for the writer; a fenced-off write is a stale group only if the fence has moved
+        past this world's own round.
+
+        The writer is asynchronous, so a snapshot submitted in round r can reach its rename
+        after this very world (or a new rank 0 of it) stood the fence at r+1 in place: that
+        snapshot is dropped (the next one covers it), and the group that wrote it is the
+        newest, not stale."""
+        try:
+            wait()
+        except SnapshotFencedError as e:
+            token = self.token()
+            current = self.fence.current() if self.fence is not None else Fence(self.root).current()
+            if token is None or current != token:
+                raise StaleGroupError(str(e)) from None
+            log.warning("a snapshot submitted in an earlier round of this world was not committed (round %d "
+                        "formed before it was durable); the next snapshot takes its place", token.round)
 
     # ------------------------------------------------------------------ the ledger after a re-formation
 
@@ -219,7 +237,7 @@ class Snapshots:
     def close(self) -> None:
         try:
             if self.writer is not None:
-                self.writer.close()
+                self._settle(self.writer.close)
         finally:
             if self.ledger is not None:
                 self.ledger.close()
