@@ -157,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import config_from_args
 
     from elastic.metrics.multiprocess import prepare_dir
+    from elastic.rendezvous.handler import RendezvousStateError
 
     from .metrics import AgentMetrics
     from .node_agent import AgentSignal, AgentSpec, NodeAgent, exit_code_for
@@ -210,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if callable(handler_close):
             handler_close()
         return exit_code_for(exc)
+    except RendezvousStateError as exc:
+        handler.close()  # this agent cannot join; the job itself goes on without it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except BaseException:
         handler.shutdown()
         raise

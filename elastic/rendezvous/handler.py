@@ -32,6 +32,7 @@ import torch.distributed as dist
 from etcd3 import transactions as tx
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -43,6 +44,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
+from .last_good import LastGood
 from .lease_clock import Verdict, still_reaches_etcd
 from .lease_watch import LeaseWatch
 from .memo import DecodeMemo
@@ -59,9 +61,16 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.1  # re-check time-based close rules at least this often
 _VOUCH_TIMEOUT_S = 0.3  # a late member's witness answers well within the rejoin timeout, or not at all
+_FORGERY_WARN_EVERY_S = 30.0  # one WARNING per forged key in this long, however often it is rewritten
 
 # Why num_nodes_waiting asked for a restart; the agent exports and logs it.
 PEER_LOST, LEASE_LOST, NEW_ROUND = "peer_lost", "lease_lost", "scale_up"
+
+
+class RendezvousStateError(RendezvousError):
+    """The job's round record cannot be verified and no member puts a good one back: this
+    agent cannot join (a different job key, or forged state). Never "finished": the agent
+    exits non-zero."""
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -96,7 +105,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             signer, options.lease_ttl,
         )
         self.mirror = PrefixMirror(client, prefix + "/")
-        self._nodes_memo = DecodeMemo(lambda key, value: decode_node(signer, key, value))
+        self._nodes_memo = DecodeMemo(lambda key, value: decode_node(signer, key, value, quiet=True))
+        # a value that fails verification is never acted on, nor read as absent at once (last_good.py)
+        self._round_good: LastGood[RoundRecord] = LastGood(grace=float("inf"))  # a member's memory stands
+        self._nodes_good: LastGood[NodeRecord] = LastGood(grace=float(options.lease_ttl))
+        self._forgeries_seen: set[tuple[str, int]] = set()  # (key, mod revision) already answered
+        self._forgery_warned_at: dict[str, float] = {}
         self._joins_memo: DecodeMemo[bool] = DecodeMemo(self._open_join)
         self._lock = threading.Lock()
         self.round: RoundRecord | None = None  # the round our current workers belong to
@@ -282,6 +296,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                                            lambda: self._closed_in(self.mirror.entries()[0]))
                 joined_round = None
                 continue
+            if record is None and self._round_key in entries:
+                self._await_good_round(revision)  # forged, and this node remembers no good one
+                continue
             if record is None:
                 self._swap_round(0, RoundRecord(0, OPEN))
             elif record.state == CLOSED:
@@ -321,6 +338,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self.mirror.wait(revision, _TICK_S)
                 continue
             self.mirror.wait(revision, _TICK_S)
+
+    def _await_good_round(self, revision: int) -> None:
+        """Wait for a member to put a good round record back over one that does not verify;
+        past two lease TTLs nobody alive remembers one (or our key is not the job's): stop."""
+        forged_for = self._round_good.forged_for(self._round_key, time.monotonic()) or 0.0
+        patience = 2.0 * self.lease.ttl
+        if forged_for > patience:
+            raise RendezvousStateError(
+                f"the round record {self._round_key} of run {self.run_id!r} does not verify with this agent's "
+                f"job key, and no running member put a good one back within {patience:.0f} s: give every agent "
+                f"the same HMAC key (hmac_key_file=); if the keys agree, somebody else wrote it: delete it "
+                f"(etcdctl del {self._round_key}) and start the agents again"
+            )
+        self.mirror.wait(revision, _TICK_S * 5)
 
     def _vouched(self, record: RoundRecord, joined: dict[str, int], entries: dict,  # type: ignore[type-arg]
                  live: dict[str, str], dead: set[str], since: float | None) -> set[str]:
@@ -414,16 +445,51 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return entry is not None and self._signed(self._closed_key, entry.value)
 
     def _decode_round(self, entries: dict) -> RoundRecord | None:  # type: ignore[type-arg]
+        """The round record to act on: the one in etcd if it verifies, else the last good one
+        this node saw (None if it saw none: see :meth:`_await_good_round`)."""
         entry = entries.get(self._round_key)
         if entry is None:
             return None
+        record: RoundRecord | None = None
         try:
-            return RoundRecord.from_json(self.signer.open(self._round_key.encode(), entry.value))
-        except (SignatureError, ValueError, KeyError) as exc:
-            raise RendezvousClosedError(
-                f"the round record of run {self.run_id!r} is corrupt or forged ({exc}); "
-                "check every agent uses the same HMAC key"
-            ) from None
+            record = RoundRecord.from_json(self.signer.open(self._round_key.encode(), entry.value))
+        except (SignatureError, ValueError, KeyError, TypeError) as exc:
+            self._answer_forgery(self._round_key, entry.mod_revision, str(exc) or type(exc).__name__,
+                                 self._put_round_back)
+        return self._round_good.resolve(self._round_key, record, time.monotonic())
+
+    def _put_round_back(self, forged_revision: int) -> None:
+        """Replace a round record that does not verify with the last good one, unless somebody
+        (a member racing us, the protocol moving on) replaced it first."""
+        good = self._round_good.last(self._round_key)
+        if good is not None and self._swap_round(forged_revision, good):
+            log.info("[%s] put round %d's record back over the one that did not verify", self.node, good.round)
+
+    def _answer_forgery(self, key: str, mod_revision: int, why: str,
+                        repair: Callable[[int], None] | None) -> None:
+        """Once per forged value: one WARNING per key (rate-limited) and, where this node
+        can, a repair in the background (the callers are the monitor loop and the
+        rendezvous; neither may wait on etcd for it)."""
+        with self._lock:
+            if (key, mod_revision) in self._forgeries_seen:
+                return
+            self._forgeries_seen.add((key, mod_revision))
+            now = time.monotonic()
+            warn = now - self._forgery_warned_at.get(key, -_FORGERY_WARN_EVERY_S) >= _FORGERY_WARN_EVERY_S
+            if warn:
+                self._forgery_warned_at[key] = now
+        log.log(logging.WARNING if warn else logging.DEBUG,
+                "[%s] ignoring %s: it fails verification (%s); its last good value stands%s", self.node, key, why,
+                " and this node puts it back" if repair is not None else "")
+        if repair is not None:
+            threading.Thread(target=self._repair, args=(repair, mod_revision), name="elastic-repair",
+                             daemon=True).start()
+
+    def _repair(self, repair: Callable[[int], None], mod_revision: int) -> None:
+        try:
+            repair(mod_revision)
+        except EtcdError as exc:
+            log.warning("[%s] could not put a good value back: %s", self.node, exc)
 
     def _open_join(self, key: str, value: bytes) -> bool | None:
         try:
@@ -439,8 +505,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return {key[len(prefix):]: entries[key].create_revision for key, _ in self._joins_memo.decode(ours)}
 
     def _records(self, entries: dict) -> dict[str, NodeRecord]:  # type: ignore[type-arg]
+        """Every registered node's record. A key whose value does not verify keeps its last
+        good record for a lease TTL (its agent, if alive, rewrites it at once): a forgery is
+        never read as a node's death, nor as a new node."""
         ours = [(key, entry.value) for key, entry in entries.items() if key.startswith(self._nodes_prefix)]
-        return {record.node: record for _, record in self._nodes_memo.decode(ours)}
+        verified = dict(self._nodes_memo.decode(ours))
+        now, records = time.monotonic(), {}
+        for key, _ in ours:
+            record = verified.get(key)
+            if record is None:
+                own = key == self.lease.key
+                self._answer_forgery(key, entries[key].mod_revision, "not a record signed with the job key",
+                                     (lambda _rev: self.lease.update()) if own else None)
+            record = self._nodes_good.resolve(key, record, now)
+            if record is not None:
+                records[record.node] = record
+        self._nodes_good.keep_only([key for key, _ in ours])
+        return records
 
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}

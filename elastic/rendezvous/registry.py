@@ -75,13 +75,15 @@ class NodeRecord:
         return cls(**known)
 
 
-def decode_node(signer: StateSigner, key: bytes | str, value: bytes) -> NodeRecord | None:
-    """A registry value, or None if it is forged, from another key, or not ours at all."""
+def decode_node(signer: StateSigner, key: bytes | str, value: bytes, quiet: bool = False) -> NodeRecord | None:
+    """A registry value, or None if it is forged, from another key, or not ours at all
+    (``quiet``: the caller says so itself, once per key)."""
     key_bytes = key.encode() if isinstance(key, str) else key
     try:
         return NodeRecord.from_json(signer.open(key_bytes, value))
     except (SignatureError, ValueError, TypeError, KeyError) as exc:
-        log.warning("ignoring registry entry %s: %s", key_bytes.decode(errors="replace"), exc)
+        log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring registry entry %s: %s",
+                key_bytes.decode(errors="replace"), exc)
         return None
 
 
