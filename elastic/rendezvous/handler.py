@@ -51,7 +51,15 @@ from .memo import DecodeMemo
 from .options import RendezvousOptions, connect
 from .probe import DeathProbe
 from .reachability import Reachability
-from .registry import NodeLease, NodeRecord, decode_node, default_node_name, nodes_prefix, run_prefix
+from .registry import (
+    NodeLease,
+    NodeNameInUseError,
+    NodeRecord,
+    decode_node,
+    default_node_name,
+    nodes_prefix,
+    run_prefix,
+)
 from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, missing_members, rank_order, should_close
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
@@ -268,7 +276,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._started:
             return
         self.lease.update(witness_addr=self.lease_watch.start(self.advertise_host, self._round_peers))
-        self.lease.start()
+        try:
+            self.lease.start()
+        except NodeNameInUseError as exc:
+            raise RendezvousStateError(str(exc)) from None
         self.mirror.start(deadline=self.options.connect_timeout)
         self._started = True
 

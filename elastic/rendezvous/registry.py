@@ -95,6 +95,10 @@ def list_nodes(client: EtcdClient, run_id: str, signer: StateSigner, key_prefix:
     return sorted((r for r in records if r is not None), key=lambda r: r.node)
 
 
+class NodeNameInUseError(RuntimeError):
+    """Another live agent of this job registered under this node's name."""
+
+
 class NodeLease:
     """This node's lease and registry key, kept alive by a daemon thread.
 
@@ -136,12 +140,50 @@ class NodeLease:
             assert self._lease_id is not None
             return self._lease_id
 
-    def _grant(self) -> None:
+    def _grant(self, guard: Any = None) -> bool:
+        """A new lease and the record under it; with ``guard``, only if it holds (else the
+        lease is revoked and False returned)."""
         sent = time.monotonic()
         lease = self.client.call(lambda c: c.lease(self.ttl))
+        if guard is not None:
+            value = self.signer.seal(self.key.encode(), self._record.to_json())
+            if not transact(self.client, [guard], [tx.Put(self.key, value, lease=lease.id)]).succeeded:
+                self.client.call(lambda c: c.revoke_lease(lease.id), deadline=2.0)
+                return False
         self._lease_id = lease.id
         self._confirmed(sent)
-        self._put()
+        if guard is None:
+            self._put()
+        return True
+
+    def _claim(self, patience: float) -> None:
+        """Register under this node's name only if no live agent of the job holds it.
+
+        Two agents under one name would be one member to the rendezvous and two to
+        training (a split job). A record that verifies, held under a lease by another
+        process, is a live agent's, or a previous incarnation's whose lease runs out
+        within a TTL (a quick restart): wait that long, then refuse. A value that does not
+        verify, or has no lease, is no agent's: take it over. The put is a transaction on
+        what was read, so two agents starting at once cannot both win.
+        """
+        deadline = time.monotonic() + patience
+        while True:
+            value, meta = self.client.call(lambda c: c.get(self.key))
+            holder = decode_node(self.signer, self.key, value, quiet=True) if value is not None else None
+            live = holder is not None and meta.lease_id != 0 and (holder.host, holder.pid, holder.started_at) != (
+                self._record.host, self._record.pid, self._record.started_at)
+            if live:
+                assert holder is not None
+                if time.monotonic() >= deadline:
+                    raise NodeNameInUseError(
+                        f"node name {self._record.node!r} is in use by a live agent of this job (host {holder.host}, "
+                        f"pid {holder.pid}); give every agent its own --node-name, or leave it unset "
+                        "(hostname-pid)")
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
+            guard = tx.Version(self.key) == 0 if value is None else tx.Mod(self.key) == meta.mod_revision
+            if self._grant(guard):
+                return
 
     def _confirmed(self, sent: float) -> None:
         if self._confirmed_at is None or sent > self._confirmed_at:
@@ -170,8 +212,9 @@ class NodeLease:
             value = self.signer.seal(self.key.encode(), record.to_json())
             transact(self.client, [], [tx.Put(self.key, value, lease=lease_id)], deadline=deadline)
 
-    def start(self) -> "NodeLease":
-        self.lease_id()
+    def start(self, patience: float | None = None) -> "NodeLease":
+        """Claim this node's name (see :meth:`_claim`), then keep the lease alive."""
+        self._claim(self.ttl + 1.0 if patience is None else patience)
         self._last_tick = time.monotonic()  # the freeze clock starts now, not when we were built
         self._thread = threading.Thread(target=self._keep_alive, name="elastic-node-lease", daemon=True)
         self._thread.start()
