@@ -30,6 +30,15 @@ confirmed nothing since. The deadline has a margin (``ttl/4``, at most 1 s) so t
 workers are dead before etcd's own deadline even when the agent runs a little late on a
 loaded machine, not after.
 
+After an accepted outage, the clock restarts. etcd renews every lease when it returns,
+so a lease cannot expire before ``proven + ttl``, where ``proven`` is the last time the
+peers proved etcd down for everyone (:func:`outage_proven_at`). When etcd comes back, a
+peer may reach it a moment before this node's next keep-alive does; judged from this
+node's old deadline, that peer's word alone would cut it off (at a 2 s TTL the next
+keep-alive is at most 0.1 s away, but a loaded machine can stretch that). So the deadline
+after an accepted outage is the later of the two, and the node has a whole TTL less the
+margin from the outage's last proof to reach etcd itself.
+
 Every time is this process's ``time.monotonic()``; a peer's answer carries durations
 only, so no two clocks are ever compared.
 """
@@ -80,11 +89,15 @@ def margin(ttl: float) -> float:
     return min(1.0, ttl / 4)
 
 
-def deadline(clock: LeaseClock) -> float | None:
-    """When, by this node's clock, its workers must be stopped unless an outage is proven."""
+def deadline(clock: LeaseClock, outage_proven: float | None = None) -> float | None:
+    """When, by this node's clock, its workers must be stopped unless an outage is proven;
+    ``outage_proven``: the last proof of an outage while this node's keep-alives fail."""
     if clock.confirmed_at is None:
         return None
-    return clock.confirmed_at + clock.ttl - margin(clock.ttl)
+    due = clock.confirmed_at + clock.ttl - margin(clock.ttl)
+    if outage_proven is not None and clock.failing_since is not None:
+        due = max(due, outage_proven + clock.ttl - margin(clock.ttl))  # etcd renews every lease on return
+    return due
 
 
 def telling_after(clock: LeaseClock) -> float | None:
@@ -114,12 +127,28 @@ def still_reaches_etcd(word: PeerWord, ttl: float) -> bool:
     return not word.failing or (word.age is not None and word.age < ttl / 2)
 
 
-def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[str, PeerWord]) -> Verdict:
-    """This node's verdict on its own lease; see the module's docstring for the rule."""
-    due = deadline(clock)
+def proves_outage(clock: LeaseClock, peers: Collection[str], words: Mapping[str, PeerWord]) -> bool:
+    """Every other member of the round says it lost etcd too, since before our failure."""
+    return clock.failing_since is not None and bool(peers) and all(
+        p in words and lost_etcd_too(clock, words[p]) for p in peers)
+
+
+def outage_proven_at(clock: LeaseClock, peers: Collection[str], words: Mapping[str, PeerWord]) -> float | None:
+    """The time up to which the peers' words prove etcd down for everyone (the earliest
+    question among the proving answers), or None if they do not prove it."""
+    if not proves_outage(clock, peers, words):
+        return None
+    return min(words[p].asked_at for p in peers)
+
+
+def judge(clock: LeaseClock, now: float, peers: Collection[str], words: Mapping[str, PeerWord],
+          outage_proven: float | None = None) -> Verdict:
+    """This node's verdict on its own lease; see the module's docstring for the rule.
+    ``outage_proven``: the last proof of an accepted outage (:func:`outage_proven_at`)."""
+    due = deadline(clock, outage_proven)
     if due is None or now < due:
         return Verdict.HELD
-    if clock.failing_since is not None and peers and all(p in words and lost_etcd_too(clock, words[p]) for p in peers):
+    if proves_outage(clock, peers, words):
         return Verdict.OUTAGE
     return Verdict.CUT_OFF
 

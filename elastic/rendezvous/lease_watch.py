@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from .lease_clock import Verdict, deadline, judge, should_ask
+from .lease_clock import Verdict, deadline, judge, outage_proven_at, should_ask
 from .registry import NodeLease
 from .signing import StateSigner
 from .witness import PeerAsker, WitnessServer
@@ -27,6 +27,7 @@ class LeaseWatch:
         self.asker = PeerAsker(signer, timeout=min(0.5, lease.ttl / 8))
         self.server: WitnessServer | None = None
         self.verdict_now = Verdict.HELD
+        self.outage_proven: float | None = None  # the last proof of the outage this node trains through
         self.detail = ""  # why the node was judged cut off, for the agent's log line
         self._stop = threading.Event()
 
@@ -48,19 +49,24 @@ class LeaseWatch:
     def seconds_to_deadline(self) -> float | None:
         """While keep-alives fail: how long until the lease must have been judged."""
         clock = self.lease.clock()
-        due = deadline(clock)
+        due = deadline(clock, self.outage_proven)
         if clock.failing_since is None or due is None:
             return None
         return max(0.0, due - time.monotonic())
 
     def past_deadline(self) -> bool:
-        due = deadline(self.lease.clock())
+        due = deadline(self.lease.clock(), self.outage_proven)
         return due is not None and time.monotonic() >= due
 
     def verdict(self, peers: list[str]) -> Verdict:
         """:func:`.lease_clock.judge` over what is known now; each change is logged once."""
         clock, words, now = self.lease.clock(), self.asker.words(), time.monotonic()
-        verdict = judge(clock, now, peers, words)
+        if clock.failing_since is None:
+            self.outage_proven = None  # a keep-alive got through: the own clock counts again
+        verdict = judge(clock, now, peers, words, self.outage_proven)
+        if verdict is Verdict.OUTAGE:
+            proven = outage_proven_at(clock, peers, words)
+            self.outage_proven = max(self.outage_proven or proven or 0.0, proven or 0.0)
         if verdict is self.verdict_now:
             return verdict
         age = clock.age(now) or 0.0

@@ -4,7 +4,8 @@ outage for everyone lets it train on. Pure: times are plain numbers (seconds).""
 from __future__ import annotations
 
 from elastic.rendezvous.lease_clock import (
-    LeaseClock, PeerWord, Verdict, deadline, judge, margin, should_ask, still_reaches_etcd, telling_after,
+    LeaseClock, PeerWord, Verdict, deadline, judge, margin, outage_proven_at, should_ask, still_reaches_etcd,
+    telling_after,
 )
 
 TTL = 2.0  # keep-alive every 0.5 s; deadline 1.5 s after the last confirmed one was sent
@@ -89,3 +90,25 @@ def test_a_peer_reaches_etcd_if_its_keep_alives_succeed_or_failed_only_briefly()
     assert still_reaches_etcd(outage_word(1.0, 0.9), TTL)  # failing for under half a TTL: an election
     assert not still_reaches_etcd(outage_word(1.0, 1.2), TTL)  # cut off from etcd this long: it cannot join
     assert not still_reaches_etcd(outage_word(1.0, None), TTL)
+
+
+def test_after_an_accepted_outage_a_peer_back_on_etcd_first_does_not_cut_this_node_off() -> None:
+    """etcd returns at 30.0: b's keep-alive gets through first; ours is due a moment later.
+    The outage was last proven at 29.8, so etcd's renewed lease outlives 31.8 at least."""
+    back = {"b": PeerWord(asked_at=30.1, answered_at=30.11, age=0.05, failing=False)}
+    assert outage_proven_at(FAILING, ["b"], {"b": outage_word(29.8, 19.5)}) == 29.8
+    assert judge(FAILING, 30.15, peers=["b"], words=back) is Verdict.CUT_OFF  # from the old clock: no slack
+    assert judge(FAILING, 30.15, peers=["b"], words=back, outage_proven=29.8) is Verdict.HELD
+    assert deadline(FAILING, outage_proven=29.8) == 29.8 + TTL - margin(TTL)
+    assert judge(FAILING, 31.3, peers=["b"], words=back, outage_proven=29.8) is Verdict.CUT_OFF  # still no keep-alive
+
+
+def test_the_outage_proof_is_the_earliest_question_every_peer_answered_and_none_without_proof() -> None:
+    words = {"b": outage_word(29.8, 19.5), "c": outage_word(29.6, 19.3)}
+    assert outage_proven_at(FAILING, ["b", "c"], words) == 29.6
+    assert outage_proven_at(FAILING, ["b", "c"], {"b": words["b"]}) is None  # c did not answer
+    assert outage_proven_at(HEALTHY, ["b"], words) is None  # our keep-alives do not fail
+
+
+def test_an_old_outage_proof_does_not_outlive_a_keep_alive_that_got_through() -> None:
+    assert deadline(HEALTHY, outage_proven=29.8) == deadline(HEALTHY)
