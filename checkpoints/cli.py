@@ -1,7 +1,9 @@
 """``python -m checkpoints ls|verify|prune DIR`` - what a person on call needs to see.
 
 Read-only except ``prune``: the CLI never creates the directory and never cleans up on
-its own, so looking cannot change what a running job will find.
+its own, so looking cannot change what a running job will find. Every command judges a
+snapshot the way resume does (:meth:`SnapshotStore.check`), so the step the summary says a
+restart resumes from is the one ``load_latest`` returns, and ``prune`` never removes it.
 """
 
 from __future__ import annotations
@@ -111,13 +113,21 @@ def _summary(statuses: list[SnapshotStatus], root: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoints", description="Inspect and maintain a snapshot directory.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list snapshots: step, size, age, world size, validity (sizes only; fast)")
+    ls = sub.add_parser(
+        "ls",
+        help="list snapshots: step, size, age, world size, validity (the one a restart uses is fully "
+        "checked, as resume does; older ones by size only)",
+    )
     ls.add_argument("dir")
-    ls.add_argument("--full", action="store_true", help="also check every file's sha256 (slow for big snapshots)")
-    ve = sub.add_parser("verify", help="check every file's sha256; exit 1 if any snapshot is invalid")
+    ls.add_argument("--full", action="store_true", help="fully check every snapshot (slow for big snapshots)")
+    ve = sub.add_parser(
+        "verify", help="check every file's sha256 and that it loads; exit 1 if any snapshot is invalid"
+    )
     ve.add_argument("dir")
-    ve.add_argument("--quick", action="store_true", help="check sizes only")
-    pr = sub.add_parser("prune", help="remove all but the newest K valid snapshots, the spare and stale temp dirs")
+    ve.add_argument("--quick", action="store_true", help="check as ls does (sizes only below the newest valid)")
+    pr = sub.add_parser(
+        "prune", help="remove all but the newest K fully valid snapshots, the spare and stale temp dirs"
+    )
     pr.add_argument("dir")
     pr.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
     args = p.parse_args(argv)

@@ -17,6 +17,11 @@ throughput here (docs/checkpoints.md). Nothing changes for readers: the spare st
 snapshot when it was renamed, and only a whole new manifest makes it one again. Peak disk
 use is unchanged (keep+1 snapshots during a save either way); between saves the spare
 holds the +1.
+
+Valid means one thing everywhere (:meth:`SnapshotStore.check`): the manifest can be trusted,
+every file has its recorded size and sha256, and every file deserialises with the loader
+resume uses. Resume, ``ls``/``verify``/``prune`` and a save meeting an existing step all ask
+that question, so they cannot disagree about which snapshot a restart will use.
 """
 
 from __future__ import annotations
@@ -54,6 +59,32 @@ log = logging.getLogger(__name__)
 # in here was left by an earlier process that had the same pid (common in containers).
 _ACTIVE_TEMPS: set[str] = set()
 _ACTIVE_LOCK = threading.Lock()
+
+# MANIFEST.json's (inode, mtime_ns, size): a rewritten snapshot has a new manifest file, so a
+# verdict remembered under an old stamp is never applied to it.
+_Stamp = tuple[int, int, int]
+
+
+class _FileProblem(Exception):
+    """One file is not what its manifest says or does not load; ``str()`` is the one-line reason."""
+
+
+def _read_entry(path: Path, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
+    """Read one snapshot file once, check those very bytes (size; sha256 with ``verify``) and
+    deserialise them with the resume loader, so a check and a load cannot judge different bytes."""
+    try:
+        data = files.read_bytes(path / entry.file)
+    except FileNotFoundError:
+        raise _FileProblem(f"{entry.file}: missing") from None
+    if len(data) != entry.size:
+        raise _FileProblem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
+    if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise _FileProblem(f"{entry.file}: sha256 mismatch (corrupted on disk)")
+    try:
+        return files.load_bytes(data, map_location)
+    except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise _FileProblem(f"{entry.file} does not load ({first})") from None
 
 
 @dataclass(frozen=True)
@@ -140,6 +171,10 @@ class SnapshotStore:
         self.recycle = recycle
         self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._pools_lock = threading.Lock()
+        # step -> (manifest stamp, problems) for snapshots this store wrote or fully checked;
+        # only prune(trust_own=True) consults it (see there).
+        self._verdicts: dict[int, tuple[_Stamp, tuple[str, ...]]] = {}
+        self._verdicts_lock = threading.Lock()
         if self.root.exists() and not self.root.is_dir():
             raise SnapshotDirError(f"snapshot directory {self.root} is not a directory; pass the directory snapshots live in")
         if create:
@@ -181,8 +216,8 @@ class SnapshotStore:
 
         ``housekeeping=False`` leaves pruning to a later :meth:`housekeep` call, which a
         background writer makes after reporting the new snapshot durable rather than before:
-        pruning reads every manifest and may delete (~0.1 s of waiting per 300 MB here, when
-        a spare is deleted rather than kept).
+        pruning checks manifests (fully, once, any snapshot this store did not write) and may
+        delete (~0.1 s of waiting per 300 MB here, when a spare is deleted rather than kept).
         """
         layout.check_step(step)
         check_state(state)
@@ -213,7 +248,7 @@ class SnapshotStore:
         """Prune to ``keep`` and remove stale temp dirs; a failure is logged, not raised, because
         the snapshots are durable and the next save tries again."""
         try:
-            self.prune()
+            self.prune(trust_own=True)
             self.clean_stale_temps()
         except (OSError, SnapshotError) as e:
             log.warning("pruning snapshots in %s failed (the newest snapshot is durable): %s", self.root, e)
@@ -281,6 +316,7 @@ class SnapshotStore:
                 raise SnapshotError(f"another writer raced us to {final}; retry the save") from None
             return existing
         layout.fsync_dir(self.root)
+        self._remember(step, self._stamp(final), ())  # hashed as written; quick checks suffice
         return _info(final, manifest)
 
     def _claim_spare(self, tmp: Path, will_write: list[str]) -> frozenset[str] | None:
@@ -312,7 +348,15 @@ class SnapshotStore:
         return None
 
     def _handle_existing(self, step: int, final: Path) -> SnapshotInfo | None:
-        problems = self.verify(step, full=False)
+        """Keep a valid ``step`` dir (or refuse, per ``if_exists``); move an invalid one aside.
+
+        The full check matters: a bit-flipped dir passes the size check, and keeping it would
+        leave every later restart skipping this step again. Rare (a resumed job reaching a step
+        that exists, or a race), so its cost is paid rarely.
+        """
+        stamp = self._stamp(final)
+        problems = self.check(step)
+        self._remember(step, stamp, tuple(problems))
         if not problems:
             if self.if_exists == "error":
                 raise SnapshotExistsError(
@@ -385,43 +429,70 @@ class SnapshotStore:
         return _info(path, self._read_manifest(path))
 
     def verify(self, step: int, *, full: bool = True) -> list[str]:
-        """Problems with snapshot ``step``; empty means valid. Quick checks sizes, full also sha256."""
+        """Problems with snapshot ``step``; empty means valid. ``full`` is :meth:`check`; quick
+        checks the manifest and file sizes only (a few ``stat``s, for hot paths)."""
+        return self.check(step) if full else self._quick_check(step)[1]
+
+    def check(self, step: int) -> list[str]:
+        """Problems with snapshot ``step`` as resume would meet them; empty means valid.
+
+        The one definition of valid: quick checks pass, then every file is read once, its
+        sha256 compared and its bytes deserialised with the loader resume uses (on the CPU),
+        exactly as :meth:`load` does. Hashes that match but bytes that do not load are invalid.
+        """
+        m, problems = self._quick_check(step)
+        if m is None or problems:
+            return problems
+        path = self.root / layout.step_dirname(step)
+        for entry in m.files:
+            try:
+                _read_entry(path, entry, map_location="cpu", verify=True)
+            except _FileProblem as e:
+                problems.append(str(e))
+        return problems
+
+    def _quick_check(self, step: int) -> tuple[Manifest | None, list[str]]:
+        """The trusted manifest (None if there is none) and what its sizes say is wrong."""
         path = self.root / layout.step_dirname(step)
         if not path.is_dir():
-            return [f"{path.name}: no such snapshot"]
+            return None, [f"{path.name}: no such snapshot"]
         try:
             m = self._read_manifest(path)
         except ManifestError as e:
-            return [str(e)]
+            return None, [str(e)]
         problems = []
         for entry in m.files:
-            f = path / entry.file
             try:
-                size = f.stat().st_size
+                size = (path / entry.file).stat().st_size
             except FileNotFoundError:
                 problems.append(f"{entry.file}: missing (listed in {layout.MANIFEST_NAME})")
                 continue
             if size != entry.size:
                 problems.append(f"{entry.file}: size {size} bytes, manifest says {entry.size} (truncated or overwritten)")
-                continue
-            if full:
-                _, sha = files.hash_file(f)
-                if sha != entry.sha256:
-                    problems.append(f"{entry.file}: sha256 mismatch (corrupted on disk)")
-        return problems
+        return m, problems
 
     def status(self, *, full: bool = False) -> list[SnapshotStatus]:
-        """Every ``step-*`` dir, valid or not, oldest first."""
+        """Every ``step-*`` dir, valid or not, oldest first.
+
+        Without ``full`` each is judged the way resume meets it: fully checked from the newest
+        down until one passes (the one :meth:`load_latest` returns), older ones quick-checked
+        only, so the newest valid row is always the snapshot a restart uses. ``full`` checks all.
+        """
         out = []
-        for step in self._steps():
-            path = self.root / layout.step_dirname(step)
-            problems = tuple(self.verify(step, full=full))
-            try:
-                info: SnapshotInfo | None = self._info_of(path)
-            except ManifestError:
-                info = None
-            out.append(SnapshotStatus(step=step, path=path, info=info, problems=problems))
-        return out
+        found_valid = False
+        for step in reversed(self._steps()):
+            problems = tuple(self.verify(step, full=full or not found_valid))
+            found_valid = found_valid or not problems
+            out.append(self._status_of(step, problems))
+        return out[::-1]
+
+    def _status_of(self, step: int, problems: tuple[str, ...]) -> SnapshotStatus:
+        path = self.root / layout.step_dirname(step)
+        try:
+            info: SnapshotInfo | None = self._info_of(path)
+        except ManifestError:
+            info = None
+        return SnapshotStatus(step=step, path=path, info=info, problems=problems)
 
     def list(self) -> list[SnapshotInfo]:
         """Snapshots with a trustworthy manifest, oldest first (files are not checked; see verify)."""
@@ -468,30 +539,18 @@ class SnapshotStore:
             raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
         out: dict[str, Any] = {}
         for entry in m.files:
-            f = path / entry.file
             try:
-                data = files.read_bytes(f)
-            except FileNotFoundError:
-                raise SnapshotCorruptError(f"snapshot {path}: {entry.file}: missing") from None
-            if len(data) != entry.size:
-                raise SnapshotCorruptError(
-                    f"snapshot {path}: {entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)"
-                )
-            if verify:
-                if hashlib.sha256(data).hexdigest() != entry.sha256:
-                    raise SnapshotCorruptError(f"snapshot {path}: {entry.file}: sha256 mismatch (corrupted on disk)")
-            try:
-                out[entry.key] = files.load_bytes(data, map_location)
-            except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                raise SnapshotCorruptError(f"snapshot {path}: {entry.file} does not load ({first})") from None
+                out[entry.key] = _read_entry(path, entry, map_location=map_location, verify=verify)
+            except _FileProblem as e:
+                raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
         return out
 
     def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
         """Newest snapshot that loads with full verification, hashing each file exactly once.
 
         This is what a restarting worker should call: ``newest_valid()`` followed by
-        ``load(verify=True)`` would hash the candidate twice.
+        ``load(verify=True)`` would hash the candidate twice. It applies :meth:`check`'s
+        test, fused with the load, so ``ls`` names the step this returns.
         """
         for step in reversed(self._steps()):
             path = self.root / layout.step_dirname(step)
@@ -499,34 +558,92 @@ class SnapshotStore:
             if problems:
                 self._log_skip(path, problems)
                 continue
+            stamp = self._stamp(path)
             try:
                 state = self.load(step, map_location=map_location, verify=True)
             except SnapshotCorruptError as e:
                 log.warning("skipping invalid %s; falling back to an older one", str(e))
                 continue
+            self._remember(step, stamp, ())
             return self._info_of(path), state
         return None
 
+    # ------------------------------------------------------------------ verdicts
+
+    def _stamp(self, path: Path) -> _Stamp | None:
+        try:
+            st = os.stat(path / layout.MANIFEST_NAME)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _remember(self, step: int, stamp: _Stamp | None, problems: tuple[str, ...]) -> None:
+        if stamp is not None:
+            with self._verdicts_lock:
+                self._verdicts[step] = (stamp, problems)
+
+    def _trusted_problems(self, step: int) -> list[str]:
+        """Problems with ``step``, fully checking it only the first time this store sees it.
+
+        A snapshot this store wrote (hashed as it was written) or already fully checked gets the
+        quick check; an earlier invalid verdict stands while its manifest is unchanged (that can
+        only make pruning keep more). Anything else gets :meth:`check` and is remembered.
+        """
+        path = self.root / layout.step_dirname(step)
+        stamp = self._stamp(path)
+        with self._verdicts_lock:
+            known = self._verdicts.get(step)
+        if stamp is not None and known is not None and known[0] == stamp:
+            return list(known[1]) or self.verify(step, full=False)
+        problems = self.check(step)
+        self._remember(step, stamp, tuple(problems))
+        return problems
+
+    def _forget_missing(self, steps: list[int]) -> None:
+        present = set(steps)
+        with self._verdicts_lock:
+            for step in [s for s in self._verdicts if s not in present]:
+                del self._verdicts[step]
+
     # ------------------------------------------------------------------ housekeeping
 
-    def prune(self, keep: int | None = None) -> list[int]:
-        """Keep the newest ``keep`` snapshots that pass quick verification; remove older ones.
+    def prune(self, keep: int | None = None, *, trust_own: bool = False) -> list[int]:
+        """Keep the newest ``keep`` valid snapshots; remove older ones. Returns the removed steps.
 
-        Invalid snapshots newer than the oldest kept one are left for a human to see (every
-        start logs them); anything older goes. With no valid snapshot nothing is removed.
-        Quarantined ``.corrupt-step-*`` dirs are removed too. With ``recycle`` the newest
-        snapshot removed becomes the one spare (older spares go); without it, spares go too.
+        Validity is :meth:`check`'s, walking from the newest down until ``keep`` pass, so the
+        newest valid snapshot (the one resume uses) is always kept and, when none is valid, no
+        snapshot is removed. Invalid snapshots newer than the oldest kept one are left for a
+        human to see (every start logs them); anything older goes, as do quarantined
+        ``.corrupt-step-*`` dirs. With ``recycle`` the newest snapshot removed becomes the one
+        spare (older spares go); without it, spares go too.
+
+        ``trust_own`` is for the writer's prune after each save, where fully checking every
+        kept snapshot each time would cost more than the save: snapshots this store wrote
+        (hashed as the bytes were written) or already fully checked get only the quick check;
+        any other is fully checked once and its verdict remembered until its manifest changes.
+        What is trusted is thus only what this process itself saw to be good; the one risk left
+        is a same-size change inside such a snapshot since then (bit rot, a hand edit), which
+        could let an older valid one be removed. Just after a save the newest snapshot is the
+        one just written, so what resume uses is still kept. Leave it off for anything this
+        store did not write itself (the CLI does).
         """
         keep = self.keep if keep is None else keep
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         steps = self._steps()
-        valid = [s for s in steps if not self.verify(s, full=False)]
-        if not valid:
+        if trust_own:
+            self._forget_missing(steps)
+        problems_of = self._trusted_problems if trust_own else self.check
+        kept = []
+        for step in reversed(steps):
+            if not problems_of(step):
+                kept.append(step)
+                if len(kept) == keep:
+                    break
+        if not kept:
             self.drop_spares(keep=1 if self.recycle else 0)
             return []
-        oldest_kept = valid[-keep:][0]
-        doomed = [s for s in steps if s < oldest_kept]
+        doomed = [s for s in steps if s < kept[-1]]
         if doomed and self.recycle:
             # The newest pruned one becomes the spare, replacing an older spare: at most one.
             self._retire_to_spare(self.root / layout.step_dirname(doomed[-1]), doomed[-1])

@@ -57,6 +57,16 @@ def assert_equal_state(a: Any, b: Any, where: str = "state") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def cli_rows(out: str) -> dict[str, str]:
+    """The table ``python -m checkpoints`` printed (plain text, not a tty): step -> its line."""
+    rows = {}
+    for line in out.splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0].isdigit() and "snapshot(s)" not in line:
+            rows[parts[0]] = line
+    return rows
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
@@ -137,8 +147,9 @@ def assert_pending_flushed(root: Path, flushed_line: str) -> int:
 
 @contextlib.contextmanager
 def pruning_held(step_dir: Path) -> Iterator[Callable[[], None]]:
-    """An old snapshot whose manifest is a FIFO: pruning, which reads every manifest oldest
-    first, blocks on it until released; then it reads junk and removes that snapshot.
+    """A snapshot newer than any the test saves, whose manifest is a FIFO: pruning, which
+    checks snapshots from the newest down, blocks on it until released; then it reads junk
+    and leaves that dir alone (an invalid snapshot newer than the kept ones stays for a human).
     Released on the way out in any case, so a failing test cannot hang in close()."""
     step_dir.mkdir()
     fifo = step_dir / "MANIFEST.json"
@@ -165,5 +176,4 @@ def pruning_held(step_dir: Path) -> Iterator[Callable[[], None]]:
         fd = open_writer()
         if fd is not None:
             feed_junk(fd)
-        elif fifo.exists():
-            fifo.unlink()
+        fifo.unlink(missing_ok=True)  # a later reader finds no manifest rather than blocking

@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import SnapshotStore
 from checkpoints.cli import main
-from ckpt_testutil import REPO_ROOT, child_env
+from ckpt_testutil import REPO_ROOT, child_env, cli_rows
 
 
 @pytest.fixture
@@ -26,29 +26,22 @@ def snaps(tmp_path: Path) -> Path:
     return store.root
 
 
-def _table(out: str) -> dict[str, str]:
-    rows = {}
-    for line in out.splitlines()[1:]:
-        parts = line.split()
-        if parts and parts[0].isdigit() and "snapshot(s)" not in line:
-            rows[parts[0]] = line
-    return rows
-
-
 def test_ls_is_quick_and_shows_every_snapshot(snaps: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(snaps)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["STEP", "SIZE", "AGE", "WORLD", "STATUS"]
-    rows = _table(out)
+    rows = cli_rows(out)
     assert list(rows) == ["100", "200", "300", "400"]
     assert "OK (newest valid)" in rows["400"] and " 4 " in rows["400"] and "ago" in rows["400"]
-    assert "OK" in rows["300"]  # a flipped byte keeps the size: only verify (sha256) sees it
+    # A flipped byte keeps the size: ls fully checks only down to the newest valid (400), as
+    # resume does; verify (every snapshot fully) sees 300's.
+    assert "OK" in rows["300"]
 
 
 def test_verify_names_the_bad_snapshot_and_file_and_exits_1(snaps: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(snaps)]) == 1
     out = capsys.readouterr().out
-    rows = _table(out)
+    rows = cli_rows(out)
     assert "INVALID: 000-model.pt: sha256 mismatch" in rows["300"]
     assert all(rows[s].rstrip().endswith("OK") for s in ("100", "200"))
     assert "4 snapshot(s), 3 valid, 1 INVALID (steps 300); a restart resumes from step 400" in out
@@ -58,7 +51,7 @@ def test_verify_names_the_bad_snapshot_and_file_and_exits_1(snaps: Path, capsys:
 def test_prune_keeps_k(snaps: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prune", "--keep", "1", str(snaps)]) == 0
     out = capsys.readouterr().out
-    # 300 is corrupt but only quick checks run in prune; the newest valid one is 400.
+    # 300 is corrupt and older than 400, the newest valid one, which is all keep=1 keeps.
     assert "removed step 100" in out and "removed step 200" in out and "removed step 300" in out
     assert [p.name for p in sorted(snaps.iterdir())] == ["step-000000000400"]
     assert main(["verify", str(snaps)]) == 0
@@ -77,13 +70,13 @@ def test_ls_shows_the_spare_and_prune_deletes_it(tmp_path: Path, capsys: pytest.
     [spare] = store.spares()
 
     assert main(["ls", str(tmp_path)]) == 0
-    rows = _table(capsys.readouterr().out)
+    rows = cli_rows(capsys.readouterr().out)
     assert "OK (newest valid)" in rows["2"]
     assert rows["1"].split()[1:3] == ["1.0", "MB"] and "spare: not a snapshot; the next save writes over" in rows["1"]
 
     assert main(["prune", "--keep", "1", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"removed spare {spare.name}" in out and "1" not in _table(out)
+    assert f"removed spare {spare.name}" in out and "1" not in cli_rows(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000002"]
 
 

@@ -163,7 +163,7 @@ def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
 
     with AsyncSnapshotWriter(store, on_durable=kill_child_once_durable) as writer:
         pids.append(first_snapshot_by_the_writer_process(writer))
-        stuck = tmp_path / "step-000000000000"
+        stuck = tmp_path / "step-000000000099"
         with pruning_held(stuck):  # the child stays in its pruning until on_durable kills it
             assert writer.submit(2, {"model": {"w": torch.full((4,), 2.0)}}, world_size=1)
             writer.flush()  # no error: step 2 was durable before the child died

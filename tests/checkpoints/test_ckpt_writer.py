@@ -100,7 +100,7 @@ def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
 
 @MODES
 def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: Path, mode: str) -> None:
-    """Pruning reads every manifest and may delete a 300 MB snapshot (~0.1 s of waiting for
+    """Pruning checks snapshots and may delete a 300 MB snapshot (~0.1 s of waiting for
     the disk); the durable report (stats, on_durable, metrics) must not wait for it, and
     flush() must."""
     store = SnapshotStore(tmp_path, keep=1)
@@ -108,11 +108,11 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
         writer.wait_writer_process()
         writer.submit(1, state_for(1), world_size=1)
         writer.flush()
-        with pruning_held(tmp_path / "step-000000000000") as release:
+        with pruning_held(tmp_path / "step-000000000099") as release:
             writer.submit(2, state_for(2), world_size=1)
             wait_until(lambda: writer.stats.last_durable_step == 2, 60, "step 2 to be reported durable")
             assert writer.pending_step == 2  # still pruning: a snapshot due now meets the overlap policy
-            assert sorted(os.listdir(tmp_path)) == ["step-000000000000", "step-000000000001", "step-000000000002"]
+            assert sorted(os.listdir(tmp_path)) == ["step-000000000001", "step-000000000002", "step-000000000099"]
             release()
         writer.flush()
         assert [i.step for i in store.list()] == [2]  # flush() returned after the pruning
