@@ -7,23 +7,29 @@ its own loop (:mod:`agent.node_agent`) instead of torch's ``LocalElasticAgent``.
 ``PET_FOO_BAR`` still works too), which is what container and systemd deployments want.
 Settings reach the agent and the rendezvous handler as explicit objects: nothing is
 passed through this process's environment.
+
+Bad input ends the agent before anything starts (no etcd connection, no worker) with one
+line, ``error: --flag VALUE: what is wrong; what to pass``, and exit 2: every value is
+checked as it is parsed, whether it came from the command line or from the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import shutil
+import re
+import shlex
 import socket
 import sys
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
+from .agent_dir import MARKER, AgentDir, AgentDirError, claim_agent_dir
 from .etcd_args import DEFAULT_ENDPOINT
 from .nnodes import apply_nnodes, environment_nnodes
 from .settings import AgentSettings
@@ -34,6 +40,11 @@ ENV_PREFIX = "ELASTIC_"
 # 10050-10051 and Ray's 10001.
 DEFAULT_METRICS_PORT = 10400
 DEFAULT_MAX_RESTARTS = 3
+# A run id becomes an etcd key segment and a directory name (snapshots, logs), so no '/',
+# no '..', nothing a shell or a path would read differently.
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+RUN_ID_RULE = "1-128 letters, digits, '.', '_' or '-', not starting with '.'"
+NPROC_KINDS = ("auto", "cpu", "gpu", "xpu")  # torchrun counts these itself
 
 
 def build_agent_parser() -> argparse.ArgumentParser:
@@ -73,17 +84,52 @@ def build_agent_parser() -> argparse.ArgumentParser:
                            "that can reconfigure a process group; --no-in-place restarts them instead)")
     ours.add_argument("--agent-dir", "--agent_dir", dest="agent_dir", default=None, metavar="DIR",
                       help="where the agent keeps its run-time files: heartbeats, worker metrics, the in-place "
-                           "channel and status.json (round, ranks) for tools (default: a fresh temporary directory)")
+                           "channel and status.json (round, ranks) for tools; a new or empty directory, or one "
+                           f"an earlier agent marked with {MARKER} (default: a temporary directory, removed "
+                           "at exit)")
     ours.add_argument("--hang-startup-timeout", "--hang_startup_timeout", dest="hang_startup_timeout",
                       type=_positive_seconds, default=600.0, metavar="SECONDS",
                       help="once this node has seen the job make progress, how long a new worker group may "
                            "take to make its first (imports, restore, compilation; default 600)")
+    _check_torchrun_flags(parser)
     # torchrun's PET_* variables (what Kubeflow sets) keep precedence over our defaults
     own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
     parser.set_defaults(**{k: v for k, v in own.items() if f"PET_{k.upper()}" not in os.environ})
     _defaults_from_env(parser, os.environ)
+    _name_env_defaults(parser, os.environ)
     parser.set_defaults(nnodes=environment_nnodes(os.environ))  # --nnodes > ELASTIC_NNODES > PET_NNODES
+    return one_line_errors(parser)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors as the project's one line and exit 2: no usage block (``--help``
+    has it), and the flag named first, as in ``error: --lease-ttl 1: ...``."""
+    def error(message: str) -> NoReturn:
+        flag = re.match(r"argument (-[^/:\s]+)(?:/[^:\s]+)*: ", message)
+        line = f"{flag[1]} {message[flag.end():]}" if flag else f"{message}; see {parser.prog} --help"
+        parser.exit(2, f"error: {line}\n")
+
+    parser.error = error  # type: ignore[method-assign]
     return parser
+
+
+class _Refused(argparse.ArgumentTypeError):
+    """A value a flag cannot take; ``why`` reads after the value and says what to pass."""
+
+    def __init__(self, text: str, why: str) -> None:
+        super().__init__(f"{shlex.quote(text)}: {why}")
+        self.why = why
+
+
+class _FromEnv(str):
+    """A flag's default read from the environment, so that a refusal names the variable."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> "_FromEnv":
+        text = super().__new__(cls, value)
+        text.variable = variable
+        return text
 
 
 def _defaults_from_env(parser: argparse.ArgumentParser, env: "os._Environ[str] | dict[str, str]") -> None:
@@ -101,26 +147,116 @@ def _defaults_from_env(parser: argparse.ArgumentParser, env: "os._Environ[str] |
         action.required = False
 
 
+def _name_env_defaults(parser: argparse.ArgumentParser, env: "os._Environ[str] | dict[str, str]") -> None:
+    """Defaults from ``ELASTIC_*`` or torchrun's ``PET_*`` go through the flag's own check
+    (argparse applies ``type`` to string defaults), and a refusal names the variable to fix:
+    ``error: ELASTIC_NPROC_PER_NODE=0: ...``."""
+    for action in parser._actions:
+        if action.type is None or not isinstance(action.default, str):
+            continue
+        for variable in (ENV_PREFIX + action.dest.upper(), "PET_" + action.dest.upper()):
+            if env.get(variable) == action.default:
+                parser.set_defaults(**{action.dest: _FromEnv(action.default, variable)})
+                action.type = _naming_variable(parser, action.type)
+                break
+
+
+def _naming_variable(parser: argparse.ArgumentParser, check: Callable[[str], Any]) -> Callable[[str], Any]:
+    @functools.wraps(check)
+    def checked(text: str) -> Any:
+        try:
+            return check(str(text))  # a plain str from here on
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            if not isinstance(text, _FromEnv):
+                raise
+            why = getattr(exc, "why", f"is not a valid {getattr(check, '__name__', 'value')}")
+            parser.exit(2, f"error: {text.variable}={shlex.quote(text)}: {why}\n")
+
+    return checked
+
+
+def _check_torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    """torchrun's own flags, checked as they are parsed: torchrun would take these values
+    and fail later with a traceback (or, for a run id, write odd etcd keys and paths)."""
+    checks = {"nproc_per_node": _nproc_per_node, "max_restarts": _max_restarts,
+              "rdzv_backend": _rdzv_backend, "rdzv_id": _run_id}
+    for action in parser._actions:
+        if action.dest in checks:
+            action.type = checks[action.dest]
+
+
+def _nproc_per_node(text: str) -> str:
+    """torchrun's values, kept as text for its ``config_from_args``: a count, or a kind of
+    device it counts itself (a renamed PrivateUse1 backend too)."""
+    import torch
+
+    try:
+        count = int(text)
+    except ValueError:
+        if text in (*NPROC_KINDS, torch._C._get_privateuse1_backend_name()):
+            return text
+        count = 0
+    if count < 1:
+        raise _Refused(text, f"must be a positive integer or one of {', '.join(NPROC_KINDS)} "
+                             "(workers on this node; auto: one per GPU, else per CPU)")
+    return text
+
+
+def _max_restarts(text: str) -> int:
+    value = _number(int, text, "must be an integer >= 0 (restarts before the job fails; 0: none)")
+    if value < 0:
+        raise _Refused(text, "must be an integer >= 0 (restarts before the job fails; 0: none)")
+    return value
+
+
+def _rdzv_backend(text: str) -> str:
+    known = _registered_backends()
+    if known and text not in known:
+        raise _Refused(text, f"is not a registered rendezvous backend; use one of {', '.join(known)}")
+    return text
+
+
+def _registered_backends() -> list[str]:
+    """torch's registry (its own backends and the ``torchrun.handlers`` entry points, ours
+    included); empty where a torch keeps it elsewhere, and then nothing is refused here."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    return sorted(getattr(rendezvous_handler_registry, "_registry", {}))
+
+
+def _run_id(text: str) -> str:
+    if not RUN_ID.fullmatch(text):
+        raise _Refused(text, f"a run id names etcd keys and directories, so use {RUN_ID_RULE}")
+    return text
+
+
+def _number(kind: Callable[[str], float], text: str, why: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise _Refused(text, why) from None
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    value = _number(int, text, "is not a port (0-65535; 0 turns metrics off)")
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535; 0 turns metrics off)")
+        raise _Refused(text, "is not a port (0-65535; 0 turns metrics off)")
     return value
 
 
 def _lease_ttl(text: str) -> int:
-    value = int(text)
+    value = _number(int, text, "must be whole seconds, at least 2 (etcd's minimum lease TTL)")
     if value < 2:
-        raise argparse.ArgumentTypeError(f"{value} s is below etcd's minimum lease TTL of 2 s")
+        raise _Refused(text, "is below etcd's minimum lease TTL of 2 s; give at least 2")
     return value
 
 
 def _hang_timeout(text: str) -> float | None:
     if text.strip().lower() == "auto":
         return None
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive seconds, or auto")
+    value = _number(float, text, "must be positive seconds, or auto")
+    if not value > 0:
+        raise _Refused(text, "must be positive seconds, or auto")
     return value
 
 
@@ -132,9 +268,9 @@ def package_version() -> str:
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive seconds")
+    value = _number(float, text, "must be positive seconds")
+    if not value > 0:
+        raise _Refused(text, "must be positive seconds")
     return value
 
 
@@ -149,8 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "processes); drop it and give the script as usual\n")
     if getattr(args, "virtual_local_rank", False):
         parser.exit(2, "error: --virtual-local-rank is not supported by elastic agent; drop it\n")
+    _check_devices(parser, args.nproc_per_node)
     snapshot_dir = _checked_snapshot_dir(parser, args.snapshot_dir)
+    work = _claimed_agent_dir(parser, args.agent_dir)
+    try:
+        return _run(parser, args, node, snapshot_dir, work.path)
+    finally:
+        work.release()  # a temporary directory goes; a given --agent-dir stays
 
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | None,
+         work: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -163,8 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .node_agent import AgentSignal, AgentSpec, NodeAgent, exit_code_for
 
     _standalone(args)
-    config, cmd, cmd_args = config_from_args(args)
-    work = _agent_dir(parser, args.agent_dir)
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+    except ValueError as exc:  # torchrun's own checks, e.g. --rdzv-conf or --local-ranks-filter syntax
+        parser.exit(2, f"error: {exc}\n")
     settings = AgentSettings(
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
@@ -226,17 +373,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Path:
-    if not value:
-        return Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
-    path = Path(value)
+def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> AgentDir:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        for stale in ("heartbeat", "control", "goodput"):
-            shutil.rmtree(path / stale, ignore_errors=True)  # a previous agent's, not ours
-    except OSError as exc:
-        parser.exit(2, f"error: --agent-dir {path}: cannot create it ({exc.strerror}); pass a writable directory\n")
-    return path
+        return claim_agent_dir(value)
+    except AgentDirError as exc:
+        parser.exit(2, f"error: --agent-dir {exc}\n")
+
+
+def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:
+    """``--nproc-per-node gpu`` (or ``xpu``) on a node without one: torchrun would raise
+    while starting; say so before anything starts."""
+    import torch
+
+    probes = {"gpu": ("CUDA GPU", torch.cuda.is_available),
+              "xpu": ("XPU", lambda: hasattr(torch, "xpu") and torch.xpu.is_available())}
+    if nproc in probes and not probes[nproc][1]():
+        parser.exit(2, f"error: --nproc-per-node {nproc}: this node has no {probes[nproc][0]} torch can use; "
+                       "give a count, or auto (one worker per GPU, else per CPU)\n")
 
 
 def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | None:

@@ -1,0 +1,67 @@
+"""The agent's run-time directory, and the rule that the agent deletes only what it created.
+
+At each start the agent clears its run-time folders (a previous agent's heartbeats, in-place
+channel and goodput marks would mislead this one). ``--agent-dir`` may name a directory a
+person cares about (a typo, a home or shared folder), so the agent first makes sure the
+directory is its own: one it created, or one that was empty, marked with :data:`MARKER`.
+A non-empty directory without the marker is refused. Without ``--agent-dir`` the agent
+makes a temporary directory, and :meth:`AgentDir.release` removes it when the agent exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = ".elastic-agent-dir"
+RUNTIME = ("heartbeat", "control", "goodput")  # cleared at start (metrics/ loses its *.db files)
+_MARKER_TEXT = ("Made by elastic agent, which clears heartbeat/, control/, goodput/ and metrics/*.db "
+                "here at each start. It uses a directory only when it is new, empty or holds this file.\n")
+
+
+class AgentDirError(ValueError):
+    """An ``--agent-dir`` the agent must not use; the message says why and what to pass."""
+
+
+@dataclass(frozen=True)
+class AgentDir:
+    path: Path
+    temporary: bool  # made for this run only, so removed when the agent exits
+
+    def release(self) -> None:
+        """Remove the directory if the agent made it for this run; a given one stays."""
+        if self.temporary:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def claim_agent_dir(value: str | os.PathLike[str] | None) -> AgentDir:
+    """The directory to run in: a fresh temporary one when ``value`` is empty, else
+    ``value`` once it is known to be the agent's (created, empty, or marked), with the
+    previous agent's run-time folders cleared. Raises :class:`AgentDirError`."""
+    if not value:
+        path = Path(tempfile.mkdtemp(prefix=f"elastic-agent-{os.getpid()}-"))
+        _mark(path)
+        return AgentDir(path, temporary=True)
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise AgentDirError(f"{path} is not a directory; pass a new or empty directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not (path / MARKER).is_file():
+            if any(path.iterdir()):
+                raise AgentDirError(
+                    f"{path} holds files the agent did not create (it has no {MARKER}), and the agent "
+                    "clears its run-time folders there; pass a new or empty directory")
+            _mark(path)
+        for stale in RUNTIME:
+            shutil.rmtree(path / stale, ignore_errors=True)  # a previous agent's: the marker says so
+    except OSError as exc:
+        raise AgentDirError(f"{path}: cannot use it ({exc.strerror}); pass a writable directory") from None
+    return AgentDir(path, temporary=False)
+
+
+def _mark(path: Path) -> None:
+    (path / MARKER).write_text(_MARKER_TEXT)
