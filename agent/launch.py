@@ -338,6 +338,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                                   run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
+    _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id)
     settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
     spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
@@ -378,6 +379,21 @@ def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Ag
         return claim_agent_dir(value)
     except AgentDirError as exc:
         parser.exit(2, f"error: --agent-dir {exc}\n")
+
+
+def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str) -> None:
+    """A job whose etcd lost its state starts its rounds again at 0, below the fence its
+    snapshot directory holds, and every new group would be refused as stale: start them
+    above it (a stale writer from before the loss holds a lower round and stays refused)."""
+    from checkpoints import Fence
+
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler
+
+    if snapshot_dir is None or not isinstance(handler, EtcdV3RendezvousHandler):
+        return
+    fence = Fence(snapshot_dir).current()
+    if fence is not None and fence.run == run_id:
+        handler.first_round = fence.round + 1
 
 
 def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:

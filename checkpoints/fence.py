@@ -119,4 +119,5 @@ def _fenced(token: FenceToken, current: FenceToken) -> SnapshotFencedError:
                                    f"{token.run!r} is stale and commits nothing more")
     return SnapshotFencedError(f"round {current.round} of this job now commits to this snapshot directory; this "
                                f"group of round {token.round} is stale (cut off or written off) and commits nothing "
-                               "more")
+                               "more (if etcd lost its data, start the agents with --snapshot-dir so that new rounds "
+                               "start above the fence)")

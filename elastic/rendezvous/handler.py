@@ -137,6 +137,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
         self._vouch = PeerAsker(signer, timeout=_VOUCH_TIMEOUT_S)  # late members' witnesses, after a failure
         self.advertise_host = local_addr  # where peers reach this node's witness (the agent may set it)
+        # The number a job's first round takes. Rounds are the snapshot directory's fence tokens,
+        # so after etcd loses its state they must go on above the fence, or every new group's
+        # rank 0 would be refused as stale; the agent sets it from --snapshot-dir.
+        self.first_round = 0
         self.lease_watch = LeaseWatch(node_name, self.lease, signer)
         self.reachability = Reachability(node_name, client, signer, self.lease, prefix)
 
@@ -311,7 +315,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._await_good_round(revision)  # forged, and this node remembers no good one
                 continue
             if record is None:
-                self._swap_round(0, RoundRecord(0, OPEN))
+                if self.first_round:
+                    log.info("[%s] no round record in etcd: this job's rounds start at %d, above its snapshot "
+                             "directory's fence (a new etcd, or one that lost its data)", self.node, self.first_round)
+                self._swap_round(0, RoundRecord(self.first_round, OPEN))
             elif record.state == CLOSED:
                 if joined_round == record.round and self.node in record.participants:
                     return record
