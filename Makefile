@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
+# marks the rest slow, and fails a test here that starts a process anyway).
+test-fast: $(STAMP)
+	ELASTIC_TESTS_FAST_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/elastic local --nodes 3 --steps 2000 --faults 2

@@ -16,6 +16,36 @@ from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
 
+# Fixtures that start a real etcd, agents, namespaces or other processes. A test that uses
+# one is slow by itself, so a new test cannot slip into `make test-fast` by forgetting a
+# marker; and under `make test-fast` a test that starts a process anyway fails, saying so.
+SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes", "node_network"})
+FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``make test-fast``, starting a process fails the test (or its fixture); imports
+    during collection may (torch probes its platform), tests may not."""
+    if os.environ.get(FAST_ONLY_ENV) != "1":
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("this test starts a process, so it belongs in the slow set: mark it "
+                    "@pytest.mark.slow, or use a fixture from tests/conftest.py's SLOW_FIXTURES", pytrace=False)
+
+    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign,assignment]
+    multiprocessing.process.BaseProcess.start = refuse  # type: ignore[method-assign,assignment]
+    os.fork = refuse  # type: ignore[assignment]
+    os.posix_spawn = refuse  # type: ignore[assignment]
+
 
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:

@@ -48,6 +48,7 @@ def test_elastic_kill_names_the_live_nodes_when_the_target_is_unknown(etcd_serve
     assert len(errors) == 1 and "no live nodes" in errors[0], done.stderr
 
 
+@pytest.mark.slow  # starts processes
 def test_elastic_etcd_serves_in_the_foreground_until_sigterm(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen([*ELASTIC, "etcd", "--data-dir", str(tmp_path / "data"), "--client-port", str(port)],
@@ -79,6 +80,7 @@ def _answers(client: EtcdClient) -> bool:
     (["--hang-timeout", "-3"], "positive seconds"),
     (["--snapshot-dir", "/proc/elastic-cannot-be-here"], "--snapshot-dir"),
 ])
+@pytest.mark.slow  # starts processes
 def test_bad_agent_flags_get_one_line_and_exit_2(flags: list[str], says: str) -> None:
     done = elastic("agent", *flags, "--rdzv-id", "x", "-m", "elastic.examples.tiny_ddp")
     assert done.returncode == 2, done.stderr
@@ -86,6 +88,7 @@ def test_bad_agent_flags_get_one_line_and_exit_2(flags: list[str], says: str) ->
     assert len(errors) == 1 and says in errors[0], done.stderr
 
 
+@pytest.mark.slow  # starts processes
 def test_unknown_command_is_one_line() -> None:
     done = elastic("frobnicate")
     assert done.returncode == 2 and "unknown command 'frobnicate'" in done.stderr

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 
+@pytest.mark.slow  # starts processes
 def test_local_cluster_runs_end_to_end_with_a_kill_and_a_freeze(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "900", "--faults", "2",

@@ -238,6 +238,7 @@ def agent_temp_dirs(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.glob("elastic-agent-*"))
 
 
+@pytest.mark.slow  # starts processes
 def test_the_temporary_agent_dir_is_removed_after_a_clean_exit(tmp_path: Path) -> None:
     proc, tmp, started = start_agent(tmp_path)
     code, out = finish(proc)
@@ -246,6 +247,7 @@ def test_the_temporary_agent_dir_is_removed_after_a_clean_exit(tmp_path: Path) -
     assert agent_temp_dirs(tmp) == [], out
 
 
+@pytest.mark.slow  # starts processes
 def test_the_temporary_agent_dir_is_removed_when_the_agent_is_stopped(tmp_path: Path) -> None:
     proc, tmp, started = start_agent(tmp_path, sleep=600)
     try:
@@ -258,6 +260,7 @@ def test_the_temporary_agent_dir_is_removed_when_the_agent_is_stopped(tmp_path: 
     assert agent_temp_dirs(tmp) == [], out
 
 
+@pytest.mark.slow  # starts processes
 def test_an_empty_agent_dir_is_adopted_and_kept(tmp_path: Path) -> None:
     given = tmp_path / "agent"
     given.mkdir()
@@ -317,6 +320,7 @@ def test_etcd_default_data_dir_is_absolute_and_per_user(xdg: str, expected: str)
     assert default_data_dir({"XDG_STATE_HOME": xdg}) == Path(expected).expanduser()
 
 
+@pytest.mark.slow  # starts processes
 def test_etcd_serves_from_its_default_data_dir_and_says_it_is_for_trials(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
     proc = subprocess.Popen([*ELASTIC, "etcd", "--client-port", "0"], cwd=tmp_path, env=env, text=True,

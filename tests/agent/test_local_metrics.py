@@ -111,6 +111,7 @@ def local_run(tmp_path: Path) -> Iterator[LocalRun]:
         run.stop()
 
 
+@pytest.mark.slow  # starts processes
 def test_elastic_local_nodes_serve_metrics_found_through_the_registry(
     local_run: LocalRun, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,8 @@ and say once that it ignored PET_NNODES.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -58,6 +60,7 @@ def test_a_fixed_pet_nnodes_does_not_pin_an_elastic_job(
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_bad_elastic_nnodes_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = subprocess.run([*AGENT, "--rdzv-id", "x", "-m", "elastic.examples.tiny_ddp"],
                           env=clean_env(ELASTIC_NNODES="4:1", PET_NNODES="2"), cwd=tmp_path,

@@ -124,6 +124,7 @@ def test_cli_serves_until_killed(etcd_server: EmbeddedEtcd, register: Callable[.
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow  # starts processes
 def test_unreachable_etcd_is_one_error_line() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "agent.sd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",

@@ -81,6 +81,7 @@ def run_probe(pool: WarmPool, tmp_path: Path, exit_code: int = 0) -> tuple[subpr
     return proc, out, err
 
 
+@pytest.mark.slow  # starts processes
 def test_a_standby_becomes_the_worker_with_torchruns_argv_env_and_logs(pool: WarmPool, tmp_path: Path) -> None:
     ready(pool)
     given_at = time.time()
@@ -94,6 +95,7 @@ def test_a_standby_becomes_the_worker_with_torchruns_argv_env_and_logs(pool: War
     assert given_at <= float(seen["started_at"]) <= time.time()  # time to first step counts from here
 
 
+@pytest.mark.slow  # starts processes
 def test_exit_codes_pass_through_and_a_failure_exits_at_once(pool: WarmPool, tmp_path: Path) -> None:
     ready(pool)
     proc, _, _ = run_probe(pool, tmp_path, exit_code=2)
@@ -112,6 +114,7 @@ def test_exit_codes_pass_through_and_a_failure_exits_at_once(pool: WarmPool, tmp
     assert out.read_text() == "atexit ran\n"  # a snapshot writer's atexit flush still happens
 
 
+@pytest.mark.slow  # starts processes
 def test_module_mode_runs_from_the_working_directory(pool: WarmPool, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "myjob").mkdir()
@@ -126,6 +129,7 @@ def test_module_mode_runs_from_the_working_directory(pool: WarmPool, tmp_path: P
     assert seen["name"] == "__main__" and seen["argv"] == [str(tmp_path / "myjob" / "main.py"), "x"]
 
 
+@pytest.mark.slow  # starts processes
 def test_no_standby_means_a_cold_start_and_close_leaves_no_process(pool: WarmPool, tmp_path: Path) -> None:
     assert pool.take(boot_command(PY, "train.py", [], module=False), dict(os.environ), None, None) is None
     assert pool.take(("/bin/true",), dict(os.environ), None, None) is None

@@ -28,6 +28,7 @@ def test_path_is_a_file(tmp_path: Path) -> None:
         SnapshotStore(f)
 
 
+@pytest.mark.slow  # starts processes
 def test_unwritable_directory(readonly_dir: Path) -> None:
     with pytest.raises(SnapshotDirError, match="is not writable") as err:
         SnapshotStore(readonly_dir)
@@ -36,6 +37,7 @@ def test_unwritable_directory(readonly_dir: Path) -> None:
     assert SnapshotStore(readonly_dir, create=False).list() == []
 
 
+@pytest.mark.slow  # starts processes
 def test_directory_made_read_only_between_saves(tmp_path: Path, readonly_dir: Path) -> None:
     store = SnapshotStore(tmp_path / "w")
     store.root = readonly_dir  # the same store object, now pointing at a filesystem that refuses writes
@@ -43,6 +45,7 @@ def test_directory_made_read_only_between_saves(tmp_path: Path, readonly_dir: Pa
         store.save(1, {"x": torch.zeros(1)}, world_size=1)
 
 
+@pytest.mark.slow  # starts processes
 def test_full_disk_leaves_no_partial_snapshot(tiny_fs: Path) -> None:
     store = SnapshotStore(tiny_fs, keep=3)
     small = {"model": {"w": torch.arange(1000.0)}, "step": 1}
@@ -64,6 +67,7 @@ def test_full_disk_leaves_no_partial_snapshot(tiny_fs: Path) -> None:
     assert [i.step for i in store.list()] == [1, 3]
 
 
+@pytest.mark.slow  # starts processes
 def test_manifest_write_hitting_a_full_disk(tiny_fs: Path) -> None:
     """Fill the disk to within a few bytes so the files fit but the manifest does not."""
     store = SnapshotStore(tiny_fs)

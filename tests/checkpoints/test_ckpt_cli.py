@@ -80,6 +80,7 @@ def test_ls_shows_the_spare_and_prune_deletes_it(tmp_path: Path, capsys: pytest.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000002"]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("cmd", ["ls", "verify", "prune"])
 def test_bad_dir_is_one_line_on_stderr_exit_2(tmp_path: Path, cmd: str) -> None:
     missing = tmp_path / "nope"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import random
 import signal
@@ -15,6 +17,7 @@ ROUNDS = 50
 NUMEL = 1 << 18  # must match _ckpt_crash_zygote.NUMEL
 
 
+@pytest.mark.slow  # starts processes
 def test_sigkill_during_save_never_exposes_a_torn_snapshot(tmp_path: Path) -> None:
     root = tmp_path / "snaps"
     rng = random.Random(20240611)

@@ -64,6 +64,7 @@ def test_wire_round_trips_every_kind_of_value_a_state_dict_holds() -> None:
     assert got["misc"][-1] is t[0] and math.copysign(1, got["misc"][3]) == -1
 
 
+@pytest.mark.slow  # starts processes
 def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, keep=5)
     big = {"w": torch.randn(16 << 20)}  # 64 MB: the write takes far longer than the kill
@@ -85,6 +86,7 @@ def test_writer_process_killed_mid_write_loses_only_that_snapshot(tmp_path: Path
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")], "the killed write's temp dir stayed"
 
 
+@pytest.mark.slow  # starts processes
 def test_trainer_killed_mid_write_takes_its_writer_process_along(tmp_path: Path) -> None:
     proc = start_child("_ckpt_writer_child.py", str(tmp_path), "--writer-process")
     try:
@@ -103,6 +105,7 @@ def test_trainer_killed_mid_write_takes_its_writer_process_along(tmp_path: Path)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.slow  # starts processes
 def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> None:
     """torchrun or a Ctrl-C may signal the group: the writer process must not die of it."""
     from ckpt_testutil import HERE, REPO_ROOT, child_env
@@ -122,6 +125,7 @@ def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> Non
     assert _pid_gone(writer_pid, timeout=30)
 
 
+@pytest.mark.slow  # starts processes
 def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store, priority="idle") as writer:
@@ -137,6 +141,7 @@ def test_an_urged_idle_write_is_raised_and_then_put_back_to_idle(tmp_path: Path)
         assert policies == {os.SCHED_IDLE}, "the writer process stayed raised after the urgent write"
 
 
+@pytest.mark.slow  # starts processes
 def test_writer_process_killed_between_snapshots_is_replaced_without_losing_one(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store) as writer:
@@ -149,6 +154,7 @@ def test_writer_process_killed_between_snapshots_is_replaced_without_losing_one(
     assert [i.step for i in store.list()] == [1, 2]
 
 
+@pytest.mark.slow  # starts processes
 def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -178,6 +184,7 @@ def test_writer_process_killed_while_pruning_keeps_the_durable_snapshot(
     assert torch.equal(store.load(2)["model"]["w"], torch.full((4,), 2.0))
 
 
+@pytest.mark.slow  # starts processes
 def test_snapshots_do_not_wait_for_the_writer_process_to_start(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store, overlap_policy="wait") as writer:

@@ -61,6 +61,7 @@ def test_the_pruned_snapshot_becomes_the_spare_and_the_next_save_writes_over_its
     assert sorted(os.listdir(tmp_path)) == sorted([next_spare.name, "step-000000000003", "step-000000000004"])
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_the_background_writer_writes_over_the_spare_in_either_mode(tmp_path: Path, mode: str) -> None:
     store = SnapshotStore(tmp_path, keep=2)
@@ -106,6 +107,7 @@ def test_at_most_one_spare_and_none_without_recycling(tmp_path: Path) -> None:
     assert_equal_state(plain.load(6), state_for(6, numel=64))
 
 
+@pytest.mark.slow  # starts processes
 def test_a_full_disk_while_writing_over_the_spare_leaves_the_earlier_snapshot_and_frees_the_spare(
     tiny_fs: Path,
 ) -> None:

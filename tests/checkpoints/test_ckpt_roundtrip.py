@@ -110,6 +110,7 @@ def test_sync_save_resume_is_bitwise_identical(tmp_path: Path) -> None:
     assert_equal_state(_resumed(store), ref)
 
 
+@pytest.mark.slow  # starts processes
 def test_async_save_resume_is_bitwise_identical(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     with AsyncSnapshotWriter(store) as writer:

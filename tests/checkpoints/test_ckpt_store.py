@@ -106,6 +106,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.slow  # starts processes
 def test_stale_temp_dirs_are_cleaned_but_a_live_writers_is_not(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, keep=3)
     store.save(10, {"x": torch.tensor(10)}, world_size=1)
@@ -134,6 +135,7 @@ def test_stale_temp_dirs_are_cleaned_but_a_live_writers_is_not(tmp_path: Path) -
         live.wait()
 
 
+@pytest.mark.slow  # starts processes
 def test_save_also_cleans_stale_temp_dirs(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     stale = tmp_path / f".tmp-step-000000000001-{host_tag()}-{_dead_pid()}-0badc0de"

@@ -27,6 +27,7 @@ def _big_state(n_tensors: int = 16, numel: int = 1 << 20) -> dict[str, torch.Ten
 MODES = pytest.mark.parametrize("mode", ["process", "thread"])
 
 
+@pytest.mark.slow  # starts processes
 @MODES
 def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path, mode: str) -> None:
     params = _big_state()
@@ -44,6 +45,7 @@ def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path,
     assert torch.equal(got["bn"]["running_mean"], torch.zeros(3))
 
 
+@pytest.mark.slow  # starts processes
 @MODES
 def test_optimizer_step_waits_for_the_capture(tmp_path: Path, mode: str) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MB of weights
@@ -61,6 +63,7 @@ def test_optimizer_step_waits_for_the_capture(tmp_path: Path, mode: str) -> None
     assert_equal_state(SnapshotStore(tmp_path).load(2)["model"], expected["model"])
 
 
+@pytest.mark.slow  # starts processes
 @MODES
 @pytest.mark.parametrize("policy", ["skip", "wait"])
 def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str, mode: str) -> None:
@@ -84,6 +87,7 @@ def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str, mode
     assert stats.last_write_s > 0 and stats.last_stall_s > 0
 
 
+@pytest.mark.slow  # starts processes
 def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     seen = []
@@ -98,6 +102,7 @@ def test_close_flushes_and_callback_sees_durable_stats(tmp_path: Path) -> None:
         writer.submit(6, state_for(6), world_size=1)
 
 
+@pytest.mark.slow  # starts processes
 @MODES
 def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: Path, mode: str) -> None:
     """Pruning checks snapshots and may delete a 300 MB snapshot (~0.1 s of waiting for
@@ -119,6 +124,7 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
     assert writer.stats.snapshots_written == 2 and writer.stats.errors == 0
 
 
+@pytest.mark.slow  # starts processes
 @MODES
 def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> None:
     store = SnapshotStore(tiny_fs)
@@ -134,6 +140,7 @@ def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> Non
     assert [p.name for p in tiny_fs.iterdir()] == ["step-000000000001"]
 
 
+@pytest.mark.slow  # starts processes
 def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
     proc = start_child("_ckpt_writer_child.py", str(tmp_path))
     try:
@@ -152,6 +159,7 @@ def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.slow  # starts processes
 def test_normal_exit_with_a_pending_snapshot_makes_it_durable(tmp_path: Path) -> None:
     """No close(), no flush(): the atexit hook must still finish the write."""
     code = (

@@ -127,6 +127,7 @@ def test_bind_mounts_name_repo_paths_that_exist(compose: dict[str, Any]) -> None
             assert REPO in path.parents, f"{name} mounts {source} from outside the repo"
 
 
+@pytest.mark.slow  # starts processes
 def test_secrets_are_all_made_by_init_sh(compose: dict[str, Any], made_secrets: Path) -> None:
     defined = compose["secrets"]
     for name, secret in defined.items():

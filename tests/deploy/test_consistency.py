@@ -233,6 +233,7 @@ def test_the_agent_has_the_defaults_the_deploy_files_rely_on() -> None:
         assert "ELASTIC_" + option[2:].upper().replace("-", "_") in flag_env_names()
 
 
+@pytest.mark.slow  # starts processes
 def test_every_elastic_agent_command_line_parses(invocations: list[tuple[str, list[str], dict[str, str]]]) -> None:
     where = {w.split()[0] for w, _, _ in invocations}
     assert {"compose", "k8s", "kubeflow/legacy/pytorchjob.yaml", "kubeflow/trainjob.yaml", "systemd",
@@ -276,6 +277,7 @@ def env_assignments() -> Iterator[tuple[str, str, str]]:
             yield where, name, value
 
 
+@pytest.mark.slow  # starts processes
 def test_each_elastic_flag_variable_means_what_the_flag_means() -> None:
     flags = flag_env_names()
     checked = set()
@@ -322,6 +324,7 @@ def conf_strings() -> Iterator[tuple[str, str]]:
             yield str(path.relative_to(REPO)), match.group(1)
 
 
+@pytest.mark.slow  # starts processes
 def test_rdzv_conf_keys_are_known_and_never_a_password() -> None:
     from elastic.rendezvous.options import KNOWN_KEYS
 

@@ -132,6 +132,7 @@ def test_queried_metrics_reads_promql() -> None:
     assert dash.metrics_in('label_values(elastic_steps_total{run_id="$run_id"}, node)') == {"elastic_steps_total"}
 
 
+@pytest.mark.slow  # starts processes
 def test_promql_parses(tmp_path: Path) -> None:
     """Every query, with Grafana's variables filled in, through promtool's PromQL parser."""
     if shutil.which("promtool") is None:
@@ -146,6 +147,7 @@ def test_promql_parses(tmp_path: Path) -> None:
     assert f"SUCCESS: {len(EXPRS)} rules found" in done.stdout
 
 
+@pytest.mark.slow  # starts processes
 def test_goodput_row_and_the_fault_annotations(tmp_path: Path) -> None:
     """Issue 18: goodput over time, lost time by cause stacked, and a fault timeline."""
     (row,) = [p for p in DB["panels"] if p["type"] == "row" and p["title"] == "Goodput"]

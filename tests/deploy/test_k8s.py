@@ -146,6 +146,7 @@ def test_every_manifest_validates_against_the_api_schemas(path: Path) -> None:
             validate(doc)
 
 
+@pytest.mark.slow  # starts processes
 def test_rendered_overlays_validate(rendered: dict[str, list[Doc]]) -> None:
     for docs in rendered.values():
         for doc in docs:
@@ -153,6 +154,7 @@ def test_rendered_overlays_validate(rendered: dict[str, list[Doc]]) -> None:
                 validate(doc)
 
 
+@pytest.mark.slow  # starts processes
 def test_base_renders_on_its_own() -> None:
     kinds = sorted({d["kind"] for d in render(K8S / "base")})
     assert kinds == sorted(
@@ -161,6 +163,7 @@ def test_base_renders_on_its_own() -> None:
     )
 
 
+@pytest.mark.slow  # starts processes
 def test_podmonitor_is_well_formed_and_selects_the_trainers(rendered: dict[str, list[Doc]]) -> None:
     for docs in rendered.values():
         monitor = one(docs, "PodMonitor", "trainer")
@@ -195,6 +198,7 @@ def prometheus_label(name: str) -> str:
     return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
+@pytest.mark.slow  # starts processes
 def test_podmonitor_gives_each_pod_its_run_id_in_a_real_prometheus(tmp_path: Path) -> None:
     """The PodMonitor's relabelings, as the Prometheus Operator writes them into Prometheus's
     config, applied by a real Prometheus to targets that carry what Kubernetes discovery
@@ -381,6 +385,7 @@ def test_the_trainjob_is_elastic_within_our_own_range() -> None:
 # --- how the pieces fit ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes
 def test_etcd_is_three_members_with_tls_everywhere(rendered: dict[str, list[Doc]]) -> None:
     docs = rendered["cpu"]
     sts = one(docs, "StatefulSet", "etcd")
@@ -404,6 +409,7 @@ def test_etcd_is_three_members_with_tls_everywhere(rendered: dict[str, list[Doc]
         assert "secret" in volumes[mounts[directory]["name"]], f"{flag} must come from a Secret"
 
 
+@pytest.mark.slow  # starts processes
 def test_trainers_run_elastic_agent_behind_a_headless_service(rendered: dict[str, list[Doc]]) -> None:
     for name, docs in rendered.items():
         job = one(docs, "Job", "trainer")
@@ -438,6 +444,7 @@ def test_trainers_run_elastic_agent_behind_a_headless_service(rendered: dict[str
         assert backend in agent["args"]
 
 
+@pytest.mark.slow  # starts processes
 def test_gpu_overlay_requests_gpus(rendered: dict[str, list[Doc]]) -> None:
     (agent,) = pod_spec(one(rendered["gpu"], "Job", "trainer"))["containers"]
     gpus = agent["resources"]["limits"]["nvidia.com/gpu"]
@@ -446,6 +453,7 @@ def test_gpu_overlay_requests_gpus(rendered: dict[str, list[Doc]]) -> None:
     assert "nvidia.com/gpu" not in cpu_agent["resources"].get("limits", {})
 
 
+@pytest.mark.slow  # starts processes
 def test_network_policy_lets_only_trainers_reach_etcds_client_port(rendered: dict[str, list[Doc]]) -> None:
     docs = rendered["cpu"]
     policy = one(docs, "NetworkPolicy", "etcd")
@@ -472,6 +480,7 @@ def test_network_policy_lets_only_trainers_reach_etcds_client_port(rendered: dic
         assert any(matches(sel, pod_labels(kubeflow)) for sel in allowed[2379]), path.name
 
 
+@pytest.mark.slow  # starts processes
 def test_nothing_runs_privileged_and_secrets_stay_out_of_the_repo(rendered: dict[str, list[Doc]]) -> None:
     kubeflow = [d for p in sorted(KUBEFLOW.rglob("*.yaml")) for d in load_all(p)]
     for docs in [*rendered.values(), kubeflow]:
@@ -488,6 +497,7 @@ def test_nothing_runs_privileged_and_secrets_stay_out_of_the_repo(rendered: dict
                 assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
 
+@pytest.mark.slow  # starts processes
 def test_every_secret_the_manifests_mount_is_made_in_the_deploy_guide(rendered: dict[str, list[Doc]]) -> None:
     guide = (REPO / "docs" / "deploy.md").read_text()
     docs = rendered["gpu"] + load_all(LEGACY_PYTORCHJOB) + load_all(RUNTIME)
@@ -523,6 +533,7 @@ def test_etcd_flags_reference_files_in_their_secrets() -> None:
 # --- the RBAC bootstrap, for real ------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes
 def test_rbac_script_gives_trainer_its_prefix_and_nothing_else(tmp_path: Path) -> None:
     """The same etcd-rbac.sh the Job runs, against a real TLS etcd with client-cert auth:
     users log in by certificate CN, trainer may write only under /elastic/, monitor may

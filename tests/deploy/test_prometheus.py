@@ -46,15 +46,18 @@ def run_tool(*args: str, cwd: Path = PROM) -> str:
     return output
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-file-sd.yml"])
 def test_config_is_valid(promtool: str, config: str) -> None:
     assert "SUCCESS: 2 rule files found" in run_tool(promtool, "check", "config", config)
 
 
+@pytest.mark.slow  # starts processes
 def test_rules_are_valid(promtool: str) -> None:
     run_tool(promtool, "check", "rules", "recording.yml", "alerts.yml", cwd=RULES)
 
 
+@pytest.mark.slow  # starts processes
 def test_rule_unit_tests_pass(promtool: str) -> None:
     assert "SUCCESS" in run_tool(promtool, "test", "rules", "tests.yml", cwd=RULES)
 
@@ -175,6 +178,7 @@ def check_gpu_by_rank_panel(prom: PrometheusServer, run_id: str) -> None:
     assert all("exported_node" not in r["metric"] and r["metric"]["node"] == r["metric"]["hostname"] for r in info)
 
 
+@pytest.mark.slow  # starts processes
 def test_real_prometheus_reads_file_sd(promtool: str, tmp_path: Path,
                                        cleanup: Callable[[Callable[[], object]], None]) -> None:
     nodes = two_nodes(cleanup)

@@ -22,6 +22,7 @@ def unit(name: str) -> configparser.ConfigParser:
     return parser
 
 
+@pytest.mark.slow  # starts processes
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     """verify also checks that ExecStart's binary exists, and the units name install paths
     (/usr/local/bin/etcd, /opt/elastic/bin/elastic). The copies verified here differ only

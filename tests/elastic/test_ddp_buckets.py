@@ -9,6 +9,8 @@ keeps that premise honest.
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 from tests.support.pair import run_pair
@@ -43,6 +45,7 @@ except RuntimeError as e:
 """
 
 
+@pytest.mark.slow  # starts processes
 def test_settled_buckets_leave_no_collective_in_the_forward(tmp_path: Path) -> None:
     rank0, rank1 = run_pair(SCRIPT.replace("SETTLE", "True"), tmp_path)
     assert "settled True" in rank0 and "settled True" in rank1, rank0 + rank1
@@ -50,6 +53,7 @@ def test_settled_buckets_leave_no_collective_in_the_forward(tmp_path: Path) -> N
     assert "forward ok" in rank0, rank0
 
 
+@pytest.mark.slow  # starts processes
 def test_unsettled_buckets_fail_the_forward_when_the_peer_is_gone(tmp_path: Path) -> None:
     rank0, _ = run_pair(SCRIPT.replace("SETTLE", "False"), tmp_path)
     assert "forward failed" in rank0, rank0

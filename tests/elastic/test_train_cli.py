@@ -44,6 +44,7 @@ def mlp_snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "snap"
 
 
+@pytest.mark.slow  # starts processes
 def test_snapshot_from_another_model_is_one_line_naming_keys_and_overwrites_nothing(
     mlp_snapshots: Path, tmp_path: Path
 ) -> None:
@@ -56,6 +57,7 @@ def test_snapshot_from_another_model_is_one_line_naming_keys_and_overwrites_noth
     assert _tree_digest(mlp_snapshots) == before, "a failed resume must leave the snapshots byte-identical"
 
 
+@pytest.mark.slow  # starts processes
 def test_a_resume_with_the_same_model_continues_from_the_newest_snapshot(mlp_snapshots: Path, tmp_path: Path) -> None:
     copy = tmp_path / "snap"
     copy.mkdir()
@@ -79,6 +81,7 @@ def test_a_resume_with_the_same_model_continues_from_the_newest_snapshot(mlp_sna
         (["--job", "mlp", "--global-batch-size", "0", "--snapshot-dir", "x"], "must be at least 1"),
     ],
 )
+@pytest.mark.slow  # starts processes
 def test_bad_input_is_one_clear_line(args: list[str], expect: str, tmp_path: Path) -> None:
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
@@ -88,6 +91,7 @@ def test_bad_input_is_one_clear_line(args: list[str], expect: str, tmp_path: Pat
     assert expect in line, line
 
 
+@pytest.mark.slow  # starts processes
 def test_resnet_job_trains_on_fake_data_and_writes_its_final_snapshot(tmp_path: Path) -> None:
     done = _train("--job", "resnet", "--steps", "2", "--dataset-size", "8", "--image-size", "32",
                   "--global-batch-size", "4", "--snapshot-dir", str(tmp_path / "snap"), cwd=tmp_path)
@@ -96,6 +100,7 @@ def test_resnet_job_trains_on_fake_data_and_writes_its_final_snapshot(tmp_path: 
     assert state["progress"] == {"step": 2, "samples": 8} and "layer4.1.bn2.running_var" in state["model"]
 
 
+@pytest.mark.slow  # starts processes
 def test_sigterm_stops_at_a_step_boundary_flushes_and_exits_143(tmp_path: Path) -> None:
     """What torchrun does to its workers: the run stops cleanly, with its snapshots whole."""
     import signal

@@ -119,6 +119,7 @@ def reference() -> list[list[torch.Tensor]]:
     return _reference()
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize(("world", "metrics"), [(1, True), (2, True), (3, True), (3, False)])
 def test_update_equals_the_global_batch_mean_at_any_world_size(
     trained: Path, world: int, metrics: bool, reference: list[list[torch.Tensor]]
@@ -134,6 +135,7 @@ def test_update_equals_the_global_batch_mean_at_any_world_size(
             torch.testing.assert_close(h, w, rtol=0, atol=1e-6, msg=f"world {world}, step {step}")
 
 
+@pytest.mark.slow  # starts processes
 def test_fixed_per_rank_scales_the_learning_rate_with_the_global_batch(trained: Path) -> None:
     """3 per rank at world 2 is a global batch of 6: the update of lr 0.5 x 6/10 on 6 samples."""
     got = _params(trained, 2, "fixed-per-rank")
@@ -143,6 +145,7 @@ def test_fixed_per_rank_scales_the_learning_rate_with_the_global_batch(trained: 
             torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_snapshot_dir_not_shared_by_all_ranks_is_refused_on_every_rank(trained: Path) -> None:
     for rank in range(3):
         message = (trained / f"unshared-{rank}.txt").read_text()

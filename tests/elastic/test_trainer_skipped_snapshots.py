@@ -51,11 +51,13 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     return torch.load(Path(tmp) / "result.pt")
 
 
+@pytest.mark.slow  # starts processes
 def test_skipped_snapshots_are_exported_as_the_writer_counted_them(result: dict[str, float]) -> None:
     assert result["stats"] > 0, "every write took less than a step; the test provoked no skip"
     assert result["exported"] == result["stats"]
 
 
+@pytest.mark.slow  # starts processes
 def test_skips_still_leave_snapshots_and_the_final_one(result: dict[str, float]) -> None:
     """Skipping is not failing: some snapshots and the flushed final one are durable."""
     assert result["written"] >= 2

@@ -106,6 +106,7 @@ def test_a_stale_reset_leaves_the_new_channel_alone(etcd_server: EmbeddedEtcd, r
         client.close()
 
 
+@pytest.mark.slow  # starts processes
 def test_a_store_read_waiting_on_a_watch_survives_the_channel_being_rebuilt(tmp_path: Path) -> None:
     """At 128 nodes a node's bootstrap read (``MASTER_ADDR``) waited on a watch when a
     keep-alive timeout rebuilt the channel; the broken watch ended the node. Its own etcd,

@@ -13,6 +13,8 @@ it (a node would have fenced itself for nothing; docs/agent.md says so for short
 
 from __future__ import annotations
 
+import pytest
+
 import time
 
 from elastic.etcd import EtcdClient
@@ -43,6 +45,7 @@ def assert_held(lease: NodeLease, margin: float) -> None:
     print(f"worst margin to the own-clock deadline: {margin:.2f} s (ttl {lease.ttl} s)")
 
 
+@pytest.mark.slow  # starts processes
 def test_a_lease_and_a_watch_survive_a_dead_leader_and_a_cut_off_member(cluster: EtcdCluster) -> None:
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
     lease = NodeLease(client, "/t", "run", NodeRecord(node="n", host="h", pid=1), StateSigner(None), ttl=3).start()
@@ -72,6 +75,7 @@ def test_a_lease_and_a_watch_survive_a_dead_leader_and_a_cut_off_member(cluster:
         client.close()
 
 
+@pytest.mark.slow  # starts processes
 def test_a_lease_kept_alive_through_a_follower_survives_the_leader_cut_off(cluster: EtcdCluster) -> None:
     """CI's case: the follower in use forwards renewals to a leader cut off from it. Sent to
     that follower alone, a keep-alive hung until the new election and the client then blamed

@@ -29,6 +29,7 @@ def follower(cluster: EtcdCluster) -> str:
     return next(m for m in MEMBERS if m != leader)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_frozen_member_costs_a_keep_alive_the_hedge_delay_not_the_attempt(cluster: EtcdCluster) -> None:
     victim = follower(cluster)  # the cluster keeps its leader: only the member in use is gone
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
@@ -50,6 +51,7 @@ def test_a_frozen_member_costs_a_keep_alive_the_hedge_delay_not_the_attempt(clus
     assert took < PATIENT_ATTEMPT / 2, f"the keep-alive waited {took:.2f} s on the frozen member"
 
 
+@pytest.mark.slow  # starts processes
 def test_a_member_without_a_leader_sends_the_keep_alive_elsewhere_at_once(cluster: EtcdCluster) -> None:
     victim = follower(cluster)
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
@@ -69,6 +71,7 @@ def test_a_member_without_a_leader_sends_the_keep_alive_elsewhere_at_once(cluste
     assert took < PATIENT_ATTEMPT / 2, f"the keep-alive took {took:.2f} s"
 
 
+@pytest.mark.slow  # starts processes
 def test_a_lease_etcd_no_longer_has_is_reported_gone_not_unreachable(cluster: EtcdCluster) -> None:
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)
     sender = KeepAlive(client)
@@ -82,6 +85,7 @@ def test_a_lease_etcd_no_longer_has_is_reported_gone_not_unreachable(cluster: Et
         client.close()
 
 
+@pytest.mark.slow  # starts processes
 def test_a_keep_alive_after_close_fails_as_unreachable_not_with_a_crash(cluster: EtcdCluster) -> None:
     """The lease's own thread may be mid-refresh when the agent revokes the lease."""
     client = EtcdClient(cluster.settings(timeout=2.0), retry_deadline=5.0)

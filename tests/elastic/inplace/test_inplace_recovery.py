@@ -9,6 +9,7 @@ the ledger has one line per committed step.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from typing import Callable
 
 import pytest
 
+from checkpoints import Fence, FenceToken, SnapshotStore
 from elastic.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger
 from tests.elastic.inplace.support import (
@@ -53,6 +55,20 @@ def assert_ledger_once(tmp: Path) -> None:
     assert not twice, f"steps committed twice (re-run after being committed): {twice}"
     report = check_ledger(tmp / "ledger.jsonl", DATASET)
     assert report.ok, report.violations
+
+
+def assert_commits_fenced(group: list[Node], tmp: Path) -> None:
+    """The fence stands at the newest round the job formed; every snapshot and ledger line
+    carries a round no newer than it, and commit order never goes back a round."""
+    newest = max(r["round"] for n in group for r in rows(n, tmp))
+    fence = Fence(tmp / "snapshots").current()
+    assert fence is not None and fence.round == newest, (fence, newest)
+    snapshots = SnapshotStore(tmp / "snapshots", keep=5, create=False).list()
+    assert snapshots, "no snapshot was committed"
+    tokens = [FenceToken.from_meta(info.extra_meta.get("fence")) for info in snapshots]
+    assert all(t is not None and t.run == fence.run and t.round <= newest for t in tokens), tokens
+    rounds = [int(json.loads(line)["round"]) for line in (tmp / "ledger.jsonl").read_text().splitlines()]
+    assert rounds == sorted(rounds) and rounds[-1] <= newest, "a ledger line of an older round after a newer one"
 
 
 def same_params_at(group: list[Node], tmp: Path, after: float) -> str:
@@ -98,6 +114,7 @@ def test_sigkill_survivors_keep_their_processes_and_retrain_no_step_and_the_node
         assert metric(victim, "elastic_restores_total", source="replica") >= 1
         assert metric(victim, "elastic_restores_total", source="disk") == 0
     assert_ledger_once(tmp_path)
+    assert_commits_fenced(group, tmp_path)  # five rounds, in place, rank 0 moved once
 
 
 @pytest.mark.slow

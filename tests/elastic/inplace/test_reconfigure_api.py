@@ -6,6 +6,8 @@ trainer would otherwise take a path whose contract changed. Two real processes, 
 
 from __future__ import annotations
 
+import pytest
+
 import re
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def test_this_torch_supports_in_place_recovery_on_gloo() -> None:
     assert "backend 'mpi'" in (unsupported_reason("mpi") or "")
 
 
+@pytest.mark.slow  # starts processes
 def test_reconfigure_assigns_ranks_by_handle_order_and_can_shrink(tmp_path: Path) -> None:
     outs = run_pair(SCRIPT, tmp_path)
     for stable_rank, out in enumerate(outs):

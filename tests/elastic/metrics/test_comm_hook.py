@@ -104,6 +104,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
+@pytest.mark.slow  # starts processes
 def test_gradients_are_bitwise_those_of_ddp_without_a_hook(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         for step, (want, got) in enumerate(zip(r["want"], r["got"])):
@@ -111,6 +112,7 @@ def test_gradients_are_bitwise_those_of_ddp_without_a_hook(results: list[dict]) 
                 assert torch.equal(_bits(w), _bits(g)), f"rank {rank} step {step} param {i} differs"
 
 
+@pytest.mark.slow  # starts processes
 def test_the_check_would_see_a_hook_that_divides_instead(results: list[dict]) -> None:
     """torch's reference hook divides by 3; our check must be able to tell it apart."""
     differs = any(
@@ -120,6 +122,7 @@ def test_the_check_would_see_a_hook_that_divides_instead(results: list[dict]) ->
     assert differs, "x / 3 and x * (1/3) gave the same bits everywhere; the bitwise test proves nothing"
 
 
+@pytest.mark.slow  # starts processes
 def test_average_false_sums_the_gradients_over_ranks(results: list[dict]) -> None:
     """ElasticRun's mode: its loss carries 1/world, so the hook must not scale again."""
     for rank, r in enumerate(results):
@@ -129,6 +132,7 @@ def test_average_false_sums_the_gradients_over_ranks(results: list[dict]) -> Non
                                        msg=f"rank {rank} param {i}: not the sum over ranks")
 
 
+@pytest.mark.slow  # starts processes
 def test_bytes_are_the_gradient_size_every_step_and_each_bucket_is_timed(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         assert r["world"] == WORLD
@@ -139,6 +143,7 @@ def test_bytes_are_the_gradient_size_every_step_and_each_bucket_is_timed(results
         assert r["errors_before"] == 0
 
 
+@pytest.mark.slow  # starts processes
 def test_a_collective_that_fails_is_counted_as_an_error(results: list[dict]) -> None:
     for rank, r in enumerate(results[:-1]):
         assert "raised" in r, f"rank {rank}: all-reduce with a dead peer did not fail"

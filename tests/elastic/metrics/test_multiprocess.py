@@ -76,6 +76,7 @@ def test_prepare_dir_creates_it_and_drops_files_of_an_earlier_run(tmp_path: Path
     assert prepare_dir(tmp_path / "new" / "dir").is_dir()
 
 
+@pytest.mark.slow  # starts processes
 def test_two_workers_aggregate_and_a_restart_never_sends_counters_back(workers: Workers) -> None:
     d = workers.directory
     a = workers.start(rank=0, world=2, steps=5)

@@ -71,6 +71,7 @@ def test_an_index_on_a_mixed_node_is_not_guessed_unless_cuda_counts_in_pci_order
     assert gpu_uuids_by_local_rank(OTHER, mixed, 1, pci_order=False) == [OTHER]  # a full uuid is exact
 
 
+@pytest.mark.slow  # starts processes
 def test_agent_on_this_cpu_machine() -> None:
     """Real: no nvidia-smi here, so indices give no uuid; full uuids need no nvidia-smi."""
     assert agent_gpu_uuids(2, {}) == ["", ""]

@@ -106,6 +106,7 @@ def ranks_of(series: Series, name: str) -> set[str]:
     return {dict(labels)["rank"] for n, labels in series if n == name}
 
 
+@pytest.mark.slow  # starts processes
 def test_ranks_swapped_in_place_move_every_per_rank_series(procs: Procs) -> None:
     d = procs.directory
     a, b = procs.worker(0, 2, local_rank=0), procs.worker(1, 2, local_rank=1)
@@ -130,6 +131,7 @@ def test_ranks_swapped_in_place_move_every_per_rank_series(procs: Procs) -> None
         assert "not been implemented" not in proc.end()  # no remove() in multiprocess mode
 
 
+@pytest.mark.slow  # starts processes
 def test_a_rank_gone_in_place_leaves_only_its_counters(procs: Procs) -> None:
     d = procs.directory
     workers = [procs.worker(r, 3, local_rank=r) for r in range(3)]
@@ -150,6 +152,7 @@ def test_a_rank_gone_in_place_leaves_only_its_counters(procs: Procs) -> None:
     assert value(s, "elastic_steps_total", rank="1") == 2  # the dead process's step and the new holder's
 
 
+@pytest.mark.slow  # starts processes
 def test_the_agent_stands_in_for_workers_that_export_no_rank_info(procs: Procs) -> None:
     d = procs.directory
     plain = procs.silent()

@@ -73,6 +73,7 @@ def _log_tail(log: Path) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-40:])
 
 
+@pytest.mark.slow  # starts processes
 def test_each_worker_serves_its_rank_on_base_plus_local_rank(run: tuple[subprocess.Popen[bytes], int, Path]) -> None:
     proc, base, log = run
     urls = [f"http://127.0.0.1:{base + r}/metrics" for r in (0, 1)]

@@ -48,6 +48,7 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
         etcd.server.close()
 
 
+@pytest.mark.slow  # starts processes
 def test_unreachable_endpoint() -> None:
     code, output, seconds = torchrun(f"127.0.0.1:{free_port()}", {})
     assert code != 0
@@ -56,6 +57,7 @@ def test_unreachable_endpoint() -> None:
     assert "did not answer" in line and "check that etcd is running" in line
 
 
+@pytest.mark.slow  # starts processes
 def test_bad_tls_path(tmp_path: Path) -> None:
     code, output, seconds = torchrun(f"127.0.0.1:{free_port()}", {"cacert": str(tmp_path / "missing-ca.pem")})
     assert code != 0
@@ -64,6 +66,7 @@ def test_bad_tls_path(tmp_path: Path) -> None:
     assert "missing-ca.pem" in line and "does not exist" in line
 
 
+@pytest.mark.slow  # starts processes
 def test_wrong_password(auth_etcd: SecureEtcd) -> None:
     code, output, seconds = torchrun(
         auth_etcd.server.endpoint, {"user": "trainer"}, env={"ELASTIC_ETCD_PASSWORD": "wrong"}
@@ -73,6 +76,7 @@ def test_wrong_password(auth_etcd: SecureEtcd) -> None:
     assert "wrong user or password" in the_error_line(output)
 
 
+@pytest.mark.slow  # starts processes
 def test_right_password_trains(auth_etcd: SecureEtcd) -> None:
     """The control for the test above: the same command with the right password works."""
     code, output, _ = torchrun(
