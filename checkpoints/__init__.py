@@ -21,6 +21,7 @@ from .errors import (
     SnapshotDiskFullError,
     SnapshotError,
     SnapshotExistsError,
+    SnapshotKeyError,
     SnapshotMismatchError,
 )
 from .fence import Fence, FenceToken, SnapshotFencedError
@@ -41,6 +42,7 @@ __all__ = [
     "SnapshotDirError",
     "SnapshotDiskFullError",
     "SnapshotExistsError",
+    "SnapshotKeyError",
     "SnapshotFencedError",
     "Fence",
     "FenceToken",

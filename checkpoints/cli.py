@@ -1,9 +1,11 @@
-"""``python -m checkpoints ls|verify|prune DIR`` - what a person on call needs to see.
+"""``python -m checkpoints ls|verify|prune|sign DIR`` - what a person on call needs to see.
 
-Read-only except ``prune``: the CLI never creates the directory and never cleans up on
-its own, so looking cannot change what a running job will find. Every command judges a
-snapshot the way resume does (:meth:`SnapshotStore.check`), so the step the summary says a
-restart resumes from is the one ``load_latest`` returns, and ``prune`` never removes it.
+Read-only except ``prune`` and ``sign``: the CLI never creates the directory and never
+cleans up on its own, so looking cannot change what a running job will find. Every command
+judges a snapshot the way resume does (:meth:`SnapshotStore.check`), under the same job key
+(``--key-file``, else the rendezvous' ``ELASTIC_RDZV_HMAC_KEY_FILE`` / ``ELASTIC_RDZV_HMAC_KEY``),
+so the step the summary says a restart resumes from is the one ``load_latest`` returns, and
+``prune`` never removes it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from . import layout
+from . import layout, signing
 from .errors import SnapshotError
 from .store import SnapshotStatus, SnapshotStore, TempDirStatus
 
@@ -48,7 +50,8 @@ def _dir_bytes(path: Path) -> int | None:
         return None
 
 
-def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: list[Path]) -> list[list[str]]:
+def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: list[Path],
+          unsigned_aside: Sequence[Path] = ()) -> list[list[str]]:
     now = time.time()
     newest_valid = max((s.step for s in statuses if s.valid), default=None)
     rows = []
@@ -77,6 +80,16 @@ def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: li
             "-",
             "-",
             "spare: not a snapshot; the next save writes over its files ('prune' deletes it)",
+        ])
+    for path in unsigned_aside:
+        size = _dir_bytes(path)
+        rows.append([
+            str(layout.parse_unsigned_dirname(path.name)),
+            "?" if size is None else _size(size),
+            "-",
+            "-",
+            f"set aside: {path.name} was not signed with the job key and its step was written again; "
+            "nothing deletes it (delete it by hand)",
         ])
     return rows
 
@@ -110,31 +123,80 @@ def _summary(statuses: list[SnapshotStatus], root: str) -> str:
     return head
 
 
+def _signatures(statuses: list[SnapshotStatus], key_from: str | None, root: str) -> str:
+    signed = sum(1 for s in statuses if s.signed)
+    unsigned = sum(1 for s in statuses if s.signed is False)
+    counts = f"{signed} signed, {unsigned} unsigned"
+    if key_from is None:
+        return (f"signatures: NOT checked (no job key; set {signing.KEY_FILE_ENV} or pass --key-file): {counts}")
+    refused = [s for s in statuses if s.problems and s.problems[0] in _SIGNATURE_LINES]
+    line = f"signatures: checked with the job key from {key_from}: {counts}"
+    if refused:
+        line += (f"; {len(refused)} refused for their signature (a restart never uses them; "
+                 f"if they are this job's own: python -m checkpoints sign {root})")
+    return line
+
+
+_SIGNATURE_LINES = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
+
+
+def _sign(store: SnapshotStore) -> int:
+    """Sign every snapshot that fully verifies and is unsigned; exit 1 if any could not be."""
+    failed = 0
+    for step in [s.step for s in store.status(full=False)]:
+        try:
+            done = store.sign_unsigned(step)
+        except SnapshotError as e:
+            print(f"step {step}: NOT signed: {e}")
+            failed += 1
+            continue
+        print(f"step {step}: {'signed' if done else 'already signed with this key'}")
+    return 1 if failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoints", description="Inspect and maintain a snapshot directory.")
+    key = argparse.ArgumentParser(add_help=False)
+    key.add_argument(
+        "--key-file", metavar="PATH",
+        help=f"the job key manifests are signed with (default: {signing.KEY_FILE_ENV}, else {signing.KEY_ENV}, "
+        "the rendezvous' job key); without one, signatures are not checked",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser(
-        "ls",
+        "ls", parents=[key],
         help="list snapshots: step, size, age, world size, validity (the one a restart uses is fully "
         "checked, as resume does; older ones by size only)",
     )
     ls.add_argument("dir")
     ls.add_argument("--full", action="store_true", help="fully check every snapshot (slow for big snapshots)")
     ve = sub.add_parser(
-        "verify", help="check every file's sha256 and that it loads; exit 1 if any snapshot is invalid"
+        "verify", parents=[key], help="check every file's sha256 and that it loads; exit 1 if any snapshot is invalid"
     )
     ve.add_argument("dir")
     ve.add_argument("--quick", action="store_true", help="check as ls does (sizes only below the newest valid)")
     pr = sub.add_parser(
-        "prune", help="remove all but the newest K fully valid snapshots, the spare and stale temp dirs"
+        "prune", parents=[key], help="remove all but the newest K fully valid snapshots, the spare and stale temp dirs"
     )
     pr.add_argument("dir")
     pr.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
+    sg = sub.add_parser(
+        "sign", parents=[key],
+        help="sign, with the job key, every unsigned snapshot whose files fully verify (for snapshots written "
+        "before the job had a key: only if you trust that nobody else wrote them)",
+    )
+    sg.add_argument("dir")
     args = p.parse_args(argv)
 
     try:
+        job_key, key_from = signing.load_key(args.key_file)
         # A person pruning wants the space back, so this store keeps no spare.
-        store = SnapshotStore(args.dir, create=False, recycle=False)
+        store = SnapshotStore(args.dir, create=False, recycle=False, key=job_key)
+        if args.cmd == "sign":
+            if job_key is None:
+                print(f"error: no job key to sign with; pass --key-file or set {signing.KEY_FILE_ENV}", file=sys.stderr)
+                return 2
+            return _sign(store)
         if args.cmd == "prune":
             if args.keep < 1:
                 print("error: --keep must be at least 1", file=sys.stderr)
@@ -151,13 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not removed and not spares and not temps:
                 print(f"nothing to prune in {args.dir} (keep={args.keep})")
             statuses = store.status(full=False)
-            _print_table(_rows(statuses, store.temp_dirs(), store.spares()))
+            _print_table(_rows(statuses, store.temp_dirs(), store.spares(), store.set_aside_unsigned()))
             print(_summary(statuses, args.dir))
+            print(_signatures(statuses, key_from, args.dir))
             return 0
         full = args.full if args.cmd == "ls" else not args.quick
         statuses = store.status(full=full)
-        _print_table(_rows(statuses, store.temp_dirs(), store.spares()))
+        _print_table(_rows(statuses, store.temp_dirs(), store.spares(), store.set_aside_unsigned()))
         print(_summary(statuses, args.dir))
+        print(_signatures(statuses, key_from, args.dir))
         if args.cmd == "verify" and any(not s.valid for s in statuses):
             return 1
         return 0

@@ -13,6 +13,7 @@ __all__ = [
     "SnapshotDirError",
     "SnapshotDiskFullError",
     "SnapshotExistsError",
+    "SnapshotKeyError",
 ]
 
 
@@ -42,3 +43,7 @@ class SnapshotDiskFullError(SnapshotError):
 
 class SnapshotExistsError(SnapshotError):
     """A valid snapshot for this step already exists and the store was told not to skip it."""
+
+
+class SnapshotKeyError(SnapshotError):
+    """The job key (``--key-file``, ``ELASTIC_RDZV_HMAC_KEY_FILE``/``ELASTIC_RDZV_HMAC_KEY``) is unusable."""

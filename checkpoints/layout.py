@@ -2,8 +2,9 @@
 
 A snapshot is the directory ``step-<12 digits>/``. Anything else in the root is a temp
 dir (``.tmp-step-...``, leading dot so globbing ``step-*`` can never pick it up), the spare
-(``.spare-step-...``: a pruned snapshot whose files the next save overwrites) or a
-quarantined corrupt snapshot (``.corrupt-step-...``).
+(``.spare-step-...``: a pruned snapshot whose files the next save overwrites), a
+quarantined corrupt snapshot (``.corrupt-step-...``) or one set aside because it was not
+signed with the job key (``.unsigned-step-...``: never deleted by the store).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _STEP_RE = re.compile(r"^step-(\d{%d})$" % STEP_DIGITS)
 _TMP_RE = re.compile(r"^\.tmp-step-(\d{%d})-([0-9a-f]{8})-(\d+)-([0-9a-f]{8})$" % STEP_DIGITS)
 _SPARE_RE = re.compile(r"^\.spare-step-(\d{%d})-([0-9a-f]{8})$" % STEP_DIGITS)
 _CORRUPT_PREFIX = ".corrupt-step-"
+_UNSIGNED_RE = re.compile(r"^\.unsigned-step-(\d{%d})-([0-9a-f]{8})$" % STEP_DIGITS)
 
 
 def check_step(step: int) -> int:
@@ -82,6 +84,16 @@ def quarantine_dirname(step: int) -> str:
 
 def is_quarantine_dirname(name: str) -> bool:
     return name.startswith(_CORRUPT_PREFIX)
+
+
+def unsigned_dirname(step: int) -> str:
+    """Where a snapshot refused only for its signature goes when its step is written again."""
+    return f".unsigned-{step_dirname(step)}-{secrets.token_hex(4)}"
+
+
+def parse_unsigned_dirname(name: str) -> int | None:
+    m = _UNSIGNED_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def key_filename(index: int, key: str) -> str:

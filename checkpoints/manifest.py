@@ -3,17 +3,23 @@
 The manifest is written last, so its presence means every file it names was fsync'd first.
 It carries its own sha256 (over the canonical JSON of everything else) so a flipped byte in
 the manifest itself - say in ``world_size`` - is caught even by quick verification.
+
+With a job key it also carries ``hmac`` (:mod:`.signing`), over the canonical JSON of
+everything but ``hmac`` and ``manifest_sha256``; the self-checksum covers ``hmac`` too, so a
+damaged signature reads as damage and a build without signing still reads the manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 FORMAT_NAME = "elastic-trainer-snapshot"
 FORMAT_VERSION = 1
+_HMAC_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ManifestError(ValueError):
@@ -37,6 +43,9 @@ class Manifest:
     files: tuple[FileEntry, ...]
     extra_meta: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # As read from disk: the ``hmac`` field (None if unsigned) and the canonical bytes it signs.
+    signature: str | None = field(default=None, compare=False)
+    signed_bytes: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def size_bytes(self) -> int:
@@ -56,8 +65,11 @@ class Manifest:
             "extra_meta": self.extra_meta,
         }
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, sign: Callable[[bytes], str] | None = None) -> bytes:
+        """The file's bytes; ``sign`` (canonical body -> hex HMAC) adds the ``hmac`` field."""
         body = self._body()
+        if sign is not None:
+            body["hmac"] = sign(canonical(body))
         body["manifest_sha256"] = _digest(body)
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -72,6 +84,9 @@ class Manifest:
         recorded = body.pop("manifest_sha256", None)
         if recorded != _digest(body):
             raise ManifestError("self-checksum mismatch (the manifest itself is damaged)")
+        signature = body.pop("hmac", None)
+        if signature is not None and not (isinstance(signature, str) and _HMAC_RE.match(signature)):
+            raise ManifestError("malformed hmac field")
         if body.get("format") != FORMAT_NAME:
             raise ManifestError(f"unknown format {body.get('format')!r}")
         if body.get("format_version") != FORMAT_VERSION:
@@ -92,10 +107,16 @@ class Manifest:
                 files=files,
                 extra_meta=dict(body.get("extra_meta") or {}),
                 format_version=int(body["format_version"]),
+                signature=signature,
+                signed_bytes=canonical(body),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"missing or malformed field ({e})") from None
 
 
+def canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(canonical(body)).hexdigest()

@@ -70,7 +70,7 @@ def _job(msg: dict[str, Any], tensors: list[torch.Tensor],
             store = stores[key] = SnapshotStore(
                 cfg["root"], keep=cfg["keep"], if_exists=cfg["if_exists"], create=False,
                 io_threads=cfg["io_threads"], stale_temp_grace_s=cfg["stale_temp_grace_s"], propagate_nice=False,
-                recycle=cfg["recycle"],
+                recycle=cfg["recycle"], key=bytes.fromhex(cfg["key"]) if cfg.get("key") else None,
             )
         state = wire.decode(msg["state"], tensors)
         info = store.save(step, state, world_size=msg["world_size"], extra_meta=msg["extra_meta"], housekeeping=False)

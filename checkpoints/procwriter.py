@@ -234,7 +234,10 @@ class WriterProcess:
     def _store_config(self) -> dict[str, Any]:
         s = self.store
         return {"root": str(s.root), "keep": s.keep, "if_exists": s.if_exists,
-                "io_threads": s.io_threads, "stale_temp_grace_s": s.stale_temp_grace_s, "recycle": s.recycle}
+                "io_threads": s.io_threads, "stale_temp_grace_s": s.stale_temp_grace_s, "recycle": s.recycle,
+                # The child signs with the trainer's store's key, not whatever its environment says
+                # (over the private socketpair to our own child).
+                "key": s._key.hex() if s._key is not None else None}
 
     def _wait_reply(self, boost_at: float | None, until: tuple[str, ...]) -> dict[str, Any]:
         """The child's next message whose op is in ``until``, raising its priority when late."""

@@ -22,6 +22,10 @@ Valid means one thing everywhere (:meth:`SnapshotStore.check`): the manifest can
 every file has its recorded size and sha256, and every file deserialises with the loader
 resume uses. Resume, ``ls``/``verify``/``prune`` and a save meeting an existing step all ask
 that question, so they cannot disagree about which snapshot a restart will use.
+
+With a job key (:mod:`.signing`, by default from the rendezvous' environment variables) every
+manifest written is signed, and a manifest without a valid signature cannot be trusted: it
+fails even the quick check, so every one of those callers refuses it alike.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from . import files, layout
+from . import files, layout, signing
 from .workers import DaemonPool
 from .errors import (
     SnapshotCorruptError,
@@ -48,6 +52,7 @@ from .errors import (
     SnapshotDiskFullError,
     SnapshotError,
     SnapshotExistsError,
+    SnapshotKeyError,
 )
 from .fence import Fence, FenceToken
 from .manifest import FileEntry, Manifest, ManifestError
@@ -106,6 +111,7 @@ class SnapshotStatus:
     path: Path
     info: SnapshotInfo | None
     problems: tuple[str, ...]
+    signed: bool | None = None  # the manifest carries a signature (None: no readable manifest)
 
     @property
     def valid(self) -> bool:
@@ -119,6 +125,15 @@ class TempDirStatus:
     pid: int
     same_host: bool
     stale: bool
+
+
+_SIGNATURE_PROBLEMS = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
+
+
+def _signature_only(problems: list[str] | tuple[str, ...]) -> bool:
+    """Refused for its signature alone (under a key), not for damage: such a snapshot may be
+    the job's own from before it had a key, so it is reported once and never deleted for it."""
+    return len(problems) == 1 and problems[0] in _SIGNATURE_PROBLEMS
 
 
 def _info(path: Path, m: Manifest) -> SnapshotInfo:
@@ -140,7 +155,13 @@ class SnapshotStore:
     snapshot (e.g. a resumed job reaching the step it resumed from): ``"skip"`` keeps the
     existing one and returns its info, ``"error"`` raises SnapshotExistsError. It is never
     overwritten in place. An existing *invalid* dir for that step is moved aside to
-    ``.corrupt-step-...`` so the new snapshot can take its name.
+    ``.corrupt-step-...`` so the new snapshot can take its name (``.unsigned-step-...``, which
+    nothing deletes, when its only fault is the signature).
+
+    ``key``: the job key that signs every manifest written and without whose valid signature
+    no snapshot is trusted. By default (:data:`signing.FROM_ENV`) it is read from
+    ``ELASTIC_RDZV_HMAC_KEY_FILE`` / ``ELASTIC_RDZV_HMAC_KEY``, the rendezvous' job key; None
+    turns signing off (signed snapshots still load, unchecked).
     """
 
     def __init__(
@@ -154,7 +175,13 @@ class SnapshotStore:
         stale_temp_grace_s: float = 600.0,
         propagate_nice: bool = True,
         recycle: bool = True,
+        key: bytes | None | signing._FromEnv = signing.FROM_ENV,
     ) -> None:
+        if key is signing.FROM_ENV:
+            key = signing.load_key()[0]
+        elif key is not None:
+            key = signing.checked_key(key)  # type: ignore[arg-type]
+        self._key: bytes | None = key  # type: ignore[assignment]
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if if_exists not in ("skip", "error"):
@@ -197,6 +224,11 @@ class SnapshotStore:
     @property
     def io_threads(self) -> int:
         return self._io_threads
+
+    @property
+    def signed(self) -> bool:
+        """Whether this store signs manifests and refuses any without a valid signature."""
+        return self._key is not None
 
     def __repr__(self) -> str:
         return f"SnapshotStore({str(self.root)!r}, keep={self.keep})"
@@ -295,7 +327,10 @@ class SnapshotStore:
         )
         fd = os.open(tmp / layout.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            data = manifest.to_bytes()
+            key = self._key
+            data = manifest.to_bytes(
+                None if key is None else lambda body: signing.sign(key, final.name, step, body)
+            )
             off = 0
             while off < len(data):
                 off += os.write(fd, data[off:])
@@ -365,7 +400,10 @@ class SnapshotStore:
                 )
             log.info("snapshot %s already exists and is valid; keeping it (if_exists='skip')", final)
             return self._info_of(final)
-        aside = self.root / layout.quarantine_dirname(step)
+        if _signature_only(problems):  # never deleted: it may be this job's own, from before its key
+            aside = self.root / layout.unsigned_dirname(step)
+        else:
+            aside = self.root / layout.quarantine_dirname(step)
         os.rename(final, aside)
         layout.fsync_dir(self.root)
         log.warning("moved invalid snapshot %s aside to %s (%s) before rewriting it", final, aside.name, problems[0])
@@ -406,8 +444,11 @@ class SnapshotStore:
             raise SnapshotDirError(f"cannot read snapshot directory {self.root}: {e.strerror or e}") from None
         return sorted(s for s in map(layout.parse_step_dirname, names) if s is not None)
 
-    def _read_manifest(self, path: Path) -> Manifest:
-        """Raise ManifestError (one line, names MANIFEST.json) if the manifest cannot be trusted."""
+    def _read_manifest(self, path: Path, *, authenticate: bool = True) -> Manifest:
+        """Raise ManifestError (one line, names MANIFEST.json) if the manifest cannot be trusted.
+
+        With a key that includes its signature (bound to ``path.name`` and the step), unless
+        ``authenticate`` is off (only for showing what a refused manifest claims)."""
         try:
             data = (path / layout.MANIFEST_NAME).read_bytes()
         except FileNotFoundError:
@@ -423,6 +464,10 @@ class SnapshotStore:
         dir_step = layout.parse_step_dirname(path.name)
         if dir_step is not None and m.step != dir_step:
             raise ManifestError(f"{layout.MANIFEST_NAME}: records step {m.step} but the directory is {path.name}")
+        if authenticate and self._key is not None:
+            why = signing.problem(self._key, path.name, m.step, m.signed_bytes, m.signature)
+            if why is not None:
+                raise ManifestError(f"{layout.MANIFEST_NAME}: {why}")
         return m
 
     def _info_of(self, path: Path) -> SnapshotInfo:
@@ -488,11 +533,13 @@ class SnapshotStore:
 
     def _status_of(self, step: int, problems: tuple[str, ...]) -> SnapshotStatus:
         path = self.root / layout.step_dirname(step)
-        try:
-            info: SnapshotInfo | None = self._info_of(path)
+        try:  # what the manifest claims, shown even when it is refused (problems say why)
+            m: Manifest | None = self._read_manifest(path, authenticate=False)
         except ManifestError:
-            info = None
-        return SnapshotStatus(step=step, path=path, info=info, problems=problems)
+            m = None
+        info = None if m is None else _info(path, m)
+        signed = None if m is None else m.signature is not None
+        return SnapshotStatus(step=step, path=path, info=info, problems=problems, signed=signed)
 
     def list(self) -> list[SnapshotInfo]:
         """Snapshots with a trustworthy manifest, oldest first (files are not checked; see verify)."""
@@ -552,11 +599,15 @@ class SnapshotStore:
         ``load(verify=True)`` would hash the candidate twice. It applies :meth:`check`'s
         test, fused with the load, so ``ls`` names the step this returns.
         """
+        unsigned = 0  # skipped for their signature alone: one line for all of them, at the end
         for step in reversed(self._steps()):
             path = self.root / layout.step_dirname(step)
             problems = self.verify(step, full=False)
             if problems:
-                self._log_skip(path, problems)
+                if _signature_only(problems):
+                    unsigned += 1
+                else:
+                    self._log_skip(path, problems)
                 continue
             stamp = self._stamp(path)
             try:
@@ -565,8 +616,21 @@ class SnapshotStore:
                 log.warning("skipping invalid %s; falling back to an older one", str(e))
                 continue
             self._remember(step, stamp, ())
+            self._log_unsigned(unsigned, step)
             return self._info_of(path), state
+        self._log_unsigned(unsigned, None)
         return None
+
+    def _log_unsigned(self, count: int, resumed: int | None) -> None:
+        if not count:
+            return
+        then = f"resuming from step {resumed}, the newest signed one" if resumed is not None else "starting from scratch"
+        log.warning(
+            "%d snapshot(s) in %s are not signed with the job key (written before the job had one, "
+            "with another key, or forged) and are never resumed from; %s. If they are this job's "
+            "own, sign them with 'python -m checkpoints sign %s' under the same key and restart "
+            "(nothing was deleted)", count, self.root, then, self.root,
+        )
 
     # ------------------------------------------------------------------ verdicts
 
@@ -614,7 +678,10 @@ class SnapshotStore:
         newest valid snapshot (the one resume uses) is always kept and, when none is valid, no
         snapshot is removed. Invalid snapshots newer than the oldest kept one are left for a
         human to see (every start logs them); anything older goes, as do quarantined
-        ``.corrupt-step-*`` dirs. With ``recycle`` the newest snapshot removed becomes the one
+        ``.corrupt-step-*`` dirs, except a snapshot refused only for its signature: with a key,
+        none of those is ever removed (it may be the job's own from before it had its key, or
+        a store with another key must not wipe the job's snapshots); a person signs
+        (``python -m checkpoints sign``) or deletes it. With ``recycle`` the newest snapshot removed becomes the one
         spare (older spares go); without it, spares go too.
 
         ``trust_own`` is for the writer's prune after each save, where fully checking every
@@ -644,6 +711,8 @@ class SnapshotStore:
             self.drop_spares(keep=1 if self.recycle else 0)
             return []
         doomed = [s for s in steps if s < kept[-1]]
+        if self._key is not None:  # refused for the signature alone: maybe ours from before the key
+            doomed = [s for s in doomed if not _signature_only(self._quick_check(s)[1])]
         if doomed and self.recycle:
             # The newest pruned one becomes the spare, replacing an older spare: at most one.
             self._retire_to_spare(self.root / layout.step_dirname(doomed[-1]), doomed[-1])
@@ -672,6 +741,56 @@ class SnapshotStore:
     def _retire_to_spare(self, path: Path, step: int) -> None:
         # The rename alone unmakes the snapshot: a spare's name never parses as a step.
         os.rename(path, self.root / layout.spare_dirname(step))
+
+    def set_aside_unsigned(self) -> list[Path]:
+        """``.unsigned-step-*`` dirs: snapshots refused for their signature alone and moved aside
+        when their step was written again. Nothing here deletes them; a person does."""
+        return sorted(self.root / n for n in os.listdir(self.root) if layout.parse_unsigned_dirname(n) is not None)
+
+    def sign_unsigned(self, step: int) -> bool:
+        """Sign snapshot ``step``'s manifest with this store's key, after fully checking its files
+        against that very manifest (sha256 and the resume loader). False if already signed
+        with this key. A person's decision to trust it (``python -m checkpoints sign``):
+        the store never does this on its own. A snapshot that is invalid, or signed with
+        another key, raises SnapshotCorruptError and is left as it is."""
+        key = self._key
+        if key is None:
+            raise SnapshotKeyError(
+                f"no job key to sign with; set {signing.KEY_FILE_ENV} or pass --key-file"
+            )
+        path = self.root / layout.step_dirname(step)
+        if not path.is_dir():
+            raise SnapshotCorruptError(f"snapshot {path} does not exist; run 'python -m checkpoints ls {self.root}'")
+        try:
+            m = self._read_manifest(path, authenticate=False)
+        except ManifestError as e:
+            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
+        if m.signature is not None:
+            why = signing.problem(key, path.name, m.step, m.signed_bytes, m.signature)
+            if why is None:
+                return False
+            raise SnapshotCorruptError(
+                f"snapshot {path}: {layout.MANIFEST_NAME}: {why} (signed with another key, or forged); not re-signed"
+            )
+        for entry in m.files:
+            try:
+                _read_entry(path, entry, map_location="cpu", verify=True)
+            except _FileProblem as e:
+                raise SnapshotCorruptError(f"snapshot {path}: {e}; not signed") from None
+        data = m.to_bytes(lambda body: signing.sign(key, path.name, m.step, body))
+        tmp = path / f".{layout.MANIFEST_NAME}.signing-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            off = 0
+            while off < len(data):
+                off += os.write(fd, data[off:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path / layout.MANIFEST_NAME)  # atomic: the old manifest or the signed one
+        layout.fsync_dir(path)
+        log.info("signed snapshot %s with the job key", path)
+        return True
 
     def spares(self) -> list[Path]:
         """Spare dirs (pruned snapshots kept for the next save to write over), oldest first."""
