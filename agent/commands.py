@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastic.etcd import EtcdClient
 from elastic.rendezvous.registry import run_prefix
 from elastic.rendezvous.signing import SignatureError, StateSigner
 
-from .proctree import freeze_tree, kill_tree, process_tree
+from .proctree import kill_tree
 
 if TYPE_CHECKING:
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
@@ -28,17 +28,79 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KILL, FREEZE = "kill", "freeze"
+MAX_FREEZE_S = 86400.0  # a chaos freeze, not a way to park a node: longer is a typo
 
 
 def command_key(key_prefix: str, run_id: str, node: str) -> str:
     return f"{run_prefix(key_prefix, run_id)}/commands/{node}"
 
 
+def valid_freeze(seconds: object) -> bool:
+    """A freeze a thaw can end: finite seconds in (0, MAX_FREEZE_S] (NaN, inf or a negative
+    number would leave the node frozen for good)."""
+    return (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+            and 0 < seconds <= MAX_FREEZE_S)
+
+
+@dataclass(frozen=True)
+class Command:
+    action: str  # KILL or FREEZE
+    seconds: float  # FREEZE: how long (valid_freeze)
+    issued_at: float  # time.time() of the sender
+
+    def to_json(self) -> bytes:
+        return json.dumps({"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Command":
+        """Raises ValueError on anything that is not a command ``send`` could have written."""
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise ValueError("not a command: nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a command: not a JSON object")
+        action, seconds, issued_at = data.get("action"), data.get("seconds", 0.0), data.get("issued_at")
+        if action not in (KILL, FREEZE):
+            raise ValueError(f"unknown action {action!r:.40}")
+        if not (isinstance(issued_at, (int, float)) and not isinstance(issued_at, bool)
+                and math.isfinite(issued_at)):
+            raise ValueError(f"issued_at {issued_at!r:.40} is not a time")
+        if action == FREEZE and not valid_freeze(seconds):
+            raise ValueError(f"freeze for {seconds!r:.40} s: not seconds above 0 and at most {MAX_FREEZE_S:g}")
+        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at))
+
+
+def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | None:
+    """The command at ``key``, or None (logged) if it is forged or not a command."""
+    try:
+        return Command.from_json(signer.open(key.encode(), value))
+    except (SignatureError, ValueError) as exc:
+        log.warning("ignoring a forged or unreadable command at %s: %s", key, exc)
+        return None
+
+
 def send(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str, node: str,
          action: str, seconds: float = 0.0) -> None:
     key = command_key(key_prefix, run_id, node)
-    body = json.dumps({"action": action, "seconds": seconds, "issued_at": time.time()}).encode()
+    if action == FREEZE and not valid_freeze(seconds):
+        raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
+    body = Command(action, float(seconds), time.time()).to_json()
     client.call(lambda c: c.put(key, signer.seal(key.encode(), body)))
+
+
+def carry_out(command: Command) -> None:
+    """What an agent does with a command meant for it: its own tree, itself last."""
+    log.warning("chaos command from etcd: %s this node", command.action)
+    if command.action == KILL:
+        kill_tree(os.getpid(), signal.SIGKILL)
+    elif command.action == FREEZE:
+        from .kill import ThawError, freeze_for  # kill.py is the CLI that sends commands
+
+        try:
+            freeze_for(os.getpid(), command.seconds)
+        except ThawError as exc:
+            log.error("not freezing this node: %s", exc)
 
 
 class CommandWatch:
@@ -52,31 +114,12 @@ class CommandWatch:
         entry = entries.get(self.key)
         if entry is None:
             return
-        try:
-            command = json.loads(self.handler.signer.open(self.key.encode(), entry.value))
-        except (SignatureError, ValueError) as exc:
-            log.warning("ignoring a forged or unreadable command at %s: %s", self.key, exc)
-            return
-        if float(command.get("issued_at", 0)) < self._started:
-            return  # meant for an earlier agent of the same name
+        command = decode_command(self.handler.signer, self.key, entry.value)
+        if command is None or command.issued_at < self._started:
+            return  # forged, or meant for an earlier agent of the same name
         self._started = time.time()
         try:
             self.handler.client.call(lambda c: c.delete(self.key), deadline=2.0)
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
-        action = command.get("action")
-        log.warning("chaos command from etcd: %s this node", action)
-        if action == KILL:
-            kill_tree(os.getpid(), signal.SIGKILL)
-        elif action == FREEZE:
-            freeze_for(os.getpid(), float(command.get("seconds") or 10.0))
-
-
-def freeze_for(root: int, seconds: float) -> None:
-    """SIGSTOP the tree, with a detached process that SIGCONTs it after ``seconds``."""
-    pids = process_tree(root)
-    thaw = (f"import os,signal,time; time.sleep({seconds!r})\n"
-            f"for p in {pids!r}:\n    try: os.kill(p, signal.SIGCONT)\n    except OSError: pass")
-    subprocess.Popen([sys.executable, "-c", thaw], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    freeze_tree(root)
+        carry_out(command)

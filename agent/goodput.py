@@ -94,6 +94,16 @@ def decode_account(signer: StateSigner, key: str, value: bytes) -> Account | Non
         return None
 
 
+def decode_note(signer: StateSigner, key: str, value: bytes) -> tuple[str, float] | None:
+    """A node's note (``goodput/acts/{node}``: why it acted, and when), or None if it is
+    forged or not a note."""
+    try:
+        data = json.loads(signer.open(key.encode(), value))
+        return str(data["reason"]), float(data["at"])
+    except (SignatureError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return None
+
+
 def read_account(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str) -> Account | None:
     """The job's record, read from etcd (``elastic top``)."""
     key = account_key(key_prefix, run_id)
@@ -324,9 +334,7 @@ class GoodputAccountant:
         for key, entry in self.handler.mirror.entries()[0].items():
             if not key.startswith(self.notes):
                 continue
-            try:
-                data = json.loads(self.handler.signer.open(key.encode(), entry.value))
-                notes[key[len(self.notes):]] = (str(data["reason"]), float(data["at"]))
-            except (SignatureError, ValueError, KeyError, TypeError):
-                continue
+            note = decode_note(self.handler.signer, key, entry.value)
+            if note is not None:
+                notes[key[len(self.notes):]] = note
         return notes

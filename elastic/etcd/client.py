@@ -1,6 +1,6 @@
 """A python3-etcd3 client that survives etcd blips and fails with one clear line.
 
-python3-etcd3 leaves three things to its caller, and each matters for fault tolerance:
+python3-etcd3 leaves these things to its caller, and each matters for fault tolerance:
 
 * It marks a failed endpoint unusable for ``time_retry`` seconds (300 by default), so one
   restart of a one-member etcd would lock every agent out for five minutes. We build the
@@ -15,6 +15,9 @@ python3-etcd3 leaves three things to its caller, and each matters for fault tole
   looks healthy. Every request here carries etcd's ``hasleader`` metadata, so such a member
   answers "no leader" at once and cancels our watches, and a channel rebuilt after a
   failure starts on another member.
+* It does not say which etcd it talks to. After the first answer we read every member's
+  version and warn once per process if one is older than docs/deploy.md recommends
+  (:mod:`.version`); that check never fails a request.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tenacity import (
 )
 
 from .settings import EtcdSettings
+from .version import warn_if_old
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +176,7 @@ class EtcdClient:
         # Called with "unavailable", "denied" or "refused" whenever a request fails for
         # good; the agent counts them (elastic_agent_etcd_errors_total).
         self.error_listeners: list[Callable[[str], None]] = []
+        self._version_checked = False  # etcd's version is read after the first answer
 
     @contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
@@ -280,13 +285,17 @@ class EtcdClient:
     # -- requests ---------------------------------------------------------------------
     def call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], *, deadline: float | None = None) -> T:
         try:
-            return self._call(request, deadline)
+            result = self._call(request, deadline)
         except EtcdError as exc:
             kind = ("unavailable" if isinstance(exc, EtcdUnavailableError)
                     else "denied" if isinstance(exc, EtcdAccessError) else "refused")
             for listener in list(self.error_listeners):
                 listener(kind)
             raise
+        if not self._version_checked:
+            self._version_checked = True
+            warn_if_old(self)  # once per process: a WARNING if a member runs an etcd not for production
+        return result
 
     def _call(self, request: Callable[[etcd3.MultiEndpointEtcd3Client], T], deadline: float | None) -> T:
         """Run ``request`` with bounded retries of transient failures.

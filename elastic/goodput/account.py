@@ -94,7 +94,10 @@ class Fault:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Fault":
-        return cls(at=float(data["at"]), reason=str(data.get("reason", "")), nodes=tuple(data.get("nodes", ())),
+        nodes = data.get("nodes", [])
+        if not isinstance(nodes, list):
+            raise TypeError(f"fault nodes {nodes!r:.40} is not a list")
+        return cls(at=float(data["at"]), reason=str(data.get("reason", "")), nodes=tuple(map(str, nodes)),
                    phases={str(k): float(v) for k, v in dict(data.get("phases", {})).items()})
 
 
@@ -141,8 +144,8 @@ class Account:
                        productive=float(data["productive"]), lost=lost, high_water=int(data["high_water"]),
                        faults=tuple(Fault.from_dict(f) for f in data.get("faults", ())),
                        state=str(data.get("state", _IDLE)))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"not a goodput record: {exc}") from None
+        except (KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+            raise ValueError(f"not a goodput record: {exc!r:.80}") from None
 
 
 def _opt_float(value: Any) -> float | None:

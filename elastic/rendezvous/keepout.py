@@ -37,8 +37,12 @@ class ReachReport:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ReachReport":
-        data = json.loads(raw)
-        return cls(str(data["node"]), int(data["round"]), tuple(str(n) for n in data.get("unreachable", ())))
+        """Raises ValueError on anything that is not a report :meth:`to_json` wrote."""
+        data = _object(raw)
+        node, number = data.get("node"), data.get("round")
+        if not isinstance(node, str) or not isinstance(number, int) or isinstance(number, bool):
+            raise ValueError(f"not a reach report: node {node!r:.40}, round {number!r:.40}")
+        return cls(node, number, _names(data.get("unreachable", [])))
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,33 @@ class KeepOut:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "KeepOut":
-        data = json.loads(raw)
-        return cls(str(data["node"]), int(data["strikes"]), float(data["backoff"]),
-                   tuple(str(n) for n in data.get("unreachable", ())))
+        """Raises ValueError on anything that is not a keep-out :meth:`to_json` wrote."""
+        data = _object(raw)
+        node, strikes, back = data.get("node"), data.get("strikes"), data.get("backoff")
+        if (not isinstance(node, str) or not isinstance(strikes, int) or isinstance(strikes, bool)
+                or not isinstance(back, (int, float)) or isinstance(back, bool) or not 0 <= back < 1e300):
+            raise ValueError(f"not a keep-out: node {node!r:.40}, strikes {strikes!r:.40}, backoff {back!r:.40}")
+        return cls(node, strikes, float(back), _names(data.get("unreachable", [])))
 
     def describe(self) -> str:
         cut = f"; cannot reach {', '.join(self.unreachable)}" if self.unreachable else ""
         return f"kept out: back-off {self.backoff:.0f} s (strike {self.strikes}){cut}"
+
+
+def _object(raw: bytes) -> dict:  # type: ignore[type-arg]
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{value!r:.60} is not a list of node names")
+    return tuple(value)
 
 
 def broken_pairs(participants: Sequence[str], reports: Iterable[ReachReport]) -> set[frozenset[str]]:

@@ -70,9 +70,37 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "NodeRecord":
-        data = json.loads(raw)
+        """Raises ValueError on anything that is not a record :meth:`to_json` wrote: a field
+        of the wrong type (a pid that is text, say) would reach ``elastic kill`` or the
+        rendezvous as if it were one. Fields it does not know are ignored."""
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise ValueError("not a node record: nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a node record: not a JSON object")
+        missing = [k for k in ("node", "host", "pid") if k not in data]
+        if missing:
+            raise ValueError(f"not a node record: no {', '.join(missing)}")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+        for name, value in known.items():
+            kinds = _FIELD_TYPES[name]
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise ValueError(f"node record field {name}={value!r:.40} has the wrong type")
+        started_at = known.get("started_at", 0.0)
+        if not -1e300 < started_at < 1e300:  # type: ignore[operator]
+            raise ValueError(f"node record started_at={started_at!r:.40} is not a time")
+        if "started_at" in known:
+            known["started_at"] = float(started_at)  # type: ignore[arg-type]
+        return cls(**known)  # type: ignore[arg-type]
+
+
+_OPT_STR, _OPT_INT = (str, type(None)), (int, type(None))
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "node": (str,), "host": (str,), "pid": (int,), "addr": _OPT_STR, "metrics_url": _OPT_STR, "state": (str,),
+    "round": _OPT_INT, "rank": _OPT_INT, "world": _OPT_INT, "started_at": (int, float), "store_addr": _OPT_STR,
+    "witness_addr": _OPT_STR, "nproc": _OPT_INT, "extra": (dict,),
+}
 
 
 def decode_node(signer: StateSigner, key: bytes | str, value: bytes, quiet: bool = False) -> NodeRecord | None:

@@ -34,13 +34,25 @@ class RoundRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "RoundRecord":
-        data = json.loads(raw)
-        return cls(
-            round=int(data["round"]), state=str(data["state"]),
-            participants=tuple(data.get("participants", ())), previous=tuple(data.get("previous", ())),
-            opened_at=float(data.get("opened_at", 0.0)), closed_at=data.get("closed_at"),
-            cause=str(data.get("cause", JOIN)),
-        )
+        """Raises ValueError on anything that is not a round record :meth:`to_json` wrote
+        (callers refuse it: a value that merely parses must not open or close a round)."""
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise ValueError("not a round record: nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a round record: not a JSON object")
+        number, state, cause = data.get("round"), data.get("state"), data.get("cause", JOIN)
+        if not _is_int(number) or number < 0:
+            raise ValueError(f"round {number!r:.40} is not a round number")
+        if state not in (OPEN, CLOSED) or cause not in (JOIN, FAILURE):
+            raise ValueError(f"unknown round state {state!r:.40} or cause {cause!r:.40}")
+        opened_at, closed_at = data.get("opened_at", 0.0), data.get("closed_at")
+        if not _is_time(opened_at) or not (closed_at is None or _is_time(closed_at)):
+            raise ValueError(f"opened_at {opened_at!r:.40} / closed_at {closed_at!r:.40} are not times")
+        return cls(round=number, state=state, participants=_names(data.get("participants", [])),
+                   previous=_names(data.get("previous", [])), opened_at=float(opened_at),
+                   closed_at=None if closed_at is None else float(closed_at), cause=cause)
 
     def next_open(self, cause: str = JOIN) -> "RoundRecord":
         return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause)
@@ -48,6 +60,21 @@ class RoundRecord:
     def closed_with(self, participants: Iterable[str]) -> "RoundRecord":
         return RoundRecord(self.round, CLOSED, tuple(participants), self.previous, self.opened_at, time.time(),
                            self.cause)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and -1e300 < value < 1e300)  # finite, and float() of it cannot overflow
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{value!r:.60} is not a list of node names")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

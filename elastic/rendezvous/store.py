@@ -58,6 +58,15 @@ class EtcdV3Store(dist.Store):
         except SignatureError as exc:
             raise dist.DistStoreError(f"refusing store value at {full_key}: {exc}") from exc
 
+    def _counter(self, full_key: str, value: bytes) -> int:
+        """A counter's value (``add``): sealed, and a whole number, else DistStoreError."""
+        opened = self._open(full_key, value)
+        try:
+            return int(opened)
+        except ValueError:  # not a number (or past int()'s digit limit)
+            raise dist.DistStoreError(
+                f"refusing store value at {full_key}: {opened[:40]!r} is not a counter") from None
+
     def _seal(self, full_key: str, value: str | bytes) -> bytes:
         return self._signer.seal(full_key.encode(), _as_bytes(value))
 
@@ -118,7 +127,7 @@ class EtcdV3Store(dist.Store):
             rows = self._rows(full)
             if rows:
                 value, meta = rows[0]
-                new_value = int(self._open(full, value)) + amount
+                new_value = self._counter(full, value) + amount
                 guard = tx.Mod(full) == meta.mod_revision
             else:
                 new_value, guard = amount, tx.Version(full) == 0

@@ -102,13 +102,29 @@ def ask(addr: str, node: str, signer: StateSigner, timeout: float) -> PeerWord |
         return None
     answered = time.monotonic()
     try:
-        data = json.loads(signer.open(_sealing_key(node, nonce), b"".join(chunks)))
-        age = data["age"]
-        return PeerWord(asked_at=asked, answered_at=answered, age=None if age is None else float(age),
-                        failing=bool(data["failing"]))
-    except (SignatureError, ValueError, KeyError, TypeError) as exc:
+        age, failing = decode_answer(signer, node, nonce, b"".join(chunks))
+    except (SignatureError, ValueError) as exc:
         log.warning("ignoring %s's witness answer: %s", node, exc)
         return None
+    return PeerWord(asked_at=asked, answered_at=answered, age=age, failing=failing)
+
+
+def decode_answer(signer: StateSigner, node: str, nonce: str, raw: bytes) -> tuple[float | None, bool]:
+    """``(age, failing)`` from ``node``'s answer to ``nonce``; SignatureError if it is not
+    sealed for that question, ValueError if it is not an answer :meth:`WitnessServer.answer`
+    gives (an infinite age, say, would read as a peer that lost etcd long ago)."""
+    try:
+        data = json.loads(signer.open(_sealing_key(node, nonce), raw))
+    except RecursionError:
+        raise ValueError("not a witness answer: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a witness answer: not a JSON object")
+    age, failing = data.get("age"), data.get("failing")
+    if age is not None and (not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e300):
+        raise ValueError(f"witness answer age {age!r:.40} is not seconds")
+    if not isinstance(failing, bool):
+        raise ValueError(f"witness answer failing={failing!r:.40} is not true or false")
+    return None if age is None else float(age), failing
 
 
 class PeerAsker:
