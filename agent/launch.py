@@ -32,6 +32,7 @@ from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 from .agent_dir import MARKER, AgentDir, AgentDirError, claim_agent_dir
 from .etcd_args import DEFAULT_ENDPOINT
 from .nnodes import apply_nnodes, environment_nnodes
+from .preflight import target_problem
 from .settings import AgentSettings
 
 ENV_PREFIX = "ELASTIC_"
@@ -40,6 +41,9 @@ ENV_PREFIX = "ELASTIC_"
 # 10050-10051 and Ray's 10001.
 DEFAULT_METRICS_PORT = 10400
 DEFAULT_MAX_RESTARTS = 3
+# SIGTERM -> SIGKILL of the workers when the agent itself is stopped (a pre-emption): inside
+# Kubernetes' default terminationGracePeriodSeconds (30 s), with time left to leave the job.
+DEFAULT_TERM_GRACE_S = 25.0
 # A run id becomes an etcd key segment and a directory name (snapshots, logs), so no '/',
 # no '..', nothing a shell or a path would read differently.
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -91,6 +95,11 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       type=_positive_seconds, default=600.0, metavar="SECONDS",
                       help="once this node has seen the job make progress, how long a new worker group may "
                            "take to make its first (imports, restore, compilation; default 600)")
+    ours.add_argument("--term-grace", "--term_grace", dest="term_grace", type=_positive_seconds,
+                      default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
+                      help="when the agent gets SIGTERM (a pre-emption), how long its workers have to finish the "
+                           "step in flight and write a snapshot before it SIGKILLs them (default "
+                           f"{DEFAULT_TERM_GRACE_S:g}: inside Kubernetes' 30 s terminationGracePeriodSeconds)")
     _check_torchrun_flags(parser)
     # torchrun's PET_* variables (what Kubeflow sets) keep precedence over our defaults
     own = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": DEFAULT_ENDPOINT, "max_restarts": DEFAULT_MAX_RESTARTS}
@@ -289,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     snapshot_dir = _checked_snapshot_dir(parser, args.snapshot_dir)
     work = _claimed_agent_dir(parser, args.agent_dir)
     try:
+        problem = target_problem(args.training_script, module=args.module, no_python=args.no_python)
+        if problem:  # it would fail at every start, each with a traceback: say it once, start nothing
+            parser.exit(2, f"error: {problem}\n")
         return _run(parser, args, node, snapshot_dir, work.path)
     finally:
         work.release()  # a temporary directory goes; a given --agent-dir stays
@@ -339,12 +351,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
     _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id)
-    settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes)
+    settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes, rdzv_configs)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
     spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                      run_id=config.run_id, local_addr=config.local_addr, numa_options=config.numa_options,
-                     log_line_prefix_template=config.log_line_prefix_template)
+                     log_line_prefix_template=config.log_line_prefix_template, term_grace=args.term_grace)
     agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)  # type: ignore[arg-type]
     try:
         result = agent.run()
@@ -446,9 +458,12 @@ def _worker_command(cmd: object, cmd_args: list[str], with_python: bool, module:
     return (str(cmd), *args)
 
 
-def _with_network(settings: AgentSettings, endpoint: str, local_addr: str | None, nnodes: str) -> AgentSettings:
+def _with_network(settings: AgentSettings, endpoint: str, local_addr: str | None, nnodes: str,
+                  rdzv_configs: dict[str, object] | None = None) -> AgentSettings:
     """Where peers reach this node (its round store), and the socket interface its workers'
-    collectives must use when the hostname resolves to loopback (agent/netif.py)."""
+    collectives must use when the hostname resolves to loopback (agent/netif.py). Workers also
+    get the job key's file when the agent was given it as ``--rdzv-conf hmac_key_file=``, so
+    their snapshot store signs and checks with it (docs/checkpoints.md)."""
     import dataclasses
 
     from elastic.etcd.settings import EtcdConfigError, parse_endpoints
@@ -460,6 +475,9 @@ def _with_network(settings: AgentSettings, endpoint: str, local_addr: str | None
     except EtcdConfigError:
         address = local_addr
     updates, line = worker_env_for(endpoint, local_addr, nnodes, os.environ)
+    key_file = (rdzv_configs or {}).get("hmac_key_file")
+    if key_file and not os.environ.get("ELASTIC_RDZV_HMAC_KEY_FILE"):
+        updates = {**updates, "ELASTIC_RDZV_HMAC_KEY_FILE": os.path.abspath(os.path.expanduser(str(key_file)))}
     if line:
         logging.getLogger("elastic.agent").info("[%s] %s", settings.node_name, line)
     return dataclasses.replace(settings, store_host=settings.store_host or address, worker_env=updates)

@@ -56,6 +56,7 @@ from elastic.rendezvous.rounds import FAILURE, JOIN
 
 from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
+from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
 from .policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
 from .settings import AgentSettings
@@ -67,6 +68,7 @@ from .workers import Launch, LocalWorkers
 log = logging.getLogger("elastic.agent")
 
 STANDBY_READY_TIMEOUT_S = 120.0
+TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"  # tells the workers how long they have (elastic.trainer)
 _STACK_DUMP_WAIT_S = 1.0
 _OFFER_TRIES = 5
 _MEMBERSHIP = {PEER_LOST: Reason.PEER_LOST, LEASE_LOST: Reason.LEASE_LOST, NEW_ROUND: Reason.SCALE_UP}
@@ -85,6 +87,7 @@ class AgentSpec:
     local_addr: str | None = None
     numa_options: Any = None
     log_line_prefix_template: str | None = None
+    term_grace: float = DEFAULT_TERM_GRACE_S  # --term-grace: SIGTERM to SIGKILL when the agent is stopped
 
 
 class AgentSignal(Exception):
@@ -134,6 +137,7 @@ class NodeAgent(ElasticAgent):
         self._group_started = time.time()
         self._refilled = False
         self._said_in_place = False
+        self._reform_why = ""  # what the worker asking for a new round said
         self._recovering = False  # the workers started next repair a broken world (goodput)
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
@@ -154,9 +158,8 @@ class NodeAgent(ElasticAgent):
             self._start_group()
             return self._loop()
         except AgentSignal as exc:
-            log.warning("[%s] %s: stopping local workers", self.node, exc)
             pids = self.workers.pids()
-            self.workers.stop(signal.SIGTERM, grace=self.settings.graceful_stop)
+            self._terminate(exc)
             self.goodput.tick(pids, self.rank_base, force=True)  # rank 0's last marks, written as it stopped
             raise
         finally:
@@ -168,6 +171,55 @@ class NodeAgent(ElasticAgent):
                 self.channel.close()
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
+
+    # ------------------------------------------------------------------ stopped: a pre-emption
+
+    def _terminate(self, exc: AgentSignal) -> None:
+        """The agent was told to stop (Kubernetes evicting the pod, a spot VM reclaimed,
+        ``systemctl stop``): pass SIGTERM on to the workers and restart nothing.
+
+        ``ElasticRun`` workers finish the step in flight, write a snapshot of it and exit
+        with 143; a plain script does what its SIGTERM handler does. The agent stays in the
+        job (its lease held) until they are out, so that its peers form the next round once
+        they left at their step boundary rather than in the middle of it, and SIGKILLs
+        whatever still runs when ``--term-grace`` is up. A second signal ends the wait at once.
+        """
+        grace, started = self.spec.term_grace, time.monotonic()
+        name = signal.Signals(exc.signum).name
+        running = [rank for rank, code in self.workers.exits().items() if code is None]
+        self.metrics.set_state("stopped")
+        if not running:
+            log.warning("[%s] got %s: no local worker is running; exiting", self.node, name)
+            self._stop(signal.SIGKILL, 0.0)
+            return
+        log.warning("[%s] got %s: passing SIGTERM to local rank(s) %s, which stop at a step boundary "
+                    "(ElasticRun: after a snapshot of the last step); restarting nothing; SIGKILL in %g s "
+                    "(--term-grace)", self.node, name, running, grace)
+        hurry: list[int] = []
+        previous = {sig: signal.signal(sig, lambda signum, _frame: hurry.append(signum)) for sig in _SIGNALS}
+        try:
+            self.workers.terminate(signal.SIGTERM)
+            deadline = started + grace
+            while not hurry and time.monotonic() < deadline and self.workers.running():
+                time.sleep(0.02)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        left = self.workers.running()
+        waited = time.monotonic() - started
+        if left and hurry:
+            log.warning("[%s] got %s again: SIGKILL to local rank(s) %s now, %.1f s after the first", self.node,
+                        signal.Signals(hurry[0]).name, left, waited)
+        elif left:
+            log.warning("[%s] local rank(s) %s still running %.1f s after SIGTERM (--term-grace %g s): SIGKILL. "
+                        "A snapshot they were still writing is lost, and the job resumes from the newest durable "
+                        "one; give them longer with --term-grace (ELASTIC_TERM_GRACE), and on Kubernetes a "
+                        "terminationGracePeriodSeconds a few seconds above it", self.node, left, waited, grace)
+        else:
+            codes = {rank: code for rank, code in self.workers.exits().items() if rank in running}
+            log.info("[%s] local workers stopped %.1f s after %s (exit codes %s); leaving the job", self.node,
+                     waited, name, ", ".join(f"rank {r}: {c}" for r, c in sorted(codes.items())))
+        self._stop(signal.SIGKILL, 0.0)  # what is left, and each worker's whole session (data loaders...)
 
     # ------------------------------------------------------------------ the loop
 
@@ -232,8 +284,9 @@ class NodeAgent(ElasticAgent):
         if in_place and not self._said_in_place:
             self._said_in_place = True
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
-        reform = any(s.want_round_after is not None and s.want_round_after >= self.round_number for s in statuses)
-        return in_place, reform
+        asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= self.round_number]
+        self._reform_why = asking[0].reason if asking else ""
+        return in_place, bool(asking)
 
     def _wait(self, timeout: float) -> None:
         due = self.ours.lease_watch.seconds_to_deadline() if self.ours is not None else None
@@ -403,6 +456,8 @@ class NodeAgent(ElasticAgent):
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
+        if decision.usage_error:  # the ranks whose collective broke with it are not the story
+            failed_alone = {rank: f for rank, f in failed_alone.items() if rank in decision.failed}
         pids = self.workers.pids()
         stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)
         self.goodput.tick(pids, self.rank_base, force=True)
@@ -436,7 +491,9 @@ class NodeAgent(ElasticAgent):
             Reason.PEER_LOST: "a peer of this round lost its etcd lease (dead, frozen or cut off)",
             Reason.LEASE_LOST: "this node lost its own etcd lease (it was frozen or cut off); its workers are stale",
             Reason.SCALE_UP: "another node opened a new round (a node joined or came back)",
-            Reason.REFORM: "a worker's collective failed while every lease held; forming the round again",
+            Reason.REFORM: f"{self._reform_why}: forming the round again without them"
+                           if self._reform_why.endswith("(SIGTERM)")  # elastic.trainer: peers left at a boundary
+                           else "a worker's collective failed while every lease held; forming the round again",
             Reason.WORKER_FAILED: f"local worker(s) {sorted(decision.failed)} failed "
                                   f"(exit {', '.join(str(c) for c in decision.failed.values())})",
         }.get(reason, str(reason))  # type: ignore[arg-type]
@@ -562,6 +619,7 @@ class NodeAgent(ElasticAgent):
                AGENT_PID_ENV: str(os.getpid())}
         if self.settings.snapshot_dir is not None:
             env["ELASTIC_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir)
+        env[TERM_GRACE_ENV] = f"{self.spec.term_grace:g}"
         if self.channel is not None:
             env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
         if self.goodput.enabled:

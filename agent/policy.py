@@ -89,6 +89,12 @@ class Decision:
     def counted(self) -> bool:
         return self.reason is not None and self.reason.counted and self.action in (Action.RESTART, Action.REPLACE)
 
+    @property
+    def usage_error(self) -> bool:
+        """FAIL because of a usage error: the agent exits 2 as well (``podFailurePolicy``, systemd)."""
+        return self.action is Action.FAIL and bool(self.failed) and all(
+            code == USER_ERROR_EXIT for code in self.failed.values())
+
 
 CONTINUE = Decision(Action.CONTINUE)
 
@@ -102,10 +108,14 @@ def decide(obs: Observation) -> Decision:
     if obs.membership is Reason.LEASE_LOST:
         return Decision(Action.RESTART, Reason.LEASE_LOST, detail="this node's etcd lease was lost")
 
-    # 2. A usage error: every failed worker exited with 2. Retrying cannot fix it.
-    if failed and all(code == USER_ERROR_EXIT for code in failed.values()):
-        return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=failed,
-                        detail="a worker exited with code 2 (a usage error); not restarting")
+    # 2. A usage error: a worker exited with 2, and retrying cannot fix it. Its siblings
+    #    may have failed with it (their collective with it broke: an ordinary exit code), and
+    #    still nothing a restart would change; a death by a signal beside it is a crash.
+    usage = {rank: code for rank, code in failed.items() if code == USER_ERROR_EXIT}
+    if usage and all(code > 0 for code in failed.values()):
+        return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=usage,
+                        detail=f"local worker(s) {sorted(usage)} exited with code 2 (a usage error, which would "
+                               "come back at every start); not restarting")
 
     # 3. Done: every local worker exited cleanly.
     if obs.exits and all(code == 0 for code in obs.exits.values()):

@@ -194,7 +194,30 @@ class LocalWorkers:
                 except ProcessLookupError:
                     pass
 
+    def running(self) -> list[int]:
+        return sorted(rank for rank, w in self.workers.items() if w.exit_code() is None)
+
     # ------------------------------------------------------------------ stopping
+
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Ask every running worker to stop, without waiting. A Python worker started through
+        the agent's bootstrap gets the signal alone: its DataLoader workers and snapshot
+        writer share its session, and a DataLoader worker killed by SIGTERM would fail the
+        very step the worker is finishing. Anything else (``--no-python``: perhaps a shell
+        that would not pass it on) gets it in its whole session, as torchrun does."""
+        for worker in self.workers.values():
+            if worker.exit_code() is not None:
+                continue
+            if _bootstrapped(self._launches.get(worker.local_rank)):
+                try:
+                    os.kill(worker.pid, sig)
+                except ProcessLookupError:
+                    pass
+            else:
+                try:
+                    os.killpg(worker.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, ranks: list[int] | None = None) -> None:
         """Signal each worker's whole session, wait up to ``grace``, then SIGKILL what is left."""
@@ -221,3 +244,10 @@ class LocalWorkers:
     def forget(self, ranks: list[int] | None = None) -> None:
         for rank in (ranks if ranks is not None else list(self.workers)):
             self.workers.pop(rank, None)
+
+
+def _bootstrapped(launch: Launch | None) -> bool:
+    """Whether a worker runs a Python target through :mod:`agent.worker_boot`."""
+    from .worker_boot import BOOT_CODE
+
+    return launch is not None and BOOT_CODE in launch.args

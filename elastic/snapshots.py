@@ -171,11 +171,15 @@ class Snapshots:
         return stalled
 
     def final(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
+        """A snapshot of ``step`` (the last one, or the one before a stop), durable on return;
+        not written again if the periodic one of that very step already is."""
         if self.writer is None:
             return
         self._settle(self.writer.flush)  # so the overlap policy cannot skip the last one
         if self.ledger is not None:
             self.ledger.sync()
+        if self.newest_durable == step:
+            return
         token = self.token()
         fence = {"fence": token.to_meta()} if token is not None else {}
         self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta, **fence})
@@ -233,6 +237,19 @@ class Snapshots:
     @property
     def pending_step(self) -> int | None:
         return self.writer.pending_step if self.writer is not None else None
+
+    @property
+    def newest_durable(self) -> int | None:
+        """The step of the newest snapshot this process made durable (None: none yet)."""
+        return self.writer.stats.last_durable_step if self.writer is not None else None
+
+    @property
+    def last_write_seconds(self) -> float | None:
+        """How long this process's last snapshot took from capture to durable (None: none yet)."""
+        if self.writer is None:
+            return None
+        stats = self.writer.stats
+        return stats.last_capture_s + stats.last_write_s if stats.snapshots_written else None
 
     def close(self) -> None:
         try:

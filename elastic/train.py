@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .distributed import ElasticRunError
     from .jobs import build_job
     from .ledger import LedgerError
-    from .trainer import ElasticRun
+    from .trainer import ElasticRun, UsageExit
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -157,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.step(loss)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+    except UsageExit:
+        raise  # ElasticRun said it in one line already
     except (ElasticRunError, SnapshotError, LedgerError) as e:
         job_wide = isinstance(e, (ElasticRunError, SnapshotMismatchError))  # every rank raises it
         if rank == 0 or not job_wide:

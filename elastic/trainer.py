@@ -29,8 +29,17 @@ The run is a small state machine, read top to bottom in this file:
    members are all ready; all ranks see it at the same step boundary, switch to it (1),
    and heal the joiner from a live replica. Survivors stand still only for that.
 5. **End.** After the last step a final all-reduce confirms every rank finished it; rank 0
-   commits it and writes the final snapshot. On SIGTERM the loop stops at the next step
-   boundary, flushes the pending snapshot and exits with 128 + 15.
+   commits it and writes the final snapshot. **SIGTERM** (a pre-emption: Kubernetes, a spot
+   VM, the agent passing its own on) is agreed on through the step's control all-reduce, so
+   every rank stops after the same step: they finish it, confirm it with one more
+   all-reduce, rank 0 commits it and writes its snapshot synchronously, and the ranks that
+   got the signal exit with 128 + 15. Ranks that did not (another node was pre-empted) go
+   on: in place they re-form without the leavers; otherwise they exit so that their agent
+   restarts the world. A resume then retrains nothing.
+
+A **usage error** (:class:`ElasticRunError`, a snapshot from another model) raised while the
+run is built ends the process with one ``error:`` line and exit code 2 (rank 0 speaks for
+errors every rank hits), so that an agent never restarts what would fail again.
 
 The loss passed to ``step`` must be the *mean* over the local batch (the default of
 torch's losses). It is rescaled by ``local_n / global_n`` so that the sum over ranks is the
@@ -59,6 +68,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from checkpoints import SnapshotMismatchError
+
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistInfo,
@@ -78,10 +89,34 @@ from .inplace.channel import RESTART, WorkerChannel, WorkerStatus
 from .plan import BatchPolicy, DataPlan
 from .progress import take_over as take_over_progress
 from .sampler import epoch_seed
-from .snapshots import Snapshots
+from .snapshots import Snapshots, StaleGroupError
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
+
+# The control all-reduce (MAX) of a step carries the newest ready round, plus this bit when
+# the rank got SIGTERM: every rank sees the same value, so all stop after the same step.
+_STOP_BIT = 1 << 62
+# A second SIGTERM this soon after the first is the same request: systemd (KillMode=
+# control-group) signals every process of the unit, and the agent passes its own on too.
+_REPEATED_SIGNAL_S = 3.0
+TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"  # set by elastic agent: seconds from SIGTERM to its SIGKILL
+_PEER_STOP_WAIT_S = 10.0  # restart path: how long a worker whose peers stopped waits for its own agent
+USAGE_ERROR_EXIT = 2  # would fail again: an agent never restarts it
+
+
+class UsageExit(SystemExit, ElasticRunError):
+    """A usage error out of ``ElasticRun``: uncaught, the process exits 2 without a traceback
+    (its one line is already out, and an agent never restarts it); a caller that catches
+    :class:`ElasticRunError` around the constructor still can."""
+
+    def __init__(self, message: str) -> None:
+        SystemExit.__init__(self, USAGE_ERROR_EXIT)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+_USAGE_ERRORS = (ElasticRunError, SnapshotMismatchError)  # every rank hits these alike
 
 
 @dataclass(frozen=True)
@@ -188,52 +223,65 @@ class ElasticRun:
         snapshot_writer: Literal["process", "thread"] = "process",
         in_place: bool | None = None,
     ) -> None:
-        if steps is None and epochs is None:
-            raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
-        if global_batch_size < 1:
-            raise ElasticRunError(f"global batch size must be >= 1, got {global_batch_size}")
-        if batch_policy not in ("fixed-global", "fixed-per-rank"):
-            raise ElasticRunError(f"unknown batch policy {batch_policy!r}; use fixed-global or fixed-per-rank")
-        if batch_policy == "fixed-per-rank" and not per_rank_batch_size:
-            raise ElasticRunError("batch policy fixed-per-rank needs a per-rank batch size")
-        self.steps_target, self.epochs_target = steps, epochs
-        self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
-        self.count_tokens = count_tokens
-        self._stop_signal: int | None = None
+        self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
+        self._stop_since = 0.0
+        self._forming = True  # no step in flight and nothing new to save: SIGTERM exits at once
+        self._leaving = False  # agreed: this rank stops at the end of the current loop iteration
+        self._closed = False
+        self.membership: Any = None
+        self.snapshots: Any = None
+        self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
+        self._agree_stop = False  # a stop is agreed through the control all-reduce (off: handle_sigterm=False)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._agree_stop = True
+        try:
+            if steps is None and epochs is None:
+                raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
+            if global_batch_size < 1:
+                raise ElasticRunError(f"global batch size must be >= 1, got {global_batch_size}")
+            if batch_policy not in ("fixed-global", "fixed-per-rank"):
+                raise ElasticRunError(f"unknown batch policy {batch_policy!r}; use fixed-global or fixed-per-rank")
+            if batch_policy == "fixed-per-rank" and not per_rank_batch_size:
+                raise ElasticRunError("batch policy fixed-per-rank needs a per-rank batch size")
+            self.steps_target, self.epochs_target = steps, epochs
+            self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
+            self.count_tokens = count_tokens
 
-        self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, batch_policy=batch_policy,
-                             per_rank_batch_size=per_rank_batch_size, num_workers=num_workers, collate_fn=collate_fn)
-        self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
-        self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-        self.membership = self._in_place_membership(backend, collective_timeout, in_place)
-        if self.membership is None:
-            self.dist: DistInfo = init_distributed(backend, collective_timeout)
-        else:
-            self.dist = self.membership_info
-        self.metrics = self._start_metrics(metrics)
-        self.state.module.to(self.dist.device)
-        self.sync = GradSync(self.state.module, self.metrics)
-        self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
-                                   every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer, ledger=ledger,
-                                   meta=dict(snapshot_meta or {}), metrics=self.metrics,
-                                   round_of=lambda: self.round)  # the fence token: a stale group commits nothing
-        self._pending: _Pending | None = None
-        self._generation = 0  # bumped at every change of world: the loader is built again
-        self._has_state = False  # a fresh process holds nothing until restored or healed
-        self._committed = -1  # the last step whose ledger line and snapshot turn are done
-        self.resumed_from = 0
-        self._closed = False
-        take_over_progress()  # committed steps, not optimizer calls, are this job's progress
-        self._heartbeat = Heartbeat.from_env()  # the agent's hang watchdog reads it
-        self.goodput = GoodputLog.from_env()  # where this process's time went, for the job's goodput
-        if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
-            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
-        if self.membership is not None:
-            self._form_world("start")
-        else:
-            self._start_fixed_world()
+            self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed,
+                                 batch_policy=batch_policy, per_rank_batch_size=per_rank_batch_size,
+                                 num_workers=num_workers, collate_fn=collate_fn)
+            self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
+            self.membership = self._in_place_membership(backend, collective_timeout, in_place)
+            if self.membership is None:
+                self.dist: DistInfo = init_distributed(backend, collective_timeout)
+            else:
+                self.dist = self.membership_info
+            self.metrics = self._start_metrics(metrics)
+            self.state.module.to(self.dist.device)
+            self.sync = GradSync(self.state.module, self.metrics)
+            self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
+                                       every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer,
+                                       ledger=ledger, meta=dict(snapshot_meta or {}), metrics=self.metrics,
+                                       round_of=lambda: self.round)  # the fence token: a stale group commits nothing
+            self._pending: _Pending | None = None
+            self._generation = 0  # bumped at every change of world: the loader is built again
+            self._has_state = False  # a fresh process holds nothing until restored or healed
+            self._committed = -1  # the last step whose ledger line and snapshot turn are done
+            self.resumed_from = 0
+            take_over_progress()  # committed steps, not optimizer calls, are this job's progress
+            self._heartbeat = Heartbeat.from_env()  # the agent's hang watchdog reads it
+            self.goodput = GoodputLog.from_env()  # where this process's time went, for the job's goodput
+            if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
+                faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
+            if self.membership is not None:
+                self._form_world("start")
+            else:
+                self._start_fixed_world()
+        except _USAGE_ERRORS as exc:
+            self._usage_error(exc)
+        finally:
+            self._forming = False
 
     # ------------------------------------------------------------------ public views
 
@@ -323,7 +371,7 @@ class ElasticRun:
         try:
             return TrainingMetrics(self.dist)
         except MetricsConfigError as e:
-            raise ElasticRunError(str(e)) from None
+            raise _OwnUsageError(str(e)) from None
 
     def _start_fixed_world(self) -> None:
         """torchrun's world: every rank restores the newest snapshot, as every restart does."""
@@ -350,7 +398,7 @@ class ElasticRun:
         started = since if since is not None else time.perf_counter()
         self.goodput.forming(reason)
         while True:
-            world = self.membership.join(min_round)
+            world = self._join(min_round)
             self.dist = self.membership_info
             self.goodput.joined()
             try:
@@ -370,6 +418,35 @@ class ElasticRun:
         if self.dist.is_main:
             log.info("%s round %d (%s): world of %d, at step %d%s in %.3f s", self._where, world.round, reason,
                      self.dist.world_size, self.state.step, healed, time.perf_counter() - started)
+
+    def _join(self, min_round: int) -> Any:
+        """The agent's next round. A SIGTERM while waiting for it ends the process at once: no
+        step is in flight. Rank 0 of the world that just ended first makes its last committed
+        step durable, if no snapshot holds it yet (peers left at a step boundary, and now
+        this node is pre-empted too)."""
+        was, self._forming = self._forming, True
+        try:
+            if self._stop_signal is not None:  # it came while the world broke: nothing to wait for
+                self._exit_on_signal_now()
+            return self.membership.join(min_round)
+        except SystemExit:
+            self._forming = was
+            self._save_committed_on_the_way_out()
+            raise
+        finally:
+            self._forming = was
+
+    def _save_committed_on_the_way_out(self) -> None:
+        snapshots = self.snapshots
+        if snapshots is None or snapshots.writer is None or not self._has_state:
+            return
+        step = self.state.step
+        if self._committed != step or step <= 0 or snapshots.newest_durable == step:
+            return  # not known to be committed by every rank, or already durable
+        try:
+            self._snapshot_before_stopping(step, f"got signal {self._stop_signal}: stopping at step {step}")
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; the newest durable snapshot stays
+            log.warning("%s snapshot step %d not written on the way out: %s", self._where, step, exc)
 
     def _agree_and_heal(self) -> tuple[int, str]:
         """Returns (bytes moved, a few words on what happened) for the log."""
@@ -462,7 +539,7 @@ class ElasticRun:
                         yield self._to_device(batch)
                         if self._pending is not None:
                             raise ElasticRunError("call run.step(loss) exactly once for every batch the run yields")
-                        if self._stop_signal is not None:
+                        if self._leaving:
                             self._stop_on_signal()
                         if self.done or self.plan.sampler.epoch != epoch or self._generation != generation:
                             break
@@ -483,10 +560,17 @@ class ElasticRun:
             if replaced_by is not None:  # a world of one has no collective to fail: give way here
                 self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world")
                 return
-            try:  # the newest round every rank could switch to; overlaps forward and backward
-                self._pending.control = self.sync.start_control(self.membership.ready_round())
-            except CollectiveFailure as exc:
-                self._pending.failure = exc
+        elif not (self._agree_stop and self.dist.world_size > 1):
+            return  # nothing to agree on: no rounds, and no stop (or a world of one decides alone)
+        # The newest round every rank could switch to, and whether this rank was told to stop;
+        # one tiny all-reduce (MAX) that overlaps forward and backward.
+        value = max(self.membership.ready_round(), 0) if self.membership is not None else 0
+        if self._stop_signal is not None:
+            value += _STOP_BIT
+        try:
+            self._pending.control = self.sync.start_control(value)
+        except CollectiveFailure as exc:
+            self._pending.failure = exc
 
     def _to_device(self, batch: Any) -> Any:
         if self.dist.device.type == "cpu":
@@ -515,6 +599,9 @@ class ElasticRun:
         except CollectiveFailure as exc:
             self._recover(exc)
             return
+        stop = ready >= _STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
+        if ready >= _STOP_BIT:
+            ready = -1  # the world changes anyway: a ready round waits for the next formation
         self._commit_previous()
         if self.max_grad_norm is not None:
             if self.state.scaler is not None:
@@ -543,7 +630,9 @@ class ElasticRun:
                 data_wait_seconds=pending.data_wait, world_size=d.world_size, rank=d.rank, node=d.node,
                 round=self.round,
             ))
-        if self.membership is not None and ready > self.membership.round and not self.done:
+        if stop and not self.done:  # the last step ends the run as usual, signal or not
+            self._stop_after_step()
+        elif self.membership is not None and ready > self.membership.round and not self.done:
             self._form_world("join", min_round=ready)  # every rank saw the same value: one boundary
 
     def _optimizer_step(self) -> None:
@@ -605,28 +694,164 @@ class ElasticRun:
                      self.state.step, self.plan.sampler.epoch, self.snapshots.root)
         return True
 
+    # ------------------------------------------------------------------ 6. SIGTERM: a pre-emption
+
     def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        now = time.monotonic()
         if self._stop_signal is not None:
-            raise SystemExit(128 + signum)  # second signal: stop waiting for the step boundary
-        self._stop_signal = signum
+            if now - self._stop_since < _REPEATED_SIGNAL_S:
+                return  # the same request again (systemd signals the whole unit, the agent passes its own on)
+            raise SystemExit(128 + signum)  # asked again, later: stop waiting for the step boundary
+        self._stop_signal, self._stop_since = signum, now
+        if self._forming:
+            self._exit_on_signal_now()
+
+    def _exit_on_signal_now(self) -> None:
+        """Between worlds (starting, or waiting for a round): no step is in flight and there is
+        nothing new to save (snapshots already submitted are flushed on the way out)."""
+        signum = self._stop_signal or signal.SIGTERM
+        where = self._where if hasattr(self, "dist") else f"[{node_name()}]"
+        step = self.state.step if hasattr(self, "state") else 0
+        log.info("%s got signal %d: stopping at step %d while joining a world (no step in flight)", where, signum,
+                 step)
+        raise SystemExit(128 + signum)
+
+    def _stop_after_step(self) -> None:
+        """Some rank got SIGTERM, and every rank knows it from this step's control all-reduce.
+
+        Every rank has finished this step. One more collective (an all-gather of who
+        leaves) confirms it, so the step is committed: rank 0 writes its ledger line and,
+        unless the world goes on in place without needing it, a snapshot of it,
+        synchronously. The ranks that got the signal leave at the end of this loop
+        iteration. The others (another node was pre-empted) go on: in place they form the
+        next round without the leavers; otherwise their agent restarts the world from that
+        snapshot.
+        """
+        step, leaving = self.state.step, self._stop_signal is not None
+        try:
+            leavers = [r for r, flag in enumerate(all_gather_ints(int(leaving), self.dist)) if flag]
+            broke = ""
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            leavers, broke = [], (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        said = f"got signal {self._stop_signal}: stopping at step {step}" if leaving else \
+            f"rank(s) {leavers or '?'} stop after step {step} (SIGTERM on their node)"
+        if broke:  # a peer died as well: ``step`` is not known to be committed, the last one is
+            if self.dist.is_main or not leaving:
+                log.warning("%s %s, but the world broke as the ranks stopped (%s); the newest snapshot stays the "
+                            "last one written", self._where, said, broke)
+        else:
+            self._commit_previous()
+            # In place the ranks that stay hold this step in memory: rank 0 staying writes
+            # no snapshot for them (it would only make them stand still); one leaving does,
+            # and so does rank 0 of torchrun's world, which restarts from disk.
+            if self.dist.is_main and (leaving or self.membership is None):
+                self._snapshot_before_stopping(step, said)
+        if leaving:
+            self._leaving = True
+            return
+        if self.membership is None:  # torchrun's world cannot lose a member in place
+            self._await_own_stop(said)
+        started = time.perf_counter()
+        self.goodput.failed()
+        if self.dist.is_main and not broke:
+            log.info("%s %s; re-forming in place without them", self._where, said)
+        self.membership.failed(broke or f"rank(s) {leavers} stopped after step {step} (SIGTERM)")
+        self._form_world("failure", min_round=self.membership.round + 1, since=started)
+
+    def _await_own_stop(self, said: str) -> None:
+        """Torchrun's world (the restart path) without its leavers cannot go on. Its agent
+        is about to stop this worker anyway (it restarts the world once the leavers' node is
+        gone, or stops this group for a new round); exiting first would look like a failure
+        of ours and spend one of its restarts. So wait for that, a while; then exit 1."""
+        log.warning("%s %s; this world cannot go on without them: waiting up to %.0f s for this node's agent to "
+                    "stop this worker and start the world again", self._where, said, _PEER_STOP_WAIT_S)
+        self.close()
+        deadline = time.monotonic() + _PEER_STOP_WAIT_S
+        while self._stop_signal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise SystemExit(128 + self._stop_signal if self._stop_signal is not None else 1)
+
+    def _snapshot_before_stopping(self, step: int, said: str) -> None:
+        """Rank 0: a snapshot of the committed ``step``, durable before this call returns."""
+        if self.snapshots.writer is None:
+            log.info("%s %s", self._where, said)
+            return
+        newest = self.snapshots.newest_durable
+        if newest == step:
+            log.info("%s %s; snapshot step %d is already durable", self._where, said, step)
+        else:
+            self._say_snapshot_fits(said, step, newest)
+        t0 = time.perf_counter()
+        try:
+            self.snapshots.final(step, self.state.capture(), self.dist.world_size,
+                                 {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
+                                  "samples": self.state.samples})
+        except StaleGroupError as exc:  # a newer round already commits: its members hold the state
+            log.warning("%s snapshot step %d not written: %s", self._where, step, exc)
+            return
+        if newest != step:
+            log.info("%s snapshot step %d durable in %.2f s; a resume goes on from it", self._where, step,
+                     time.perf_counter() - t0)
+
+    def _say_snapshot_fits(self, said: str, step: int, newest: int | None) -> None:
+        """One line: the snapshot about to be written, and whether it fits in the grace left
+        before the agent's SIGKILL (``ELASTIC_TERM_GRACE``), judged by the last write's time."""
+        estimate = self.snapshots.last_write_seconds
+        took = f"the last one took {estimate:.2f} s" if estimate is not None else "no earlier snapshot to time it by"
+        grace = _term_grace()
+        if grace is None or self._stop_signal is None:
+            log.info("%s %s; writing snapshot step %d now (%s)", self._where, said, step, took)
+            return
+        left = grace - (time.monotonic() - self._stop_since)
+        if estimate is not None and estimate > left:
+            lost = f"snapshot step {newest}, {step - newest} step(s) lost" if newest is not None else \
+                "the newest snapshot already on disk (this process wrote none)"
+            log.warning("%s %s; snapshot step %d would take about %.1f s (as long as the last one), more than the "
+                        "%.1f s left of the %g s grace: writing it anyway, but if the agent's SIGKILL comes first "
+                        "the job resumes from %s; give the job a longer grace (elastic agent --term-grace, and "
+                        "Kubernetes' terminationGracePeriodSeconds above it)", self._where, said, step, estimate,
+                        left, grace, lost)
+        else:
+            log.info("%s %s; writing snapshot step %d now (%s; %.1f s of the %g s grace left)", self._where,
+                     said, step, took, left, grace)
 
     def _stop_on_signal(self) -> None:
+        """The end of the loop iteration after an agreed stop: leave with exit code 128 + signal."""
         signum = self._stop_signal or signal.SIGTERM
-        if self.dist.is_main:
-            pending = self.snapshots.pending_step
-            log.info("%s got signal %d: stopping at step %d%s", self._where, signum, self.state.step,
-                     f", flushing snapshot step {pending}" if pending is not None else "")
-        self.close()
+        try:
+            self.close()  # the snapshot of the last step is durable already; this only flushes and leaves
+        except StaleGroupError as exc:
+            log.warning("%s %s", self._where, exc)
         raise SystemExit(128 + signum)
+
+    # ------------------------------------------------------------------ 7. usage errors
+
+    def _usage_error(self, exc: Exception) -> None:
+        """One ``error:`` line and exit code 2, which an agent never restarts: the same error
+        would come back at every start. Rank 0 speaks for errors every rank hits alike."""
+        rank = self.dist.rank if hasattr(self, "dist") else int(os.environ.get("RANK", "0") or 0)
+        if isinstance(exc, _OwnUsageError):
+            print(f"error: [{node_name()} rank {rank}] {exc}", file=sys.stderr, flush=True)
+        elif rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        try:
+            self.close()  # the writer process and the process group go now, not at exit
+        except Exception:  # noqa: BLE001 - the usage error is what the user must see
+            log.debug("closing after a usage error", exc_info=True)
+        raise UsageExit(str(exc)) from exc
 
     def close(self) -> None:
         """Flush the pending snapshot, close the ledger, leave the process group if we joined it."""
         if self._closed:
             return
         self._closed = True
-        self.goodput.close()
+        if hasattr(self, "goodput"):
+            self.goodput.close()
         try:
-            self.snapshots.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
         finally:
             if self.membership is not None:
                 self.membership.close()
@@ -644,6 +869,19 @@ class ElasticRun:
     def state_dict(self) -> dict[str, Any]:
         """Everything a restart needs, as tensors and plain numbers (what a snapshot holds)."""
         return self.state.capture()
+
+
+class _OwnUsageError(ElasticRunError):
+    """A usage error of this rank's own (its metrics port, say): it says so itself, whatever its rank."""
+
+
+def _term_grace() -> float | None:
+    """Seconds the agent waits after SIGTERM before its SIGKILL (None: not under elastic agent)."""
+    try:
+        grace = float(os.environ.get(TERM_GRACE_ENV, ""))
+    except ValueError:
+        return None
+    return grace if grace > 0 else None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -78,6 +78,26 @@ def test_a_usage_error_beside_a_crash_is_a_crash() -> None:
     assert decide(obs(exits={0: 2, 1: -9})).action is Action.RESTART
 
 
+def test_a_usage_error_beside_the_failures_it_caused_still_ends_the_job() -> None:
+    """Rank 0 exits 2; rank 1's collective with it breaks and it exits 1: a restart would
+    meet the same usage error, so the job ends, reported as the usage error alone."""
+    decision = decide(obs(exits={0: 2, 1: 1, 2: None}, restarts_left=100))
+    assert decision.action is Action.FAIL and decision.failed == {0: 2} and decision.usage_error
+    assert not decision.counted
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_usage_error_while_the_others_still_run_is_not_restarted_in_place_either(in_place: bool) -> None:
+    decision = decide(obs(exits={0: None, 1: 2}, in_place=in_place, reform_requested=in_place))
+    assert decision.action is Action.FAIL and decision.failed == {1: 2} and decision.usage_error
+
+
+def test_only_a_usage_error_makes_the_agent_exit_2() -> None:
+    assert not decide(obs(exits={0: 1, 1: None}, restarts_left=0)).usage_error
+    assert not decide(obs(stalled_for=60.0, restarts_left=0)).usage_error
+    assert decide(obs(exits={0: 2, 1: 2})).usage_error
+
+
 def test_all_workers_done_is_success() -> None:
     assert decide(obs(exits={0: 0, 1: 0})).action is Action.SUCCEED
 

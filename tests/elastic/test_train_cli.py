@@ -128,11 +128,10 @@ def test_sigterm_stops_at_a_step_boundary_flushes_and_exits_143(tmp_path: Path) 
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr, stderr
-    stopped = int(stderr.split("got signal 15: stopping at step ")[1].split()[0].rstrip(","))
+    stopped = int(stderr.split("got signal 15: stopping at step ")[1].split()[0].rstrip(",;"))
     store = SnapshotStore(snap, create=False)
     newest = store.newest_valid(full=True)
-    # Which steps got a snapshot depends on the writer keeping up (ones due while it starts or
-    # writes are skipped); that every one is whole and none is cut off does not.
-    assert newest is not None and newest.step <= stopped, (newest, stopped)
+    # A pre-emption: the last step trained is snapshotted before the exit, so a resume loses nothing.
+    assert newest is not None and newest.step == stopped, (newest, stopped)
     assert all(s.valid for s in store.status(full=True))
     assert not [p.name for p in snap.iterdir() if p.name.startswith(".tmp-")], "a write was cut off, not flushed"
