@@ -16,6 +16,14 @@ from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
 
+try:  # the same examples every run: a fuzz test that fails, fails again (never flaky)
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)
+    _hypothesis_settings.load_profile("repeatable")
+except ImportError:  # only the red-team fuzz tests need it
+    pass
+
 # Fixtures that start a real etcd, agents, namespaces or other processes. A test that uses
 # one is slow by itself, so a new test cannot slip into `make test-fast` by forgetting a
 # marker; and under `make test-fast` a test that starts a process anyway fails, saying so.

@@ -238,6 +238,7 @@ def test_without_a_key_signed_and_unsigned_snapshots_both_load(tmp_path: Path, c
     assert "signatures: NOT checked (no job key; set ELASTIC_RDZV_HMAC_KEY_FILE or pass --key-file): 1 signed, 1 unsigned" in out
 
 
+@pytest.mark.slow  # starts processes
 def test_cli_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "snaps"
     key_file = tmp_path / "job.key"
@@ -283,6 +284,7 @@ def test_a_bad_key_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
         SnapshotStore(tmp_path, key=b"abc")
 
 
+@pytest.mark.slow  # starts processes
 def test_the_background_writer_signs_with_its_stores_key(tmp_path: Path) -> None:
     """In both modes; the writer process is told the store's key (here not in its environment)."""
     store = SnapshotStore(tmp_path, keep=5, key=KEY.encode())

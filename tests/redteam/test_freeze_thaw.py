@@ -22,6 +22,8 @@ from agent.commands import FREEZE, KILL, MAX_FREEZE_S, Command
 from agent.kill import THAW_MARK, freeze_for
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # real process trees, frozen and thawed
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The child appends a timestamp every 20 ms; the parent does too, then acts on a freeze
