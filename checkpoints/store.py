@@ -74,6 +74,14 @@ class _FileProblem(Exception):
     """One file is not what its manifest says or does not load; ``str()`` is the one-line reason."""
 
 
+def _write_durably(fd: int, data: bytes) -> None:
+    """All of ``data`` (os.write may write less than asked), then fsync."""
+    off = 0
+    while off < len(data):
+        off += os.write(fd, data[off:])
+    os.fsync(fd)
+
+
 def _read_entry(path: Path, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
     """Read one snapshot file once, check those very bytes (size; sha256 with ``verify``) and
     deserialise them with the resume loader, so a check and a load cannot judge different bytes."""
@@ -331,10 +339,7 @@ class SnapshotStore:
             data = manifest.to_bytes(
                 None if key is None else lambda body: signing.sign(key, final.name, step, body)
             )
-            off = 0
-            while off < len(data):
-                off += os.write(fd, data[off:])
-            os.fsync(fd)
+            _write_durably(fd, data)
         finally:
             os.close(fd)
         layout.fsync_dir(tmp)
@@ -781,10 +786,7 @@ class SnapshotStore:
         tmp = path / f".{layout.MANIFEST_NAME}.signing-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            off = 0
-            while off < len(data):
-                off += os.write(fd, data[off:])
-            os.fsync(fd)
+            _write_durably(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, path / layout.MANIFEST_NAME)  # atomic: the old manifest or the signed one

@@ -13,7 +13,6 @@ agree on the step they stop after.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 from checkpoints import SnapshotStore
 from elastic.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger, read_ledger
-from tests.elastic.inplace.support import FORM_TIMEOUT, JOB
+from tests.elastic.inplace.support import FORM_TIMEOUT, JOB, read_rows
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -43,16 +42,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
 
 
 def rows(workdir: Path, name: str = "rows") -> list[dict[str, Any]]:
-    path = workdir / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_rows(workdir / f"{name}.jsonl")
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ def start_job(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id:
                  metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args])
 
 
-def rows(node: Node, workdir: Path) -> list[dict[str, Any]]:
-    path = workdir / f"{node.name}.rows.jsonl"
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a job's progress file (none yet if it does not exist)."""
     if not path.exists():
         return []
     out = []
@@ -35,6 +35,10 @@ def rows(node: Node, workdir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             pass  # a line cut short by SIGKILL
     return out
+
+
+def rows(node: Node, workdir: Path) -> list[dict[str, Any]]:
+    return read_rows(workdir / f"{node.name}.rows.jsonl")
 
 
 def at_world(node: Node, workdir: Path, world: int, after: float = 0.0) -> list[dict[str, Any]]:
