@@ -50,6 +50,12 @@ def _dir_bytes(path: Path) -> int | None:
         return None
 
 
+def _not_a_snapshot_row(path: Path, step: int | None, status: str) -> list[str]:
+    """A directory beside the snapshots (a spare, one set aside): its step, size and why."""
+    size = _dir_bytes(path)
+    return [str(step), "?" if size is None else _size(size), "-", "-", status]
+
+
 def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: list[Path],
           unsigned_aside: Sequence[Path] = ()) -> list[list[str]]:
     now = time.time()
@@ -73,24 +79,13 @@ def _rows(statuses: list[SnapshotStatus], temps: list[TempDirStatus], spares: li
         what = "stale temp dir (crashed writer; removed by the next save or prune)" if t.stale else "being written"
         rows.append([str(t.step), "-", "-", "-", f"{what}: {t.path.name} pid {t.pid}"])
     for path in spares:
-        size = _dir_bytes(path)
-        rows.append([
-            str(layout.parse_spare_dirname(path.name)),
-            "?" if size is None else _size(size),
-            "-",
-            "-",
-            "spare: not a snapshot; the next save writes over its files ('prune' deletes it)",
-        ])
+        rows.append(_not_a_snapshot_row(path, layout.parse_spare_dirname(path.name),
+                                        "spare: not a snapshot; the next save writes over its files ('prune' deletes it)"))
     for path in unsigned_aside:
-        size = _dir_bytes(path)
-        rows.append([
-            str(layout.parse_unsigned_dirname(path.name)),
-            "?" if size is None else _size(size),
-            "-",
-            "-",
+        rows.append(_not_a_snapshot_row(
+            path, layout.parse_unsigned_dirname(path.name),
             f"set aside: {path.name} was not signed with the job key and its step was written again; "
-            "nothing deletes it (delete it by hand)",
-        ])
+            "nothing deletes it (delete it by hand)"))
     return rows
 
 
