@@ -197,4 +197,8 @@ def test_a_kill_on_the_restart_path_costs_detection_rendezvous_start_restore_and
         assert account.lost["unknown"] > 0 and account.lost["recompute"] == 0
     rows = rank0_rows(a, b)
     start = rows[0]["time"] - rows[0].get("step_seconds", 0.0)
-    assert account.wall == pytest.approx(rows[-1]["time"] - start, rel=0.02), (account, rows[0], rows[-1])
+    # The survivor's worker is stopped by SIGTERM; the marks it last wrote can trail its last
+    # row by a step and one agent tick (65-70 ms seen on a loaded machine, over 2 % of a
+    # 2.6 s run). Never longer than the rows, never short by more than that.
+    rows_wall = rows[-1]["time"] - start
+    assert rows_wall - 0.25 <= account.wall <= rows_wall * 1.02, (account, rows[0], rows[-1])
