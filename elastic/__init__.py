@@ -6,6 +6,7 @@ itself is still importing, so this module must not import torch.distributed up f
     import elastic
     run = elastic.ElasticRun(model, optimizer, dataset, global_batch_size=64, epochs=10,
                              snapshot_dir="/shared/ckpt/job1")
+    elastic.report_progress(step)  # a loop of your own: tells the agent's hang watchdog
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _EXPORTS = {
     "LedgerReport": "elastic.ledger",
     "check_ledger": "elastic.ledger",
     "read_ledger": "elastic.ledger",
+    "report_progress": "elastic.progress",  # no torch import: any training loop may call it
 }
 
 __all__ = sorted(_EXPORTS)
@@ -33,6 +35,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .distributed import DistInfo, ElasticRunError, init_distributed
     from .ledger import Ledger, LedgerReport, check_ledger, read_ledger
+    from .progress import report_progress
     from .sampler import ElasticSampler, split_sizes
     from .trainer import ElasticRun, StepInfo
 

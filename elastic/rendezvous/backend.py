@@ -3,6 +3,10 @@
 The fencing token is the key's mod revision. A transaction compares it and writes in one
 round trip, and on a mismatch returns the current value in the same reply, so a losing
 writer learns the winner's state without a second read.
+
+:func:`create_backend` is torch's backend-factory contract (``(params) -> (backend, store)``,
+as in ``etcd_rendezvous_backend.create_backend``), for users who build torch's
+``DynamicRendezvousHandler`` themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable, TypeVar
 from etcd3 import transactions as tx
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousParameters,
     RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
@@ -21,6 +26,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import ExpiringLease, transact
 
 from .signing import SignatureError, StateSigner
+from .store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +119,26 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return call()
         except EtcdError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """The backend and the store for ``params``, after one read proves etcd answers.
+
+    Raises torch's :class:`RendezvousConnectionError` when etcd is unreachable or refuses
+    us, with our one-line message and the :class:`EtcdError` as its cause: torch's callers
+    catch that type. Bad settings raise :class:`EtcdConfigError` / :class:`HmacKeyError`.
+    """
+    from .options import connect  # options imports this module
+
+    try:
+        options, signer, client = connect(params)
+    except EtcdError as exc:
+        raise RendezvousConnectionError(str(exc)) from exc
+    backend = EtcdV3RendezvousBackend(
+        client, params.run_id, signer, key_prefix=options.key_prefix, ttl=options.state_ttl
+    )
+    store = EtcdV3Store(client, f"{options.key_prefix}/{params.run_id}/store", signer, ttl=options.state_ttl)
+    return backend, store
 
 
 def _parse_token(token: Token) -> int | None:

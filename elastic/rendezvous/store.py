@@ -4,6 +4,10 @@ Blocking reads watch from the revision of the read that found the key missing, s
 waiter wakes the moment the key is written and can never miss a write that races its
 read. Counters (``add``) and ``compare_set`` are transactions on the mod revision.
 Values are sealed like the rendezvous state: a forged ``MASTER_ADDR`` is refused.
+
+torch's C++ side (``PrefixStore``, process groups) reaches a Python store through a
+trampoline that looks some methods up by their C++ names (``getNumKeys``, ``deleteKey``),
+so those are defined here too. Queues are not supported and say so (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -44,7 +48,12 @@ class EtcdV3Store(dist.Store):
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._signer = signer
+        self._ttl = ttl
         self._lease = ExpiringLease(client, ttl)
+        # Clones handed to C++ (PrefixStore.clone, process-group split/shrink) hold no Python
+        # reference of their own: pybind11 would drop their Python half, and every later call
+        # would hit a pure virtual. The family keeps them alive as long as any of its stores.
+        self._family: list[EtcdV3Store] = []
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -92,12 +101,19 @@ class EtcdV3Store(dist.Store):
                 return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise dist.DistStoreError(
-                    f"timed out after {timeout.total_seconds():.1f} s waiting for store keys {missing}"
-                )
+                raise self._timeout_error(missing, timeout)
             self._client.wait_for_event(
                 missing[0], min(remaining, _WATCH_SLICE_S), start_revision=revision + 1
             )
+
+    def _timeout_error(self, missing: Sequence[str], timeout: timedelta) -> dist.DistStoreError:
+        """torch's type and wording ("wait timeout after N ms, keys: ..."): callers and
+        torch's own tests match on them; the keys are the caller's, without our prefix."""
+        keys = [k[len(self._prefix):] for k in missing]
+        millis = int(timeout.total_seconds() * 1000)
+        return dist.DistStoreError(
+            f"wait timeout after {millis} ms, keys: {keys} (under etcd prefix {self._prefix})"
+        )
 
     # -- the Store interface ----------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -174,7 +190,7 @@ class EtcdV3Store(dist.Store):
                 return
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
-        self._wait_for([self._key(k) for k in keys], timeout or self.timeout)
+        self._wait_for([self._key(k) for k in keys], self.timeout if timeout is None else timeout)
 
     def check(self, keys: list[str]) -> bool:
         full = [self._key(k) for k in keys]
@@ -185,7 +201,59 @@ class EtcdV3Store(dist.Store):
         return bool(self._client.call(lambda c: c.delete(self._key(key))))
 
     def num_keys(self) -> int:
+        """Keys under this store's prefix (through a PrefixStore too: torch counts the
+        underlying store's keys, not the wrapper's)."""
         response = self._client.call(
             lambda c: c.get_prefix_response(self._prefix, keys_only=True, count_only=True)
         )
         return int(response.count)
+
+    def list_keys(self) -> list[str]:
+        """The keys under this store's prefix, sorted. torch's PrefixStore does not pass
+        this call on to a Python store, so only a direct call reaches it."""
+        response = self._client.call(lambda c: c.get_prefix_response(self._prefix, keys_only=True))
+        return sorted(kv.key.decode()[len(self._prefix):] for kv in response.kvs)
+
+    def has_extended_api(self) -> bool:
+        """True: ``append``, ``multi_get``, ``multi_set`` and ``compare_set`` are native
+        here (transactions), not torch's non-atomic fallbacks over get/set."""
+        return True
+
+    def clone(self) -> EtcdV3Store:
+        """A second handle on the same keys, for torch's process-group split and shrink.
+
+        It shares the thread-safe etcd client (one gRPC channel multiplexes concurrent
+        requests, so a clone used by another thread does not queue behind this one) and the
+        lease; it starts with this store's timeout and keeps its own from then on.
+        """
+        twin = EtcdV3Store(self._client, self._prefix, self._signer, ttl=self._ttl, timeout=self.timeout)
+        twin._lease = self._lease
+        twin._family = self._family
+        self._family.append(twin)
+        return twin
+
+    # -- the names torch's C++ trampoline looks up (PrefixStore, process groups) -------
+    def getNumKeys(self) -> int:  # noqa: N802 - the C++ name PrefixStore.num_keys() calls
+        return self.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 - the C++ name PrefixStore.delete_key() calls
+        return self.delete_key(key)
+
+    # -- not supported -----------------------------------------------------------------
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        raise _unsupported("queue_push")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        raise _unsupported("queue_pop")
+
+    def queue_len(self, key: str) -> int:
+        raise _unsupported("queue_len")
+
+
+def _unsupported(operation: str) -> NotImplementedError:
+    """Queues would need an ordered, blocking pop, and no torch component that runs on
+    this store (rendezvous, gloo, the elastic agent) uses them: refuse plainly."""
+    return NotImplementedError(
+        f"EtcdV3Store does not support {operation}: queues are not implemented on etcd; "
+        "use a TCPStore for queue_push/queue_pop/queue_len"
+    )
