@@ -8,15 +8,20 @@ after each optimizer step and the agent's ``status.json`` (round and ranks), so 
 can be followed without a change. Rows built that way carry ``kind``: ``job`` when the
 script reported its own step numbers (``elastic.report_progress(step)``), ``count`` when
 they only count this process's optimizer steps.
+
+Its crashes come from its log (:class:`NodeLog`): the workers' tracebacks and the agent's
+own lines land there, so what the agent acted on can be read back without a new channel.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -27,7 +32,12 @@ if TYPE_CHECKING:
     from .netns import Namespace
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ELASTIC = [sys.executable, "-m", "agent.cli", "agent"]
+# Not `-m agent.cli`: that puts the working directory (the user's, under `elastic local`) first
+# on sys.path, and a user's own `agent/` or `elastic/` directory would shadow ours. `-c` puts ''
+# there, which is dropped (as agent/worker_boot.py does for the workers).
+_AGENT_BOOT = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import agent.cli as elastic; " \
+              "sys.exit(elastic.main())"
+ELASTIC = [sys.executable, "-c", _AGENT_BOOT, "agent"]
 
 
 @dataclass
@@ -38,6 +48,7 @@ class LocalNode:
     are extra launcher flags (``--metrics-port``, ``--hang-timeout``...). With ``netns``
     (from :class:`agent.netns.NodeNetwork`) the node runs inside that namespace and uses its
     address for ``--local-addr`` and ``--metrics-addr``, as a node on its own host would.
+    The agent and its workers run in ``cwd`` (default: ``workdir``, where the log goes).
     """
 
     name: str
@@ -57,11 +68,13 @@ class LocalNode:
     agent_args: Sequence[str] = ()
     metrics_port: int = 0
     netns: Namespace | None = None  # run inside this network namespace (agent.netns), at its address
+    cwd: Path | None = None  # where the agent and its workers run; None: workdir
     process: subprocess.Popen[bytes] | None = None
     frozen: list[int] = field(default_factory=list)
     _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
     _read_to: int = field(default=0, repr=False)  # bytes of the progress file already parsed
     _beats_seen: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict, repr=False)
+    _log: "NodeLog | None" = field(default=None, repr=False)
 
     @property
     def log_path(self) -> Path:
@@ -103,11 +116,13 @@ class LocalNode:
         return self.netns.wrap(cmd) if self.netns is not None else cmd  # `ip netns exec` keeps the pid
 
     def start(self) -> "LocalNode":
+        if self._log is not None:
+            self._log.started_again()
         env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=self.workdir, start_new_session=True,
+                env=env, cwd=self.cwd or self.workdir, start_new_session=True,
             )
         return self
 
@@ -195,8 +210,156 @@ class LocalNode:
         """Steps this node completed in a world of ``world_size`` after time ``after``."""
         return [r for r in self.progress() if r["world_size"] == world_size and r["time"] > after]
 
+    @property
+    def log(self) -> "NodeLog":
+        """What this node's log says of its workers' crashes (read as it grows)."""
+        if self._log is None:
+            self._log = NodeLog(self.log_path)
+        return self._log
+
+    def crashes(self) -> list["Crash"]:
+        """Every worker crash or hang this node's agent acted on so far, oldest first."""
+        return self.log.read()
+
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
             return f"{self.name}: no log"
         text = self.log_path.read_text(errors="replace").splitlines()
         return f"--- {self.name} log (last {lines} lines) ---\n" + "\n".join(text[-lines:])
+
+
+# ---------------------------------------------------------------------------- the node's log
+
+# logging's asctime, then "[node] LEVEL logger: [node] message" (agent/launch.py's format)
+_AGENT_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[[^\]]*\] ([A-Z]+) elastic\.agent: "
+                         r"(?:\[[^\]]*\] )?(.*)$")
+_FAILED = re.compile(r"local worker\(s\) \[[\d, ]*\] failed \(exit ([^)]*)\)")
+_RESTART = re.compile(r"^restart \((\w+)\)")
+_EXITED = re.compile(r"exited with code (-?\d+)")
+_TRACEBACK = "Traceback (most recent call last):"
+_GAVE_UP = ": the job fails"
+_HUNG = "no rank on this node made progress"
+_KEPT_OUT = "kept out of the job for"  # a crash loop: the agent stops its workers and stays out a while
+CRASH, HANG = "crash", "hang"
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A worker crash (or hang) that its agent acted on, as the node's log tells it."""
+
+    at: float  # unix time of the agent's line
+    kind: str  # crash | hang
+    exit: str  # the exit code(s) the agent logged ("1", "-9", "1, 1"); "" if it logged none
+    error: str  # the last line of the worker's traceback; "" if it printed none
+    gave_up: str = ""  # the agent's reason when it gave up on the job ("no restarts left")
+
+    def describe(self) -> str:
+        """``worker exit 1: NameError: name 'x' is not defined``."""
+        what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
+        return f"{what}: {self.error}" if self.error else what
+
+
+def _exit_words(code: str) -> str:
+    """``exit 1``; a death by signal by its name (``killed by SIGSEGV``)."""
+    first = code.split(",")[0].strip()
+    if first.startswith("-") and first[1:].isdigit():
+        try:
+            return f"killed by {signal.Signals(int(first[1:])).name}"
+        except ValueError:
+            pass
+    return f"exit {code}" if code else "crashed"
+
+
+class NodeLog:
+    """Reads a node's log as it grows, for the crashes its agent acted on.
+
+    A worker's traceback is in the log (the agent's workers share its output), then the
+    agent's line ``local worker(s) [0] failed (exit 1): stopping local workers now``. That
+    alone is not yet a crash of this node: a worker whose peer was killed fails too, and
+    the agent's next line says which it was, ``restart (worker_failed)`` (or ``hang``)
+    against ``restart (peer_lost)``. ``...: the job fails`` is a crash the agent gave up on,
+    and ``kept out of the job ...`` one it stepped out of the job for (a crash loop).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last_error = ""  # the newest traceback's last line, or agent error, or "error: ..." line
+        self._read_to = 0
+        self._partial = b""
+        self._in_traceback = False
+        self._exception = ""  # the last line of the newest traceback no crash has claimed yet
+        self._pending: Crash | None = None  # acted on, not yet told apart from a peer's doing
+        self._crashes: list[Crash] = []
+
+    def read(self) -> list[Crash]:
+        """Every crash confirmed so far; reads only what was appended since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._read_to)
+                fresh = f.read()
+        except FileNotFoundError:
+            return list(self._crashes)
+        self._read_to += len(fresh)
+        lines = (self._partial + fresh).split(b"\n")
+        self._partial = lines.pop()  # a line still being written waits for its end
+        for line in lines:
+            self._line(line.decode("utf-8", errors="replace").rstrip("\r"))
+        return list(self._crashes)
+
+    def settle(self) -> None:
+        """The agent exited on its own: a crash it had not yet told apart was its own."""
+        self.read()
+        if self._pending is not None:
+            self._crashes.append(self._pending)
+            self._pending = None
+
+    def started_again(self) -> None:
+        """The node starts anew (after a kill): what its old agent left undecided is dropped."""
+        self.read()
+        self._pending, self._exception, self._in_traceback = None, "", False
+
+    def _line(self, line: str) -> None:
+        agent = _AGENT_LINE.match(line)
+        if agent is not None:
+            self._in_traceback = False
+            stamp = time.mktime(time.strptime(agent[1], "%Y-%m-%d %H:%M:%S")) + int(agent[2]) / 1000
+            self._agent(stamp, agent[3], agent[4])
+        elif line.startswith(_TRACEBACK):
+            self._in_traceback = True
+        elif self._in_traceback and line.strip() and not line[0].isspace():
+            self._in_traceback = False  # frames are indented; the exception's line is not
+            self._exception = self.last_error = line.strip()
+        elif line.startswith("error: "):
+            self.last_error = line.strip()
+
+    def _agent(self, at: float, level: str, message: str) -> None:
+        failed = _FAILED.search(message)
+        restart = _RESTART.match(message)
+        if level == "ERROR":
+            self.last_error = message
+        if message.endswith(_GAVE_UP):
+            gave_up = message[: -len(_GAVE_UP)]
+            code = _EXITED.search(gave_up)  # a usage error names its code
+            base = self._pending or Crash(at, HANG if "hung" in gave_up else CRASH, code[1] if code else "",
+                                          self._take_exception())
+            self._crashes.append(Crash(base.at, base.kind, base.exit, base.error, gave_up=gave_up))
+            self._pending = None
+        elif message.startswith(_KEPT_OUT):
+            self._crashes.append(self._pending or Crash(at, CRASH, "", self._take_exception()))
+            self._pending = None
+        elif failed is not None or _HUNG in message:
+            kind = CRASH if failed is not None else HANG
+            crash = Crash(at, kind, failed[1] if failed is not None else "", self._take_exception())
+            if "the others keep running" in message:  # in place: only this node's rank starts again
+                self._crashes.append(crash)
+            else:
+                self._pending = crash
+        elif restart is not None:
+            if self._pending is not None and restart[1] in ("worker_failed", "hang"):
+                self._crashes.append(self._pending)
+            self._pending = None  # else a peer's death failed our worker: not this node's crash
+            self._exception = ""  # what the stopped workers printed is not their successors'
+
+    def _take_exception(self) -> str:
+        exception, self._exception = self._exception, ""
+        return exception

@@ -300,7 +300,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 )
             entries, revision = self.mirror.entries()
             if self._closed_in(entries):
-                raise RendezvousClosedError(f"run {self.run_id!r} has finished; use a new --rdzv-id")
+                raise RendezvousClosedError(f"run {self.run_id!r} has ended (its rendezvous was closed); "
+                                             "a new job needs a new --rdzv-id")
             if not self.mirror.healthy:
                 self.mirror.wait(revision, _TICK_S * 5)
                 continue

@@ -116,7 +116,8 @@ def test_elastic_local_nodes_serve_metrics_found_through_the_registry(
     local_run: LocalRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     endpoint = wait_until(local_run.etcd_endpoint, 60, "elastic local to start its etcd", on_timeout=local_run.logs)
-    target = connect(argparse.Namespace(rdzv_endpoint=endpoint, rdzv_id="local", rdzv_conf=""))
+    key = f"hmac_key_file={local_run.run_dir / 'rdzv.key'}"  # elastic local signs its rendezvous with a key of its own
+    target = connect(argparse.Namespace(rdzv_endpoint=endpoint, rdzv_id="local", rdzv_conf=key))
     try:
         def both_training() -> dict[str, Samples] | None:
             local_run.remember_tree()
@@ -140,8 +141,8 @@ def test_elastic_local_nodes_serve_metrics_found_through_the_registry(
     for node, s in scraped.items():
         assert [v for _, v in s["elastic_agent_nodes_in_round"]] == [2.0], node
 
-    # `elastic top` against elastic local: its etcd, its run id, no other flag.
-    code = top(["--once", "--interval", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "local"])
+    # `elastic top` against elastic local: its etcd, its run id and its key, as its header says.
+    code = top(["--once", "--interval", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "local", "--rdzv-conf", key])
     out = capsys.readouterr().out
     print(out)
     assert code == 0, out

@@ -1,0 +1,247 @@
+"""``elastic local`` tells the truth about a user's own script (issue 26).
+
+One real run, as a new user makes it: a tutorial-style DDP script with a bug at step 3
+(a NameError), two nodes, no terminal. Its user must see the crash (in the progress lines,
+the summary, with the traceback's last line and the log's path), one line saying why the
+job failed, a non-zero exit, and no node claiming the job finished. The script's relative
+paths are the user's (it runs where ``elastic local`` was started), it is handed the run's
+snapshot directory, and the rendezvous is signed, so no node warns that it is not.
+
+The log reading behind the crash count is checked on its own too, on the lines an agent
+writes: a worker that failed because its peer was killed is not a crash of its node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from agent.local_cluster import parse_args
+from agent.local_node import NodeLog
+from agent.proctree import process_tree
+from tests.support.waiting import wait_until
+
+RUN_TIMEOUT = 150
+WRITTEN = "written-by-rank0.jsonl"  # the script's own relative path
+
+SCRIPT = textwrap.dedent('''\
+    import json, os, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        with open("written-by-rank0.jsonl", "a") as f:
+            f.write(json.dumps({"cwd": os.getcwd(), "snapshot_dir": os.environ.get("ELASTIC_SNAPSHOT_DIR")}) + "\\n")
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(int(sys.argv[1])):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        time.sleep(0.05)
+        if step == int(sys.argv[2]):
+            undefined_name  # a bug, as in a tutorial edited in a hurry
+    dist.destroy_process_group()
+''')
+
+
+def _started_at(pid: int) -> str | None:
+    """A live process' start time, which tells it from a later reuse of its pid; None once gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+class LocalProcess:
+    """``elastic local`` as a subprocess with no terminal; every process of its tree is
+    remembered by pid (and start time) while it runs, so none outlives the test."""
+
+    def __init__(self, args: list[str], cwd: Path, out: Path) -> None:
+        self.out = out
+        with open(out, "wb") as sink:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "local", *args], cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.seen: dict[int, str] = {}
+
+    def exited(self) -> bool:
+        for pid in process_tree(self.process.pid):
+            started = _started_at(pid)
+            if started is not None:
+                self.seen.setdefault(pid, started)
+        return self.process.poll() is not None
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Ctrl-C if it still runs, then SIGKILL by pid whatever of its tree is left."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid, started in self.seen.items():
+            if _started_at(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.process.poll() is None:
+            self.process.wait(timeout=10)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    output: str
+    user_dir: Path
+    run_dir: Path
+
+    def node_logs(self) -> dict[str, str]:
+        return {p.name: p.read_text(errors="replace") for p in sorted(self.run_dir.glob("node-*.log"))}
+
+    def explain(self) -> str:
+        tails = [f"--- {name} ---\n" + "\n".join(text.splitlines()[-25:]) for name, text in self.node_logs().items()]
+        return "\n".join([self.output[-4000:], *tails])
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+    """``cd project && elastic local --nodes 2 train.py 20 3`` with a bug at step 3."""
+    root = tmp_path_factory.mktemp("truth")
+    user_dir, run_dir = root / "project", root / "run"
+    user_dir.mkdir()
+    (user_dir / "train.py").write_text(SCRIPT)
+    local = LocalProcess(["--nodes", "2", "--faults", "0", "--max-restarts", "1", "--lease-ttl", "2",
+                          "--run-dir", str(run_dir), "train.py", "20", "3"], user_dir, root / "local.out")
+    try:
+        wait_until(local.exited, RUN_TIMEOUT, "elastic local to end the failed job", interval=0.2,
+                   on_timeout=lambda: Outcome(-1, local.output(), user_dir, run_dir).explain())
+        yield Outcome(local.process.returncode, local.output(), user_dir, run_dir)
+    finally:
+        local.stop()
+
+
+@pytest.mark.slow  # starts elastic local
+def test_a_crashing_script_ends_elastic_local_with_the_crash_shown_and_one_line_why(crashed: Outcome) -> None:
+    out = crashed.output
+    assert crashed.code == 1, crashed.explain()
+    error = "NameError: name 'undefined_name' is not defined"
+    assert re.search(r"│ +1 │ crash +│ node-\d", out), out  # the summary's row
+    details = [line for line in out.splitlines() if re.match(r"#[\d, #]+ node-\d: worker ", line)]
+    assert details and all(error in line and str(crashed.run_dir / "node-") in line for line in details), out
+    why = [line for line in out.splitlines() if line.startswith("the job failed")]
+    assert len(why) == 1 and error in why[0] and "gave up (no restarts left)" in why[0], out
+    assert out.rstrip().splitlines()[-1] == why[0]  # the last word
+    assert "finished" not in out, out
+    for name, text in crashed.node_logs().items():
+        assert "finished" not in text, f"{name} says the failed job finished:\n{text[-3000:]}"
+
+
+@pytest.mark.slow  # starts elastic local
+def test_a_relative_path_of_the_script_is_where_elastic_local_was_started(crashed: Outcome) -> None:
+    written = crashed.user_dir / WRITTEN
+    assert written.exists(), crashed.explain()
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert {r["cwd"] for r in rows} == {str(crashed.user_dir)}
+    assert not (crashed.run_dir / WRITTEN).exists()
+    tool_written = {"etcd", "etcd.log", "snapshots", "rdzv.key", "node-0.log", "node-1.log", "node-0.agent",
+                    "node-1.agent"}
+    assert {p.name for p in crashed.run_dir.iterdir()} <= tool_written
+
+
+@pytest.mark.slow  # starts elastic local
+def test_every_worker_gets_the_runs_snapshot_directory(crashed: Outcome) -> None:
+    rows = [json.loads(line) for line in (crashed.user_dir / WRITTEN).read_text().splitlines()]
+    assert rows and {r["snapshot_dir"] for r in rows} == {str(crashed.run_dir / "snapshots")}
+
+
+@pytest.mark.slow  # starts elastic local
+def test_the_rendezvous_is_signed_with_a_key_only_its_owner_reads(crashed: Outcome) -> None:
+    logs = crashed.node_logs()
+    assert len(logs) == 2 and not [name for name, text in logs.items() if "NOT signed" in text], crashed.explain()
+    key = crashed.run_dir / "rdzv.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+
+
+@pytest.mark.slow  # starts elastic local
+def test_without_a_terminal_progress_is_printed_as_it_happens(crashed: Outcome) -> None:
+    lines = [line for line in crashed.output.splitlines() if re.match(r"\[ *[\d.]+ s\] ", line)]
+    assert any(re.search(r"; node-0 \S+.*; faults 0 \(recovered 0\), crashes \d", line) for line in lines), \
+        crashed.output  # a status line, every few seconds
+    assert any("worker exit 1: NameError" in line for line in lines), crashed.output  # the crash, as it came
+    assert any("agent failed (exit 1)" in line for line in lines), crashed.output
+    seconds = [float(re.match(r"\[ *([\d.]+) s\]", line)[1]) for line in lines]  # type: ignore[index]
+    assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--first-fault-after", "default 10"), ("--fault-every", "default 20"),
+                          ("--back-after", "default 15"), ("--lease-ttl", "default "), ("--max-restarts", "default 20"),
+                          ("--timeout", "default: none")):
+        assert re.search(re.escape(flag) + r" \S+ [^-]*" + re.escape(default), text), (flag, text)
+    assert "ELASTIC_SNAPSHOT_DIR" in text and "elastic.report_progress(step)" in text
+
+
+AGENT = "2026-01-02 10:00:0{s},000 [{n}] {level} elastic.agent: [{n}] {message}"
+
+
+def _log(tmp_path: Path, *lines: str) -> NodeLog:
+    path = tmp_path / "node-0.log"
+    path.write_text("\n".join(lines) + "\n")
+    return NodeLog(path)
+
+
+def _agent(second: int, message: str, level: str = "WARNING") -> str:
+    return AGENT.format(s=second, n="node-0", level=level, message=message)
+
+
+TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 19, in <module>', "    undefined_name",
+             "NameError: name 'undefined_name' is not defined"]
+GLOO = ["Traceback (most recent call last):", '  File "train.py", line 15, in <module>',
+        "RuntimeError: [gloo] Connection closed by peer"]
+
+
+def test_a_worker_failed_by_a_killed_peer_is_not_a_crash_of_its_node(tmp_path: Path) -> None:
+    log = _log(tmp_path, *GLOO, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
+               _agent(2, "restart (peer_lost): world of 1 nodes, 3 restarts left", "INFO"))
+    assert log.read() == []
+
+
+def test_a_crash_the_agent_restarted_for_and_the_one_it_gave_up_on(tmp_path: Path) -> None:
+    log = _log(tmp_path, *TRACEBACK, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
+               _agent(2, "restart (worker_failed): world of 2 nodes, 0 restarts left", "INFO"),
+               *TRACEBACK, _agent(5, "no restarts left: the job fails", "ERROR"))
+    first, last = log.read()
+    assert first.describe() == "worker exit 1: NameError: name 'undefined_name' is not defined"
+    assert not first.gave_up and last.gave_up == "no restarts left" and last.at - first.at == 4
+
+
+def test_a_crash_not_yet_told_apart_counts_once_its_agent_exits(tmp_path: Path) -> None:
+    log = _log(tmp_path, _agent(1, "local worker(s) [0] failed (exit -11): stopping local workers now"))
+    assert log.read() == []
+    log.settle()
+    assert [c.describe() for c in log.read()] == ["worker killed by SIGSEGV"]
