@@ -7,7 +7,10 @@ and thawed. Its progress comes from the job's own progress file (``elastic.train
 after each optimizer step and the agent's ``status.json`` (round and ranks), so any script
 can be followed without a change. Rows built that way carry ``kind``: ``job`` when the
 script reported its own step numbers (``elastic.report_progress(step)``), ``count`` when
-they only count this process's optimizer steps.
+they only count this process's optimizer steps; and the loss and samples the script
+reported, if it did (``report_progress(step, loss=..., samples=...)``). Their
+``samples`` are the rank's own since the previous row, where a progress file's are the
+step's global batch.
 
 Its crashes come from its log (:class:`NodeLog`): the workers' tracebacks and the agent's
 own lines land there, so what the agent acted on can be read back without a new channel.
@@ -74,6 +77,7 @@ class LocalNode:
     _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
     _read_to: int = field(default=0, repr=False)  # bytes of the progress file already parsed
     _beats_seen: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict, repr=False)
+    _samples_seen: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)  # running totals
     _log: "NodeLog | None" = field(default=None, repr=False)
 
     @property
@@ -198,10 +202,14 @@ class LocalNode:
             if self._beats_seen.get(key) == (beat.step, beat.time) or beat.time < float(status["time"]):
                 continue  # seen, or beaten before this round began (not this round's)
             self._beats_seen[key] = (beat.step, beat.time)
+            # the record holds the process's running total: the difference counts every sample
+            # since the last beat seen here, those of beats overwritten before this poll too
+            samples = max(0, beat.samples - self._samples_seen.get(key, 0))
+            self._samples_seen[key] = beat.samples
             self._rows.append({
                 "node": self.name, "rank": int(status["rank_base"]) + local_rank, "local_rank": local_rank,
                 "world_size": int(status["world_size"]), "step": beat.step, "time": beat.time,
-                "round": int(status["round"]), "pid": beat.pid, "loss": None, "samples": 0,
+                "round": int(status["round"]), "pid": beat.pid, "loss": beat.loss, "samples": samples,
                 "kind": "job" if beat.kind == JOB_STEP else "count",
             })
         return [r for r in self._rows if r.get("kind") != "file"]

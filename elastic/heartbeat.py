@@ -1,10 +1,16 @@
-"""Per-rank progress beacons the node agent's hang watchdog reads.
+"""Per-rank progress beacons the node agent's hang watchdog (and ``elastic local``) reads.
 
-A worker that makes progress overwrites 32 bytes (step, wall time, pid, kind) at offset 0
-of ``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite``, no fsync, no lock,
-nothing that can block on a slow disk or a stuck peer. The agent only needs "when did
-this rank last make progress", so a torn read (never seen with writes this small to the
-page cache) would at worst delay a hang verdict by one poll.
+A worker that makes progress overwrites 48 bytes (step, wall time, pid, kind, loss,
+samples) at offset 0 of ``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite``, no
+fsync, no lock, nothing that can block on a slow disk or a stuck peer. The agent only
+needs "when did this rank last make progress", so a torn read (never seen with writes
+this small to the page cache) would at worst delay a hang verdict by one poll.
+
+The record only ever grows by fields appended at its end (24 bytes, then 32 with
+``kind``, now 48 with ``loss`` and ``samples``), so every reader parses the longest
+layout it knows that fits: an old agent reads a new worker's record as its prefix, and
+:func:`read_beats` still reads the records of workers older than itself (an upgrade can
+meet both). ``loss`` is NaN and ``samples`` 0 where the writer reported none.
 
 ``kind`` says what ``step`` counts: :data:`JOB_STEP` is the job's committed step
 (``ElasticRun``, or a script's own ``elastic.report_progress(step)``), comparable across
@@ -15,6 +21,7 @@ process. Tools that report steps rolled back use only job steps.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -23,8 +30,11 @@ from pathlib import Path
 
 HEARTBEAT_DIR_ENV = "ELASTIC_HEARTBEAT_DIR"
 LOCAL_COUNT, JOB_STEP = 0, 1
-_FORMAT = struct.Struct("<qdqq")  # step, unix time, pid, kind
+_FORMAT = struct.Struct("<qdqqdq")  # step, unix time, pid, kind, loss (NaN: none), samples
+_KINDS = struct.Struct("<qdqq")  # before loss and samples
 _LEGACY = struct.Struct("<qdq")  # before kinds: always written by ElasticRun, so job steps
+_LAYOUTS = (_FORMAT, _KINDS, _LEGACY)  # longest first: each is a prefix of the one before
+NO_LOSS = math.nan
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,8 @@ class Beat:
     time: float
     pid: int
     kind: int = JOB_STEP
+    loss: float | None = None  # the loss the worker reported with this step, if any
+    samples: int = 0  # samples this process reported since it started (a running total; see Heartbeat.beat)
 
 
 class Heartbeat:
@@ -51,8 +63,12 @@ class Heartbeat:
             return None
         return cls(Path(directory) / f"rank-{int(os.environ.get('LOCAL_RANK', '0'))}")
 
-    def beat(self, step: int, kind: int = JOB_STEP) -> None:
-        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid, kind), 0)
+    def beat(self, step: int, kind: int = JOB_STEP, loss: float = NO_LOSS, samples: int = 0) -> None:
+        """``samples`` is this process's running total, not this step's: a reader that
+        polls slower than the worker steps misses beats, and the difference between two
+        totals it did see still counts every sample in between. A new process starts
+        again at 0, which a reader tells by ``pid``."""
+        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid, kind, loss, samples), 0)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -73,8 +89,20 @@ def read_beats(directory: Path) -> dict[int, Beat]:
             rank = int(entry.name[5:])
         except (OSError, ValueError):
             continue
-        if len(raw) == _FORMAT.size:
-            beats[rank] = Beat(*_FORMAT.unpack(raw))
-        elif len(raw) == _LEGACY.size:
-            beats[rank] = Beat(*_LEGACY.unpack(raw))
+        beat = parse_beat(raw)
+        if beat is not None:
+            beats[rank] = beat
     return beats
+
+
+def parse_beat(raw: bytes) -> Beat | None:
+    """One record, of any size ever written (longer ones: from a newer worker, read as
+    the prefix known here); None for one too short to be any (a file just created)."""
+    for layout in _LAYOUTS:
+        if len(raw) >= layout.size:
+            fields = layout.unpack_from(raw)
+            if layout is not _FORMAT:
+                return Beat(*fields)
+            step, at, pid, kind, loss, samples = fields
+            return Beat(step, at, pid, kind, None if math.isnan(loss) else loss, samples)
+    return None

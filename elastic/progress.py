@@ -8,8 +8,11 @@ hook is registered the moment ``torch.optim.optimizer`` is, so a worker that nev
 torch pays nothing.
 
 A loop without a torch optimizer calls :func:`report_progress` once per step (one line,
-microseconds). ``ElasticRun`` calls :func:`take_over` and beats its committed steps itself.
-Outside the agent (no ``ELASTIC_HEARTBEAT_DIR``) every function here does nothing.
+microseconds); any loop may, to report its step, loss and samples (``elastic local`` shows
+them). Once a script reports for itself the hook stops beating: both would overwrite the
+same record, the hook's without the script's step, loss or samples. ``ElasticRun`` calls
+:func:`take_over` and beats its committed steps itself. Outside the agent (no
+``ELASTIC_HEARTBEAT_DIR``) every function here does nothing.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import sys
 import threading
 from typing import Any
 
-from .heartbeat import JOB_STEP, LOCAL_COUNT, Heartbeat
+from .heartbeat import JOB_STEP, LOCAL_COUNT, NO_LOSS, Heartbeat
 
 _HOOKED_MODULE = "torch.optim.optimizer"
 _lock = threading.Lock()
 _heartbeat: Heartbeat | None = None
 _heartbeat_loaded = False
 _count = 0
+_samples = 0  # this process's running total of the samples reported (what the record carries)
 _hook_handle: Any = None
 _taken_over = False
 
@@ -38,26 +42,41 @@ def _beacon() -> Heartbeat | None:
     return _heartbeat
 
 
-def report_progress(step: int | None = None) -> None:
+def report_progress(step: int | None = None, *, loss: float | None = None, samples: int = 0) -> None:
     """Tell the agent this rank made progress; ``step`` is the job's step if you know it.
 
     With ``step``, tools can also tell how many steps a fault rolled back; without it the
-    agent only learns that the rank is alive and stepping.
+    agent only learns that the rank is alive and stepping. ``loss`` is this step's loss (a
+    Python float: ``float()`` of a CUDA tensor waits for the GPU, so pass one you already
+    have on the host, or leave it out). ``samples`` is how many samples this rank
+    processed since its last report: its batch size, when called every step. Per report
+    rather than a total, so a script keeps no count of its own and a restarted rank needs
+    nothing restored; the record carries this process's running sum, from which
+    ``elastic local`` shows samples/s.
     """
-    global _count
     beacon = _beacon()
     if beacon is None:
         return
+    if not _taken_over:
+        take_over()  # the script reports for itself: the optimizer hook's beats would overwrite its own
+    _beat(beacon, step, loss, samples)
+
+
+def _beat(beacon: Heartbeat, step: int | None, loss: float | None = None, samples: int = 0) -> None:
+    global _count, _samples
+    _samples += int(samples)
+    loss_value = NO_LOSS if loss is None else float(loss)
     if step is None:
         _count += 1
-        beacon.beat(_count, LOCAL_COUNT)
+        beacon.beat(_count, LOCAL_COUNT, loss_value, _samples)
     else:
-        beacon.beat(int(step), JOB_STEP)
+        beacon.beat(int(step), JOB_STEP, loss_value, _samples)
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not _taken_over:
-        report_progress()
+    beacon = _beacon()
+    if not _taken_over and beacon is not None:
+        _beat(beacon, None)
 
 
 def _register() -> None:
@@ -111,7 +130,8 @@ def install_optimizer_hook() -> bool:
 
 
 def take_over() -> None:
-    """``ElasticRun`` beats committed steps itself; the optimizer hook stops beating."""
+    """Someone else beats from now on (``ElasticRun``, or the script through
+    :func:`report_progress`); the optimizer hook stops beating."""
     global _taken_over, _hook_handle
     with _lock:
         _taken_over = True

@@ -7,6 +7,10 @@ job failed, a non-zero exit, and no node claiming the job finished. The script's
 paths are the user's (it runs where ``elastic local`` was started), it is handed the run's
 snapshot directory, and the rendezvous is signed, so no node warns that it is not.
 
+A second run, of a script that reports its step, loss and samples through
+``elastic.report_progress``, must show them: a loss and a samples/s figure in the view,
+not the example jobs' alone.
+
 The log reading behind the crash count is checked on its own too, on the lines an agent
 writes: a worker that failed because its peer was killed is not a crash of its node.
 """
@@ -56,6 +60,16 @@ SCRIPT = textwrap.dedent('''\
         if step == int(sys.argv[2]):
             undefined_name  # a bug, as in a tutorial edited in a hurry
     dist.destroy_process_group()
+''')
+
+
+REPORTING = textwrap.dedent('''\
+    import sys, time
+    import elastic  # no torch: the heartbeat is all elastic local reads
+
+    for step in range(int(sys.argv[1])):
+        time.sleep(0.02)
+        elastic.report_progress(step, loss=1.0 / (step + 1), samples=8)
 ''')
 
 
@@ -192,6 +206,37 @@ def test_without_a_terminal_progress_is_printed_as_it_happens(crashed: Outcome) 
     assert any("agent failed (exit 1)" in line for line in lines), crashed.output
     seconds = [float(re.match(r"\[ *([\d.]+) s\]", line)[1]) for line in lines]  # type: ignore[index]
     assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+    """``elastic local --nodes 2 report.py 100``: a script reporting loss and samples, to its end."""
+    root = tmp_path_factory.mktemp("reported")
+    user_dir, run_dir = root / "project", root / "run"
+    user_dir.mkdir()
+    (user_dir / "report.py").write_text(REPORTING)
+    local = LocalProcess(["--nodes", "2", "--faults", "0", "--lease-ttl", "2", "--run-dir", str(run_dir),
+                          "report.py", "100"], user_dir, root / "local.out")
+    try:
+        wait_until(local.exited, RUN_TIMEOUT, "elastic local to end the job", interval=0.2,
+                   on_timeout=lambda: Outcome(-1, local.output(), user_dir, run_dir).explain())
+        yield Outcome(local.process.returncode, local.output(), user_dir, run_dir)
+    finally:
+        local.stop()
+
+
+@pytest.mark.slow  # starts elastic local
+def test_a_script_that_reports_loss_and_samples_has_them_shown(reported: Outcome) -> None:
+    out = reported.output
+    assert reported.code == 0, reported.explain()
+    # the final view: node | state | rank | world | step | samples/s | loss | faults | crashes
+    rows = re.findall(r"│ (node-\d) +│ exited \(0\) +│ +\d+ │ +\d+ │ +(\d+) │ +(\d+) │ +([\d.]+) │", out)
+    assert len(rows) == 2, out
+    for _, step, rate, loss in rows:
+        assert step == "99" and float(loss) == pytest.approx(0.01, abs=1e-4), out  # step 99's loss, 1/100
+        assert 0 < int(rate) <= 8 / 0.02, out  # 8 samples a step, a step at most every 20 ms
+    assert re.search(r"final step 99 in a world of \d, final loss 0\.01 \(first [\d.]+\)", out), out
+    assert "until your script reports them" not in out, out
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
