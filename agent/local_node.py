@@ -246,6 +246,7 @@ _RESTART = re.compile(r"^restart \((\w+)\)")
 _EXITED = re.compile(r"exited with code (-?\d+)")
 _TRACEBACK = "Traceback (most recent call last):"
 _GAVE_UP = ": the job fails"
+_GAVE_UP_FIRST = "the job fails: "  # a crash loop with too few nodes left: the line ends with its cause
 _HUNG = "no rank on this node made progress"
 _KEPT_OUT = "kept out of the job for"  # a crash loop: the agent stops its workers and stays out a while
 CRASH, HANG = "crash", "hang"
@@ -345,8 +346,8 @@ class NodeLog:
         restart = _RESTART.match(message)
         if level == "ERROR":
             self.last_error = message
-        if message.endswith(_GAVE_UP):
-            gave_up = message[: -len(_GAVE_UP)]
+        if message.endswith(_GAVE_UP) or message.startswith(_GAVE_UP_FIRST):
+            gave_up = message[: -len(_GAVE_UP)] if message.endswith(_GAVE_UP) else message[len(_GAVE_UP_FIRST):]
             code = _EXITED.search(gave_up)  # a usage error names its code
             base = self._pending or Crash(at, HANG if "hung" in gave_up else CRASH, code[1] if code else "",
                                           self._take_exception())

@@ -70,7 +70,9 @@ class AgentMetrics:
                                       "The current keep-out back-off (doubles each time the node is kept out again)",
                                       registry=r)
         self.kept_out_total = Counter("elastic_agent_keep_outs", "Times this node was kept out of a round because "
-                                      "its peers could not reach it", registry=r)
+                                      "its peers could not reach it, or for a crash loop", registry=r)
+        self.crash_loops = Counter("elastic_agent_crash_loops", "Times this node's workers failed right after each "
+                                   "of 3 starts in a row, and the node was kept out (or the job failed)", registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],
               registry=r).labels(node=node, version=version).set(1)
         for op in ("unavailable", "denied", "refused"):

@@ -51,6 +51,7 @@ from elastic.goodput.recorder import RECOVERY_ENV
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.metrics.export import MULTIPROC_ENV
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 from elastic.rendezvous.lease_clock import Verdict
 from elastic.rendezvous.rounds import FAILURE, JOIN
 
@@ -58,7 +59,19 @@ from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
-from .policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
+from .policy import (
+    Action,
+    Decision,
+    Failure,
+    Observation,
+    Reason,
+    decide,
+    last_words,
+    next_streak,
+    refunded,
+    settled,
+    stop_signal,
+)
 from .settings import AgentSettings
 from .warm_start import WarmPool
 from .watchdog import HangWatch
@@ -71,6 +84,7 @@ STANDBY_READY_TIMEOUT_S = 120.0
 TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"  # tells the workers how long they have (elastic.trainer)
 _STACK_DUMP_WAIT_S = 1.0
 _OFFER_TRIES = 5
+_KEEP_OUT_SEEN_S = 5.0  # how long to wait for the rendezvous' mirror to show our keep-out key change
 _MEMBERSHIP = {PEER_LOST: Reason.PEER_LOST, LEASE_LOST: Reason.LEASE_LOST, NEW_ROUND: Reason.SCALE_UP}
 
 
@@ -139,6 +153,12 @@ class NodeAgent(ElasticAgent):
         self._said_in_place = False
         self._reform_why = ""  # what the worker asking for a new round said
         self._recovering = False  # the workers started next repair a broken world (goodput)
+        self._crash_streak = self._streak_before = 0  # own failures in a row right after a start (policy)
+        self._crash_strikes = 0  # keep-outs for a crash loop (elastic.rendezvous.keepout.backoff)
+        self._back_in_at: float | None = None  # when this node last came back from such a keep-out
+        self._restarted: _Restarted | None = None  # the last restart, until its first progress explains it
+        self._kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
+        self._seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -229,7 +249,11 @@ class NodeAgent(ElasticAgent):
             if self.commands is not None:
                 self.commands.poll()  # `elastic kill` of this node from another machine
             self.goodput.tick(self.workers.pids(), self.rank_base)
-            decision = decide(self._observe())
+            observed = self._observe()
+            decision = decide(observed)
+            if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
+                # this failure is being acted on: it counts (a refund in _restart takes it back)
+                self._streak_before, self._crash_streak = self._crash_streak, observed.crash_streak
             self._export_lease()
             if decision.action is Action.CONTINUE:
                 self._while_healthy()
@@ -243,18 +267,52 @@ class NodeAgent(ElasticAgent):
                 self._rejoin(decision)
             elif decision.action is Action.REPLACE:
                 self._replace(decision)
+            elif decision.action is Action.KEEP_OUT:
+                self._keep_out(decision)
 
     def _observe(self) -> Observation:
         exits = self.workers.exits()
         membership = None
         if self.ours is not None:
             membership = _MEMBERSHIP.get(self.ours.restart_reason() or "")
+            self._kept_out_peers = self._members_kept_out() if membership is None else []
+            if self._kept_out_peers:  # it will take part in no collective of this round: a peer lost
+                membership = Reason.PEER_LOST
         elif self.handler.num_nodes_waiting() > 0:
             membership = Reason.SCALE_UP
         stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
         in_place, reform = self._in_place_statuses()
+        failures = self._seen_failures = self._failures(exits)
+        others = None if self.ours is None else len([n for n in self.participants if n != self.node])
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
-                           reform_requested=reform, restarts_left=self.remaining_restarts)
+                           reform_requested=reform, restarts_left=self.remaining_restarts, failures=failures,
+                           crash_streak=next_streak(self._crash_streak, failures.values()),
+                           nodes_without_us=others,
+                           min_nodes=self.ours.timings.min_nodes if self.ours is not None else 1)
+
+    def _members_kept_out(self) -> list[str]:
+        """Members of this node's round that hold a keep-out key: one that went out after the
+        round closed (a crash loop: ``_keep_out``) keeps its lease, so nothing else says so."""
+        assert self.ours is not None
+        others = [n for n in self.participants if n != self.node]
+        if not others:
+            return []
+        out = self.ours.reachability.keep_outs(self.ours.mirror.entries()[0])
+        return [n for n in others if n in out]
+
+    def _failures(self, exits: dict[int, int | None]) -> dict[int, Failure]:
+        """The failed local workers in detail: how long each ran and its last words."""
+        out = {}
+        for rank, code in exits.items():
+            worker = self.workers.workers.get(rank)
+            if code in (None, 0) or worker is None:
+                continue
+            message = worker.error_line()
+            if not message and code < 0:
+                message = f"killed by {_signal_name(-code)}"
+            out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
+                                progressed=self.watch.progressed_since_start(rank))
+        return out
 
     def _on_keep_out(self, out: Any) -> None:
         """The rendezvous keeps this node out (``out``: why and how long) or lets it back in (None)."""
@@ -314,6 +372,12 @@ class NodeAgent(ElasticAgent):
 
     def _while_healthy(self) -> None:
         self.metrics.set_state("healthy")
+        if self._crash_streak:
+            youngest = min((w.ran_for() for w in self.workers.workers.values()), default=0.0)
+            self._crash_streak = settled(self._crash_streak, youngest)
+        if self._restarted is not None and self.watch.progressed():
+            log.info("[%s] %s", self.node, self._restarted.explained(time.time()))
+            self._restarted = None
         if self.pool is None:
             return
         if not self._refilled and (self.watch.progressed()
@@ -368,12 +432,20 @@ class NodeAgent(ElasticAgent):
         if refunded(reason, previous, self.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             self.remaining_restarts += 1
+            self._crash_streak = self._streak_before  # nor a step of a crash loop of ours
+        rendezvous_done = time.time()
         self.goodput.restarted(reason.value, fault_nodes(reason.value, self.node, previous, self.participants),
-                               acted_at, time.time())
+                               acted_at, rendezvous_done)
         self._recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         self._start_group()
-        log.info("[%s] restart (%s): world of %d nodes, %d restarts left", self.node, reason.value,
-                 self.group_world, self.remaining_restarts)
+        modes = sorted({w.mode for w in self.workers.workers.values()})
+        start = "warm (from standbys)" if modes == ["warm"] else "cold (importing torch)" if modes == ["cold"] \
+            else "warm and cold"
+        log.info("[%s] restart (%s)%s: world of %d nodes, workers started %s, %d restarts left", self.node,
+                 reason.value, _change(previous, self.participants), self.group_world, start,
+                 self.remaining_restarts)
+        self._restarted = _Restarted(reason.value, _change(previous, self.participants), acted_at,
+                                     rendezvous_done, time.time(), start)
         self.metrics.restarts.labels(reason=reason.value).inc()
         self.metrics.remaining_restarts.set(self.remaining_restarts)
 
@@ -381,7 +453,7 @@ class NodeAgent(ElasticAgent):
         """In place: the workers keep running while this node takes part in the new round."""
         assert self.channel is not None
         log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self._describe(decision))
-        previous = self.round_number
+        previous, before = self.round_number, self.participants
         if decision.reason is Reason.REFORM and self.ours is not None:
             self.ours.report_unreachable()  # so the next round can leave out a member nobody reaches
         self._rendezvous_for_offer(JOIN if decision.reason is Reason.SCALE_UP else FAILURE)
@@ -393,8 +465,9 @@ class NodeAgent(ElasticAgent):
         self.watch.rejoined()
         assert decision.reason is not None
         self.metrics.reforms.labels(reason=decision.reason.value).inc()
-        log.info("[%s] round %d -> %d in place: world of %d nodes (%s), %d workers", self.node, previous,
-                 self.round_number, self.group_world, ", ".join(self.participants), self.world_size)
+        log.info("[%s] round %d -> %d in place%s: world of %d nodes (%s), %d workers", self.node, previous,
+                 self.round_number, _change(before, self.participants), self.group_world,
+                 ", ".join(self.participants), self.world_size)
 
     def _replace(self, decision: Decision) -> None:
         """In place: start again only the local ranks that died or hung."""
@@ -439,8 +512,49 @@ class NodeAgent(ElasticAgent):
         assert decision.reason is not None
         self.metrics.restarts.labels(reason=decision.reason.value).inc()
         self.metrics.remaining_restarts.set(self.remaining_restarts)
-        log.info("[%s] round %d: local rank(s) %s started again, %d restarts left", self.node,
-                 self.round_number, ranks, self.remaining_restarts)
+        modes = sorted({self.workers.workers[rank].mode for rank in started if rank in self.workers.workers})
+        log.info("[%s] round %d: local rank(s) %s started again (%s), %d restarts left", self.node,
+                 self.round_number, ranks, " and ".join(modes) or "?", self.remaining_restarts)
+
+    def _keep_out(self, decision: Decision) -> None:
+        """A crash loop (:mod:`agent.policy`): stop this node's workers and stay out of the
+        job's rounds for the back-off an unreachable node gets, so the other nodes stop
+        standing still for it and train on; then join again, as a newcomer would.
+
+        The keep-out key goes to etcd first: every closer of the next round leaves out a
+        node that holds one (``Reachability.excluded``), so the others' round, which may
+        already be open, closes without this node instead of waiting for it."""
+        assert self.ours is not None
+        back_for = None if self._back_in_at is None else time.monotonic() - self._back_in_at
+        self._crash_strikes = next_strikes(self._crash_strikes, back_for)
+        out = KeepOut(self.node, self._crash_strikes, backoff(self._crash_strikes), cause=decision.detail)
+        log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
+                  self.node, out.backoff, out.strikes, decision.detail)
+        self.metrics.crash_loops.inc()
+        _publish_keep_out(self.ours, out)
+        self.goodput.acted(Reason.WORKER_FAILED.value)
+        pids = self.workers.pids()
+        self._stop(signal.SIGKILL, 0.0)
+        self.goodput.tick(pids, self.rank_base, force=True)
+        self.goodput.workers_stopped()
+        if self.channel is not None:
+            self.channel.withdraw()
+        self.metrics.set_state("stopped")
+        self._restarted = None
+        if self.pool is not None:
+            self.pool.fill()  # the standbys import while this node waits: its return starts warm
+        deadline = time.monotonic() + out.backoff
+        while time.monotonic() < deadline and not self.handler.is_closed():
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        _publish_keep_out(self.ours, None)
+        self._back_in_at = time.monotonic()
+        if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
+            log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if its "
+                     "workers fail right after their start once more)", self.node, out.backoff)
+        self.restart_count += 1  # a new group: its own attempt directory for logs and error files
+        self._rendezvous(JOIN)
+        self._recovering = False
+        self._start_group()
 
     def _succeed(self) -> RunResult:
         log.info("[%s] local workers finished", self.node)
@@ -452,7 +566,11 @@ class NodeAgent(ElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
 
     def _fail(self, decision: Decision) -> RunResult:
-        log.error("[%s] %s: the job fails", self.node, self._describe(decision))
+        if decision.reason is Reason.CRASH_LOOP:  # one line that ends with the cause
+            self.metrics.crash_loops.inc()
+            log.error("[%s] the job fails: %s", self.node, decision.detail)
+        else:
+            log.error("[%s] %s: the job fails", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
@@ -488,15 +606,24 @@ class NodeAgent(ElasticAgent):
         if decision.detail:
             return decision.detail
         return {
-            Reason.PEER_LOST: "a peer of this round lost its etcd lease (dead, frozen or cut off)",
+            Reason.PEER_LOST: f"{', '.join(self._kept_out_peers)} went out of the job (kept out)"
+                              if self._kept_out_peers
+                              else "a peer of this round lost its etcd lease (dead, frozen or cut off)",
             Reason.LEASE_LOST: "this node lost its own etcd lease (it was frozen or cut off); its workers are stale",
             Reason.SCALE_UP: "another node opened a new round (a node joined or came back)",
             Reason.REFORM: f"{self._reform_why}: forming the round again without them"
                            if self._reform_why.endswith("(SIGTERM)")  # elastic.trainer: peers left at a boundary
-                           else "a worker's collective failed while every lease held; forming the round again",
+                           else f"a local worker's collective failed{_parenthesised(self._reform_why)} while "
+                                "every lease held; forming the round again",
             Reason.WORKER_FAILED: f"local worker(s) {sorted(decision.failed)} failed "
-                                  f"(exit {', '.join(str(c) for c in decision.failed.values())})",
+                                  f"(exit {', '.join(str(c) for c in decision.failed.values())})"
+                                  f"{self._last_words()}",
         }.get(reason, str(reason))  # type: ignore[arg-type]
+
+    def _last_words(self) -> str:
+        """`` with "ValueError: boom"``: what the failed workers' error files say, if anything."""
+        words = last_words(self._seen_failures) if self._seen_failures else ""
+        return f' with "{words}"' if words and not words.startswith("exit ") else ""
 
     def _dump_stacks(self, ranks: list[int]) -> None:
         """faulthandler in every agent worker dumps all threads' stacks on SIGUSR1."""
@@ -505,13 +632,15 @@ class NodeAgent(ElasticAgent):
 
     def _exit_barrier(self) -> None:
         """Stay in the registry until every peer has finished too, so that this node
-        leaving early is not mistaken for a peer lost (which would restart the others)."""
+        leaving early is not mistaken for a peer lost (which would restart the others).
+        A peer kept out (a crash loop) trains nothing and will not finish: not waited for."""
         if self.ours is None:
             return
         deadline = time.monotonic() + self.settings.exit_barrier_timeout
         while time.monotonic() < deadline:
             records = self.ours.node_records()
-            waiting = [n for n in self.participants if n in records and records[n].state not in ("succeeded", "failed")]
+            waiting = [n for n in self.participants
+                       if n in records and records[n].state not in ("succeeded", "failed", "kept_out")]
             if not waiting:
                 return
             entries, revision = self.ours.mirror.entries()
@@ -650,6 +779,32 @@ class NodeAgent(ElasticAgent):
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
+@dataclass(frozen=True)
+class _Restarted:
+    """A restart of every local worker, until its first progress says where its time went."""
+
+    reason: str
+    change: str  # " without b", " with c"...
+    acted_at: float  # the agent stopped the old workers
+    rendezvous_done: float
+    started_at: float  # the new workers started
+    start: str  # warm or cold
+
+    def explained(self, now: float) -> str:
+        return (f"training again {now - self.acted_at:.1f} s after the restart ({self.reason}{self.change}): "
+                f"rendezvous and stop {self.rendezvous_done - self.acted_at:.1f} s, workers started {self.start} "
+                f"{self.started_at - self.rendezvous_done:.1f} s, then {now - self.started_at:.1f} s to their first "
+                "step (the script's own start: imports, process group, restore)")
+
+
+def _change(before: tuple[str, ...] | list[str], after: tuple[str, ...] | list[str]) -> str:
+    """`` without b`` / `` with c`` / both: how a round's members changed, for a log line."""
+    gone = [n for n in before if n not in after]
+    came = [n for n in after if n not in before]
+    parts = ([f"without {', '.join(gone)}"] if gone else []) + ([f"with {', '.join(came)}"] if came else [])
+    return f" {' and '.join(parts)}" if parts and before else ""
+
+
 def _start_round_store(host: str | None) -> tuple[Any, str]:
     """A TCPStore server for the rounds this node hosts; returns it and ``host:port``.
 
@@ -661,6 +816,30 @@ def _start_round_store(host: str | None) -> tuple[Any, str]:
 
     server = dist.TCPStore(host_name="0.0.0.0", port=0, is_master=True, wait_for_workers=False)
     return server, f"{host or '127.0.0.1'}:{server.port}"
+
+
+def _publish_keep_out(handler: EtcdV3RendezvousHandler, out: KeepOut | None) -> None:
+    """Write (or, with None, clear) this node's keep-out key, as ``Reachability`` does for a
+    node its peers cannot reach, and wait until the rendezvous' own mirror shows it: a
+    stale key there would make the next round keep this node out again, as unreachable."""
+    handler.reachability._publish(out)  # the one writer of keep-out keys (elastic/rendezvous/reachability.py)
+    deadline = time.monotonic() + _KEEP_OUT_SEEN_S
+    while time.monotonic() < deadline:
+        entries, revision = handler.mirror.entries()
+        if (handler.node in handler.reachability.keep_outs(entries)) == (out is not None):
+            return
+        handler.mirror.wait(revision, 0.1)
+
+
+def _parenthesised(words: str) -> str:
+    return f" ({words})" if words else ""
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _outcome(exc: BaseException) -> str:

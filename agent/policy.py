@@ -17,6 +17,14 @@ Two kinds of worker group:
 Restarts caused by this node (a worker failed or hung) spend one of ``--max-restarts``;
 restarts caused by other machines (a peer lost, a node joining) or by this node's own
 lease loss do not, so a long job does not run out of restarts because others died.
+
+**A crash loop ends after three tries.** A node whose workers fail on their own (not
+because a peer's connection broke) right after each of :data:`CRASH_LOOP_TRIES` starts or
+heals in a row is not restarted again: it is kept out of the job's rounds for the
+back-off unreachable nodes get (:mod:`elastic.rendezvous.keepout`), so the other nodes
+stop standing still for it and train on; it comes back afterwards as a newcomer, and is
+kept out again, for twice as long, at its next such failure. The job fails for it only
+when the others cannot go on without it (fewer than ``--nnodes MIN``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,13 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 USER_ERROR_EXIT = 2  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
+CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
+CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
+# What a worker's last line says when a peer broke its collective (ElasticRun's restart path
+# says "lost a peer"; a plain script's traceback ends with gloo's or NCCL's own words).
+_PEER_WORDS = ("lost a peer", "connection closed", "connection reset", "closed by peer", "read error",
+               "write error", "broken pipe", "pair.cc", "nccl error", "processgroupnccl", "processgroupgloo",
+               "connectfullmesh", "distnetworkerror", "diststoreerror", "timed out", "timeout")
 
 
 class Reason(str, enum.Enum):
@@ -36,6 +51,7 @@ class Reason(str, enum.Enum):
     LEASE_LOST = "lease_lost"
     SCALE_UP = "scale_up"  # another node opened a new round (joined or came back)
     REFORM = "reform"  # an in-place worker's collective failed with nobody's lease lost
+    CRASH_LOOP = "crash_loop"  # this node's workers fail right after every start
 
     @property
     def counted(self) -> bool:
@@ -55,6 +71,53 @@ class Action(str, enum.Enum):
     RESTART = "restart"  # stop every local worker, rendezvous, start a new group
     REJOIN = "rejoin"  # in place: keep the workers, rendezvous, hand them the new round
     REPLACE = "replace"  # in place: start again only ``ranks``, then rendezvous as in REJOIN
+    KEEP_OUT = "keep_out"  # stop every local worker, stay out of rounds for a back-off, then join again
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed local worker, as the agent saw it: its exit code, how long it ran, the
+    last line of its traceback (torchrun's error file, which the worker bootstrap writes),
+    and whether it made progress since it started (None: this node never saw any)."""
+
+    code: int
+    ran_for: float
+    message: str = ""
+    progressed: bool | None = None
+
+    @property
+    def peer_caused(self) -> bool:
+        """Its collective broke because a peer died or cut it off: not this node's doing."""
+        text = self.message.lower()
+        return any(word in text for word in _PEER_WORDS)
+
+    @property
+    def right_after_start(self) -> bool:
+        return self.ran_for < CRASH_WINDOW_S or self.progressed is False
+
+
+def next_streak(streak: int, failures: Iterable[Failure]) -> int:
+    """This node's own failures in a row, each right after a start or heal, once these are
+    counted. A failure a peer caused changes nothing; one after a good run ends the streak."""
+    own = [f for f in failures if not f.peer_caused]
+    if not own:
+        return streak
+    return streak + 1 if any(f.right_after_start for f in own) else 0
+
+
+def settled(streak: int, youngest_ran_for: float) -> int:
+    """The streak once every local worker has run ``youngest_ran_for`` seconds: a group that
+    outlived the window has shown this node can train, and ends it."""
+    return 0 if youngest_ran_for >= CRASH_WINDOW_S else streak
+
+
+def last_words(failures: Mapping[int, Failure]) -> str:
+    """The cause to print: the last line of a failed worker's traceback, its own first."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].peer_caused, item[0]))
+    for _rank, failure in ordered:
+        if failure.message:
+            return failure.message
+    return ", ".join(f"exit {f.code}" for _, f in ordered) or "unknown"
 
 
 @dataclass(frozen=True)
@@ -74,6 +137,10 @@ class Observation:
     in_place: bool = False
     reform_requested: bool = False
     restarts_left: int = 0
+    failures: Mapping[int, Failure] = field(default_factory=dict)  # the failed ranks of ``exits``, in detail
+    crash_streak: int = 0  # :func:`next_streak`, this look's failures included
+    nodes_without_us: int | None = None  # the round's other nodes (None: this node cannot be kept out)
+    min_nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -121,7 +188,19 @@ def decide(obs: Observation) -> Decision:
     if obs.exits and all(code == 0 for code in obs.exits.values()):
         return Decision(Action.SUCCEED)
 
-    # 4. Local failures: ours to count.
+    # 4. Local failures: a crash loop first (see the module's doc), then ours to count. Only
+    #    a failure of its own extends a streak: one a peer caused never keeps a node out.
+    own_quick = any(not f.peer_caused and f.right_after_start for r, f in obs.failures.items() if r in failed)
+    if own_quick and obs.crash_streak >= CRASH_LOOP_TRIES and obs.nodes_without_us is not None:
+        ranks = sorted(failed)
+        cause = last_words({r: f for r, f in obs.failures.items() if r in failed})
+        loop = (f"local rank(s) {ranks} failed right after each of the last {obs.crash_streak} starts "
+                f"(a crash loop)")
+        if obs.nodes_without_us >= obs.min_nodes:
+            return Decision(Action.KEEP_OUT, Reason.CRASH_LOOP, failed=failed, detail=f"{loop}: {cause}")
+        return Decision(Action.FAIL, Reason.CRASH_LOOP, failed=failed,
+                        detail=f"{loop}, and without this node {obs.nodes_without_us} node(s) would remain, fewer "
+                               f"than the {obs.min_nodes} the job needs (--nnodes); the cause: {cause}")
     if failed:
         if obs.restarts_left <= 0:
             return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=failed, detail="no restarts left")

@@ -76,6 +76,14 @@ class HangWatch:
         """Has a rank of the current group made progress (as last seen by ``stalled``)?"""
         return bool(self._last)
 
+    def progressed_since_start(self, local_rank: int) -> bool | None:
+        """Whether ``local_rank`` beat since it (or its group) started, as last seen by
+        ``stalled``; None while this node never saw progress (a script that never beats
+        says nothing either way). The crash-loop rule reads it (:mod:`agent.policy`)."""
+        if not self.ever_progressed:
+            return None
+        return local_rank in self._last
+
     def last_progress(self) -> float | None:
         return max((t for _, t in self._last.values()), default=None)
 

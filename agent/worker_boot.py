@@ -11,7 +11,11 @@ so that any script gets, without a line changed:
   watchdog sends before it restarts a hung worker;
 * **death with its agent**: ``PR_SET_PDEATHSIG`` kills the worker if the agent dies. An
   agent is its node; a worker outliving it would hold a GPU and a place in a process
-  group that its peers have written off.
+  group that its peers have written off;
+* **the library's lines**: the ``elastic`` logger prints at INFO even if the script sets up
+  no logging, and never twice if it does (:mod:`elastic.log`);
+* **why it failed**: an uncaught exception's last line goes to torchrun's error file
+  (:func:`record_error`), where the agent reads it.
 
 ``-c`` rather than ``-m agent.worker_boot`` because ``-m`` puts the working directory
 first on ``sys.path`` while our modules import, and a user's own ``agent/`` or ``elastic/``
@@ -24,10 +28,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import json
 import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Sequence
 
@@ -76,6 +82,9 @@ def die_with_agent() -> None:
 
 def prepare() -> None:
     die_with_agent()
+    from elastic.log import show_library_lines
+
+    show_library_lines()  # the library's lines reach the console even if the script sets up no logging
     if not faulthandler.is_enabled():
         try:
             faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -104,9 +113,27 @@ def run(spec: dict[str, Any]) -> None:
         if not isinstance(done.code, int):
             print(done.code, file=sys.stderr)
         exit_now(done.code if isinstance(done.code, int) else 1)
-    except BaseException:  # noqa: BLE001 - as the interpreter would report it, then out
+    except BaseException as exc:  # noqa: BLE001 - as the interpreter would report it, then out
         traceback.print_exc()
+        record_error(exc)
         exit_now(1)
+
+
+def record_error(exc: BaseException) -> None:
+    """The traceback's last line, in torchrun's error file (torch's ``ErrorHandler`` format),
+    so the agent can name why a worker failed (``agent.policy``: a crash loop's cause, a
+    peer's broken connection) and torchrun-style reports show it. A file the script's own
+    ``@record`` already wrote is left as it is."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path or path == os.devnull or os.path.exists(path):
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the traceback above is still in the worker's log
 
 
 def exit_now(code: int) -> None:

@@ -18,6 +18,7 @@ A worker started again in place writes to fresh files beside its predecessor's
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -65,13 +66,37 @@ class Worker:
     mode: str  # warm | cold
     error_file: str
     started_at: float = field(default_factory=time.time)
+    exited_at: float | None = None  # when the agent first saw it exited
 
     @property
     def pid(self) -> int:
         return int(self.handle.proc.pid)
 
     def exit_code(self) -> int | None:
-        return self.handle.proc.poll()
+        code = self.handle.proc.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.time()
+        return code
+
+    def ran_for(self) -> float:
+        """Seconds from its start to its exit (or to now, while it runs)."""
+        return (self.exited_at or time.time()) - self.started_at
+
+    def error_line(self) -> str:
+        """The first line of the error torchrun's error file holds (``ValueError: boom``), or ''.
+
+        The worker bootstrap writes it for any uncaught exception (``agent.worker_boot``),
+        and so does a script decorated with torch's ``@record``."""
+        if not self.error_file or self.error_file == os.devnull:
+            return ""
+        try:
+            data = json.loads(Path(self.error_file).read_text(encoding="utf-8", errors="replace"))
+            message = data["message"]
+            text = message["message"] if isinstance(message, dict) else message
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+        return lines[0][:300] if lines else ""
 
 
 @dataclass(frozen=True)

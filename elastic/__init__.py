@@ -18,6 +18,8 @@ from elastic._lazy import lazy_exports
 _EXPORTS = {
     "ElasticRun": "elastic.trainer",
     "StepInfo": "elastic.trainer",
+    "StepResult": "elastic.step_result",
+    "Holder": "elastic.user_state",
     "ElasticSampler": "elastic.sampler",
     "split_sizes": "elastic.sampler",
     "ElasticRunError": "elastic.distributed",
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from .ledger import Ledger, LedgerReport, check_ledger, read_ledger
     from .progress import report_progress
     from .sampler import ElasticSampler, split_sizes
+    from .step_result import StepResult
+    from .user_state import Holder
     from .trainer import ElasticRun, StepInfo
 
 

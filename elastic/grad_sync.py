@@ -20,6 +20,7 @@ group's size and its bucket state, and a failed all-reduce leaves it unusable.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -64,10 +65,16 @@ class GradSync:
         (``init_sync``), as DDP always did."""
         self._info = info
         self._buckets_settled = False
-        self.model = DistributedDataParallel(
-            self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-            broadcast_buffers=False, init_sync=init_sync,
-        )
+        with warnings.catch_warnings():
+            # torch 2.14 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``, which
+            # would sync buffers at init; in place, rank 0's buffers are healed and synced
+            # here instead (``sync_buffers``), so False is what we mean, and the user can do
+            # nothing about the warning: it is silenced here, and only here.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            self.model = DistributedDataParallel(
+                self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+                broadcast_buffers=False, init_sync=init_sync,
+            )
         # the hook sums and the loss carries 1/world; without the hook DDP averages
         self.averages = self.metrics.attach(self.model, average=False)
         return self.model

@@ -2,7 +2,9 @@
 
 The same tree is written to disk as a snapshot and sent to a rank that needs healing
 (:mod:`elastic.inplace.transfer`), and :meth:`TrainState.load` takes either: one restore
-path, whether the state comes from a file or from a live replica.
+path, whether the state comes from a file or from a live replica. What the user's loop
+registered (:mod:`elastic.user_state`) is part of it, under ``"user"``, so it goes
+wherever the model goes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from checkpoints import capture_rng_state, check_state_compatible, restore_rng_s
 
 from .distributed import ElasticRunError
 from .sampler import ElasticSampler
+from .user_state import UserState
 
 
 class TrainState:
-    """Model, optimizer, scheduler, scaler, sampler, progress and RNG of one run."""
+    """Model, optimizer, scheduler, scaler, sampler, progress, RNG and the loop's registered state."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler,
                  scheduler: Any = None, scaler: Any = None) -> None:
@@ -27,6 +30,7 @@ class TrainState:
         self.scheduler, self.scaler = scheduler, scaler
         self.step = 0  # completed optimizer steps since the job began
         self.samples = 0  # samples those steps consumed
+        self.user = UserState()  # what the loop registered (run.register)
 
     def capture(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -40,6 +44,8 @@ class TrainState:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if len(self.user):
+            state["user"] = self.user.capture()
         return state
 
     def load(self, state: dict[str, Any]) -> None:
@@ -63,3 +69,4 @@ class TrainState:
         progress = state["progress"]
         self.step, self.samples = int(progress["step"]), int(progress["samples"])
         restore_rng_state(state["rng"])
+        self.user.restore(state.get("user"))  # absent: an older snapshot, or nothing registered

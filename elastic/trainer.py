@@ -4,7 +4,8 @@
                      snapshot_dir="/shared/ckpt/job1")
     for x, y in run:                       # this rank's share of the next global batch
         loss = loss_fn(run.model(x), y)    # mean over the local batch, as usual
-        run.step(loss)                     # backward, all-reduce, commit, optimizer step
+        if run.step(loss):                 # backward, all-reduce, commit, optimizer step: trained
+            ...                            # per-step side effects, registered state (run.register)
 
 The run is a small state machine, read top to bottom in this file:
 
@@ -26,8 +27,10 @@ The run is a small state machine, read top to bottom in this file:
    state is half-applied). In place, the world forms again (1) and the same batch is
    re-split over the new ranks; otherwise the worker exits and its agent restarts it.
 4. **A node joins.** Every step's tiny control all-reduce carries the newest round whose
-   members are all ready; all ranks see it at the same step boundary, switch to it (1),
-   and heal the joiner from a live replica. Survivors stand still only for that.
+   members are all ready; all ranks see it in the same step and switch to it (1) at the
+   top of the loop, after the loop's code for that step, so that what the loop registered
+   (:mod:`elastic.user_state`) stands at that step too; then they heal the joiner from a
+   live replica. Survivors stand still only for that.
 5. **End.** After the last step a final all-reduce confirms every rank finished it; rank 0
    commits it and writes the final snapshot. **SIGTERM** (a pre-emption: Kubernetes, a spot
    VM, the agent passing its own on) is agreed on through the step's control all-reduce, so
@@ -60,7 +63,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,10 +89,13 @@ from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import agreement
 from .inplace.channel import RESTART, WorkerChannel, WorkerStatus
+from .log import how_noticed, reformed_line, show_library_lines
+from .own_group import own_backend, release_default_group, taken_over_line, unwrap_ddp
 from .plan import BatchPolicy, DataPlan
 from .progress import take_over as take_over_progress
 from .sampler import epoch_seed
 from .snapshots import Snapshots, StaleGroupError
+from .step_result import StepResult
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -117,6 +123,7 @@ class UsageExit(SystemExit, ElasticRunError):
     def __str__(self) -> str:
         return self.message
 _USAGE_ERRORS = (ElasticRunError, SnapshotMismatchError)  # every rank hits these alike
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,11 @@ class ElasticRun:
     picks where rank 0 writes snapshots: a writer process at idle priority (the default)
     or a thread. ``in_place=False`` keeps the restart path even where in-place recovery is
     possible (the default, None, uses it whenever the agent and torch allow).
+
+    ``run.register(name, obj)`` adds the loop's own state to what is healed and snapshotted;
+    ``run.rank``, ``run.world_size``, ``run.is_main`` and ``run.epoch`` are always current.
+    A ``DistributedDataParallel`` passed as ``model``, and a default group the script made
+    itself, are taken over (:mod:`elastic.own_group`), so in-place recovery stays on.
     """
 
     def __init__(
@@ -223,6 +235,7 @@ class ElasticRun:
         snapshot_writer: Literal["process", "thread"] = "process",
         in_place: bool | None = None,
     ) -> None:
+        show_library_lines()  # the lines below reach the user even if their script set up no logging
         self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
         self._stop_since = 0.0
         self._forming = True  # no step in flight and nothing new to save: SIGTERM exits at once
@@ -230,7 +243,12 @@ class ElasticRun:
         self._closed = False
         self.membership: Any = None
         self.snapshots: Any = None
+        self._broken: tuple[int, str] | None = None  # (step abandoned, how it was noticed), for rank 0's line
+        self._node_ranks: dict[str, list[int]] = {}  # the current world's ranks by node
         self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
+        self._took_group: str | None = None  # the script's own process group, replaced by an in-place one
+        self._batch_epoch: int | None = None  # the epoch of the batch the loop holds (run.epoch)
+        self._between_steps: Callable[[], None] | None = None  # agreed in run.step, done after the loop's code
         self._agree_stop = False  # a stop is agreed through the control all-reduce (off: handle_sigterm=False)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -251,12 +269,15 @@ class ElasticRun:
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed,
                                  batch_policy=batch_policy, per_rank_batch_size=per_rank_batch_size,
                                  num_workers=num_workers, collate_fn=collate_fn)
+            model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.membership = self._in_place_membership(backend, collective_timeout, in_place)
             if self.membership is None:
                 self.dist: DistInfo = init_distributed(backend, collective_timeout)
             else:
                 self.dist = self.membership_info
+            if (took_ddp or self._took_group) and self.dist.is_main:
+                log.info("%s %s", self._where, taken_over_line(took_ddp, self._took_group))
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics)
@@ -316,6 +337,42 @@ class ElasticRun:
             return self.membership.round
         return int(os.environ.get("ELASTIC_ROUND", "-1"))
 
+    # Always the current world's (in place they change at a re-formation, in the same process;
+    # os.environ's RANK, WORLD_SIZE, GROUP_RANK and LOCAL_WORLD_SIZE are rewritten to match).
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.dist.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 now: the rank that should print, save and time for the job."""
+        return self.dist.is_main
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch in hand (in the loop body); before the loop, the next one's."""
+        return self._batch_epoch if self._batch_epoch is not None else self.plan.sampler.epoch
+
+    def register(self, name: str, obj: _T) -> _T:
+        """Make ``obj`` (a dict, a list, a tensor, or anything with ``state_dict``/``load_state_dict``)
+        part of the run's state: healed into a joiner and saved in snapshots with the model,
+        as of the last committed step (:mod:`elastic.user_state`). Returns ``obj``; register
+        before the loop, and change it only after ``run.step(loss)`` returned true."""
+        try:
+            return self.state.user.register(name, obj)
+        except ElasticRunError as exc:
+            self._usage_error(exc)
+            raise  # not reached: _usage_error raises
+
     @property
     def done(self) -> bool:
         return (self.steps_target is not None and self.state.step >= self.steps_target) or (
@@ -331,18 +388,20 @@ class ElasticRun:
     def _in_place_membership(self, backend: str, timeout: float, wanted: bool | None) -> Any:
         """A Membership when the agent offers rounds and this torch can reconfigure; else None."""
         channel = WorkerChannel.from_env()
-        if channel is None or wanted is False or dist.is_initialized():
-            return None
+        if channel is None or wanted is False:
+            return None  # a group the script made stays as it is: the restart path uses it
         from .inplace.membership import Membership
         from .inplace.reconfigure import unsupported_reason
 
-        chosen = pick_backend(backend)
+        chosen = pick_backend(own_backend(backend))
         why_not = unsupported_reason(chosen)
         if why_not is not None:
             if int(os.environ.get("RANK", "0")) == 0:
                 log.warning("in-place recovery off: %s; a lost or joining node restarts the workers", why_not)
             channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why_not))
             return None
+        if dist.is_initialized():  # the script's own init_process_group: make it again, reconfigurable
+            self._took_group = release_default_group(timeout)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cpu")
         if torch.cuda.is_available():
@@ -396,6 +455,8 @@ class ElasticRun:
     def _form_world(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
         """Join the agent's newest round, agree on a step, heal who needs it, build DDP."""
         started = since if since is not None else time.perf_counter()
+        before, before_ranks = self.membership.world, self._node_ranks
+        broken, self._broken = self._broken, None
         self.goodput.forming(reason)
         while True:
             world = self._join(min_round)
@@ -404,20 +465,42 @@ class ElasticRun:
             try:
                 moved, healed = self._agree_and_heal()
                 self.sync.build(self.dist)
-            except CollectiveFailure as exc:
-                log.warning("%s round %d could not be completed (%s); waiting for the next", self._where,
-                            world.round, exc)
-                self.membership.failed(str(exc))
+            except CollectiveFailure as exc:  # a member died meanwhile: the next round leaves it out
+                log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
+                          world.round, exc)
+                self.membership.failed(how_noticed(str(exc)))
                 min_round = world.round + 1
                 continue
             break
         self._generation += 1
+        self._node_ranks = self._ranks_by_node(world)
         self.metrics.world_changed(self.dist.rank, self.dist.world_size)
         self.metrics.healed(time.perf_counter() - started, moved)
         self.goodput.formed(world.participants, self.dist.rank)
-        if self.dist.is_main:
+        if not self.dist.is_main:
+            return
+        seconds = time.perf_counter() - started
+        if before is None:
             log.info("%s round %d (%s): world of %d, at step %d%s in %.3f s", self._where, world.round, reason,
-                     self.dist.world_size, self.state.step, healed, time.perf_counter() - started)
+                     self.dist.world_size, self.state.step, healed, seconds)
+            return
+        log.info("%s %s", self._where, reformed_line(
+            lost=[n for n in before.participants if n not in world.participants],
+            joined=[n for n in world.participants if n not in before.participants], lost_ranks=before_ranks,
+            failed_step=broken[0] if broken else None, noticed=broken[1] if broken else "", seconds=seconds,
+            old_world=before.world_size, new_world=self.dist.world_size, at_step=self.state.step,
+            round_number=world.round, note=healed))
+
+    def _ranks_by_node(self, world: Any) -> dict[str, list[int]]:
+        """Global ranks of each node of ``world``, from the agent's offer (for naming the lost)."""
+        offer = self.membership.channel.offer()
+        if offer is None or offer.round != world.round or len(offer.nprocs) != len(offer.participants):
+            return {}
+        out, base = {}, 0
+        for node, count in zip(offer.participants, offer.nprocs):
+            out[node] = list(range(base, base + count))
+            base += count
+        return out
 
     def _join(self, min_round: int) -> Any:
         """The agent's next round. A SIGTERM while waiting for it ends the process at once: no
@@ -467,8 +550,8 @@ class ElasticRun:
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
                     self.metrics.state_from("disk")
-            elif plan.sources and self.dist.is_main:
-                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where,
+            elif plan.sources and self.dist.is_main:  # the re-formation's own line says it once done
+                log.debug("%s round %d: healing rank(s) %s from %s at step %d", self._where,
                          self.membership.round, plan.healed, plan.senders(), plan.step)
             t_heal = time.perf_counter()
             moved = self._heal(plan) if plan.sources else 0
@@ -536,9 +619,11 @@ class ElasticRun:
                     pin = self.dist.device.type == "cuda"
                     for batch, ids, local_n in self.plan.batches(self.dist.rank, self.dist.world_size, pin):
                         self._begin(batch, ids, local_n)
+                        self._batch_epoch = epoch
                         yield self._to_device(batch)
                         if self._pending is not None:
                             raise ElasticRunError("call run.step(loss) exactly once for every batch the run yields")
+                        self._at_step_boundary()
                         if self._leaving:
                             self._stop_on_signal()
                         if self.done or self.plan.sampler.epoch != epoch or self._generation != generation:
@@ -583,8 +668,12 @@ class ElasticRun:
             return {k: self._to_device(v) for k, v in batch.items()}
         return batch
 
-    def step(self, loss: torch.Tensor) -> None:
-        """Every collective, then the commit of the previous step, then the optimizer step."""
+    def step(self, loss: torch.Tensor) -> StepResult:
+        """Every collective, then the commit of the previous step, then the optimizer step.
+
+        Returns a :class:`StepResult`, true when the batch was trained and false when the
+        step was abandoned (a peer was lost; the world formed again in place): per-step side
+        effects go under ``if run.step(loss):``."""
         if self._pending is None:
             raise ElasticRunError("run.step(loss) called without a batch; call it once per batch of the loop")
         pending, self._pending = self._pending, None
@@ -597,8 +686,9 @@ class ElasticRun:
             self.sync.sync_buffers()
             ready = self.sync.finish_control(pending.control) if pending.control is not None else -1
         except CollectiveFailure as exc:
+            abandoned = StepResult(False, self.state.step + 1, self.epoch)
             self._recover(exc)
-            return
+            return abandoned
         stop = ready >= _STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
         if ready >= _STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
@@ -630,10 +720,19 @@ class ElasticRun:
                 data_wait_seconds=pending.data_wait, world_size=d.world_size, rank=d.rank, node=d.node,
                 round=self.round,
             ))
+        # A change of world waits for the top of the loop, after the loop's code for this step:
+        # then every rank's registered state stands at this step (elastic.user_state).
         if stop and not self.done:  # the last step ends the run as usual, signal or not
-            self._stop_after_step()
+            self._between_steps = self._stop_after_step
         elif self.membership is not None and ready > self.membership.round and not self.done:
-            self._form_world("join", min_round=ready)  # every rank saw the same value: one boundary
+            self._between_steps = lambda: self._form_world("join", min_round=ready)  # every rank saw the same value
+        return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
+
+    def _at_step_boundary(self) -> None:
+        """The loop's code for the step has run: do what the ranks agreed on in its run.step."""
+        action, self._between_steps = self._between_steps, None
+        if action is not None:
+            action()
 
     def _optimizer_step(self) -> None:
         saved: list[float] = []
@@ -664,15 +763,38 @@ class ElasticRun:
     # ------------------------------------------------------------------ 3. a collective failed
 
     def _recover(self, exc: CollectiveFailure) -> None:
-        """Abandon the step (nothing of it was applied); re-form in place, or let the agent restart us."""
+        """Abandon the step (nothing of it was applied); re-form in place, or let the agent restart us.
+
+        A peer's loss is not this rank's bug: no traceback and no raw gloo message (DEBUG
+        keeps it). In place, rank 0 says what happened once the world formed again; on the
+        restart path each rank says in one line that its agent restarts it, and exits 1."""
         self.state.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
+        replaced = self.membership is not None and self.membership.replaced_by() is not None
+        noticed = how_noticed(str(exc), replaced)
         if self.membership is None:
-            raise exc.__cause__ or exc  # the restart path: the agent starts a new group
+            self._exit_for_restart(step, noticed)
         started = time.perf_counter()
         self.goodput.failed()
-        log.warning("%s step %d abandoned (%s); re-forming in place", self._where, self.state.step + 1, exc)
-        self.membership.failed(str(exc))
+        self._broken = (step, noticed)
+        self.membership.failed(noticed)
         self._form_world("failure", min_round=self.membership.round + 1, since=started)
+
+    def _exit_for_restart(self, step: int, noticed: str) -> None:
+        """The restart path: torchrun's world cannot lose a member, so this worker leaves
+        and its agent starts a new group. Exit code 1 as any failed worker (the agent
+        restarts it, and refunds the restart once the next round shows a peer gone); the
+        line also goes to torchrun's error file, where the agent reads why it failed."""
+        message = f"lost a peer in step {step} ({noticed}); the agent restarts this worker"
+        log.warning("%s %s", self._where, message)
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(CollectiveFailure(message))
+        except OSError as exc:
+            log.debug("cannot write the error file: %s", exc)
+        raise SystemExit(1)
 
     # ------------------------------------------------------------------ 5. the end
 
@@ -757,6 +879,7 @@ class ElasticRun:
         self.goodput.failed()
         if self.dist.is_main and not broke:
             log.info("%s %s; re-forming in place without them", self._where, said)
+        self._broken = (step, how_noticed(broke) if broke else "they stopped after SIGTERM")
         self.membership.failed(broke or f"rank(s) {leavers} stopped after step {step} (SIGTERM)")
         self._form_world("failure", min_round=self.membership.round + 1, since=started)
 

@@ -7,8 +7,10 @@ One object, used by the trainer in a fixed order:
 2. :meth:`join` blocks until the agent offers a round newer than the current one, gathers
    every member's handle through that round's store (:mod:`.round_store`) and reconfigures
    the group to exactly those members (:mod:`.reconfigure`). It returns the new
-   :class:`World`. A round that cannot be completed (a member died in the meantime) is
-   given up for a newer one; the worker asks its agent for one.
+   :class:`World`, and rewrites torchrun's rank variables (``RANK``, ``WORLD_SIZE``...)
+   in this process's environment to match it (:mod:`elastic.worker_env`). A round that
+   cannot be completed (a member died in the meantime) is given up for a newer one; the
+   worker asks its agent for one.
 3. Every step, :meth:`replaced_by` says whether a newer round replaces this world (it
    leaves a member out, or follows a failure); the trainer then abandons the step and joins
    it. A world whose collectives cannot fail (a world of one has no peer to fail with)
@@ -40,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..worker_env import Place, update_env
 from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
 from .fence import SocketFence
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure
@@ -63,6 +66,14 @@ class World:
 
 def _key(rank: int) -> str:
     return f"elastic/handle/{rank}"
+
+
+def _place(offer: RoundOffer, world: World) -> Place:
+    """This worker's place in the world it just joined, as torchrun's variables describe it."""
+    here = offer.nprocs[offer.node_rank] if offer.node_rank < len(offer.nprocs) else \
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return Place(rank=world.rank, world_size=world.world_size, group_rank=offer.node_rank,
+                 group_world_size=len(offer.participants), local_world_size=here, round=offer.round)
 
 
 class Membership:
@@ -145,8 +156,10 @@ class Membership:
             reconfigure(offer.round, handles, self.timeout)
             self.fence.after_connect()
         except (RoundAbandoned, ReconfigureError, dist.DistStoreError, RuntimeError, ValueError, OSError) as exc:
-            log.warning("[%s local rank %d] round %d: %s", self.node, self.local_rank, offer.round,
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            # Part of forming a world, not news: a newer round came, or a member died as this
+            # one formed; the next round leaves it out, and rank 0's line says what happened.
+            log.debug("[%s local rank %d] round %d could not be joined (%s); joining the next", self.node,
+                      self.local_rank, offer.round, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
         self._handle = handle()
         with self._lock:
@@ -155,6 +168,7 @@ class Membership:
             for stale in [r for r in self._posted if r <= offer.round]:
                 self._posted.pop(stale, None)
         self._last_step = time.monotonic()
+        update_env(_place(offer, self.world))  # for code that reads RANK and the like late
         self._report("training")
         log.debug("[%s rank %d] reconfigured into round %d in %.3f s", self.node, self.world.rank, offer.round,
                   time.monotonic() - started)
@@ -236,8 +250,8 @@ class Membership:
             aborted = abort_backend(self.backend)
             why = ("leaves members out" if not offered >= current else "follows a failure" if not grows_only
                    else "waits on a stuck step")
-            log.info("[%s rank %d] round %d %s: interrupting the current collectives (%d sockets%s)", self.node,
-                     world.rank, offer.round, why, shut, ", NCCL abort" if aborted else "")
+            log.debug("[%s rank %d] round %d %s: interrupting the current collectives (%d sockets%s)", self.node,
+                      world.rank, offer.round, why, shut, ", NCCL abort" if aborted else "")
         if grows_only:
             self._post_and_check(offer)
 

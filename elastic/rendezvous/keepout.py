@@ -47,12 +47,16 @@ class ReachReport:
 
 @dataclass(frozen=True)
 class KeepOut:
-    """What a kept-out node says about itself (its ``keepout`` key, under its own lease)."""
+    """What a kept-out node says about itself (its ``keepout`` key, under its own lease).
+
+    ``unreachable``: the peers it cannot reach; ``cause``: why else it stays out (its
+    workers fail right after every start, ``agent.policy``'s crash loop)."""
 
     node: str
     strikes: int
     backoff: float
     unreachable: tuple[str, ...] = ()
+    cause: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -65,11 +69,15 @@ class KeepOut:
         if (not isinstance(node, str) or not isinstance(strikes, int) or isinstance(strikes, bool)
                 or not isinstance(back, (int, float)) or isinstance(back, bool) or not 0 <= back < 1e300):
             raise ValueError(f"not a keep-out: node {node!r:.40}, strikes {strikes!r:.40}, backoff {back!r:.40}")
-        return cls(node, strikes, float(back), _names(data.get("unreachable", [])))
+        cause = data.get("cause", "")
+        if not isinstance(cause, str):
+            raise ValueError(f"not a keep-out: cause {cause!r:.40}")
+        return cls(node, strikes, float(back), _names(data.get("unreachable", [])), cause)
 
     def describe(self) -> str:
         cut = f"; cannot reach {', '.join(self.unreachable)}" if self.unreachable else ""
-        return f"kept out: back-off {self.backoff:.0f} s (strike {self.strikes}){cut}"
+        why = f"; {self.cause}" if self.cause else ""
+        return f"kept out: back-off {self.backoff:.0f} s (strike {self.strikes}){cut}{why}"
 
 
 def _object(raw: bytes) -> dict:  # type: ignore[type-arg]

@@ -290,3 +290,13 @@ def test_a_crash_not_yet_told_apart_counts_once_its_agent_exits(tmp_path: Path) 
     assert log.read() == []
     log.settle()
     assert [c.describe() for c in log.read()] == ["worker killed by SIGSEGV"]
+
+
+def test_a_crash_loop_with_too_few_nodes_left_is_the_agent_giving_up(tmp_path: Path) -> None:
+    """The crash-loop rule's last word names its cause at the end, so it starts with the verdict."""
+    log = _log(tmp_path, *TRACEBACK, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
+               _agent(2, "the job fails: crashed 3 times right after starting; without this node 1 of min 2 "
+                         "would remain; the cause: NameError: name 'undefined_name' is not defined", "ERROR"))
+    (crash,) = log.read()
+    assert crash.gave_up.startswith("crashed 3 times right after starting")
+    assert crash.describe() == "worker exit 1: NameError: name 'undefined_name' is not defined"

@@ -6,7 +6,20 @@ import signal
 
 import pytest
 
-from agent.policy import Action, Decision, Observation, Reason, decide, refunded, stop_signal
+from agent.policy import (
+    CRASH_WINDOW_S,
+    Action,
+    Decision,
+    Failure,
+    Observation,
+    Reason,
+    decide,
+    last_words,
+    next_streak,
+    refunded,
+    settled,
+    stop_signal,
+)
 
 RUNNING = {0: None, 1: None}
 
@@ -134,3 +147,82 @@ def test_a_failure_explained_by_a_missing_peer_is_refunded() -> None:
     assert not refunded(Reason.WORKER_FAILED, ["a", "b"], ["a", "b"])
     assert not refunded(Reason.WORKER_FAILED, [], ["a"])
     assert not refunded(Reason.HANG, ["a", "b"], ["a"])
+
+
+# ---------------------------------------------------------------------- crash loops
+
+BOOM = Failure(code=1, ran_for=3.0, message="ValueError: boom on c")
+LOST_PEER = Failure(code=1, ran_for=3.0, message="CollectiveFailure: lost a peer in step 4 (its connection closed); "
+                                                 "the agent restarts this worker")
+GLOO = Failure(code=1, ran_for=2.0, message="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:545] "
+                                            "Read error [127.0.0.1]:33680: Connection reset by peer")
+
+
+def looping(streak: int, failure: Failure = BOOM, **kw: object) -> Observation:
+    kw.setdefault("nodes_without_us", 2)
+    kw.setdefault("min_nodes", 2)
+    return obs(exits={0: failure.code, 1: None}, failures={0: failure}, crash_streak=streak, **kw)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_third_failure_right_after_a_start_keeps_the_node_out_naming_the_cause(in_place: bool) -> None:
+    for streak in (1, 2):
+        assert decide(looping(streak, in_place=in_place)).action is (Action.REPLACE if in_place else Action.RESTART)
+    decision = decide(looping(3, in_place=in_place))
+    assert decision.action is Action.KEEP_OUT and decision.reason is Reason.CRASH_LOOP
+    assert decision.failed == {0: 1} and not decision.counted and not decision.usage_error
+    assert decision.detail.endswith(": ValueError: boom on c") and "3 starts" in decision.detail
+
+
+def test_a_node_on_probation_is_not_kept_out_for_a_failure_a_peer_caused() -> None:
+    """Back from a keep-out (its streak still 3), its worker fails because another node died."""
+    assert decide(looping(3, failure=GLOO)).action is Action.RESTART
+    assert decide(looping(3, failure=GLOO, in_place=True)).action is Action.REPLACE
+
+
+def test_a_crash_loop_is_kept_out_even_with_no_restarts_left() -> None:
+    assert decide(looping(3, restarts_left=0)).action is Action.KEEP_OUT
+
+
+def test_a_crash_loop_fails_the_job_only_when_the_others_cannot_go_on_and_says_why_last() -> None:
+    decision = decide(looping(3, nodes_without_us=1, min_nodes=2, restarts_left=17))
+    assert decision.action is Action.FAIL and decision.reason is Reason.CRASH_LOOP
+    assert "1 node(s) would remain, fewer than the 2" in decision.detail
+    assert decision.detail.endswith("the cause: ValueError: boom on c")
+
+
+def test_without_a_rendezvous_that_can_keep_a_node_out_a_crash_loop_restarts_as_before() -> None:
+    assert decide(looping(5, nodes_without_us=None)).action is Action.RESTART
+    assert decide(looping(5, nodes_without_us=None, restarts_left=0)).action is Action.FAIL
+
+
+def test_a_usage_error_still_ends_the_job_first() -> None:
+    usage = Failure(code=2, ran_for=1.0, message="error: snapshot from another model")
+    assert decide(looping(3, failure=usage)).usage_error
+
+
+def test_the_streak_counts_own_failures_right_after_a_start_and_nothing_a_peer_caused() -> None:
+    assert next_streak(0, [BOOM]) == 1 and next_streak(2, [BOOM]) == 3
+    assert next_streak(2, [LOST_PEER]) == 2 and next_streak(2, [GLOO]) == 2  # a survivor of someone else's crash
+    assert next_streak(2, [LOST_PEER, BOOM]) == 3  # the rank that raised, beside the sibling it broke
+    assert next_streak(2, []) == 2
+    late = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message="ValueError: boom", progressed=True)
+    assert next_streak(2, [late]) == 0  # it trained a while first: no crash loop
+    stuck = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message="OSError: data gone", progressed=False)
+    assert next_streak(2, [stuck]) == 3  # it never made a step since its start, however long that took
+
+
+def test_a_group_that_outlives_the_window_ends_the_streak() -> None:
+    assert settled(2, CRASH_WINDOW_S - 1) == 2
+    assert settled(2, CRASH_WINDOW_S) == 0
+
+
+def test_what_counts_as_a_peer_s_doing() -> None:
+    assert LOST_PEER.peer_caused and GLOO.peer_caused
+    assert not BOOM.peer_caused and not Failure(code=-9, ran_for=1.0, message="killed by SIGKILL").peer_caused
+
+
+def test_the_cause_printed_is_the_worker_s_own_traceback_line_first() -> None:
+    assert last_words({0: LOST_PEER, 1: BOOM}) == "ValueError: boom on c"
+    assert last_words({0: LOST_PEER}) == LOST_PEER.message
+    assert last_words({0: Failure(code=1, ran_for=1.0), 1: Failure(code=-9, ran_for=1.0)}) == "exit 1, exit -9"

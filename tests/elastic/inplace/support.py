@@ -70,3 +70,12 @@ def ledger_steps(workdir: Path) -> list[int]:
         except (json.JSONDecodeError, KeyError):
             pass
     return steps
+
+
+def start_script(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, workdir: Path,
+                 script: Path, nnodes: str = "1:3", env: dict[str, str] | None = None) -> Node:
+    """Like :func:`start_job`, for a script a test wrote itself (the same files and settings)."""
+    job_env = {"PROGRESS": str(workdir / f"{name}.rows.jsonl"), "SNAPSHOTS": str(workdir / "snapshots"),
+               "LEDGER": str(workdir / "ledger.jsonl"), "OMP_NUM_THREADS": "1", **(env or {})}
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
+                 metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from elastic.rendezvous.keepout import (
     BACKOFF_CAP_S, KeepOut, ReachReport, backoff, broken_pairs, choose_kept_out, next_strikes,
 )
@@ -59,3 +61,13 @@ def test_records_round_trip_and_describe_themselves() -> None:
     out = KeepOut("c", 2, 10.0, ("a", "b"))
     assert KeepOut.from_json(out.to_json()) == out
     assert out.describe() == "kept out: back-off 10 s (strike 2); cannot reach a, b"
+
+
+def test_a_keep_out_for_a_crash_loop_says_its_cause_and_older_records_still_read() -> None:
+    out = KeepOut("c", 1, 5.0, cause="local rank(s) [0] failed right after each of the last 3 starts: ValueError: x")
+    assert KeepOut.from_json(out.to_json()) == out
+    assert out.describe() == ("kept out: back-off 5 s (strike 1); local rank(s) [0] failed right after each of the "
+                              "last 3 starts: ValueError: x")
+    assert KeepOut.from_json(b'{"node": "c", "strikes": 1, "backoff": 5.0, "unreachable": []}').cause == ""
+    with pytest.raises(ValueError):
+        KeepOut.from_json(b'{"node": "c", "strikes": 1, "backoff": 5.0, "unreachable": [], "cause": 3}')
