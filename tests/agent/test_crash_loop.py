@@ -111,7 +111,7 @@ def test_a_node_whose_worker_fails_at_every_start_is_kept_out_and_the_others_fin
     assert tries == 3, f"{tries} starts before c was kept out:\n{c.log_tail(80)}"
 
     fast.touch()  # the healthy nodes may finish now
-    wait_until(lambda: not a.alive() and not b.alive(), 60, "a and b to finish", on_timeout=logs)
+    wait_until(lambda: not a.alive() and not b.alive(), 120, "a and b to finish", on_timeout=logs)
     for node in (a, b):
         assert node.process is not None and node.process.returncode == 0, node.log_tail(60)
         rows = read_rows(tmp_path / f"{node.name}.rows.jsonl")

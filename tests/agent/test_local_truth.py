@@ -92,7 +92,8 @@ class LocalProcess:
         with open(out, "wb") as sink:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "agent.cli", "local", *args], cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                    "COLUMNS": "160"})  # a table row per line
         self.seen: dict[int, str] = {}
 
     def exited(self) -> bool:
