@@ -138,9 +138,14 @@ class AsyncSnapshotWriter:
         self.mode = mode
         self._stager = Stager(sync_copy_max_bytes, shared=mode == "process")
         self._stats = WriterStats()
+        # Taken by the writer thread only. flush() works from a signal handler, which runs on
+        # the training thread wherever it was interrupted: had that thread held this lock, the
+        # writer thread would block on it and the handler would wait on the writer for ever.
+        # So the training thread only does single stores to its own stats fields (atomic under
+        # the GIL), reads stats without it, and takes errors from a deque (atomic appends/pops).
         self._lock = threading.Lock()
         self._job: _Job | None = None
-        self._error: BaseException | None = None
+        self._errors: collections.deque[BaseException] = collections.deque()
         self._closed = False
         self._last_submit: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=4)
@@ -183,14 +188,12 @@ class AsyncSnapshotWriter:
         if prev is not None and not prev.done.is_set():
             self._urge()  # it is late: the next snapshot is already due
             if self.overlap_policy == "skip":
-                with self._lock:
-                    self._stats.snapshots_skipped += 1
+                self._stats.snapshots_skipped += 1
                 log.info("snapshot step %d skipped: step %d is still being written (policy 'skip')", step, prev.step)
                 return False
             prev.done.wait()
             waited = time.perf_counter() - t0
-            with self._lock:
-                self._stats.snapshots_waited += 1
+            self._stats.snapshots_waited += 1
         # The previous job is done, so the staging buffers are free to overwrite.
         capture = self._stager.stage(state)
         job = _Job(step=step, world_size=world_size, extra_meta=extra_meta, capture=capture)
@@ -201,9 +204,8 @@ class AsyncSnapshotWriter:
         self._job = job
         self._queue.put(job)
         job.stall_s = time.perf_counter() - t0
-        with self._lock:
-            self._stats.last_stall_s = job.stall_s
-            self._stats.total_stall_s += job.stall_s
+        self._stats.last_stall_s = job.stall_s
+        self._stats.total_stall_s += job.stall_s
         if waited:
             log.info("snapshot step %d waited %.3fs for step %d to become durable", step, waited, prev.step if prev else -1)
         return True
@@ -218,9 +220,8 @@ class AsyncSnapshotWriter:
             job.captured.wait()
             dt = time.perf_counter() - t0
             job.stall_s += dt
-            with self._lock:
-                self._stats.last_stall_s = job.stall_s
-                self._stats.total_stall_s += dt
+            self._stats.last_stall_s = job.stall_s
+            self._stats.total_stall_s += dt
         if job.capture.cuda_event is not None and not job.device_waited:
             # GPU-side wait: the optimizer's kernels queue behind the copy; the CPU does not block.
             torch.cuda.current_stream().wait_event(job.capture.cuda_event)
@@ -253,8 +254,7 @@ class AsyncSnapshotWriter:
 
     @property
     def stats(self) -> WriterStats:
-        with self._lock:
-            return dataclasses.replace(self._stats)
+        return dataclasses.replace(self._stats)  # no lock: see __init__; a copy mid-update is a metric a tick old
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything submitted is durable; re-raise a background failure.
@@ -272,8 +272,13 @@ class AsyncSnapshotWriter:
                     f"snapshot step {self.pending_step} is still not durable after {timeout:.1f}s; "
                     f"the filesystem under {self.store.root} is very slow or hung"
                 )
-        with self._lock:
-            err, self._error = self._error, None
+        errors = []
+        while True:
+            try:
+                errors.append(self._errors.popleft())
+            except IndexError:
+                break
+        err = errors[-1] if errors else None  # the newest failure says most; the others were logged
         if err is not None:
             if isinstance(err, SnapshotError):
                 raise err
@@ -330,8 +335,8 @@ class AsyncSnapshotWriter:
             try:
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - reported through flush() and stats
+                self._errors.append(e)
                 with self._lock:
-                    self._error = e
                     self._stats.errors += 1
                     self._stats.last_error = str(e)
                 # a fenced write is the round protocol at work, not a disk fault

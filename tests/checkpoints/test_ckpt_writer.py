@@ -140,6 +140,64 @@ def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> Non
     assert [p.name for p in tiny_fs.iterdir()] == ["step-000000000001"]
 
 
+def test_flush_from_a_signal_handler_never_waits_on_the_thread_it_interrupted(tmp_path: Path) -> None:
+    """A SIGTERM handler that flushes runs on the training thread wherever it was
+    interrupted, in the middle of submit included. The writer thread must never need
+    anything that thread holds, or the handler waits for ever (seen once in a loaded CI
+    run: the child never printed "flushed"). A timer interrupts a loop of submits every
+    millisecond with a handler that flushes."""
+    writer = AsyncSnapshotWriter(SnapshotStore(tmp_path, keep=2), overlap_policy="wait", mode="thread")
+    flushes = []
+
+    def on_alarm(signum: int, frame: object) -> None:
+        writer.flush(timeout=20)  # a SnapshotError here fails the test: the write never became durable
+        flushes.append(writer.pending_step)
+        signal.setitimer(signal.ITIMER_REAL, 0.001)  # once this handler is done: handlers do not nest
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.001)
+    try:
+        step, deadline = 0, time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            step += 1
+            writer.submit(step, {"w": torch.full((64,), float(step)), "step": step}, world_size=1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+        writer.close()
+    assert len(flushes) > 10 and step > 10, (len(flushes), step)  # the handler ran, mid-submit among others
+    assert SnapshotStore(tmp_path).newest_valid(full=True).step == step
+
+
+def test_the_training_thread_never_takes_the_writers_lock(tmp_path: Path) -> None:
+    """Why the handler above cannot hang: nothing the training thread calls (submit, the
+    optimizer's capture wait, stats, flush) takes the lock the writer thread needs."""
+    import threading
+
+    class Recording:
+        def __init__(self) -> None:
+            self.lock, self.takers = threading.Lock(), set()
+
+        def __enter__(self) -> None:
+            self.takers.add(threading.get_ident())
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    writer = AsyncSnapshotWriter(SnapshotStore(tmp_path, keep=2), overlap_policy="wait", mode="thread")
+    writer._lock = recording = Recording()  # type: ignore[assignment]
+    try:
+        for step in range(1, 6):
+            writer.submit(step, state_for(step), world_size=1)
+            writer.wait_capture()
+            assert writer.stats.snapshots_written <= step
+        writer.flush(timeout=30)
+    finally:
+        writer.close()
+    assert recording.takers and threading.get_ident() not in recording.takers
+
+
 @pytest.mark.slow  # starts processes
 def test_sigterm_mid_write_flushes_before_exit(tmp_path: Path) -> None:
     proc = start_child("_ckpt_writer_child.py", str(tmp_path))
