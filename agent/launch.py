@@ -25,7 +25,7 @@ import socket
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
@@ -34,6 +34,9 @@ from .etcd_args import DEFAULT_ENDPOINT
 from .nnodes import apply_nnodes, environment_nnodes
 from .preflight import target_problem
 from .settings import AgentSettings
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 ENV_PREFIX = "ELASTIC_"
 # Outside 9100-9999, which Prometheus' default-port list has filled (9400 is NVIDIA's DCGM
@@ -351,6 +354,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
     _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id)
+    _export_spare(handler, metrics)
     settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes, rdzv_configs)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
     spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
@@ -391,6 +395,15 @@ def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Ag
         return claim_agent_dir(value)
     except AgentDirError as exc:
         parser.exit(2, f"error: --agent-dir {exc}\n")
+
+
+def _export_spare(handler: object, metrics: AgentMetrics) -> None:
+    """``elastic_agent_spare``: 1 while the rendezvous holds this node as a spare (a full
+    world without it), so a dashboard shows how many nodes stand ready to replace a loss."""
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler
+
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        handler.on_spare.append(lambda spare: metrics.spare.set(1 if spare else 0))
 
 
 def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str) -> None:

@@ -71,6 +71,9 @@ class AgentMetrics:
                                       registry=r)
         self.kept_out_total = Counter("elastic_agent_keep_outs", "Times this node was kept out of a round because "
                                       "its peers could not reach it, or for a crash loop", registry=r)
+        self.spare = Gauge("elastic_agent_spare",
+                           "1 while this node waits as a spare: the world is full (--nnodes MAX) without it, and "
+                           "it takes the place of the next member lost", registry=r)
         self.crash_loops = Counter("elastic_agent_crash_loops", "Times this node's workers failed right after each "
                                    "of 3 starts in a row, and the node was kept out (or the job failed)", registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],

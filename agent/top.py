@@ -27,7 +27,7 @@ from rich.text import Text
 
 from agent.etcd_args import EtcdTarget, add_etcd_arguments, connect
 from agent.goodput import read_account
-from agent.top_model import (DEFAULT_STRAGGLER_RATIO, Exposition, JobView, NodeScrape, build_view, fmt_count,
+from agent.top_model import (DEFAULT_STRAGGLER_RATIO, SPARE, Exposition, JobView, NodeScrape, build_view, fmt_count,
                              fmt_rate, fmt_seconds, goodput_lines)
 from elastic.etcd import EtcdConfigError, EtcdError
 from elastic.rendezvous.registry import NodeRecord, list_nodes
@@ -81,7 +81,8 @@ class Watcher:
 def render(view: JobView, run_id: str, note: str = "") -> Group:
     """The table, with the job's totals in its title and stragglers under it."""
     world = "?" if view.world_size is None else str(view.world_size)
-    title = (f"run {run_id} · world {world} · {len(view.nodes)} nodes · "
+    spares = f" ({len(view.spares)} spare)" if view.spares else ""
+    title = (f"run {run_id} · world {world} · {len(view.nodes)} nodes{spares} · "
              f"{fmt_rate(view.samples_per_s)} samples · newest snapshot {fmt_seconds(view.snapshot_age_s)} old")
     table = Table(title=title, title_justify="left", expand=False)
     for name, justify in (("node", "left"), ("rank", "right"), ("state", "left"), ("steps", "right"),
@@ -92,7 +93,7 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
     for node in view.nodes:
         if not node.ranks:
             table.add_row(node.node, "-", node.state, *["-"] * 8, node.note or node.error or "no live ranks",
-                          style="yellow")
+                          style="cyan" if node.state == SPARE else "yellow")  # a spare is ready, not in trouble
         for r in node.ranks:
             flag = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else node.note
             table.add_row(r.node, r.rank, r.state, fmt_count(r.steps), fmt_rate(r.samples_per_s, ""),

@@ -24,6 +24,8 @@ from elastic.goodput.report import describe, describe_fault
 
 Labels = Mapping[str, str]
 DEFAULT_STRAGGLER_RATIO = 1.2
+SPARE = "spare"  # the registry state of a node waiting beside a full world (elastic.rendezvous.rounds.waits_as_spare)
+SPARE_NOTE = "spare: takes the next lost node's place"
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,17 @@ class JobView:
     snapshot_age_s: float | None
     stragglers: tuple[str, ...] = field(default=())  # "node/rank"
     goodput: Account | None = None  # the job's record in etcd (agent.goodput), read beside the scrapes
+    spares: tuple[str, ...] = field(default=())  # nodes waiting to replace a lost member
+
+
+def spares(scrapes: Iterable[NodeScrape]) -> tuple[str, ...]:
+    """The nodes that wait as spares, by name: how many losses the job absorbs at full size."""
+    return tuple(sorted(s.node for s in scrapes if s.state == SPARE))
+
+
+def node_note(scrape: NodeScrape) -> str:
+    """What the note column says of a node: its own word, else what its state means for the job."""
+    return scrape.note or (SPARE_NOTE if scrape.state == SPARE else "")
 
 
 def goodput_lines(account: Account | None, now: float) -> list[str]:
@@ -230,7 +243,8 @@ def build_view(current: Mapping[str, NodeScrape], previous: Mapping[str, NodeScr
     by_node: dict[str, list[RankView]] = {n: [] for n in names}
     for row in rows:
         by_node[row.node].append(row)
-    nodes = tuple(NodeView(n, current[n].state, current[n].error, tuple(by_node[n]), current[n].note) for n in names)
+    nodes = tuple(NodeView(n, current[n].state, current[n].error, tuple(by_node[n]), node_note(current[n]))
+                  for n in names)
     worlds = [s.metrics.total("elastic_world_size") for s in current.values() if s.metrics]
     world = max((w for w in worlds if w is not None), default=None)
     rates = [r.samples_per_s for r in rows if r.samples_per_s is not None]
@@ -241,6 +255,7 @@ def build_view(current: Mapping[str, NodeScrape], previous: Mapping[str, NodeScr
         samples_per_s=sum(rates) if rates else None,
         snapshot_age_s=min(ages) if ages else None,
         stragglers=tuple(f"{r.node}/{r.rank}" for r in rows if r.straggler),
+        spares=spares(current.values()),
     )
 
 

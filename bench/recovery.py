@@ -11,6 +11,9 @@ the clock from the fault to the survivor's first step in a world of one:
   ``--lease-ttl``), in-place recovery (the default);
 * ``restart-kill`` / ``restart-stop``: the same with ``--no-in-place``: the restart path
   (warm standbys, restore from disk); ``restart-kill-cold`` adds ``--no-warm-start``;
+* ``ours-kill-spare``: three agents at ``--nnodes 2:2`` (two train, one waits as a warm spare,
+  docs/agent.md "Spares"); a member is SIGKILLed and the clock runs to the survivor's first
+  step in the next round, a world of two again: the spare admitted and healed from a replica;
 * ``c10d-tuned`` / ``c10d-default``: plain torchrun, torch's c10d backend, tuned
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
   ``c10d-tuned-store-host`` kills the node hosting c10d's store; ``torchrun-stop`` freezes.
@@ -60,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from agent.local_node import LocalNode  # noqa: E402
 from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
 
-CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "restart-kill-cold",
+CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare",
+           "restart-kill", "restart-stop", "restart-kill-cold",
            "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
            "script-kill", "script-stop", "torchrun-script-kill",
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
@@ -101,7 +105,8 @@ def _agent_args(config: str, lease_ttl: int) -> list[str]:
 
 
 def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEtcd, lease_ttl: int,
-               module: str = "elastic.train", job: list[str] | None = None, script: str | None = None) -> list[LocalNode]:
+               module: str = "elastic.train", job: list[str] | None = None, script: str | None = None,
+               nnodes: str | None = None) -> list[LocalNode]:
     ours = not ("c10d" in config or "torchrun" in config)
     run_id = f"{config}-{time.time_ns()}"
     workdir = work / run_id
@@ -110,7 +115,7 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
         job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(workdir / "snapshots"),
                "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
-                                  nnodes=f"1:{len(names)}", script=script, env={"OMP_NUM_THREADS": "1"})
+                                  nnodes=nnodes or f"1:{len(names)}", script=script, env={"OMP_NUM_THREADS": "1"})
     nodes = []
     store_port = free_port()
     for i, name in enumerate(names):
@@ -156,6 +161,8 @@ def _steady(nodes: list[LocalNode], world: int, steps: int, timeout: float) -> b
 def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> list[float | None]:
     if config.endswith("-join"):
         return [join_pause(config, work, etcd, lease_ttl, give_up)]
+    if config == "ours-kill-spare":
+        return [spare_trial(config, work, etcd, lease_ttl, give_up)]
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()  # both at once: a 1 s last call cannot wait for a slow import
@@ -178,6 +185,36 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
         fault_at = time.time()
         victim.freeze() if config.endswith("stop") else victim.kill()
         return [_first_after(survivor, fault_at, before, give_up)]
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """``--nnodes 2:2`` and a third agent, a spare: a member's SIGKILL to the first step of a
+    world of two again (the survivor's; the admitted spare takes part in it)."""
+    nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl, nnodes="2:2")
+    for node in nodes:
+        node.start()
+    try:
+        deadline = time.time() + 120
+        while sum(len(n.steps_at(2)) >= 20 for n in nodes) < 2 or not any(_is_spare(n) for n in nodes):
+            if time.time() > deadline:
+                print(f"  {config}: no world of 2 beside a spare within 120 s; skipping", file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.1)
+        members = [n for n in nodes if not _is_spare(n)]
+        _wait_standbys(nodes, 120)  # the spare's too: it starts its workers from them (ready before it joined)
+        victim = next(n for n in members if n.steps_at(2)[-1]["rank"] != 0)
+        survivor = next(n for n in members if n is not victim)
+        before = _epoch(survivor.steps_at(2)[-1])
+        fault_at = time.time()
+        victim.kill()
+        took = _first_after(survivor, fault_at, before, give_up)
+        if took is not None and any(r["world_size"] != 2 for r in survivor.progress() if r["time"] > fault_at):
+            print(f"  {config}: the world shrank instead of taking the spare", file=sys.stderr, flush=True)
+            return None
+        return took
     finally:
         for n in nodes:
             n.cleanup()
@@ -434,6 +471,15 @@ def _wait_standbys(nodes: list[LocalNode], timeout: float) -> None:
     deadline = time.time() + timeout
     while not all(_standbys_ready(n) for n in nodes) and time.time() < deadline:
         time.sleep(0.2)
+
+
+def _is_spare(node: LocalNode) -> bool:
+    """The node's ``elastic_agent_spare`` gauge says it waits beside a full world."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
+    return any(line.startswith("elastic_agent_spare ") and float(line.split()[1]) == 1 for line in text.splitlines())
 
 
 def _standbys_ready(node: LocalNode) -> bool:

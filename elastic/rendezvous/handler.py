@@ -60,7 +60,8 @@ from .registry import (
     nodes_prefix,
     run_prefix,
 )
-from .rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, missing_members, rank_order, should_close
+from .rounds import (CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, lost_members, missing_members, rank_order,
+                     should_close, waits_as_spare)
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 from .witness import PeerAsker
@@ -127,6 +128,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joined_once = False
         self._warned: set[str] = set()
         self.on_round: list[Callable[[RoundRecord], None]] = []
+        # told True when this node starts waiting as a spare (a full world without it), False when it
+        # leaves that wait (admitted, or the round it joined); the agent exports it as a gauge
+        self.on_spare: list[Callable[[bool], None]] = []
+        self.spare_since: float | None = None  # monotonic; while this node waits as a spare
+        self._spare_from: float | None = None  # when this rendezvous first found this node a spare
         # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
         # agent (None): a newcomer joins, a member asking again had its workers fail
         self.next_cause: str | None = None
@@ -167,7 +173,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.round = None
         self.lease.update(state="rendezvous", round=None, rank=None, world=None)
         started = time.monotonic()
-        record = self._join_until_closed(started + self.options.timings["join_timeout"])
+        self._spare_from = None
+        try:
+            record = self._join_until_closed(started + self.options.timings["join_timeout"])
+        finally:
+            self._mark_spare(False, write=False)  # "running" (or leaving) is written next
         if self.lease_watch.past_deadline():
             self.lease.refresh(timeout=self.lease.ttl / 4)  # judged by its clock, a stale lease would stop us again
         rank, world = record.participants.index(self.node), len(record.participants)
@@ -177,6 +187,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
                  time.monotonic() - started, rank, world, ", ".join(record.participants))
+        if self._spare_from is not None:
+            replaced = [n for n in record.previous if n not in record.participants]
+            log.info("[%s] a spare for %.1f s: admitted to round %d in the place of %s, world size unchanged",
+                     self.node, time.monotonic() - self._spare_from, record.round,
+                     ", ".join(replaced) or "a lost member")
         store = dist.PrefixStore(f"round/{record.round}", self._store)
         bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if self.bootstrap or rank == 0 else None
         for callback in list(self.on_round):
@@ -312,6 +327,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                                            lambda: self._closed_in(self.mirror.entries()[0]))
                 joined_round = None
                 continue
+            if self._spare_now(record, entries, joined_round):
+                self._mark_spare(True, record)
+                deadline = max(deadline, time.monotonic() + self.options.timings["join_timeout"])  # not a stuck join
+            elif self.spare_since is not None and record is not None and record.state == OPEN \
+                    and joined_round == record.round:
+                self._mark_spare(False)  # joined the round a loss opened; its close says whether we are in
             if record is None and self._round_key in entries:
                 self._await_good_round(revision)  # forged, and this node remembers no good one
                 continue
@@ -329,8 +350,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     opened = self._open_and_join(round_rev, record.next_open(self._cause()), joined_round)
                     if opened is not None:  # our join is in the same transaction: the round cannot close without us
                         joined_round, join_revision = record.round + 1, opened
+                elif lost_members(record, self._live(entries)):  # a full world lost a member: a spare steps in
+                    opened = self._open_and_join(round_rev, record.next_open(FAILURE), joined_round)
+                    if opened is not None:
+                        joined_round, join_revision = record.round + 1, opened
                 else:
-                    self.mirror.wait(revision, 1.0)  # a full world: wait for the next round
+                    self.mirror.wait(revision, 1.0)  # a full world: wait as a spare for the next round
             elif joined_round != record.round:
                 join_revision = self._join(record.round, joined_round)
                 joined_round = record.round
@@ -357,6 +382,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self.mirror.wait(revision, _TICK_S)
                 continue
             self.mirror.wait(revision, _TICK_S)
+
+    def _spare_now(self, record: RoundRecord | None, entries: dict,  # type: ignore[type-arg]
+                   joined_round: int | None) -> bool:
+        """Whether this node waits as a spare now (a round it opened itself may not show yet)."""
+        if record is None or record.state != CLOSED or self.node in record.participants \
+                or len(record.participants) < self.timings.max_nodes or joined_round == record.round + 1:
+            return False  # the cheap checks first: the registry is read only beside a full world
+        return waits_as_spare(record, self.node, self.timings.max_nodes, self._live(entries))
+
+    def _mark_spare(self, spare: bool, record: RoundRecord | None = None, write: bool = True) -> None:
+        """Say (registry state ``spare``, log, ``on_spare``) that this node waits as a spare, or
+        no longer does; only on a change."""
+        if spare == (self.spare_since is not None):
+            return
+        self.spare_since = time.monotonic() if spare else None
+        if spare and self._spare_from is None:
+            self._spare_from = self.spare_since
+        if spare and record is not None:
+            log.info("[%s] round %d is full (%s; --nnodes max %d): waiting as a spare, to take the place of "
+                     "the next member lost", self.node, record.round, ", ".join(record.participants),
+                     self.timings.max_nodes)
+        if write:
+            self.lease.update(state="spare" if spare else "rendezvous")
+        for callback in list(self.on_spare):
+            callback(spare)
 
     def _await_good_round(self, revision: int) -> None:
         """Wait for a member to put a good round record back over one that does not verify;

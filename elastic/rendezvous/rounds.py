@@ -136,6 +136,25 @@ def should_close(
     return waited >= timings.rejoin
 
 
+def lost_members(record: RoundRecord, live: Mapping[str, str]) -> list[str]:
+    """Members of a closed round whose lease is gone (dead, frozen past the TTL, cut off)."""
+    return [n for n in record.participants if n not in live] if record.state == CLOSED else []
+
+
+def waits_as_spare(record: RoundRecord | None, node: str, max_nodes: int, live: Mapping[str, str]) -> bool:
+    """Whether ``node`` is a spare: the current round closed full (``--nnodes MAX``) without it,
+    and every member of it still holds its lease.
+
+    A spare opens no round (that would only re-form a full world to leave it out again): it
+    waits, joins the next round a member's loss opens, and :func:`rank_order` admits it in
+    the lost member's place, so the world keeps its size. Once a member's lease is gone it
+    is a spare no longer: it opens that round itself (as a failure), so that a world whose
+    every member died still gets its spares.
+    """
+    return (record is not None and record.state == CLOSED and node not in record.participants
+            and len(record.participants) >= max_nodes and not lost_members(record, live))
+
+
 def rank_order(joined: Mapping[str, int], previous: Iterable[str], max_nodes: int) -> list[str]:
     """Previous members keep their relative order (rank 0 stays rank 0 if it survives),
     newcomers follow in the order they joined."""

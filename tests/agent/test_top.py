@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from rich.console import Console
 
 from agent.top import main
-from agent.top_model import Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, goodput_lines, quantile
+from agent.top import render
+from agent.top_model import (SPARE_NOTE, Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, goodput_lines,
+                             quantile)
 from elastic.goodput import Account, Interval, extend
 from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
 from elastic.rendezvous.registry import NodeLease, NodeRecord
@@ -81,6 +84,20 @@ def test_first_scrape_has_no_rates_and_a_restarted_node_counts_from_zero() -> No
     view = build_view({"a": scrape("a", fresh, 12.0)}, {"a": scrape("a", a, 10.0)})
     assert view.nodes[0].ranks[0].samples_per_s == 2 * BATCH / 2.0
     assert view.nodes[0].ranks[0].busbw == 0.0  # a world of one moves nothing over a bus
+
+
+def test_a_spare_shows_in_the_title_and_its_row_says_what_it_is_for() -> None:
+    scrapes = {"a": NodeScrape("a", "running", 10.0, Exposition.parse("")),
+               "c": NodeScrape("c", "spare", 10.0, Exposition.parse("")),
+               "d": NodeScrape("d", "kept_out", 10.0, Exposition.parse(""), note="kept out: back-off 5 s")}
+    view = build_view(scrapes, {})
+    assert view.spares == ("c",)
+    assert {n.node: n.note for n in view.nodes} == {"a": "", "c": SPARE_NOTE, "d": "kept out: back-off 5 s"}
+    console = Console(width=240, record=True)
+    console.print(render(view, "r1"))
+    text = console.export_text()
+    assert "3 nodes (1 spare)" in text and "spare: takes the next lost node" in text
+    assert build_view({"a": scrapes["a"]}, {}).spares == ()
 
 
 def test_formatting() -> None:

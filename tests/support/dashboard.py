@@ -28,7 +28,7 @@ WORKER_METRICS = frozenset({
 AGENT_METRICS = frozenset({
     "elastic_agent_rendezvous_duration_seconds", "elastic_agent_restarts_total",
     "elastic_agent_remaining_restarts", "elastic_agent_worker_group_state", "elastic_agent_nodes_in_round",
-    "elastic_agent_round", "elastic_agent_info", "elastic_agent_etcd_errors_total",
+    "elastic_agent_round", "elastic_agent_info", "elastic_agent_etcd_errors_total", "elastic_agent_spare",
 })
 # Goodput (docs/metrics.md "Goodput"): exported by the agents from the job's record.
 GOODPUT_METRICS = frozenset({

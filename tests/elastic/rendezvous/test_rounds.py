@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous import create_handler
-from elastic.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, rank_order, should_close
+from elastic.rendezvous.rounds import (CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, lost_members, rank_order,
+                                     should_close, waits_as_spare)
 from tests.support.waiting import wait_until
 
 T = Timings(min_nodes=1, max_nodes=3, last_call=1.0, rejoin=0.5, stop_grace=30.0)
@@ -72,6 +74,27 @@ def test_ranks_are_stable_and_newcomers_follow_in_join_order() -> None:
     assert rank_order({"c": 9, "a": 7, "x": 3}, ("c", "b", "a"), 2) == ["c", "a"]
 
 
+def test_a_node_beside_a_full_world_waits_as_a_spare_until_a_member_is_lost() -> None:
+    full = RoundRecord(4, CLOSED, ("a", "b"))
+    live = {"a": "running", "b": "running", "c": "rendezvous"}
+    assert waits_as_spare(full, "c", 2, live)
+    assert not waits_as_spare(full, "a", 2, live)  # a member
+    assert not waits_as_spare(full, "c", 3, live)  # room left: c opens a round and joins (a scale-up)
+    assert not waits_as_spare(RoundRecord(5, OPEN, previous=("a", "b")), "c", 2, live)  # joins the open round
+    assert not waits_as_spare(None, "c", 2, live)
+    gone = {"a": "running", "c": "spare"}  # b's lease expired: c opens the next round itself
+    assert lost_members(full, gone) == ["b"] and not waits_as_spare(full, "c", 2, gone)
+    assert lost_members(RoundRecord(5, OPEN, previous=("a", "b")), gone) == []
+
+
+def test_a_spare_takes_the_lost_members_place_and_the_survivors_keep_their_ranks() -> None:
+    joined = {"c": 10, "b": 11, "d": 12}  # a lost; spares c and d both joined, c first
+    assert rank_order(joined, ("a", "b"), 2) == ["b", "c"]
+    timings = Timings(min_nodes=2, max_nodes=2, last_call=1.0, rejoin=0.5)
+    assert should_close(RoundRecord(5, OPEN, previous=("a", "b"), cause=FAILURE), {"b": 11, "c": 10},
+                        {"b": "rendezvous", "c": "spare"}, timings, waited=0.0)  # full at once: no rejoin wait
+
+
 def test_round_record_round_trips_through_json() -> None:
     closed = LATER.closed_with(["b", "a"])
     again = RoundRecord.from_json(closed.to_json())
@@ -100,3 +123,42 @@ def test_a_node_whose_lease_is_lost_while_joining_joins_again(etcd_server: Embed
     finally:
         first.close()
         second.close()
+
+
+def test_a_spare_outlives_the_join_timeout_and_replaces_a_world_whose_every_member_died(
+        etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """--nnodes 1:1: nobody survives to open the next round, so the spare opens it itself; and
+    waiting beside a full world is not a rendezvous that failed to complete (join_timeout)."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 1, 1, node_name=name, lease_ttl="2", join_timeout="2")
+    member, spare = create_handler(params("member")), create_handler(params("spare"))
+    seen: list[bool] = []
+    spare.on_spare.append(seen.append)
+    results: dict[str, object] = {}
+    try:
+        assert member.next_rendezvous().world_size == 1
+        waiter = threading.Thread(target=lambda: results.update(info=_try(spare.next_rendezvous)), daemon=True)
+        waiter.start()
+        wait_until(lambda: spare.node_records().get("spare") is not None
+                   and spare.node_records()["spare"].state == "spare", 30, "the spare to say so in the registry")
+        assert seen == [True]
+        waiter.join(timeout=3.0)  # past join_timeout (2 s): still waiting, not failed
+        assert waiter.is_alive() and not results, results
+        member.close()  # its lease revoked: the world of one is gone
+        waiter.join(timeout=30)
+        info = results["info"]
+        assert not isinstance(info, BaseException), info
+        assert (info.rank, info.world_size) == (0, 1)  # type: ignore[attr-defined]
+        assert spare.round is not None and spare.round.participants == ("spare",) and spare.round.cause == FAILURE
+        assert seen == [True, False] and spare.spare_since is None
+        assert spare.node_records()["spare"].state == "running"
+    finally:
+        member.close()
+        spare.close()
+
+
+def _try(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        return exc
