@@ -16,6 +16,11 @@ the job back to its last snapshot. Now the run takes both over, and says so in o
   ``dist.get_rank()`` and ``dist.get_world_size()`` follow the current world; groups the
   script made with ``new_group`` go with the old one. The run then leaves the new group to
   the script, as it left the old one: a final ``destroy_process_group()`` still works.
+
+A *joiner* (started into a world that already trains in place) made its group in the
+set-up world its agent described (:func:`elastic.worker_env.setup_world_env`: itself and
+the workers started with it), so its ``init_process_group()`` returned at once; the run
+takes that group over at the loop's first batch instead, when it joins the real world.
 """
 
 from __future__ import annotations

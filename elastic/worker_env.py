@@ -12,13 +12,21 @@ every re-formation (:func:`update_env`), from the same facts the agent used
 
 ``ElasticRun`` gives the same values as ``run.rank``, ``run.world_size`` and the like,
 which is what new code should read.
+
+A worker started into a world that is already training in place (a *joiner*) gets a
+different start-up world: :func:`setup_world_env`, the workers its agent starts together
+and nobody else, with a store of their own. Its script's ``init_process_group()`` and its
+set-up collectives then complete among those workers at once, instead of waiting for
+peers that called theirs long ago (and never will again) or meeting the survivors' step
+collectives; ``ElasticRun`` joins the real world at the loop's first batch
+(:data:`SETUP_WORLD_ENV` tells it so), and :func:`update_env` then writes the real values.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import MutableMapping
+from typing import Mapping, MutableMapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -46,12 +54,40 @@ def rank_env(place: Place) -> dict[str, str]:
     return env
 
 
+SETUP_WORLD_ENV = "ELASTIC_SETUP_WORLD"  # "1": this worker joins a live world at its loop's first batch
+
+
+def joins_live_world(peers_in_place: Mapping[str, bool], node: str) -> bool:
+    """Whether workers this node starts now join a world that already trains in place: some
+    other member of the round runs in-place workers that hold state (their agent says so in
+    its registry record). At a job's first start nobody does, and the whole world forms at
+    once, set-up included."""
+    return any(flag for name, flag in peers_in_place.items() if name != node)
+
+
+def setup_world_env(local_rank: int, started: Sequence[int], port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """torchrun's variables for a set-up world of the local ranks ``started`` together (a joiner's
+    world before its first step): ranks in local-rank order, its store on ``host:port``."""
+    ranks = sorted(started)
+    size = str(len(ranks))
+    rank = str(ranks.index(local_rank))
+    return {"RANK": rank, "ROLE_RANK": rank, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": size, "MASTER_ADDR": host, "MASTER_PORT": str(port),
+            SETUP_WORLD_ENV: "1"}
+
+
+def in_setup_world(environ: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(SETUP_WORLD_ENV) == "1"
+
+
 def update_env(place: Place, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Write ``place`` into the environment (this process's by default); returns what changed."""
     environ = os.environ if environ is None else environ
     changed = {k: v for k, v in rank_env(place).items() if environ.get(k) != v}
     environ.update(changed)
+    environ.pop(SETUP_WORLD_ENV, None)  # the real world now: its own variables from here on
     return changed
 
 
-__all__ = ["Place", "rank_env", "update_env"]
+__all__ = ["Place", "SETUP_WORLD_ENV", "in_setup_world", "joins_live_world", "rank_env", "setup_world_env",
+           "update_env"]

@@ -101,6 +101,11 @@ class Membership:
 
     # ------------------------------------------------------------------ 1. start
 
+    def announce(self) -> None:
+        """A joiner in its set-up world: tell the agent now that this worker runs in place (so a
+        new round rejoins it rather than restarting it); its group comes at :meth:`start`."""
+        self._report("joining")
+
     def start(self, stable_rank: int, stable_ranks: int, device: torch.device | None = None) -> None:
         init_group(self.backend, self.store, stable_rank, stable_ranks, self.timeout,
                    device if self.backend == "nccl" else None)

@@ -1,0 +1,207 @@
+"""The script's own collectives on the default group: a lost peer fails the step, not the process.
+
+A user's ``dist.all_reduce`` of a metric, ``dist.barrier()`` or ``dist.all_gather_object``
+in the loop body runs on the run's default group, between the run's own collectives. When
+a peer dies in it, gloo raises into the user's code: uncaught, the worker crashes, its
+agent restarts it, and once every survivor has done so the job's replicas are gone and it
+goes back to disk. Inside ``ElasticRun`` the same failure only abandons the step.
+
+**The contract**, while a :class:`Guard` is installed (from the end of ``ElasticRun``'s
+constructor until the run is closed):
+
+* the collectives named in :data:`WRAPPED`, called as ``torch.distributed.NAME`` on the
+  default group (``group`` left out, None or ``dist.group.WORLD``), that fail the way a
+  lost peer makes them fail (:func:`elastic.grad_sync.is_collective_failure`) **return**
+  instead of raising: their outputs are left as they were, and the failure is recorded;
+* once one failed, the next ones return at once without touching the broken group;
+* the run takes the failure (:meth:`Guard.take`) at its next ``run.step`` or ``next()``
+  and treats it as a failure of that step: abandoned, and the world re-formed in place;
+* ``async_op=True`` returns a work whose ``wait()`` follows the same rule; its
+  ``get_future()`` is torch's own (a failure raises from it);
+* everything else is torch's, untouched: other groups, other errors (a wrong shape, a
+  wrong type), and the run's own collectives (:meth:`Guard.owned` around them, so that
+  the run still sees and handles its own failures).
+
+Only the attributes of the ``torch.distributed`` module are replaced, so a script must
+call them as ``dist.NAME`` (a name imported with ``from torch.distributed import
+all_reduce`` before the run was built is torch's own, and raises as before). Nested calls
+(``all_gather_object`` calling ``all_gather``) pass through to torch.
+
+**Fallback.** A function whose signature this module does not recognise (a future torch)
+is left unwrapped, with one warning naming it: its failures then raise into the script,
+and the worker is restarted by its agent, as before. ``tests/elastic/inplace/
+test_user_collectives_contract.py`` fails loudly when torch changes what this relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+
+from ..grad_sync import CollectiveFailure, is_collective_failure
+
+log = logging.getLogger(__name__)
+
+WRAPPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce", "gather",
+           "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+           "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+USER_FAILURE_PREFIX = "your dist."  # how a recorded failure's message starts (the run's line names it)
+
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+_active: "Guard | None" = None
+_depth = 0  # > 0: the run's own collectives, or a wrapped call already under way (process-wide: DDP's
+# comm hooks may run on autograd's threads)
+
+
+class Guard:
+    """Records the first failure of a user collective on the default group; see the module doc."""
+
+    def __init__(self) -> None:
+        self.failure: CollectiveFailure | None = None
+        self.where = ""  # the function that failed first, for the log
+
+    def install(self) -> None:
+        global _active
+        with _lock:
+            for name in WRAPPED:
+                if name in _originals:
+                    continue
+                original = getattr(dist, name, None)
+                if original is None or not _recognised(original):
+                    log.warning("torch.distributed.%s is not wrapped (unknown signature in this torch): a lost peer "
+                                "in it raises into your code and the worker is restarted", name)
+                    continue
+                _originals[name] = original
+                setattr(dist, name, _wrap(name, original))
+            _active = self
+
+    def uninstall(self) -> None:
+        global _active
+        with _lock:
+            if _active is self:
+                _active = None
+
+    def take(self) -> CollectiveFailure | None:
+        failure, self.failure = self.failure, None
+        return failure
+
+    def record(self, name: str, exc: BaseException) -> None:
+        if self.failure is None:
+            text = str(exc).strip()
+            first = text.splitlines()[0][:300] if text else type(exc).__name__
+            self.failure = CollectiveFailure(f"{USER_FAILURE_PREFIX}{name} failed: {first}")
+            self.where = name
+            log.debug("dist.%s failed (recorded; the run abandons the step): %s", name, exc)
+
+
+@contextlib.contextmanager
+def owned() -> Iterator[None]:
+    """The run's own collectives: torch's behaviour exactly (they raise, and the run handles it)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def uninstall_all() -> None:
+    """Put torch's functions back (tests)."""
+    global _active
+    with _lock:
+        for name, original in _originals.items():
+            setattr(dist, name, original)
+        _originals.clear()
+        _active = None
+
+
+def _recognised(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "group" in params
+
+
+def _on_default_group(bound: inspect.BoundArguments) -> bool:
+    group = bound.arguments.get("group")
+    return group is None or group is dist.group.WORLD
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _depth
+        guard = _active
+        if guard is None or _depth > 0 or not dist.is_initialized():
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # torch says what is wrong with the call
+        if not _on_default_group(bound):
+            return original(*args, **kwargs)
+        async_op = bool(bound.arguments.get("async_op", False))
+        if guard.failure is not None:  # the group is broken: do not wait on it again
+            return _DoneWork() if async_op else None
+        _depth += 1
+        try:
+            result = original(*args, **kwargs)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            guard.record(name, exc)
+            return _DoneWork() if async_op else None
+        finally:
+            _depth -= 1
+        if async_op and result is not None:
+            return _GuardedWork(result, guard, name)
+        return result
+
+    wrapper.__elastic_wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _DoneWork:
+    """What an ``async_op=True`` call returns when it did not run (the group was broken)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return False
+
+
+class _GuardedWork:
+    """torch's work, whose ``wait()`` records a lost peer instead of raising it."""
+
+    def __init__(self, work: Any, guard: Guard, name: str) -> None:
+        self._work, self._guard, self._name = work, guard, name
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return bool(self._work.wait(*args, **kwargs))
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._guard.record(self._name, exc)
+            return False
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._work, attr)
+
+
+__all__ = ["Guard", "USER_FAILURE_PREFIX", "WRAPPED", "owned", "uninstall_all"]
