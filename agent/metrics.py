@@ -74,6 +74,15 @@ class AgentMetrics:
         self.spare = Gauge("elastic_agent_spare",
                            "1 while this node waits as a spare: the world is full (--nnodes MAX) without it, and "
                            "it takes the place of the next member lost", registry=r)
+        self.pace = Gauge("elastic_agent_pace_seconds",
+                          "This node's pace as published for straggler detection: its slowest local rank's "
+                          "median compute seconds per step (0: none yet)", registry=r)
+        self.straggler = Gauge("elastic_agent_straggler",
+                               "1 for a node this agent names a straggler: its pace is over 1.5x the other "
+                               "members' median, 3 windows in a row", ["node"], registry=r)
+        self.straggler_evictions = Counter("elastic_agent_straggler_evictions",
+                                           "Times this node evicted itself as a straggler (kept out for the "
+                                           "back-off, then back)", registry=r)
         self.crash_loops = Counter("elastic_agent_crash_loops", "Times this node's workers failed right after each "
                                    "of 3 starts in a row, and the node was kept out (or the job failed)", registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],

@@ -29,9 +29,10 @@ import logging
 import os
 import select
 import signal
+import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
@@ -43,7 +44,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.multiprocessing import LogsSpecs
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
 from elastic.goodput.files import GOODPUT_DIR_ENV
@@ -54,11 +55,13 @@ from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3R
 from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 from elastic.rendezvous.lease_clock import Verdict
 from elastic.rendezvous.rounds import FAILURE, JOIN
+from elastic.worker_env import joins_live_world, setup_world_env
 
 from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
+from .pace import PaceMonitor
 from .policy import (
     Action,
     Decision,
@@ -135,6 +138,9 @@ class NodeAgent(ElasticAgent):
             self.ours.reachability.listeners.append(self._on_keep_out)
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
                                          self.ours)
+        # stragglers: publish this node's pace, name the slow node, evict it (agent/pace.py)
+        self.pace = PaceMonitor(self.node, self.ours, metrics, settings.metrics_dir, settings.heartbeat_dir) \
+            if self.ours is not None else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -151,6 +157,8 @@ class NodeAgent(ElasticAgent):
         self._group_started = time.time()
         self._refilled = False
         self._said_in_place = False
+        self._holds_state = False  # what this node's registry record says: its workers train in place
+        self._live_world = False  # the round's other members already train in place: ours join them
         self._reform_why = ""  # what the worker asking for a new round said
         self._recovering = False  # the workers started next repair a broken world (goodput)
         self._crash_streak = self._streak_before = 0  # own failures in a row right after a start (policy)
@@ -251,6 +259,10 @@ class NodeAgent(ElasticAgent):
             self.goodput.tick(self.workers.pids(), self.rank_base)
             observed = self._observe()
             decision = decide(observed)
+            if decision.action is Action.CONTINUE and self.pace is not None and self.ours is not None:
+                slow = self.pace.look(self.participants, self.ours.timings.min_nodes)
+                if slow is not None:  # this node is the straggler, and the others train faster without it
+                    decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=slow)
             if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
                 # this failure is being acted on: it counts (a refund in _restart takes it back)
                 self._streak_before, self._crash_streak = self._crash_streak, observed.crash_streak
@@ -282,6 +294,7 @@ class NodeAgent(ElasticAgent):
             membership = Reason.SCALE_UP
         stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
         in_place, reform = self._in_place_statuses()
+        self._publish_in_place(self._holds_state)
         failures = self._seen_failures = self._failures(exits)
         others = None if self.ours is None else len([n for n in self.participants if n != self.node])
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
@@ -330,6 +343,7 @@ class NodeAgent(ElasticAgent):
 
     def _in_place_statuses(self) -> tuple[bool, bool]:
         """(every running local worker runs in place, one asked for a new round)."""
+        self._holds_state = False
         if self.channel is None:
             return False, False
         statuses = []
@@ -339,12 +353,24 @@ class NodeAgent(ElasticAgent):
                 return False, False
             statuses.append(status)
         in_place = bool(statuses) and all(s.mode == IN_PLACE for s in statuses)
+        self._holds_state = in_place and all(s.round >= 0 for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
         asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= self.round_number]
         self._reform_why = asking[0].reason if asking else ""
         return in_place, bool(asking)
+
+    def _publish_in_place(self, holds: bool) -> None:
+        """Say in this node's registry record whether its workers train in place holding state:
+        a node that starts workers into the same round then gives them a set-up world of their
+        own (:func:`elastic.worker_env.joins_live_world`). Written only on a change."""
+        if self.ours is None:
+            return
+        extra = self.ours.lease.record.extra
+        if bool(extra.get("in_place")) == holds:
+            return
+        self.ours.lease.update(extra={**extra, "in_place": holds})
 
     def _wait(self, timeout: float) -> None:
         due = self.ours.lease_watch.seconds_to_deadline() if self.ours is not None else None
@@ -400,6 +426,8 @@ class NodeAgent(ElasticAgent):
                             self.node, STANDBY_READY_TIMEOUT_S)
                 return
             time.sleep(0.05)
+        if self.pool is not None:  # said before the rendezvous: a spare waits there, its standbys ready
+            self.metrics.standbys_ready.set(self.pool.ready_count())
 
     # ------------------------------------------------------------------ acting
 
@@ -502,7 +530,8 @@ class NodeAgent(ElasticAgent):
         if 0 in ranks:
             self.goodput.workers_started(time.time())
         self._recovering = True
-        started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank)))
+        port = _free_port()  # the restarted ranks join a live world: a set-up world of their own first
+        started = {rank: self.workers.start_again(rank, Launch(self._command(rank), self._env(rank, ranks, port)))
                    for rank in ranks}
         for worker in self._worker_group.workers:
             if worker.local_rank in started:
@@ -530,7 +559,10 @@ class NodeAgent(ElasticAgent):
         out = KeepOut(self.node, self._crash_strikes, backoff(self._crash_strikes), cause=decision.detail)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
-        self.metrics.crash_loops.inc()
+        if decision.reason is not Reason.STRAGGLER:
+            self.metrics.crash_loops.inc()
+        if self.pace is not None:
+            self.pace.forget()
         _publish_keep_out(self.ours, out)
         self.goodput.acted(Reason.WORKER_FAILED.value)
         pids = self.workers.pids()
@@ -549,8 +581,10 @@ class NodeAgent(ElasticAgent):
         _publish_keep_out(self.ours, None)
         self._back_in_at = time.monotonic()
         if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
-            log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if its "
-                     "workers fail right after their start once more)", self.node, out.backoff)
+            again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
+                     else "its workers fail right after their start once more")
+            log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if %s)",
+                     self.node, out.backoff, again)
         self.restart_count += 1  # a new group: its own attempt directory for logs and error files
         self._rendezvous(JOIN)
         self._recovering = False
@@ -648,10 +682,22 @@ class NodeAgent(ElasticAgent):
 
     # ------------------------------------------------------------------ rounds and groups
 
+    def _refuse_a_finished_job(self) -> None:
+        """A node whose workers succeeded trained the job's last step (``ElasticRun``: every
+        rank confirmed it), so there is no round left to form: a node back from a keep-out
+        or a restart just then would otherwise pull the finished nodes into a round their
+        workers never join, and hold them in their exit barrier until it times out."""
+        assert self.ours is not None
+        done = sorted(n for n, r in self.ours.node_records().items() if r.state == "succeeded" and n != self.node)
+        if done:
+            raise RendezvousClosedError(f"the job finished (node {', '.join(done)}: workers succeeded) "
+                                        "while this node was out")
+
     def _rendezvous(self, cause: str = JOIN) -> None:
         """Take part in the next round; ``cause`` says why, should this node be the one to open it."""
         if self.ours is not None:
             self.ours.next_cause = cause
+            self._refuse_a_finished_job()
         started = time.monotonic()
         try:
             info = self.handler.next_rendezvous()
@@ -668,13 +714,15 @@ class NodeAgent(ElasticAgent):
         else:
             self.round_number += 1
         self.rank_base, self.world_size = self.group_rank * self.spec.nproc, self.group_world * self.spec.nproc
-        self.offer = None
+        self.offer, self._live_world = None, False
         if self.ours is not None:
             records = self.ours.node_records()
             nprocs = {n: r.nproc for n, r in records.items()}
             ranks = assign_ranks(self.participants, self.node, nprocs)
             if ranks is not None:
                 self.rank_base, self.world_size = ranks
+            self._live_world = self.channel is not None and joins_live_world(
+                {n: bool(r.extra.get("in_place")) for n, r in records.items() if n in self.participants}, self.node)
             if self.channel is not None:
                 cause = self.ours.round.cause if self.ours.round is not None else JOIN
                 self.offer = make_offer(self.round_number, self.participants, self.node, nprocs,
@@ -721,7 +769,11 @@ class NodeAgent(ElasticAgent):
                 self.channel.offer(self.offer)  # before the workers start: they read it first
             else:
                 self.channel.withdraw()
-        launches = {rank: Launch(self._command(rank), self._env(rank)) for rank in range(self.spec.nproc)}
+        joining = list(range(self.spec.nproc)) if self.offer is not None and self._live_world else None
+        self._publish_in_place(False)  # the workers it had are gone; these hold nothing yet
+        port = _free_port() if joining else 0
+        launches = {rank: Launch(self._command(rank), self._env(rank, joining, port))
+                    for rank in range(self.spec.nproc)}
         pids = self.workers.start_all(launches)
         self._group_started, self._refilled = time.time(), False
         self.goodput.workers_started(self._group_started)
@@ -755,8 +807,14 @@ class NodeAgent(ElasticAgent):
             env[GOODPUT_DIR_ENV] = str(self.settings.goodput_dir)
         return env
 
-    def _env(self, local_rank: int) -> dict[str, str]:
-        """torchrun's variables for one local rank, plus ours."""
+    def _env(self, local_rank: int, joining: Sequence[int] | None = None, setup_port: int = 0) -> dict[str, str]:
+        """torchrun's variables for one local rank, plus ours.
+
+        ``joining``: the local ranks started together into a world that already trains in
+        place. Their ``init_process_group()`` would wait for peers that called theirs long
+        ago, so their start-up world is just them, with a store of their own
+        (:func:`elastic.worker_env.setup_world_env`); ``ElasticRun`` joins the real world
+        at the loop's first batch."""
         rank = self.rank_base + local_rank
         env = self._node_env()
         env.update({
@@ -773,10 +831,19 @@ class NodeAgent(ElasticAgent):
         })
         if self._recovering:
             env[RECOVERY_ENV] = "1"
+        if joining:
+            env.update(setup_world_env(local_rank, joining, setup_port))
         return env
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _free_port() -> int:
+    """A port for a joiners' set-up store (local rank 0 of them hosts it on loopback)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

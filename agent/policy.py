@@ -52,6 +52,7 @@ class Reason(str, enum.Enum):
     SCALE_UP = "scale_up"  # another node opened a new round (joined or came back)
     REFORM = "reform"  # an in-place worker's collective failed with nobody's lease lost
     CRASH_LOOP = "crash_loop"  # this node's workers fail right after every start
+    STRAGGLER = "straggler"  # this node trains persistently slower than the others (agent.stragglers)
 
     @property
     def counted(self) -> bool:

@@ -86,24 +86,26 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
              f"{fmt_rate(view.samples_per_s)} samples · newest snapshot {fmt_seconds(view.snapshot_age_s)} old")
     table = Table(title=title, title_justify="left", expand=False)
     for name, justify in (("node", "left"), ("rank", "right"), ("state", "left"), ("steps", "right"),
-                          ("samples/s", "right"), ("step p50", "right"), ("step p99", "right"),
+                          ("samples/s", "right"), ("step p50", "right"), ("step p99", "right"), ("compute", "right"),
                           ("allreduce/step", "right"), ("busbw", "right"), ("snapshot age", "right"),
                           ("restarts", "right"), ("note", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for node in view.nodes:
         if not node.ranks:
-            table.add_row(node.node, "-", node.state, *["-"] * 8, node.note or node.error or "no live ranks",
+            table.add_row(node.node, "-", node.state, *["-"] * 9, node.note or node.error or "no live ranks",
                           style="cyan" if node.state == SPARE else "yellow")  # a spare is ready, not in trouble
         for r in node.ranks:
             flag = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else node.note
             table.add_row(r.node, r.rank, r.state, fmt_count(r.steps), fmt_rate(r.samples_per_s, ""),
-                          fmt_seconds(r.step_p50), fmt_seconds(r.step_p99), fmt_seconds(r.allreduce_s_per_step),
+                          fmt_seconds(r.step_p50), fmt_seconds(r.step_p99), fmt_seconds(r.compute_s),
+                          fmt_seconds(r.allreduce_s_per_step),
                           fmt_rate(r.busbw, "B/s"), fmt_seconds(r.snapshot_age_s), fmt_count(r.restarts),
                           flag, style="bold red" if r.straggler else None)
     parts: list[Table | Text] = [table]
     parts += [Text(line) for line in goodput_lines(view.goodput, time.time())]
     if view.stragglers:
-        parts.append(Text(f"stragglers (step p50 ≥ ratio × median): {', '.join(view.stragglers)}", style="bold red"))
+        parts.append(Text(f"stragglers (compute, else step p50, ≥ ratio × median): {', '.join(view.stragglers)}",
+                          style="bold red"))
     if not view.nodes:
         parts.append(Text(f"no live nodes registered for run {run_id}", style="yellow"))
     if note:
@@ -117,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="scrape twice, --interval apart, print one table and exit")
     parser.add_argument("--straggler-ratio", type=float, default=DEFAULT_STRAGGLER_RATIO,
-                        help="highlight ranks whose step p50 is this many times the median's "
+                        help="highlight ranks whose compute per step (else step p50) is this many times the median's "
                              f"(default {DEFAULT_STRAGGLER_RATIO})")
     add_etcd_arguments(parser)
 

@@ -134,6 +134,7 @@ class RankView:
     restarts: float | None
     straggler_ratio: float | None = None
     straggler: bool = False
+    compute_s: float | None = None  # median own work per step (elastic_step_compute_seconds): a straggler's is high
 
 
 @dataclass(frozen=True)
@@ -218,19 +219,35 @@ def _node_ranks(scrape: NodeScrape, prev: NodeScrape | None) -> list[RankView]:
             samples_per_s=_per_second(cur, before, dt, "elastic_samples_total", rank=rank),
             step_p50=quantile(0.5, window), step_p99=quantile(0.99, window),
             allreduce_s_per_step=ar_per_step, busbw=busbw, snapshot_age_s=age, restarts=restarts,
+            compute_s=_compute(cur, rank),
         ))
     return rows
 
 
+def _compute(cur: Exposition, rank: str) -> float | None:
+    value = cur.total("elastic_step_compute_seconds", rank=rank)
+    return value if value is not None and value >= 0 else None
+
+
+def _pace(r: RankView, by_compute: bool) -> float | None:
+    return r.compute_s if by_compute else r.step_p50
+
+
 def mark_stragglers(rows: list[RankView], ratio: float) -> list[RankView]:
-    """Flag ranks whose step p50 is ``ratio`` times the median rank's p50 or more."""
-    timed = [r.step_p50 for r in rows if r.step_p50]
+    """Flag ranks whose pace is ``ratio`` times the median rank's or more.
+
+    The pace is the rank's compute per step where every timed rank exports it (``ElasticRun``):
+    in data-parallel training every rank's step takes as long as the slowest's, so only the
+    compute tells the straggler from those waiting for it. Else the step p50."""
+    by_compute = sum(1 for r in rows if r.compute_s) >= 2
+    timed = [p for p in (_pace(r, by_compute) for r in rows) if p]
     if len(timed) < 2:
         return rows
     median = statistics.median(timed)
     out = []
     for r in rows:
-        share = r.step_p50 / median if r.step_p50 and median > 0 else None
+        pace = _pace(r, by_compute)
+        share = pace / median if pace and median > 0 else None
         out.append(replace(r, straggler_ratio=share, straggler=share is not None and share >= ratio))
     return out
 

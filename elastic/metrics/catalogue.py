@@ -50,6 +50,8 @@ RETIRED = {
     "elastic_rank": -1.0,
     "elastic_last_step_timestamp_seconds": 0.0,
     "elastic_loss": float("-inf"),
+    "elastic_step_compute_seconds": -1.0,
+    "elastic_step_collective_wait_seconds": -1.0,
 }
 
 
@@ -63,6 +65,8 @@ class Families:
     tokens: Counter
     step_duration: Histogram
     data_wait: Histogram
+    step_compute: Gauge
+    step_collective_wait: Gauge
     last_step_timestamp: Gauge
     loss: Gauge
     world_size: Gauge
@@ -107,6 +111,15 @@ def families() -> Families:
                                 buckets=STEP_BUCKETS, registry=r),
         data_wait=Histogram("elastic_data_wait_seconds", "Time a step waited for its batch from the data loader.",
                             RANK, buckets=WAIT_BUCKETS, registry=r),
+        # Gauges of a recent median (elastic.metrics.step_split): the rank's pace now, in one sample.
+        step_compute=Gauge("elastic_step_compute_seconds",
+                           "Median over the last 20 steps of this rank's own work per step: step time less its "
+                           "data wait and collective wait (a straggler's is high, its peers' collective wait is).",
+                           RANK, multiprocess_mode="livemax", registry=r),
+        step_collective_wait=Gauge("elastic_step_collective_wait_seconds",
+                                   "Median over the last 20 steps of the time a step spent in the gradient "
+                                   "all-reduce (waiting for the slowest rank included).",
+                                   RANK, multiprocess_mode="livemax", registry=r),
         last_step_timestamp=Gauge("elastic_last_step_timestamp_seconds",
                                   "Unix time at which this rank last completed a step.", RANK,
                                   multiprocess_mode="livemax", registry=r),

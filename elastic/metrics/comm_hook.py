@@ -53,6 +53,11 @@ class CollectiveTimer:
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._free: list[torch.cuda.Event] = []
         self._drain_lock = threading.Lock()
+        self.seconds = 0.0  # every timing observed so far, summed: a step's share is the difference
+
+    def observe(self, seconds: float) -> None:
+        self.duration.observe(seconds)
+        self.seconds += seconds
 
     def drain(self) -> None:
         """Observe the durations of finished CUDA-timed collectives; never blocks on the GPU."""
@@ -61,7 +66,7 @@ class CollectiveTimer:
         try:
             while self._pending and self._pending[0][1].query():
                 start, end = self._pending.popleft()
-                self.duration.observe(start.elapsed_time(end) / 1000.0)
+                self.observe(start.elapsed_time(end) / 1000.0)
                 self._free += (start, end)
         finally:
             self._drain_lock.release()
@@ -108,7 +113,7 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
             end.record()  # this callback's stream already waits for the NCCL work
             state._timed_on_gpu(start, end)
         else:
-            state.duration.observe(time.perf_counter() - t0)
+            state.observe(time.perf_counter() - t0)
         return result
 
     return fut.then(done)

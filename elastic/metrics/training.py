@@ -130,6 +130,8 @@ class TrainingMetrics:
         self.collectives: CollectiveTimer | None = None
         self._loss = LossReader()
         self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
+        self._collective_seen = 0.0  # the comm hook's total at the previous step
+        self._snapshot_s = 0.0  # this step's snapshot stall: not the rank's pace (step_split)
 
     def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool:
         """Time DDP's gradient all-reduce; before the first backward.
@@ -141,6 +143,7 @@ class TrainingMetrics:
         if not collective_metrics_enabled():
             return True
         self.collectives = register_comm_hook(model, self.backend, average=average)
+        self._collective_seen = 0.0
         return average
 
     def rank_changed(self, rank: int, world_size: int) -> None:
@@ -165,17 +168,24 @@ class TrainingMetrics:
     def snapshot_submitted(self, seconds: float) -> None:
         """Training blocked ``seconds`` in ``submit``; the capture wait before the next update adds to it."""
         self._stall = seconds
+        self._snapshot_s += seconds
 
     def snapshot_skipped(self) -> None:
         self.worker.snapshot_skipped()
 
     def capture_waited(self, seconds: float) -> None:
+        self._snapshot_s += seconds
         if self._stall is not None:
             self.worker.snapshot_stalled(self._stall + seconds)
             self._stall = None
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor, tokens: int | None) -> None:
+        collective = 0.0
         if self.collectives is not None:
             self.collectives.drain()
-        self.worker.step_done(local_samples, step_seconds, data_wait_seconds, self._loss(loss), tokens)
+            total = self.collectives.seconds
+            collective, self._collective_seen = total - self._collective_seen, total
+        self.worker.step_done(local_samples, step_seconds, data_wait_seconds, self._loss(loss), tokens,
+                              collective_seconds=collective, snapshot_seconds=self._snapshot_s)
+        self._snapshot_s = 0.0

@@ -13,6 +13,7 @@ from prometheus_client import values
 
 from .catalogue import RETIRED, Families, families
 from .rank_info import RankInfo, dcgm_hostname
+from .step_split import StepSplit
 
 _IMPORTED_AT = time.monotonic()
 STARTED_AT_ENV = "ELASTIC_WORKER_STARTED_AT"  # set by a warm-started worker (agent/warm_worker.py)
@@ -80,6 +81,7 @@ class WorkerMetrics:
         self._tokens: Any = None  # bound on first use: no series for jobs without tokens
         self._bind(str(rank))
         self._first_step_seen = False
+        self._split = StepSplit()
         if restart_count is None:
             restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         f.world_size.set(world_size)
@@ -94,6 +96,9 @@ class WorkerMetrics:
         self._samples = f.samples.labels(label)
         self._step_duration = f.step_duration.labels(label)
         self._data_wait = f.data_wait.labels(label)
+        self._split_label = label  # the split's gauges are bound at its first figure: no 0 that reads as a pace
+        self._compute: Any = None
+        self._collective_wait: Any = None
         self._last_step = f.last_step_timestamp.labels(label)
         self._loss = f.loss.labels(label)
         if self._tokens is not None:
@@ -115,8 +120,9 @@ class WorkerMetrics:
         info = RankInfo(rank, self.identity.local_rank, self.identity.node, self.identity.hostname,
                         self.identity.gpu_uuid)
         if rank != self.rank:
-            for gauge in (f.rank, f.last_step_timestamp, f.loss):
+            for gauge in (f.rank, f.last_step_timestamp, f.loss, f.step_compute, f.step_collective_wait):
                 _retire(gauge, (old,))
+        self._split.reset()  # a new world: the old pace is not this one's
         if info != self.identity:
             _retire(f.rank_info, self.identity.labels())
         self.rank, self.identity = rank, info
@@ -128,9 +134,19 @@ class WorkerMetrics:
     # ------------------------------------------------------------------ steps
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
-                  loss: float | None = None, tokens: int | None = None) -> None:
-        """After every committed step; ``loss`` None leaves the gauge at its last value."""
+                  loss: float | None = None, tokens: int | None = None, collective_seconds: float = 0.0,
+                  snapshot_seconds: float = 0.0) -> None:
+        """After every committed step; ``loss`` None leaves the gauge at its last value.
+        ``collective_seconds``: the step's time in the gradient all-reduce (the comm hook's);
+        ``snapshot_seconds``: its snapshot stall (submit, capture wait). Neither is the rank's pace."""
         self._steps.inc()
+        split = self._split.add(step_seconds, data_wait_seconds, collective_seconds, snapshot_seconds)
+        if split is not None:
+            if self._compute is None:
+                self._compute = self.families.step_compute.labels(self._split_label)
+                self._collective_wait = self.families.step_collective_wait.labels(self._split_label)
+            self._compute.set(split.compute)
+            self._collective_wait.set(split.collective)
         if local_samples:
             self._samples.inc(local_samples)
         self._step_duration.observe(step_seconds)

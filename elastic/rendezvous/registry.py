@@ -63,6 +63,8 @@ class NodeRecord:
     store_addr: str | None = None  # host:port of the agent's round store (in-place recovery)
     witness_addr: str | None = None  # host:port where peers ask how this node's keep-alives fare
     nproc: int | None = None  # local workers: ranks are assigned node by node
+    pace: float | None = None  # its slowest rank's median compute seconds per step (agent.pace: stragglers)
+    pace_step: int | None = None  # the job step its workers had reached when ``pace`` was read
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
@@ -99,7 +101,8 @@ _OPT_STR, _OPT_INT = (str, type(None)), (int, type(None))
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "node": (str,), "host": (str,), "pid": (int,), "addr": _OPT_STR, "metrics_url": _OPT_STR, "state": (str,),
     "round": _OPT_INT, "rank": _OPT_INT, "world": _OPT_INT, "started_at": (int, float), "store_addr": _OPT_STR,
-    "witness_addr": _OPT_STR, "nproc": _OPT_INT, "extra": (dict,),
+    "witness_addr": _OPT_STR, "nproc": _OPT_INT, "extra": (dict,), "pace": (int, float, type(None)),
+    "pace_step": _OPT_INT,
 }
 
 

@@ -145,11 +145,11 @@ def test_once_against_live_endpoints(etcd_server: EmbeddedEtcd, etcd_client: Etc
     assert sorted(lines) == [("node-a", "0"), ("node-a", "1"), ("node-b", "2"), ("node-b", "3"), ("node-c", "-")]
     assert all(c[2] == "healthy" for c in lines.values())
     assert lines["node-b", "2"][-1].startswith("straggler") and lines["node-b", "3"][-1] == ""
-    assert lines["node-a", "0"][8] == "600.00 MB/s"  # busbw: 4 MB per 10 ms, x1.5 at n=4
+    assert lines["node-a", "0"][9] == "600.00 MB/s"  # busbw: 4 MB per 10 ms, x1.5 at n=4
     assert lines["node-a", "0"][4] != "-" and lines["node-a", "0"][5] == "75.0 ms"
     assert "scrape failed" in lines["node-c", "-"][-1]
     assert f"run {run_id} · world 4 · 3 nodes" in out
-    assert "stragglers (step p50 ≥ ratio × median): node-b/2" in out
+    assert "stragglers (compute, else step p50, ≥ ratio × median): node-b/2" in out
 
 
 def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
@@ -157,7 +157,7 @@ def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip()[1:-1].split("│")]
-        if len(cells) == 12 and cells[0].startswith("node-"):
+        if len(cells) == 13 and cells[0].startswith("node-"):
             rows[cells[0], cells[1]] = cells
     return rows
 
@@ -197,13 +197,14 @@ def test_once_against_a_real_two_node_run(etcd_server: EmbeddedEtcd, run_id: str
     assert f"run {run_id} · world 2 · 2 nodes" in out
     assert re.search(r"^goodput \d+\.\d % of [\d.]+ s since the first step \(productive ", out, re.M), out
     assert re.search(r"samples · newest snapshot [\d.]+ (ms|s) old", out), out
-    for (node, rank), (_, _, state, steps, rate, p50, p99, allreduce, busbw, age, restarts, _note) in rows.items():
+    for (node, rank), (_, _, state, steps, rate, p50, p99, compute, allreduce, busbw, age, restarts,
+                       _note) in rows.items():
         where = f"{node}/{rank}: {rows[node, rank]}"
         assert state == "running", where
         # the step counter of that rank on that node: what its progress file counts, no more
         assert counted_before[node][rank] <= int(steps) <= counted_after[node][rank], (where, counted_after)
         assert int(steps) >= 20 and rate_of(rate) > 0, where
-        assert all(re.fullmatch(r"[\d.]+ (µs|ms|s)", t) for t in (p50, p99, allreduce)), where
+        assert all(re.fullmatch(r"[\d.]+ (µs|ms|s)", t) for t in (p50, p99, compute, allreduce)), where
         assert busbw.endswith("B/s") and rate_of(busbw) > 0, where
         assert restarts.isdigit(), where
         if rank == "0":  # rank 0 writes the snapshots: its node has the newest durable one
