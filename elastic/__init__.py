@@ -6,6 +6,8 @@ itself is still importing, so this module must not import torch.distributed up f
     import elastic
     run = elastic.ElasticRun(model, optimizer, dataset, global_batch_size=64, epochs=10,
                              snapshot_dir="/shared/ckpt/job1")
+    ft = elastic.Elastic(snapshot_dir="/shared/ckpt/job1")   # or keep your own loop:
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
     elastic.report_progress(step)  # a loop of your own: tells the agent's hang watchdog
 """
 
@@ -17,6 +19,8 @@ from elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "ElasticRun": "elastic.trainer",
+    "Elastic": "elastic.prepare",
+    "prepare": "elastic.prepare",
     "StepInfo": "elastic.trainer",
     "StepResult": "elastic.step_result",
     "Holder": "elastic.user_state",
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from .step_result import StepResult
     from .user_state import Holder
     from .trainer import ElasticRun, StepInfo
+    from .prepare import Elastic, prepare
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,6 +16,12 @@ the previous step: the step is abandoned whole, never half-applied.
 
 DDP is built again after every change of world (:meth:`build`): its reducer keeps the
 group's size and its bucket state, and a failed all-reduce leaves it unusable.
+
+``user_backward`` (:mod:`elastic.prepare`): the script calls ``loss.backward()`` itself, out
+of the trainer's reach, so a failed gradient all-reduce must not raise there. The comm hook
+then records the failure (:attr:`GradSync.failure`) and completes with the bucket as it
+was; the step's commit point sees it and abandons the step. The loss scale that
+``ElasticRun.step`` puts into the loss is put into each bucket instead (``grad_scale``).
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 class GradSync:
-    def __init__(self, module: nn.Module, metrics: MetricsLike) -> None:
-        self.module, self.metrics = module, metrics
+    def __init__(self, module: nn.Module, metrics: MetricsLike, user_backward: bool = False) -> None:
+        self.module, self.metrics, self.user_backward = module, metrics, user_backward
         self.model: DistributedDataParallel | None = None
         self.averages = True  # does DDP average (True) or does the loss carry 1/world (False)?
+        self.grad_scale = 1.0  # user_backward: each bucket is multiplied by it (the step's loss scale)
+        self.failure: str | None = None  # user_backward: the first gradient all-reduce of the step that failed
         self._buffers = [b for b in module.buffers()]
         self._info: DistInfo | None = None
         self._buckets_settled = False
@@ -75,9 +83,37 @@ class GradSync:
                 self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
                 broadcast_buffers=False, init_sync=init_sync,
             )
+        self.failure = None
+        if self.user_backward:
+            self._attach_recording_hook(self.model)
+            return self.model
         # the hook sums and the loss carries 1/world; without the hook DDP averages
         self.averages = self.metrics.attach(self.model, average=False)
         return self.model
+
+    def _attach_recording_hook(self, model: DistributedDataParallel) -> None:
+        """The metrics hook (or a plain summing all-reduce) behind one that scales each bucket
+        by ``grad_scale`` first and turns a failure into :attr:`failure` instead of an error."""
+        catcher = _HookCatcher()
+        self.metrics.attach(catcher, average=False)  # type: ignore[arg-type]  # duck-typed: it only registers
+        inner_state, inner = catcher.hooked if catcher.hooked is not None else (None, _sum_hook)
+        self.averages = False
+        model.register_comm_hook(self, _recording_hook(inner_state, inner))
+
+    def take_failure(self) -> str | None:
+        """The gradient all-reduce failure recorded in this step's backward (user_backward), once."""
+        failure, self.failure = self.failure, None
+        return failure
+
+    def settle_buckets(self) -> None:
+        """After a backward the script ran itself: DDP's one-time bucket rebuild, here (see backward)."""
+        try:
+            if not self._buckets_settled and self.model is not None:
+                self._buckets_settled = ddp_buckets.settle(self.model)
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(_first_line(exc)) from exc
+            raise
 
     def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
         try:
@@ -133,6 +169,53 @@ class GradSync:
                 raise CollectiveFailure(_first_line(exc)) from exc
             raise
         return int(tensor.item())
+
+
+class _HookCatcher:
+    """Stands in for the DDP model while the metrics register their comm hook, to wrap it."""
+
+    def __init__(self) -> None:
+        self.hooked: tuple[Any, Any] | None = None
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        self.hooked = (state, hook)
+
+
+def _sum_hook(_state: Any, bucket: Any) -> Any:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _recording_hook(inner_state: Any, inner: Any) -> Any:
+    # No annotations: DDP compares them with the real dist.GradBucket and Future, and this
+    # module's are strings (``from __future__ import annotations``).
+    def hook(sync, bucket):  # type: ignore[no-untyped-def]
+        tensor = bucket.buffer()
+        if sync.failure is not None:  # the world is broken: later buckets need not wait on it
+            return _done(tensor)
+        if sync.grad_scale != 1.0:
+            tensor.mul_(sync.grad_scale)
+        try:
+            fut = inner(inner_state, bucket)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            sync.failure = _first_line(exc)
+            return _done(tensor)
+
+        def settled(f: Any) -> torch.Tensor:
+            try:
+                return f.value()
+            except Exception as exc:  # noqa: BLE001 - a future carries any error; recorded, the step is abandoned
+                sync.failure = sync.failure or _first_line(exc)
+                return tensor
+        return fut.then(settled)
+    return hook
+
+
+def _done(tensor: torch.Tensor) -> Any:
+    fut: Any = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
 
 
 def _first_line(exc: BaseException) -> str:

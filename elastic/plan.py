@@ -60,6 +60,7 @@ class DataPlan:
         self.dataset, self.global_batch_size, self.batch_policy = dataset, global_batch_size, batch_policy
         self.per_rank_batch_size, self.num_workers, self.collate_fn = per_rank_batch_size, num_workers, collate_fn
         self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
+        self.scale_lr = True  # fixed-per-rank: the linear scaling rule (elastic.prepare turns it off)
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
 
     def batch_size(self, world_size: int) -> int:
@@ -69,7 +70,7 @@ class DataPlan:
 
     def lr_scale(self, world_size: int) -> float:
         """fixed-per-rank: the linear scaling rule against the nominal global batch."""
-        if self.batch_policy != "fixed-per-rank":
+        if self.batch_policy != "fixed-per-rank" or not self.scale_lr:
             return 1.0
         return self.batch_size(world_size) / self.global_batch_size
 

@@ -22,7 +22,10 @@ The run is a small state machine, read top to bottom in this file:
    the user's forward and loss, then in :meth:`step` every collective of the step
    (:mod:`elastic.grad_sync`), the commit of the previous step (ledger line, snapshot:
    :mod:`elastic.snapshots`), and only then the optimizer step. RNGs are reseeded from
-   ``(seed, step, rank)`` so dropout and augmentation do not depend on restarts.
+   ``(seed, step, rank)`` so dropout and augmentation do not depend on restarts. With
+   :mod:`elastic.prepare` (``user_backward``) the script runs the backward itself, its
+   gradient all-reduce records a failure instead of raising, and its ``optimizer.step()``
+   calls :meth:`step_after_backward`, the same step from there on.
 3. **A collective fails.** The step is abandoned whole (no optimizer step was taken, so no
    state is half-applied). In place, the world forms again (1) and the same batch is
    re-split over the new ranks; otherwise the worker exits and its agent restarts it.
@@ -133,6 +136,7 @@ class UsageExit(SystemExit, ElasticRunError):
     def __str__(self) -> str:
         return self.message
 _USAGE_ERRORS = (ElasticRunError, SnapshotMismatchError)  # every rank hits these alike
+_NO_LOSS = torch.tensor(float("nan"))  # metrics and hooks of a step whose loss the run never saw
 _T = TypeVar("_T")
 
 
@@ -244,6 +248,7 @@ class ElasticRun:
         count_tokens: Callable[[Any], int] | None = None,
         snapshot_writer: Literal["process", "thread"] = "process",
         in_place: bool | None = None,
+        user_backward: bool = False,
     ) -> None:
         show_library_lines()  # the lines below reach the user even if their script set up no logging
         self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
@@ -297,7 +302,7 @@ class ElasticRun:
                 log.info("%s %s", self._where, taken_over_line(took_ddp, self._took_group))
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
-            self.sync = GradSync(self.state.module, self.metrics)
+            self.sync = GradSync(self.state.module, self.metrics, user_backward)
             self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
                                        every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer,
                                        ledger=ledger, meta=dict(snapshot_meta or {}), metrics=self.metrics,
@@ -692,6 +697,8 @@ class ElasticRun:
                     pin = self.dist.device.type == "cuda"
                     for batch, ids, local_n in self.plan.batches(self.dist.rank, self.dist.world_size, pin):
                         self._begin(batch, ids, local_n)
+                        if self.sync.user_backward:
+                            self._before_user_backward()
                         self._batch_epoch = epoch
                         yield self._to_device(batch)
                         if self._pending is not None:
@@ -758,6 +765,8 @@ class ElasticRun:
         effects go under ``if run.step(loss):``."""
         if self._pending is None:
             raise ElasticRunError("run.step(loss) called without a batch; call it once per batch of the loop")
+        if self.sync.user_backward:
+            raise ElasticRunError("this run was prepared (elastic.Elastic): call loss.backward() and optimizer.step()")
         pending, self._pending = self._pending, None
         d, ids = self.dist, pending.ids
         scale = self.plan.loss_scale(pending.local_n, len(ids), d.world_size, self.sync.averages)
@@ -767,12 +776,59 @@ class ElasticRun:
                 if failure is not None:
                     raise failure
                 self.sync.backward(loss if scale == 1.0 else loss * scale, self.state.scaler)
-                self.sync.sync_buffers()
-                ready = self.sync.finish_control(pending.control) if pending.control is not None else -1
+                ready = self._after_backward(pending)
             except CollectiveFailure as exc:
                 abandoned = StepResult(False, self.state.step + 1, self.epoch)
                 self._recover(exc)
                 return abandoned
+        return self._apply(pending, loss, ready)
+
+    def _before_user_backward(self) -> None:
+        """``user_backward`` (:mod:`elastic.prepare`): the script runs the backward itself, so
+        the step's loss scale goes into the comm hook, and a world already known broken
+        makes the hook skip its all-reduces (the step is abandoned at the commit point)."""
+        pending = self._pending
+        assert pending is not None
+        self.sync.failure = None
+        self.sync.grad_scale = self.plan.loss_scale(pending.local_n, len(pending.ids), self.dist.world_size, False)
+        if pending.failure is not None:
+            self.sync.failure = str(pending.failure)
+
+    def step_after_backward(self) -> StepResult:
+        """The rest of :meth:`step` when the script ran ``loss.backward()`` itself (``user_backward``):
+        the commit point of :mod:`elastic.prepare`'s optimizer. A gradient all-reduce that failed
+        in that backward was recorded by the comm hook; the step is then abandoned here."""
+        if self._pending is None:
+            raise ElasticRunError("optimizer.step() called twice for one batch, or outside the loader's loop; "
+                                  "call it once per batch the prepared loader yields")
+        pending, self._pending = self._pending, None
+        recorded = self.sync.take_failure()
+        failure = pending.failure or self._guard.take()
+        with owned():
+            try:
+                if failure is not None:
+                    raise failure
+                if recorded is not None:
+                    raise CollectiveFailure(recorded)
+                self.sync.settle_buckets()
+                ready = self._after_backward(pending)
+            except CollectiveFailure as exc:
+                abandoned = StepResult(False, self.state.step + 1, self.epoch)
+                self._recover(exc)
+                return abandoned
+        return self._apply(pending, None, ready)
+
+    def _after_backward(self, pending: _Pending) -> int:
+        """The step's collectives after the gradient all-reduce: buffers, then the control value."""
+        self.sync.sync_buffers()
+        return self.sync.finish_control(pending.control) if pending.control is not None else -1
+
+    def _apply(self, pending: _Pending, loss: torch.Tensor | None, ready: int) -> StepResult:
+        """Every collective of the step succeeded: commit the previous step, then apply this one."""
+        d, ids = self.dist, pending.ids
+        seen_loss = loss  # None: the script's own backward, the run never saw the loss
+        if loss is None:
+            loss = _NO_LOSS  # for the hooks, which take a tensor
         stop = ready >= _STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
         if ready >= _STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
@@ -796,7 +852,7 @@ class ElasticRun:
             self.membership.stepped(self.state.step)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
-        self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, loss, pending.tokens)
+        self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, seen_loss, pending.tokens)
         if self.on_step_end is not None:
             self.on_step_end(StepInfo(
                 step=self.state.step, epoch=epoch, samples=len(ids), total_samples=self.state.samples,

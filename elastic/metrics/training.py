@@ -82,7 +82,7 @@ class MetricsLike(Protocol):
     def snapshot_skipped(self) -> None: ...
     def capture_waited(self, seconds: float) -> None: ...
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
-                  loss: torch.Tensor, tokens: int | None) -> None: ...
+                  loss: torch.Tensor | None, tokens: int | None) -> None: ...
 
 
 class NoMetrics:
@@ -115,7 +115,7 @@ class NoMetrics:
         pass
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
-                  loss: torch.Tensor, tokens: int | None) -> None:
+                  loss: torch.Tensor | None, tokens: int | None) -> None:
         pass
 
 
@@ -180,12 +180,13 @@ class TrainingMetrics:
             self._stall = None
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
-                  loss: torch.Tensor, tokens: int | None) -> None:
+                  loss: torch.Tensor | None, tokens: int | None) -> None:
+        """``loss`` None: a loop that runs its own backward (elastic.prepare); elastic_loss stays unset."""
         collective = 0.0
         if self.collectives is not None:
             self.collectives.drain()
             total = self.collectives.seconds
             collective, self._collective_seen = total - self._collective_seen, total
-        self.worker.step_done(local_samples, step_seconds, data_wait_seconds, self._loss(loss), tokens,
+        self.worker.step_done(local_samples, step_seconds, data_wait_seconds, None if loss is None else self._loss(loss), tokens,
                               collective_seconds=collective, snapshot_seconds=self._snapshot_s)
         self._snapshot_s = 0.0

@@ -1,0 +1,300 @@
+"""``elastic.Elastic`` (the prepare API) in a world of one, in this process: a plain loop
+changed only by the added lines trains each sample once per epoch, equals ``ElasticRun``
+bit for bit, resumes exactly, and refuses what it cannot do with one line and exit 2.
+The comm hook that records a lost peer instead of raising is tested on its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import elastic
+from elastic.grad_sync import GradSync, _recording_hook
+from elastic.ledger import check_ledger
+
+N = 40
+RUN = {"metrics": False, "snapshot_writer": "thread", "handle_sigterm": False, "snapshot_every_steps": 4}
+
+
+def _parts(batch: int = 8, scheduler: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[Any], Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5) if scheduler else None
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g))
+    return model, optimizer, DataLoader(data, batch_size=batch, shuffle=True), scheduler
+
+
+def _plain_loop(tmp: Path, epochs: int, seen: list[tuple[int, int]] | None = None) -> tuple[nn.Module, Any]:
+    model, optimizer, loader, scheduler = _parts(scheduler=True)
+    ft = elastic.Elastic(snapshot_dir=tmp, ledger=tmp / "ledger.jsonl", **RUN)                   # added
+    model, optimizer, loader, scheduler = ft.prepare(model, optimizer, loader, scheduler)       # added
+    for epoch in ft.epochs(epochs):                                                             # changed
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            optimizer.step()
+            scheduler.step()
+            if seen is not None:
+                seen.append((epoch, len(x)))
+    return model, scheduler
+
+
+def test_a_plain_loop_trains_each_sample_once_per_epoch(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    _, scheduler = _plain_loop(tmp_path, 3, seen)
+    assert seen == [(e, 8) for e in range(3) for _ in range(5)]
+    assert scheduler.get_last_lr() == [pytest.approx(0.1 * 0.5 ** 5)]  # 15 committed steps
+    report = check_ledger(tmp_path / "ledger.jsonl", dataset_size=N, expect_epochs=3)
+    assert report.ok, report.violations
+
+
+def test_it_trains_exactly_what_elastic_run_trains(tmp_path: Path) -> None:
+    prepared, _ = _plain_loop(tmp_path / "a", 2)
+    model, optimizer, loader, _ = _parts()
+    run = elastic.ElasticRun(model, optimizer, loader.dataset, global_batch_size=8, epochs=2,
+                             snapshot_dir=tmp_path / "b", **RUN)
+    for x, y in run:
+        run.step(F.cross_entropy(run.model(x), y))
+    # no clipping and no scheduler there: compare against a prepared loop without them
+    mine = _without_extras(tmp_path / "c", 2)
+    for a, b in zip(mine.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(prepared.parameters(), model.parameters()))
+
+
+def _without_extras(tmp: Path, epochs: int) -> nn.Module:
+    model, optimizer, loader, _ = _parts()
+    ft = elastic.Elastic(snapshot_dir=tmp, **RUN)
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    for _ in ft.epochs(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert optimizer.step()
+    return model
+
+
+def test_amp_with_a_prepared_grad_scaler_trains_what_elastic_run_with_scaler_trains(tmp_path: Path) -> None:
+    model, optimizer, loader, _ = _parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    ft = elastic.Elastic(snapshot_dir=tmp_path / "a", **RUN)
+    model, optimizer, loader, scaler = ft.prepare(model, optimizer, loader, scaler)
+    for _ in ft.epochs(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert scaler.step(optimizer)
+            scaler.update()
+    ref_model, ref_optimizer, ref_loader, _ = _parts()
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    run = elastic.ElasticRun(ref_model, ref_optimizer, ref_loader.dataset, global_batch_size=8, epochs=2,
+                             scaler=ref_scaler, max_grad_norm=1.0, snapshot_dir=tmp_path / "b", **RUN)
+    for x, y in run:
+        run.step(F.cross_entropy(run.model(x), y))
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_restart_resumes_from_the_snapshot_and_trains_only_the_rest(tmp_path: Path) -> None:
+    _plain_loop(tmp_path, 2)
+    seen: list[tuple[int, int]] = []
+    _, scheduler = _plain_loop(tmp_path, 3, seen)
+    assert seen == [(2, 8)] * 5, "only the third epoch is trained again"
+    assert scheduler.get_last_lr() == [pytest.approx(0.1 * 0.5 ** 5)], "the scheduler's state was restored"
+    report = check_ledger(tmp_path / "ledger.jsonl", dataset_size=N, expect_epochs=3)
+    assert report.ok, report.violations
+
+
+def test_a_kept_set_epoch_works_and_a_wrong_one_says_how_to_fix_it(tmp_path: Path, capsys: Any) -> None:
+    model, optimizer, loader, _ = _parts()
+    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    epochs = ft.epochs(2)
+    epoch = next(epochs)
+    loader.sampler.set_epoch(epoch)
+    with pytest.raises(SystemExit) as exc:
+        loader.sampler.set_epoch(epoch + 1)
+    assert exc.value.code == 2 and "ft.epochs(N)" in capsys.readouterr().err
+    ft.run.close()
+
+
+@pytest.mark.parametrize("mistake", ["loader outside epochs", "no optimizer.step", "no_sync", "iterable dataset",
+                                     "closure", "scheduler not prepared", "scheduler built after prepare",
+                                     "step twice"])
+def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, capsys: Any, mistake: str) -> None:
+    model, optimizer, loader, _ = _parts()
+    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    with pytest.raises(SystemExit) as exc:
+        if mistake == "iterable dataset":
+            ft.prepare(model, optimizer, DataLoader(_Stream(), batch_size=4))
+        if mistake == "scheduler not prepared":
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+        model, optimizer, loader = ft.prepare(model, optimizer, loader)
+        if mistake == "scheduler built after prepare":
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+        if mistake == "loader outside epochs":
+            next(iter(loader))
+        for _ in ft.epochs(2):
+            for x, y in loader:
+                F.cross_entropy(model(x), y).backward()
+                if mistake == "no_sync":
+                    model.no_sync()
+                if mistake == "closure":
+                    optimizer.step(lambda: 0.0)
+                if mistake != "no optimizer.step":
+                    optimizer.step()
+                if mistake == "step twice":
+                    optimizer.step()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    if ft._run is not None:
+        ft.run.close()
+
+
+class _Stream(IterableDataset[Any]):
+    def __iter__(self) -> Any:
+        return iter([])
+
+
+class _Bucket:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._t = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self._t
+
+
+def test_the_comm_hook_records_a_lost_peer_instead_of_raising_and_scales_the_bucket() -> None:
+    sync = GradSync(nn.Linear(1, 1), metrics=None, user_backward=True)  # type: ignore[arg-type]
+
+    def broken(_state: Any, _bucket: Any) -> Any:
+        fut: Any = torch.futures.Future()
+        fut.set_exception(RuntimeError("[gloo] Connection closed by peer"))
+        return fut
+
+    hook = _recording_hook(None, broken)
+    sync.grad_scale = 0.5
+    bucket = torch.ones(3)
+    out = hook(sync, _Bucket(bucket)).wait()
+    assert torch.equal(out, torch.full((3,), 0.5)) and sync.failure == "[gloo] Connection closed by peer"
+    called: list[int] = []
+    hook2 = _recording_hook(None, lambda s, b: called.append(1))
+    assert torch.equal(hook2(sync, _Bucket(torch.ones(2))).wait(), torch.ones(2)) and not called, \
+        "a later bucket of a broken step skips its all-reduce"
+    assert sync.take_failure() is not None and sync.take_failure() is None
+
+
+# ------------------------------------------------------------------ several ranks (spawned, gloo, FileStore)
+
+def _spawned(rank: int, tmp: str) -> None:
+    """World 3 holding a global batch of 10 (4/3/3, then a 1-sample tail: two stand-ins), with
+    the metrics' comm hook; world 2 keeping the loader's per-rank 3, without metrics."""
+    import torch.distributed as dist
+
+    from elastic.jobs.mlp import SyntheticClassification, as_batch
+    from tests.elastic.test_trainer_gradients import DATASET as SIZE
+    from tests.elastic.test_trainer_gradients import _model
+
+    torch.set_num_threads(1)
+    for world, kwargs in ((3, {"global_batch_size": 10, "metrics": True}), (2, {"metrics": False})):
+        if rank >= world:
+            continue
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store-{world}", world), rank=rank,
+                                world_size=world)
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        loader = DataLoader(SyntheticClassification(SIZE, seed=1), batch_size=3, collate_fn=as_batch)
+        ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap-{world}", steps=2, snapshot_every_steps=None,
+                             handle_sigterm=False, **kwargs)
+        model, optimizer, loader = ft.prepare(model, optimizer, loader)
+        params = []
+        for _ in ft.epochs():
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                assert optimizer.step()
+                params.append([p.detach().clone() for p in model.parameters()])
+        dist.destroy_process_group()
+        if rank == 0:
+            torch.save(params, f"{tmp}/params-{world}.pt")
+
+
+@pytest.mark.slow  # starts processes
+def test_the_update_is_the_mean_over_the_global_batch_at_several_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.elastic.test_trainer_gradients import _reference
+
+    mp.spawn(_spawned, args=(str(tmp_path),), nprocs=3, join=True)
+    for world, reference in ((3, _reference(batch=10)), (2, _reference(batch=6))):  # per rank 3 x 2, lr as set
+        got = torch.load(tmp_path / f"params-{world}.pt")
+        assert len(got) == 2
+        for step, (mine, ref) in enumerate(zip(got, reference)):
+            for a, b in zip(mine, ref):
+                assert torch.allclose(a, b, atol=1e-6), (world, step)
+
+
+def _peer_dies(rank: int, tmp: str) -> None:
+    """Rank 1 dies before step 3's backward; rank 0's own ``loss.backward()`` must return and
+    its ``optimizer.step()`` abandon the step (the restart path: exit 1 for its agent)."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank, world_size=2)
+    model, optimizer, loader, _ = _parts()
+    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", handle_sigterm=False, metrics=False, snapshot_every_steps=1)
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    for _ in ft.epochs(3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if rank == 1 and ft.step_count == 2:
+                os._exit(0)
+            loss.backward()
+            Path(f"{tmp}/backward-{rank}-{ft.step_count}").touch()
+            try:
+                optimizer.step()
+            except SystemExit as exc:
+                Path(f"{tmp}/exit-{rank}-{exc.code}-at-{ft.step_count}").touch()
+                os._exit(0)
+
+
+@pytest.mark.slow  # starts processes
+def test_a_peer_lost_in_the_scripts_own_backward_is_caught_at_optimizer_step(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_peer_dies, args=(str(tmp_path),), nprocs=2, join=True)
+    assert (tmp_path / "backward-0-2").exists(), "rank 0's loss.backward() raised"
+    assert (tmp_path / "exit-0-1-at-2").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no optimizer here
+def test_a_prepared_scheduler_does_not_step_for_an_abandoned_step(tmp_path: Path) -> None:
+    from elastic.prepare import PreparedScheduler
+    from elastic.step_result import StepResult
+
+    model, optimizer, loader, scheduler = _parts(scheduler=True)
+    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    wrapped = PreparedScheduler(ft, scheduler)
+    ft.last_step = StepResult(False, 1, 0)
+    wrapped.step()
+    assert scheduler.last_epoch == 0, "stepped for a step that was not applied"
+    ft.last_step = StepResult(True, 1, 0)
+    wrapped.step()
+    assert scheduler.last_epoch == 1 and wrapped.get_last_lr() == scheduler.get_last_lr()
