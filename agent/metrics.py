@@ -80,6 +80,7 @@ class AgentMetrics:
         self.straggler = Gauge("elastic_agent_straggler",
                                "1 for a node this agent names a straggler: its pace is over 1.5x the other "
                                "members' median, 3 windows in a row", ["node"], registry=r)
+        self.straggler.labels(node=node).set(0)  # a series from the start, so dashboards and alerts see 0, not nothing
         self.straggler_evictions = Counter("elastic_agent_straggler_evictions",
                                            "Times this node evicted itself as a straggler (kept out for the "
                                            "back-off, then back)", registry=r)

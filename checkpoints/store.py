@@ -532,6 +532,8 @@ class SnapshotStore:
         found_valid = False
         for step in reversed(self._steps()):
             problems = tuple(self.verify(step, full=full or not found_valid))
+            if problems and not (self.root / layout.step_dirname(step)).is_dir():
+                continue  # pruned by a live job while we read it: gone, not invalid
             found_valid = found_valid or not problems
             out.append(self._status_of(step, problems))
         return out[::-1]

@@ -195,3 +195,23 @@ def test_the_writers_prune_fully_checks_snapshots_it_did_not_write_once(
     assert [i.step for i in store.list()] == [25, 26, 30]
     latest = store.load_latest()
     assert latest is not None and latest[0].step == 26
+
+
+def test_verify_of_a_live_directory_does_not_call_a_snapshot_pruned_under_it_invalid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`verify` beside a running job: the job's prune renames the oldest snapshot into the
+    spare between our listing and our reads. That snapshot is gone, not invalid (a CI run of
+    the netns faults test failed on exactly this: "380 INVALID: 001-optimizer.pt: missing")."""
+    _snaps(tmp_path, (10, 20, 30))
+    real_check = SnapshotStore.check
+
+    def pruned_while_read(self: SnapshotStore, step: int) -> list[str]:
+        if step == 10:  # what the job's prune does: one rename, the snapshot unmade
+            os.rename(_dir(tmp_path, 10), tmp_path / ".spare-step-000000000010")
+        return real_check(self, step)
+
+    monkeypatch.setattr(SnapshotStore, "check", pruned_while_read)
+    rc, out = _run(capsys, "verify", str(tmp_path))
+    assert rc == 0, out
+    assert "INVALID" not in out and "2 valid" in out, out

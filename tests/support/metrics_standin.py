@@ -87,6 +87,7 @@ class StandinNode:
             state.labels(name).set(1 if name == "healthy" else 0)
         Gauge("elastic_agent_nodes_in_round", "nodes", registry=r).set(2)
         Gauge("elastic_agent_round", "round", registry=r).set(1)
+        Gauge("elastic_agent_spare", "spare", registry=r).set(0)
         Gauge("elastic_agent_info", "agent", ("node", "version"), registry=r).labels("standin", "0.1.0").set(1)
         Counter("elastic_agent_etcd_errors_total", "etcd errors", ("op",), registry=r).labels("put").inc(0)
         # Goodput as the agents export it (the real families): one fault so far, and every
