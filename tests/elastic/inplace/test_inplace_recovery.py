@@ -92,6 +92,8 @@ def test_sigkill_survivors_keep_their_processes_and_retrain_no_step_and_the_node
         survivors = [n for n in group if n is not victim]
         pids = {n.name: last_pid(n, tmp_path) for n in survivors}
         disk_reads = {n.name: metric(n, "elastic_restores_total", source="disk") for n in survivors}
+        # the start may have had one (a node late to the first round is a scale-up): the kill adds none
+        restarts = {n.name: metric(n, "elastic_agent_restarts_total") for n in survivors}
 
         killed_at = time.time()
         victim.kill()
@@ -100,7 +102,7 @@ def test_sigkill_survivors_keep_their_processes_and_retrain_no_step_and_the_node
             after = [r for r in rows(n, tmp_path) if r["time"] > killed_at]
             assert {r["pid"] for r in after} == {pids[n.name]}, f"{n.name}'s worker was restarted"
             assert metric(n, "elastic_restores_total", source="disk") == disk_reads[n.name]  # no disk read
-            assert metric(n, "elastic_agent_restarts_total") == 0
+            assert metric(n, "elastic_agent_restarts_total") == restarts[n.name]
             assert metric(n, "elastic_agent_inplace_reforms_total") >= 1
         new_rank0 = next(n for n in survivors if at_world(n, tmp_path, 2, killed_at)[-1]["rank"] == 0)
         before = [r["step"] for r in rows(new_rank0, tmp_path) if r["time"] < killed_at]
