@@ -138,6 +138,7 @@ LOST_PEER = textwrap.dedent('''\
 ''')
 
 
+@pytest.mark.slow  # starts processes
 def test_a_real_peer_lost_in_a_users_all_reduce_is_recorded_not_raised(tmp_path: Any) -> None:
     from elastic.etcd import free_port
 
