@@ -55,6 +55,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     os.posix_spawn = refuse  # type: ignore[assignment]
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test's changes to ``os.environ`` end with it. A test that builds a world of one in
+    this process sets MASTER_PORT, RANK and WORLD_SIZE; left behind, every later subprocess
+    inherited that port, and two pytest-xdist workers' jobs collided on it (EADDRINUSE)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     """One real etcd for tests that only read and write keys (each uses its own prefix)."""
