@@ -18,11 +18,12 @@ import json
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
 from elastic.etcd import EmbeddedEtcd, free_port
+from tests.elastic.inplace.support import read_rows
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -57,18 +58,6 @@ SCRIPT = textwrap.dedent('''\
         run.step(F.cross_entropy(run.model(x), y))
         time.sleep(0 if os.path.exists(os.environ["FAST"]) else 0.2)
 ''')
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def metric(node: Node, name: str) -> float:

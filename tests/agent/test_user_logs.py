@@ -17,11 +17,12 @@ import re
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
 from elastic.etcd import EmbeddedEtcd, free_port
+from tests.elastic.inplace.support import read_rows
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -54,18 +55,6 @@ USER_SCRIPT = textwrap.dedent('''\
         run.step(F.cross_entropy(run.model(x), y))
         time.sleep(0.02)
 ''')
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut short by SIGKILL
-    return out
 
 
 def standbys(node: Node) -> float:
