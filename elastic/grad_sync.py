@@ -117,16 +117,12 @@ class GradSync:
 
     def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
         try:
-            if scaler is not None:
-                scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            if not self._buckets_settled and self.model is not None:
-                self._buckets_settled = ddp_buckets.settle(self.model)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         except RuntimeError as exc:
             if is_collective_failure(exc):
                 raise CollectiveFailure(_first_line(exc)) from exc
             raise
+        self.settle_buckets()
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank, one broadcast per dtype."""
