@@ -12,6 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from elastic import contract
 from elastic.etcd import EtcdClient, settings_from_options
 from elastic.rendezvous.signing import StateSigner, load_hmac_key
 
@@ -21,14 +22,14 @@ DEFAULT_ENDPOINT = "localhost:2379"
 def add_etcd_arguments(parser: argparse.ArgumentParser, *, need_run_id: bool = True) -> None:
     group = parser.add_argument_group("etcd (same as the agents')")
     group.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-                       default=os.environ.get("ELASTIC_RDZV_ENDPOINT", DEFAULT_ENDPOINT),
+                       default=os.environ.get(contract.RDZV_ENDPOINT_ENV, DEFAULT_ENDPOINT),
                        help="etcd endpoints, host:port[,host:port...] (env ELASTIC_RDZV_ENDPOINT; "
                             f"default {DEFAULT_ENDPOINT})")
-    group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=os.environ.get("ELASTIC_RDZV_ID"),
-                       required=need_run_id and not os.environ.get("ELASTIC_RDZV_ID"),
+    group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=os.environ.get(contract.RDZV_ID_ENV),
+                       required=need_run_id and not os.environ.get(contract.RDZV_ID_ENV),
                        help="the job's run id (env ELASTIC_RDZV_ID)")
     group.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf",
-                       default=os.environ.get("ELASTIC_RDZV_CONF", ""),
+                       default=os.environ.get(contract.RDZV_CONF_ENV, ""),
                        help="cacert=,cert=,key=,user=,password_file=,hmac_key_file=,key_prefix= "
                             "(env ELASTIC_RDZV_CONF)")
 

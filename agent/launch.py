@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
+from elastic import contract
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
 from .agent_dir import MARKER, AgentDir, AgentDirError, claim_agent_dir
@@ -38,7 +39,7 @@ from .settings import AgentSettings
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
-ENV_PREFIX = "ELASTIC_"
+ENV_PREFIX = contract.ENV_PREFIX
 # Outside 9100-9999, which Prometheus' default-port list has filled (9400 is NVIDIA's DCGM
 # exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
 # 10050-10051 and Ray's 10001.
@@ -489,8 +490,8 @@ def _with_network(settings: AgentSettings, endpoint: str, local_addr: str | None
         address = local_addr
     updates, line = worker_env_for(endpoint, local_addr, nnodes, os.environ)
     key_file = (rdzv_configs or {}).get("hmac_key_file")
-    if key_file and not os.environ.get("ELASTIC_RDZV_HMAC_KEY_FILE"):
-        updates = {**updates, "ELASTIC_RDZV_HMAC_KEY_FILE": os.path.abspath(os.path.expanduser(str(key_file)))}
+    if key_file and not os.environ.get(contract.HMAC_KEY_FILE_ENV):
+        updates = {**updates, contract.HMAC_KEY_FILE_ENV: os.path.abspath(os.path.expanduser(str(key_file)))}
     if line:
         logging.getLogger("elastic.agent").info("[%s] %s", settings.node_name, line)
     return dataclasses.replace(settings, store_host=settings.store_host or address, worker_env=updates)

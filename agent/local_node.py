@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from elastic import contract
+
 from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
 if TYPE_CHECKING:
@@ -122,7 +124,7 @@ class LocalNode:
     def start(self) -> "LocalNode":
         if self._log is not None:
             self._log.started_again()
-        env = {**os.environ, "ELASTIC_NODE_NAME": self.name, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, contract.NODE_NAME_ENV: self.name, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -24,8 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping
 
+from elastic import contract
+
 FLAG = "--nnodes"
-OURS = "ELASTIC_NNODES"
+OURS = contract.NNODES_ENV
 TORCHRUN = "PET_NNODES"
 DEFAULT = "1:1"  # torchrun's own default
 HOW = "give N or MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4"

@@ -47,6 +47,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
+from elastic import contract
 from elastic.goodput.files import GOODPUT_DIR_ENV
 from elastic.goodput.recorder import RECOVERY_ENV
 from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
@@ -84,7 +85,7 @@ from .workers import Launch, LocalWorkers
 log = logging.getLogger("elastic.agent")
 
 STANDBY_READY_TIMEOUT_S = 120.0
-TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"  # tells the workers how long they have (elastic.trainer)
+TERM_GRACE_ENV = contract.TERM_GRACE_ENV  # tells the workers how long they have (elastic.trainer)
 _STACK_DUMP_WAIT_S = 1.0
 _OFFER_TRIES = 5
 _KEEP_OUT_SEEN_S = 5.0  # how long to wait for the rendezvous' mirror to show our keep-out key change
@@ -794,12 +795,12 @@ class NodeAgent(ElasticAgent):
         """What every worker of this node gets, the standbys included (they import
         prometheus_client before they know their rank, so its directory must be set)."""
         env = {**self.settings.worker_env,
-               "ELASTIC_NODE_NAME": self.node,
-               "ELASTIC_HEARTBEAT_DIR": str(self.settings.heartbeat_dir),
+               contract.NODE_NAME_ENV: self.node,
+               contract.HEARTBEAT_DIR_ENV: str(self.settings.heartbeat_dir),
                MULTIPROC_ENV: str(self.settings.metrics_dir),
                AGENT_PID_ENV: str(os.getpid())}
         if self.settings.snapshot_dir is not None:
-            env["ELASTIC_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir)
+            env[contract.SNAPSHOT_DIR_ENV] = str(self.settings.snapshot_dir)
         env[TERM_GRACE_ENV] = f"{self.spec.term_grace:g}"
         if self.channel is not None:
             env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
@@ -827,7 +828,7 @@ class NodeAgent(ElasticAgent):
             "TORCHELASTIC_RUN_ID": self.spec.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": str(self.handler.use_agent_store),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "ELASTIC_ROUND": str(self.round_number),
+            contract.ROUND_ENV: str(self.round_number),
         })
         if self._recovering:
             env[RECOVERY_ENV] = "1"

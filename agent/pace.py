@@ -26,14 +26,15 @@ from typing import Any, Mapping
 
 from prometheus_client import multiprocess as _mp
 
+from elastic import contract
 from elastic.heartbeat import read_beats
 
 from .stragglers import Pace, Straggler, StragglerWatch, eviction
 
 log = logging.getLogger(__name__)
 
-PERIOD_S = float(os.environ.get("ELASTIC_STRAGGLER_PERIOD_S", "5"))
-EVICT_ENV = "ELASTIC_STRAGGLER_EVICT"  # 0: name stragglers, never evict them
+PERIOD_S = float(os.environ.get(contract.STRAGGLER_PERIOD_ENV, "5"))
+EVICT_ENV = contract.STRAGGLER_EVICT_ENV  # 0: name stragglers, never evict them
 COMPUTE = "elastic_step_compute_seconds"
 
 

@@ -34,7 +34,9 @@ import signal
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-USER_ERROR_EXIT = 2  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
+from elastic import contract
+
+USER_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 # What a worker's last line says when a peer broke its collective (ElasticRun's restart path

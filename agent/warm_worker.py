@@ -25,12 +25,13 @@ import sys
 import time
 from typing import Any
 
+from elastic import contract
 from elastic.metrics.worker import STARTED_AT_ENV
 
 from . import worker_boot
 
-WARM_IMPORTS_ENV = "ELASTIC_WARM_IMPORTS"
-READY_FD_ENV = "ELASTIC_STANDBY_READY_FD"
+WARM_IMPORTS_ENV = contract.WARM_IMPORTS_ENV
+READY_FD_ENV = contract.STANDBY_READY_FD_ENV
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")
 STANDBY_CODE = "import sys; sys.path.pop(0); from agent.warm_worker import main; main()"

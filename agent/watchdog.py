@@ -24,6 +24,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from elastic import contract
 from elastic.heartbeat import read_beats
 
 log = logging.getLogger("elastic.agent")
@@ -49,7 +50,7 @@ class HangWatch:
         self._group_started = self._quiet_from = time.time()
         self._last.clear()
         self._said_off = False
-        for path in self.directory.glob("rank-*"):
+        for path in self.directory.glob(contract.HEARTBEAT_PREFIX + "*"):
             path.unlink(missing_ok=True)
 
     def rejoined(self) -> None:
@@ -59,7 +60,7 @@ class HangWatch:
     def forget(self, local_rank: int) -> None:
         """One local rank was started again in place: its predecessor's beat is not its own."""
         self._last.pop(local_rank, None)
-        (self.directory / f"rank-{local_rank}").unlink(missing_ok=True)
+        (self.directory / contract.heartbeat_file(local_rank)).unlink(missing_ok=True)
         self._quiet_from = time.time()
 
     def current_timeout(self) -> float:

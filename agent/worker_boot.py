@@ -37,8 +37,10 @@ import time
 import traceback
 from typing import Any, Sequence
 
+from elastic import contract
+
 BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker_boot import main; main()"
-AGENT_PID_ENV = "ELASTIC_AGENT_PID"
+AGENT_PID_ENV = contract.AGENT_PID_ENV
 _PR_SET_PDEATHSIG = 1
 
 
@@ -77,7 +79,7 @@ def die_with_agent() -> None:
     except (OSError, AttributeError):
         return  # not Linux: the agent's own clean-up still stops us
     if os.getppid() != int(expected):
-        os._exit(1)  # the agent died before the signal was armed
+        os._exit(contract.EXIT_FAILED)  # the agent died before the signal was armed
 
 
 def prepare() -> None:
@@ -116,7 +118,7 @@ def run(spec: dict[str, Any]) -> None:
     except BaseException as exc:  # noqa: BLE001 - as the interpreter would report it, then out
         traceback.print_exc()
         record_error(exc)
-        exit_now(1)
+        exit_now(contract.EXIT_FAILED)
 
 
 def record_error(exc: BaseException) -> None:
@@ -155,6 +157,6 @@ def main() -> None:
     spec = parse_target(sys.argv[1:])
     if spec is None:
         print("usage: python -c BOOT [-m] TARGET [ARGS...] (started by elastic agent)", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(contract.USAGE_ERROR_EXIT)
     prepare()
     run(spec)

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import contract
+
 log = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
@@ -46,7 +48,7 @@ class DistInfo:
 
 
 def node_name() -> str:
-    return os.environ.get("ELASTIC_NODE_NAME") or socket.gethostname()
+    return os.environ.get(contract.NODE_NAME_ENV) or socket.gethostname()
 
 
 def pick_backend(requested: str = "auto") -> str:

@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HEARTBEAT_DIR_ENV = "ELASTIC_HEARTBEAT_DIR"
+from . import contract
+
+HEARTBEAT_DIR_ENV = contract.HEARTBEAT_DIR_ENV
 LOCAL_COUNT, JOB_STEP = 0, 1
 _FORMAT = struct.Struct("<qdqqdq")  # step, unix time, pid, kind, loss (NaN: none), samples
 _KINDS = struct.Struct("<qdqq")  # before loss and samples
@@ -61,7 +63,7 @@ class Heartbeat:
         directory = os.environ.get(HEARTBEAT_DIR_ENV)
         if not directory:
             return None
-        return cls(Path(directory) / f"rank-{int(os.environ.get('LOCAL_RANK', '0'))}")
+        return cls(Path(directory) / contract.heartbeat_file(int(os.environ.get('LOCAL_RANK', '0'))))
 
     def beat(self, step: int, kind: int = JOB_STEP, loss: float = NO_LOSS, samples: int = 0) -> None:
         """``samples`` is this process's running total, not this step's: a reader that
@@ -82,11 +84,11 @@ def read_beats(directory: Path) -> dict[int, Beat]:
     except FileNotFoundError:
         return beats
     for entry in entries:
-        if not entry.name.startswith("rank-"):
+        if not entry.name.startswith(contract.HEARTBEAT_PREFIX):
             continue
         try:
             raw = entry.read_bytes()[: _FORMAT.size]
-            rank = int(entry.name[5:])
+            rank = int(entry.name[len(contract.HEARTBEAT_PREFIX):])
         except (OSError, ValueError):
             continue
         beat = parse_beat(raw)

@@ -33,8 +33,10 @@ import logging
 import os
 from typing import Mapping, Sequence
 
+from . import contract
+
 LIBRARY = "elastic"
-LEVEL_ENV = "ELASTIC_LOG_LEVEL"
+LEVEL_ENV = contract.LOG_LEVEL_ENV
 OFF = "OFF"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -60,6 +60,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from . import contract
+
 from .prepared import (
     _UNPREPARED_SCHEDULER,
     PreparedLoader,
@@ -91,7 +93,7 @@ class Elastic:
     def __init__(self, snapshot_dir: str | Path | None = None, *, epochs: int | None = None,
                  steps: int | None = None, global_batch_size: int | None = None, batch_size: int | None = None,
                  **run_kwargs: Any) -> None:
-        snapshot_dir = snapshot_dir or os.environ.get("ELASTIC_SNAPSHOT_DIR")
+        snapshot_dir = snapshot_dir or os.environ.get(contract.SNAPSHOT_DIR_ENV)
         if not snapshot_dir:
             _usage("give Elastic(snapshot_dir=...) (a directory every node shares), or set ELASTIC_SNAPSHOT_DIR")
         for taken in ("scheduler", "scaler", "max_grad_norm", "user_backward", "batch_policy", "per_rank_batch_size"):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 
 from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
 
+from . import contract
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
@@ -263,7 +264,7 @@ class Snapshots:
 def _round_from_env() -> int:
     """The round ``elastic agent`` started this worker in (restart path: it never changes)."""
     try:
-        return int(os.environ.get("ELASTIC_ROUND", "-1"))
+        return int(os.environ.get(contract.ROUND_ENV, "-1"))
     except ValueError:
         return -1
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Sequence
 
+from . import contract
 from .jobs import JOBS
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fixed-global (default): same global batch at any world size; fixed-per-rank: "
                         "--per-rank-batch-size per rank, LR scaled by global/--global-batch-size")
     p.add_argument("--per-rank-batch-size", type=_positive_int)
-    p.add_argument("--snapshot-dir", default=os.environ.get("ELASTIC_SNAPSHOT_DIR"),
+    p.add_argument("--snapshot-dir", default=os.environ.get(contract.SNAPSHOT_DIR_ENV),
                    help="shared directory for snapshots (default: $ELASTIC_SNAPSHOT_DIR)")
     p.add_argument("--snapshot-every-steps", type=_non_negative_int, default=100, help="0 turns it off")
     p.add_argument("--snapshot-every-seconds", type=_positive_float)
@@ -92,7 +93,7 @@ class _Progress:
     def __init__(self, path: str | None, restart: int) -> None:
         self.out: IO[str] | None = _append(path, "--progress") if path else None
         self.restart = restart
-        self.round = int(os.environ.get("ELASTIC_ROUND", "-1"))  # set by elastic agent: the rendezvous round
+        self.round = int(os.environ.get(contract.ROUND_ENV, "-1"))  # set by elastic agent: the rendezvous round
 
     def __call__(self, info: "StepInfo") -> None:
         if self.out is None:

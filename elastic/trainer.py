@@ -84,6 +84,7 @@ from torch.utils.data import Dataset
 
 from checkpoints import SnapshotMismatchError
 
+from . import contract
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistInfo,
@@ -119,9 +120,9 @@ _STOP_BIT = 1 << 62
 # A second SIGTERM this soon after the first is the same request: systemd (KillMode=
 # control-group) signals every process of the unit, and the agent passes its own on too.
 _REPEATED_SIGNAL_S = 3.0
-TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"  # set by elastic agent: seconds from SIGTERM to its SIGKILL
+TERM_GRACE_ENV = contract.TERM_GRACE_ENV  # set by elastic agent: seconds from SIGTERM to its SIGKILL
 _PEER_STOP_WAIT_S = 10.0  # restart path: how long a worker whose peers stopped waits for its own agent
-USAGE_ERROR_EXIT = 2  # would fail again: an agent never restarts it
+USAGE_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # would fail again: an agent never restarts it
 
 
 class UsageExit(SystemExit, ElasticRunError):
@@ -360,7 +361,7 @@ class ElasticRun:
     def round(self) -> int:
         if self.membership is not None:
             return self.membership.round
-        return int(os.environ.get("ELASTIC_ROUND", "-1"))
+        return int(os.environ.get(contract.ROUND_ENV, "-1"))
 
     # Always the current world's (in place they change at a re-formation, in the same process;
     # os.environ's RANK, WORLD_SIZE, GROUP_RANK and LOCAL_WORLD_SIZE are rewritten to match).

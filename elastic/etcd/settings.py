@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from .. import contract
+
 DEFAULT_PORT = 2379
-PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
-PASSWORD_FILE_ENV = "ELASTIC_ETCD_PASSWORD_FILE"
+PASSWORD_ENV = contract.ETCD_PASSWORD_ENV
+PASSWORD_FILE_ENV = contract.ETCD_PASSWORD_FILE_ENV
 
 
 class EtcdConfigError(ValueError):

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from .. import contract
 from .account import Account, Interval
 
-GOODPUT_DIR_ENV = "ELASTIC_GOODPUT_DIR"
-JOB_FILE = "job.json"
+GOODPUT_DIR_ENV = contract.GOODPUT_DIR_ENV
+JOB_FILE = contract.GOODPUT_JOB_FILE
 
 
 def worker_file(directory: Path, local_rank: int) -> Path:
-    return directory / f"worker-{local_rank}.json"
+    return directory / contract.goodput_worker_file(local_rank)
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ from typing import Callable, Sequence
 
 from .account import (DETECTION, JOIN, PRODUCTIVE, RECOMPUTE, RENDEZVOUS, RESTORE, SNAPSHOT, WORKER_START,
                       Interval)
+from .. import contract
 from ..atomic_file import write_atomically
 from .files import GOODPUT_DIR_ENV, JOB_FILE, WorkerReport, read_job_file, worker_file
 
-RECOVERY_ENV = "ELASTIC_GOODPUT_RECOVERY"  # "1": the agent started this worker to repair a broken world
+RECOVERY_ENV = contract.GOODPUT_RECOVERY_ENV  # "1": the agent started this worker to repair a broken world
 FLUSH_EVERY_S = 0.5
 # Whose each remembered interval is: handed in now, handed in if this process takes rank 0
 # over as a survivor, or never (its own start-up while the job trained on without it).

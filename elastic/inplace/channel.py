@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .. import contract
 from ..atomic_file import write_atomically
 
-CONTROL_DIR_ENV = "ELASTIC_CONTROL_DIR"
-OFFER_FILE = "round.json"
-WAKE_FIFO = "wake"
+CONTROL_DIR_ENV = contract.CONTROL_DIR_ENV  # the names live in elastic.contract, which both sides import
+OFFER_FILE = contract.OFFER_FILE
+WAKE_FIFO = contract.WAKE_FIFO
 
 IN_PLACE, RESTART = "in_place", "restart"  # a worker's mode, as it reports it
 
@@ -136,14 +137,14 @@ class AgentChannel:
 
     def status(self, local_rank: int) -> WorkerStatus | None:
         try:
-            return WorkerStatus.from_json((self.directory / f"worker-{local_rank}.json").read_bytes())
+            return WorkerStatus.from_json((self.directory / contract.worker_status_file(local_rank)).read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def forget(self, local_rank: int) -> None:
         """A worker was replaced: its predecessor's status must not speak for it."""
         with contextlib.suppress(FileNotFoundError):
-            (self.directory / f"worker-{local_rank}.json").unlink()
+            (self.directory / contract.worker_status_file(local_rank)).unlink()
 
     def drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -188,7 +189,7 @@ class WorkerChannel:
         return self._offer
 
     def report(self, status: WorkerStatus, wake: bool = False) -> None:
-        write_atomically(self.directory / f"worker-{self.local_rank}.json", status.to_json())
+        write_atomically(self.directory / contract.worker_status_file(self.local_rank), status.to_json())
         if wake:
             self.wake_agent()
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..worker_env import Place, update_env
 from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
+from .. import contract
 from .fence import SocketFence
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure
 from .round_store import RoundAbandoned, RoundStore
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.005
 _STALL_FLOOR_S = 0.5  # a newer round exists and no step for this long: the collective is stuck
 _STALL_FACTOR = 4.0
-DUPLICATE_HANDLE_EXIT = 75  # a fresh worker whose handle collides: its agent starts it anew
+DUPLICATE_HANDLE_EXIT = contract.DUPLICATE_HANDLE_EXIT  # a fresh worker whose handle collides: its agent starts it anew
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-PORT_ENV = "ELASTIC_METRICS_PORT"
-ADDR_ENV = "ELASTIC_METRICS_ADDR"
+from .. import contract
+
+MULTIPROC_ENV = contract.METRICS_DIR_ENV
+PORT_ENV = contract.METRICS_PORT_ENV
+ADDR_ENV = contract.METRICS_ADDR_ENV
 DEFAULT_ADDR = "127.0.0.1"
 
 ExportMode = Literal["multiprocess", "port", "none"]

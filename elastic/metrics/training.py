@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import contract
 from ..distributed import DistInfo
 from .comm_hook import CollectiveTimer, register_comm_hook
 from .export import Export, start_export
@@ -61,7 +62,7 @@ def rank_identity(info: DistInfo) -> RankInfo:
     return RankInfo(info.rank, info.local_rank, info.node, dcgm_hostname(), cuda_gpu_uuid(info.device))
 
 
-COLLECTIVE_METRICS_ENV = "ELASTIC_COLLECTIVE_METRICS"
+COLLECTIVE_METRICS_ENV = contract.COLLECTIVE_METRICS_ENV
 
 
 def collective_metrics_enabled() -> bool:

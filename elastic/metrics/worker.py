@@ -11,12 +11,13 @@ from typing import Any, Mapping, Protocol
 
 from prometheus_client import values
 
+from .. import contract
 from .catalogue import RETIRED, Families, families
 from .rank_info import RankInfo, dcgm_hostname
 from .step_split import StepSplit
 
 _IMPORTED_AT = time.monotonic()
-STARTED_AT_ENV = "ELASTIC_WORKER_STARTED_AT"  # set by a warm-started worker (agent/warm_worker.py)
+STARTED_AT_ENV = contract.WORKER_STARTED_AT_ENV  # set by a warm-started worker (agent/warm_worker.py)
 
 
 class DurableStats(Protocol):
@@ -62,7 +63,7 @@ def default_identity(rank: int, environ: Mapping[str, str] = os.environ) -> Rank
 
     The node as ``elastic.distributed.node_name`` has it: the agent's name, else the host's.
     """
-    node = environ.get("ELASTIC_NODE_NAME") or socket.gethostname()
+    node = environ.get(contract.NODE_NAME_ENV) or socket.gethostname()
     return RankInfo(rank, int(environ.get("LOCAL_RANK", "0") or 0), node, dcgm_hostname(environ))
 
 

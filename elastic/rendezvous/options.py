@@ -26,6 +26,7 @@ from typing import Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic import contract
 from elastic.etcd import EtcdClient, EtcdConfigError, EtcdSettings, settings_from_options
 
 from .backend import DEFAULT_STATE_TTL
@@ -94,7 +95,7 @@ class RendezvousOptions:
             ),
             etcd_retry_timeout=_positive_float(config, "etcd_retry_timeout", 30.0),
             timings=timings,
-            lease_ttl=_positive_int(config, "lease_ttl", int(env_or_default(env, "ELASTIC_LEASE_TTL", DEFAULT_LEASE_TTL)),
+            lease_ttl=_positive_int(config, "lease_ttl", int(env_or_default(env, contract.LEASE_TTL_ENV, DEFAULT_LEASE_TTL)),
                                     minimum=2),
             last_call=last_call,
             rejoin_timeout=_positive_float(config, "rejoin_timeout", DEFAULT_REJOIN_TIMEOUT),

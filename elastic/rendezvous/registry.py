@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 
 from etcd3 import transactions as tx
 
+from elastic import contract
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.keepalive import KeepAlive
 from elastic.etcd.kv import is_lease_not_found, transact
@@ -43,7 +44,7 @@ def nodes_prefix(key_prefix: str, run_id: str) -> str:
 
 def default_node_name() -> str:
     """Host name, plus the pid where several agents share a host (``elastic local``)."""
-    return os.environ.get("ELASTIC_NODE_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    return os.environ.get(contract.NODE_NAME_ENV) or f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from .. import contract
+
 log = logging.getLogger(__name__)
 
-HMAC_KEY_ENV = "ELASTIC_RDZV_HMAC_KEY"
-HMAC_KEY_FILE_ENV = "ELASTIC_RDZV_HMAC_KEY_FILE"
+HMAC_KEY_ENV = contract.HMAC_KEY_ENV
+HMAC_KEY_FILE_ENV = contract.HMAC_KEY_FILE_ENV
 MIN_KEY_BYTES = 16
 
 _SIGNED = b"EV3S1"
