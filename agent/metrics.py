@@ -94,7 +94,7 @@ class AgentMetrics:
             self.worker_starts.labels(mode=mode)
         for reason in ("worker_failed", "peer_lost", "hang", "scale_up", "lease_lost"):
             self.restarts.labels(reason=reason)  # export zeros, so rate() works from the start
-        for reason in ("peer_lost", "scale_up", "reform"):
+        for reason in ("peer_lost", "scale_up", "reform", "frozen"):
             self.reforms.labels(reason=reason)
         self.set_state("init")
         self.url: str | None = None

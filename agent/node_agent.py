@@ -62,6 +62,7 @@ from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
+from .freeze import FreezeWatch
 from .pace import PaceMonitor
 from .policy import (
     Action,
@@ -142,6 +143,9 @@ class NodeAgent(ElasticAgent):
         # stragglers: publish this node's pace, name the slow node, evict it (agent/pace.py)
         self.pace = PaceMonitor(self.node, self.ours, metrics, settings.metrics_dir, settings.heartbeat_dir) \
             if self.ours is not None else None
+        # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/freeze.py)
+        self.freeze = FreezeWatch(self.node, self.ours, self.channel) \
+            if self.ours is not None and self.channel is not None else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -264,6 +268,8 @@ class NodeAgent(ElasticAgent):
                 slow = self.pace.look(self.participants, self.ours.timings.min_nodes)
                 if slow is not None:  # this node is the straggler, and the others train faster without it
                     decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=slow)
+            if self.freeze is not None:
+                decision = self._after_freezes(decision)
             if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
                 # this failure is being acted on: it counts (a refund in _restart takes it back)
                 self._streak_before, self._crash_streak = self._crash_streak, observed.crash_streak
@@ -303,6 +309,22 @@ class NodeAgent(ElasticAgent):
                            crash_streak=next_streak(self._crash_streak, failures.values()),
                            nodes_without_us=others,
                            min_nodes=self.ours.timings.min_nodes if self.ours is not None else 1)
+
+    def _after_freezes(self, decision: Decision) -> Decision:
+        """agent/freeze.py: thawed after its peers wrote it off, this node stops its stale workers
+        first (as after a lost lease); a survivor whose worker waits on a silent peer writes it off."""
+        assert self.freeze is not None
+        if decision.action in (Action.SUCCEED, Action.FAIL) or decision.reason is Reason.LEASE_LOST:
+            return decision
+        stale = self.freeze.written_off(self.round_number, self.participants,
+                                        fresh=decision.action is not Action.CONTINUE)
+        if stale is not None:
+            return Decision(Action.RESTART, Reason.LEASE_LOST, detail=stale)
+        if decision.action is Action.CONTINUE:
+            frozen = self.freeze.look(self.workers.pids(), self.round_number, self.participants)
+            if frozen is not None:
+                return Decision(Action.REJOIN, Reason.FROZEN, detail=frozen.detail)
+        return decision
 
     def _members_kept_out(self) -> list[str]:
         """Members of this node's round that hold a keep-out key: one that went out after the

@@ -55,6 +55,7 @@ class Reason(str, enum.Enum):
     REFORM = "reform"  # an in-place worker's collective failed with nobody's lease lost
     CRASH_LOOP = "crash_loop"  # this node's workers fail right after every start
     STRAGGLER = "straggler"  # this node trains persistently slower than the others (agent.stragglers)
+    FROZEN = "frozen"  # a peer's agent did not answer while a collective waited on it (agent.freeze)
 
     @property
     def counted(self) -> bool:

@@ -26,6 +26,14 @@ second fault "not recovered":
 * ``script-kill`` / ``script-stop``: under ``elastic agent``; ``torchrun-script-kill``:
   plain torchrun, c10d tuned, the same script.
 
+Freezes, three nodes (``elastic agent``, the ``mlp`` job, in place), a member that is not
+rank 0 SIGSTOPped, the clock from the SIGSTOP to a survivor's first step in the next round:
+
+* ``freeze``: the default: a step stuck beyond the job's own pace makes the agents ask the
+  peers' witnesses, and the silent one is written off (``agent/freeze.py``);
+* ``freeze-lease``: its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``: written off when
+  its etcd lease expires (``--lease-ttl``). The summary prints the ratio of the two medians.
+
 Joins (no fault: how long the first node's training stood still while another joined):
 
 * ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: the ``mlp`` job;
@@ -41,6 +49,7 @@ thawed then), as faults cluster in real life; every SIGKILL's recovery counted, 
     python bench/recovery.py --trials 5 [--configs ours-kill,restart-kill,c10d-tuned]
     python bench/recovery.py --trials 3 --configs script-kill,script-stop,torchrun-script-kill
     python bench/recovery.py --churn 120 --configs churn-ours,churn-restart,churn-c10d-tuned
+    python bench/recovery.py --trials 7 --configs freeze,freeze-lease
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare",
            "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
            "script-kill", "script-stop", "torchrun-script-kill",
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
-           "churn-ours", "churn-restart", "churn-c10d-tuned")
+           "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -114,8 +123,9 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
     if job is None:
         job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(workdir / "snapshots"),
                "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
+    env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config == "freeze-lease" else {})}
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
-                                  nnodes=nnodes or f"1:{len(names)}", script=script, env={"OMP_NUM_THREADS": "1"})
+                                  nnodes=nnodes or f"1:{len(names)}", script=script, env=env)
     nodes = []
     store_port = free_port()
     for i, name in enumerate(names):
@@ -163,6 +173,8 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
         return [join_pause(config, work, etcd, lease_ttl, give_up)]
     if config == "ours-kill-spare":
         return [spare_trial(config, work, etcd, lease_ttl, give_up)]
+    if config in ("freeze", "freeze-lease"):
+        return [freeze_trial(config, work, etcd, lease_ttl, give_up)]
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()  # both at once: a 1 s last call cannot wait for a slow import
@@ -215,6 +227,28 @@ def spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, giv
             print(f"  {config}: the world shrank instead of taking the spare", file=sys.stderr, flush=True)
             return None
         return took
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def freeze_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """Three nodes in place; a member that is not rank 0 SIGSTOPped (whole tree): the SIGSTOP
+    to a survivor's first step in the round without it (a survivor's, not the frozen node's)."""
+    nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl)
+    for node in nodes:
+        node.start()
+    try:
+        if not _steady(nodes, 3, 40, 150):  # 40: the stall rule has the job's pace (elastic/inplace/stall.py)
+            print(f"  {config}: no world of 3 within 150 s; skipping", file=sys.stderr, flush=True)
+            return None
+        _wait_standbys(nodes, 120)
+        victim = next(n for n in nodes if n.steps_at(3)[-1]["rank"] != 0)
+        survivor = next(n for n in nodes if n is not victim)
+        before = _epoch(survivor.steps_at(3)[-1])
+        fault_at = time.time()
+        victim.freeze()
+        return _first_after(survivor, fault_at, before, give_up)
     finally:
         for n in nodes:
             n.cleanup()
@@ -461,6 +495,10 @@ def main() -> int:
               f"{found['transfer']:.2f} s = {found['mb'] / 1e3 / found['transfer']:.2f} GB/s; raw gloo broadcast of the "
               f"same bytes {found['raw']:.2f} s = {found['mb'] / 1e3 / found['raw']:.2f} GB/s; ours at "
               f"{found['raw'] / found['transfer']:.0%} of the raw broadcast's throughput (goal >= 50%)")
+    frozen, lease = _median(results.get("freeze", [])), _median(results.get("freeze-lease", []))
+    if frozen is not None and lease:
+        print(f"\nfreeze: SIGSTOP to the first step without the node {frozen:.2f} s (median; goal <= 1.0 s) beside "
+              f"{lease:.2f} s at the lease TTL (freeze-lease, ELASTIC_FREEZE_PROBE=0): {frozen / lease:.2f}x")
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "extra": extra}, indent=1))

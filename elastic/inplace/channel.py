@@ -104,6 +104,7 @@ class WorkerStatus:
     want_round_after: int | None = None
     reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    stalled: int = 0  # the step after ``step``: 1 slow (ask the peers), 2 stuck (judge them); elastic.inplace.stall
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -25,7 +25,9 @@ One object, used by the trainer in a fixed order:
 The watcher also gets the main thread out of a collective that cannot finish: when a newer
 round leaves out a current member (lost, or written off as frozen), or when a newer round
 exists and no step has completed for a while, it trips the :class:`SocketFence`, and gloo
-raises at once instead of waiting for its timeout.
+raises at once instead of waiting for its timeout. It also tells the agent when a step waits
+beyond this rank's own pace (:mod:`.stall`), so that a frozen peer, which fails no collective,
+is written off by the agents (``agent/freeze.py``) instead of at its lease's expiry.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import contract
 from ..worker_env import Place, update_env
 from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
-from .. import contract
 from .fence import SocketFence
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure
 from .round_store import RoundAbandoned, RoundStore
+from .stall import STUCK, StallRule
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,9 @@ class Membership:
         self._replaced_by = -1  # the newest round that replaces this world rather than growing it
         self._last_step = time.monotonic()
         self._intervals: deque[float] = deque(maxlen=50)
+        self._pace = StallRule()  # steady step intervals: when a step counts as stuck (.stall)
+        self._steady = False  # False until the first step after a join: that interval is not steady
+        self._stalled = 0  # how far the step in flight was reported stalled (.stall: 1 slow, 2 stuck)
         self._stop = threading.Event()
         self._joining = False
         self._joining_round = -1
@@ -174,6 +180,7 @@ class Membership:
             for stale in [r for r in self._posted if r <= offer.round]:
                 self._posted.pop(stale, None)
         self._last_step = time.monotonic()
+        self._steady, self._stalled = False, 0
         update_env(_place(offer, self.world))  # for code that reads RANK and the like late
         self._report("training")
         log.debug("[%s rank %d] reconfigured into round %d in %.3f s", self.node, self.world.rank, offer.round,
@@ -194,7 +201,12 @@ class Membership:
     def stepped(self, step: int) -> None:
         now = time.monotonic()
         self._intervals.append(now - self._last_step)
-        self._last_step, self.step = now, step
+        if self._steady:
+            self._pace.record(now - self._last_step)
+        self._last_step, self.step, self._steady = now, step, True
+        if self._stalled:  # it was only slow: say so (rare, so the write costs nothing per step)
+            self._stalled = 0
+            self._report("training")
 
     # ------------------------------------------------------------------ 4. after a failure
 
@@ -211,10 +223,15 @@ class Membership:
             self._want_after, self._why = None, ""
         try:
             self.channel.report(WorkerStatus(pid=os.getpid(), mode=IN_PLACE, round=self.round, state=state,
-                                             step=self.step, want_round_after=self._want_after, reason=self._why),
+                                             step=self.step, want_round_after=self._want_after, reason=self._why,
+                                             stalled=self._stalled, extra=self._stall_extra()),
                                 wake=wake)
         except OSError as exc:
             log.warning("cannot report to the agent: %s", exc)
+
+    def _stall_extra(self) -> dict[str, float]:
+        """When the step before the stalled one ended (wall clock), for the agent's log line."""
+        return {"last_step_at": time.time() - (time.monotonic() - self._last_step)} if self._stalled else {}
 
     def close(self) -> None:
         self._stop.set()
@@ -230,6 +247,7 @@ class Membership:
         while not self._stop.wait(_POLL_S):
             try:
                 self._look()
+                self._check_stuck()
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad poll
                 log.exception("membership watcher")
 
@@ -260,6 +278,25 @@ class Membership:
                       world.rank, offer.round, why, shut, ", NCCL abort" if aborted else "")
         if grows_only:
             self._post_and_check(offer)
+
+    def _check_stuck(self) -> None:
+        """At most twice per step: tell the agent when the step in flight waits beyond this
+        rank's pace (:mod:`.stall`: slow, then stuck); the agent asks the peers' agents whether
+        they are alive (``agent/freeze.py``). A question, not a verdict: nothing here leaves the world."""
+        world = self.world
+        if world is None or self._joining or self._stalled >= STUCK or len(world.participants) < 2:
+            return
+        waited = time.monotonic() - self._last_step
+        level = self._pace.level(waited)
+        if level <= self._stalled:
+            return
+        with self._lock:
+            if self._replaced_by > world.round:
+                return  # a newer round already replaces this world
+        self._stalled = level
+        log.debug("[%s rank %d] step %d has waited %.2f s (limit %.2f s): %s", self.node, world.rank, self.step + 1,
+                  waited, self._pace.limit(), "stuck" if level >= STUCK else "slow")
+        self._report("training", wake=True)
 
     def _post_and_check(self, offer: RoundOffer) -> None:
         """For a round that only adds members: post our handle, and mark the round ready

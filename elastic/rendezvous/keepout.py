@@ -26,11 +26,17 @@ STRIKES_FORGOTTEN_AFTER_S = 600.0  # a node back in for this long starts again f
 @dataclass(frozen=True)
 class ReachReport:
     """After ``round`` failed, ``node`` could not reach ``unreachable`` (a connect timed out
-    or the route failed; a refused connect is a dead agent, which its lease deals with)."""
+    or the route failed; a refused connect is a dead agent, which its lease deals with).
+
+    ``frozen``: those of ``unreachable`` whose agent did not answer its witness while a
+    collective waited on them (a SIGSTOPped node's kernel accepts the connect and nothing
+    answers: ``agent/freeze.py``); such a node, thawed, knows its workers are stale at once,
+    whatever its lease says."""
 
     node: str
     round: int
     unreachable: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -42,7 +48,7 @@ class ReachReport:
         node, number = data.get("node"), data.get("round")
         if not isinstance(node, str) or not isinstance(number, int) or isinstance(number, bool):
             raise ValueError(f"not a reach report: node {node!r:.40}, round {number!r:.40}")
-        return cls(node, number, _names(data.get("unreachable", [])))
+        return cls(node, number, _names(data.get("unreachable", [])), _names(data.get("frozen", [])))
 
 
 @dataclass(frozen=True)

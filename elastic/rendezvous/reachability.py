@@ -1,7 +1,8 @@
 """Keeping a node out while its peers cannot reach it: the etcd and network I/O around :mod:`.keepout`.
 
 * ``{run}/reach/{node}``: after a round failed with every lease held, what ``node`` could
-  not reach (:meth:`Reachability.report`, a bounded connect to each member's round store).
+  not reach (:meth:`Reachability.report`, a bounded connect to each member's round store),
+  or whose agent did not answer while a step waited on it (``agent/freeze.py``: frozen).
 * ``{run}/keepout/{node}``: written by a node while it stays out, under its own lease, so
   it vanishes with the node; it says why, for how long, and which strike this is.
 
@@ -63,14 +64,20 @@ class Reachability:
             return []
         log.warning("[%s] round %d failed and this node cannot reach %s (connects time out or find no route)",
                     self.node, round_number, ", ".join(unreachable))
+        self.record(ReachReport(self.node, round_number, tuple(unreachable)))
+        return unreachable
+
+    def record(self, report: ReachReport) -> bool:
+        """Put this node's report in etcd, under its lease; False if etcd refused it."""
         key = self.reach_prefix + self.node
-        value = self.signer.seal(key.encode(), ReachReport(self.node, round_number, tuple(unreachable)).to_json())
+        value = self.signer.seal(key.encode(), report.to_json())
         try:
             with self.client.deadline(1.0):
                 self.lease.write(lambda lease_id: self.client.call(lambda c: c.put(key, value, lease=lease_id)))
         except EtcdError as exc:
             log.warning("[%s] could not record the unreachable peers: %s", self.node, exc)
-        return unreachable
+            return False
+        return True
 
     # ------------------------------------------------------------------ reading the mirror
 

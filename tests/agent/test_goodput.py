@@ -137,7 +137,7 @@ def test_goodput_of_a_run_with_a_kill_and_a_freeze_adds_up(
     for fault in (kill, freeze):
         assert fault.phases.get("detection", 0) > 0 and fault.phases.get("rendezvous", 0) > 0, fault
         assert fault.phases.get("restore", 0) > 0, fault
-    assert freeze.phases["detection"] >= LEASE_TTL - 0.5  # nobody can tell a frozen node before its lease ends
+    assert 0 < freeze.phases["detection"] < LEASE_TTL + 1  # in place, before its lease ends (agent/freeze.py)
     assert kill.phases["detection"] < freeze.phases["detection"]
 
     # The parts add up to the wall time since the first step, and that is the job's own:

@@ -139,7 +139,8 @@ def test_sigstop_survivors_go_on_and_the_thawed_nodes_stale_workers_never_rejoin
     train_together(group, tmp_path, 3, steps=5, after=thawed_at)
     assert not [r for r in rows(frozen, tmp_path) if r["time"] > frozen_at and r["pid"] == stale_pid], \
         "the frozen node's stale worker trained again after the freeze"
-    assert "lost its etcd lease" in frozen.log_path.read_text()
+    said = frozen.log_path.read_text()  # frozen past its lease, or thawed before it ran out (agent/freeze.py)
+    assert "lost its etcd lease" in said or "wrote it off" in said or "cut off from etcd" in said, frozen.log_tail(40)
     same_params_at(group, tmp_path, thawed_at)
     assert metric(frozen, "elastic_restores_total", source="replica") >= 1
     assert_ledger_once(tmp_path)

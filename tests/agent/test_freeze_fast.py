@@ -1,0 +1,119 @@
+"""A frozen node is left out of the world in well under its lease TTL (agent/freeze.py).
+
+Real etcd, three ``elastic agent`` process trees, a plain ``ElasticRun`` script written here,
+lease TTL 3 s. Rank 0's node is SIGSTOPped, whole tree: the survivors' next step without it
+comes from the job's own pace (a step stuck far beyond it, the frozen agent silent on its
+witness), not from the lease. The survivors keep their processes, roll no step back, and
+train every sample once; thawed, the frozen node's agent stops its stale workers and the node
+comes back healed. A 0.3 s pause of one worker (a GC pause) and the slow first steps write
+nobody off. Timings belong to ``bench/recovery.py --configs freeze,freeze-lease``; the bound
+here leaves room for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from elastic.etcd import EmbeddedEtcd, free_port
+from tests.elastic.inplace.support import at_world, logs, metric, rows, train_together
+from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+LEASE_TTL = 3
+BOUND_S = 1.5  # the goal is 1.0 s (a median in the benchmark); this leaves margin for a loaded machine
+WRITTEN_OFF = "frozen: its agent did not answer"
+
+SCRIPT = textwrap.dedent('''\
+    import hashlib, json, logging, os, time
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+    import elastic
+    from elastic.jobs.mlp import SyntheticClassification, as_batch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                             SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
+                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
+                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+    rows = open(os.environ["PROGRESS"], "a")
+    pause = os.environ.get("PAUSE_MARKER", "")
+    for x, y in run:
+        if run.step_count < 3:
+            time.sleep(0.4)  # slow first steps: no history yet, nobody may be written off
+        loss = F.cross_entropy(run.model(x), y)
+        if run.step(loss):
+            digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+            rows.write(json.dumps({"step": run.step_count, "rank": run.rank, "world_size": run.world_size,
+                                   "round": run.round, "pid": os.getpid(), "time": time.time(),
+                                   "params": digest[:16]}) + "\\n")
+            rows.flush()
+            if (pause and run.step_count >= 40 and os.environ.get("ELASTIC_NODE_NAME") == "b"
+                    and not os.path.exists(pause)):
+                open(pause, "w").close()
+                time.sleep(0.3)  # a GC pause: the others wait 0.3 s in the next step's all-reduce
+        time.sleep(0.03)
+''')
+
+
+def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path) -> Node:
+    env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
+           "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
+           "PAUSE_MARKER": str(tmp / "paused")}
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:3",
+                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+
+
+@pytest.mark.slow
+def test_a_frozen_node_is_left_out_within_a_second_and_comes_back_healed_once_thawed(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    script = tmp_path / "freeze.py"
+    script.write_text(SCRIPT)
+    group = [start(nodes, name, etcd_server, run_id, tmp_path, script) for name in ("a", "b", "c")]
+    train_together(group, tmp_path, 3, steps=8)
+    wait_until(lambda: (tmp_path / "paused").exists() and all(len(at_world(n, tmp_path, 3)) >= 60 for n in group),
+               120, "b's pause and 60 steps in a world of 3", on_timeout=logs(*group))
+    said = {n.name: n.log_path.read_text() for n in group}
+    assert not any(WRITTEN_OFF in text for text in said.values()), "a pause or the slow start wrote a node off"
+
+    victim = next(n for n in group if rows(n, tmp_path)[-1]["rank"] == 0)  # rank 0, the snapshot writer
+    survivors = [n for n in group if n is not victim]
+    pids = {n.name: {r["pid"] for r in rows(n, tmp_path)} for n in survivors}
+    stale_pid = rows(victim, tmp_path)[-1]["pid"]
+    frozen_at = time.time()
+    victim.freeze()
+    landed = time.time()  # a step may complete while the SIGSTOPs are sent
+    wait_until(lambda: all(at_world(n, tmp_path, 2, frozen_at) for n in survivors), 30,
+               "the survivors' first step without the frozen node", on_timeout=logs(*survivors))
+    thawed_at = time.time()
+    victim.thaw()  # within the lease TTL: only its peers' word tells it its workers are stale
+    first = min(at_world(n, tmp_path, 2, frozen_at)[0]["time"] for n in survivors)
+    assert first - frozen_at <= BOUND_S, f"first step without the frozen node {first - frozen_at:.2f} s after it froze"
+    train_together(survivors, tmp_path, 2, steps=5, after=frozen_at, timeout=60)
+    for n in survivors:
+        assert {r["pid"] for r in rows(n, tmp_path)} == pids[n.name], f"{n.name}'s worker was restarted"
+        assert_went_on_from_where_it_stood(n, tmp_path, frozen_at, 2)
+    said_by = [n for n in survivors if f"{victim.name} {WRITTEN_OFF}" in n.log_path.read_text()]
+    assert said_by, "no survivor named the frozen node"
+    assert sum(metric(n, "elastic_agent_inplace_reforms_total", reason="frozen") for n in survivors) >= 1
+
+    train_together(group, tmp_path, 3, steps=5, after=thawed_at, timeout=120)
+    assert not [r for r in rows(victim, tmp_path) if r["time"] > landed and r["pid"] == stale_pid], \
+        "the frozen node's stale worker trained after the freeze"
+    assert "wrote it off" in victim.log_path.read_text(), victim.log_tail(40)
+    for n in survivors:
+        assert {r["pid"] for r in rows(n, tmp_path)} == pids[n.name], f"{n.name}'s worker was restarted"
+    by_node = {n.name: {r["step"]: r["params"] for r in at_world(n, tmp_path, 3, thawed_at)} for n in group}
+    common = sorted(set.intersection(*(set(d) for d in by_node.values())))
+    assert common and len({d[common[0]] for d in by_node.values()}) == 1, "replicas differ after the heal"
+    assert metric(victim, "elastic_restores_total", source="replica") >= 1
+    assert_trained_once(tmp_path)

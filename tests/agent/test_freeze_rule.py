@@ -1,0 +1,104 @@
+"""Writing off a frozen peer (agent.freeze): the verdict, and the question over real sockets.
+
+A frozen agent's kernel still completes a TCP connect to its listening socket; a socket that
+listens and never accepts is exactly that, with no process to stop.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from agent.freeze import ANSWER_TIMEOUT_S, Questions, ask_peers, frozen_verdict, probe_enabled, written_off_by
+from elastic.inplace.stall import SLOW, STUCK, StallRule
+from elastic.rendezvous.keepout import ReachReport, choose_kept_out
+from elastic.rendezvous.lease_clock import LeaseClock
+from elastic.rendezvous.signing import StateSigner
+from elastic.rendezvous.witness import WitnessServer
+
+KEY = b"k" * 32
+
+
+def test_the_silent_peers_are_written_off() -> None:
+    assert frozen_verdict({"b": True, "c": False}) == ["c"]
+    assert frozen_verdict({"b": True, "c": True}) == []
+    assert frozen_verdict({"b": False}) == ["b"], "in a round of two, the lone peer's silence is enough"
+
+
+def test_a_node_that_hears_nobody_evicts_nobody() -> None:
+    """It is the likelier one cut off: its own-clock fence deals with it, not an eviction."""
+    assert frozen_verdict({"b": False, "c": False}) == []
+    assert frozen_verdict({}) == []
+
+
+def test_the_switch_turns_it_off() -> None:
+    assert probe_enabled({}) and probe_enabled({"ELASTIC_FREEZE_PROBE": "1"})
+    assert not probe_enabled({"ELASTIC_FREEZE_PROBE": "0"}) and not probe_enabled({"ELASTIC_FREEZE_PROBE": "off"})
+
+
+def test_a_live_witness_answers_and_a_frozen_one_times_out_concurrently() -> None:
+    signer = StateSigner(KEY)
+    live = WitnessServer("b", signer, lambda: LeaseClock(3.0, time.monotonic())).start()
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # connects complete in the kernel; nobody ever answers
+    try:
+        started = time.monotonic()
+        answered = ask_peers({"b": f"127.0.0.1:{live.port}", "c": f"127.0.0.1:{frozen.getsockname()[1]}",
+                              "d": f"127.0.0.1:{frozen.getsockname()[1]}", "e": None}, signer, ANSWER_TIMEOUT_S)
+        took = time.monotonic() - started
+    finally:
+        live.close()
+        frozen.close()
+    assert answered == {"b": True, "c": False, "d": False, "e": True}, "no address is no reason to evict"
+    assert took < ANSWER_TIMEOUT_S + 0.5, f"asked one after another ({took:.2f} s)"
+    assert frozen_verdict(answered) == ["c", "d"]
+
+
+def test_a_witness_sealed_with_another_key_counts_as_silent() -> None:
+    other = WitnessServer("b", StateSigner(b"x" * 32), lambda: LeaseClock(3.0, time.monotonic())).start()
+    try:
+        assert ask_peers({"b": f"127.0.0.1:{other.port}"}, StateSigner(KEY), 0.5) == {"b": False}
+    finally:
+        other.close()
+
+
+def test_a_frozen_report_round_trips_and_keeps_the_frozen_node_out_whoever_closes() -> None:
+    report = ReachReport("a", 7, ("c",), ("c",))
+    assert ReachReport.from_json(report.to_json()) == report
+    assert ReachReport.from_json(b'{"node": "a", "round": 7, "unreachable": ["c"]}').frozen == ()
+    assert choose_kept_out(("a", "b", "c"), [report]) == {"c"}
+    assert choose_kept_out(("a", "b", "c"), [report, ReachReport("b", 7, ("c",), ("c",))]) == {"c"}
+    assert choose_kept_out(("c", "a"), [report]) == {"c"}, "rank 0's node frozen in a round of two"
+
+
+def test_asked_early_the_verdict_waits_for_nothing() -> None:
+    """Asked when the step was only slow, the answers are in by the time it is stuck."""
+    signer = StateSigner(KEY)
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)
+    try:
+        questions = Questions({"c": f"127.0.0.1:{frozen.getsockname()[1]}"}, signer, 0.2)
+        time.sleep(0.25)  # the step goes from slow to stuck meanwhile
+        started = time.monotonic()
+        assert questions.answers() == {"c": False}
+        assert time.monotonic() - started < 0.1
+    finally:
+        frozen.close()
+
+
+def test_the_worker_asks_early_and_is_stuck_at_its_limit() -> None:
+    rule = StallRule()
+    for _ in range(20):
+        rule.record(0.03)
+    assert [rule.level(w) for w in (0.19, 0.21, 0.51)] == [0, SLOW, STUCK]
+
+
+def test_a_thawed_node_knows_it_was_written_off_and_a_partitioned_pair_agrees_on_one() -> None:
+    assert written_off_by("c", ("a", "b", "c"), [ReachReport("a", 3, ("c",), ("c",))]) == ["a"]
+    assert written_off_by("a", ("a", "b", "c"), [ReachReport("a", 3, ("c",), ("c",))]) == []
+    assert written_off_by("c", ("a", "b", "c"), [ReachReport("a", 3, ("c",))]) == [], "unreachable, not frozen"
+    # a and b cut apart, both alive: each names the other; the later in round order is out, on both
+    both = [ReachReport("a", 3, ("b",), ("b",)), ReachReport("b", 3, ("a",), ("a",))]
+    assert written_off_by("b", ("a", "b"), both) == ["a"] and written_off_by("a", ("a", "b"), both) == []
