@@ -44,6 +44,21 @@ for, and no rank can know the world the job first started at (a joiner, a resume
 another size). ``global_batch_size=`` holds the global batch instead (``ElasticRun``'s
 default policy: the gradient is the same at every world size).
 
+**Gradient accumulation** (``Elastic(gradient_accumulation_steps=K)``, Accelerate's idiom):
+the loader yields micro-batches of its ``batch_size``; a step, the unit that commits,
+heals and is counted, is K of them per rank (fewer at an epoch's end), and the sampler
+moves by whole steps. The script calls ``loss.backward()`` and ``optimizer.step()`` for
+every micro-batch, as it would without accumulation: ``step()`` (and ``zero_grad()``,
+``scheduler.step()``, ``scaler.unscale_``) are no-ops until the step's last micro-batch.
+Only that one's backward all-reduces (the others' forwards run under DDP's ``no_sync``),
+so the gradient is plain DDP's accumulation: the mean over ranks of the sum of the
+micro-batches' gradients (divide the loss by K, as under DDP, for their mean). A peer lost
+anywhere in the step abandons it at its last ``optimizer.step()``; the run then yields the
+whole step again, re-split. The script's own ``model.no_sync()`` and ``if (i + 1) % K``
+are refused at the first micro-batch: they would drift from the run's step boundaries
+after a re-formation or at an epoch's end. ``ft.sync_gradients`` says whether the
+micro-batch in hand is its step's last (clip under it).
+
 Under plain torchrun this is the restart path with snapshots and exact resume; without a
 launcher, a world of one. The wrappers themselves are :mod:`elastic.prepared`.
 """
@@ -58,10 +73,9 @@ from typing import Any, Iterator, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from . import contract
-
 from .prepared import (
     _UNPREPARED_SCHEDULER,
     PreparedLoader,
@@ -85,17 +99,28 @@ class Elastic:
 
     ``snapshot_dir`` defaults to ``$ELASTIC_SNAPSHOT_DIR`` (set by ``elastic local``).
     ``epochs``/``steps`` may be given here or as ``epochs(n)``; ``global_batch_size``
-    switches from a fixed per-rank batch (the DataLoader's) to a fixed global one. Any
+    switches from a fixed per-rank batch (the DataLoader's) to a fixed global one;
+    ``gradient_accumulation_steps=K`` makes a step K of the loader's batches (see the
+    module's docstring). Any
     other keyword goes to :class:`ElasticRun` (``seed``, ``ledger``, ``snapshot_every_steps``,
     ``collective_timeout``, ...).
     """
 
     def __init__(self, snapshot_dir: str | Path | None = None, *, epochs: int | None = None,
                  steps: int | None = None, global_batch_size: int | None = None, batch_size: int | None = None,
-                 **run_kwargs: Any) -> None:
+                 gradient_accumulation_steps: int = 1, **run_kwargs: Any) -> None:
         snapshot_dir = snapshot_dir or os.environ.get(contract.SNAPSHOT_DIR_ENV)
         if not snapshot_dir:
             _usage("give Elastic(snapshot_dir=...) (a directory every node shares), or set ELASTIC_SNAPSHOT_DIR")
+        if int(gradient_accumulation_steps) < 1:
+            _usage(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        if gradient_accumulation_steps > 1 and global_batch_size is not None:
+            _usage("give Elastic(gradient_accumulation_steps=) or Elastic(global_batch_size=), not both: with "
+                   "accumulation the micro-batch is the DataLoader's batch_size, per rank")
+        self.accumulate = int(gradient_accumulation_steps)
+        self._micro_left = 0  # micro-batches of the step in hand after the one in hand (accumulation)
+        self._micro_index = 0  # the micro-batch in hand's place in its step
+        self._micro_stepped = False  # optimizer.step() was called for the micro-batch in hand
         for taken in ("scheduler", "scaler", "max_grad_norm", "user_backward", "batch_policy", "per_rank_batch_size"):
             if taken in run_kwargs:
                 _usage(f"Elastic(..., {taken}=) is not an option of the prepare API: "
@@ -103,6 +128,7 @@ class Elastic:
         self.snapshot_dir, self.epochs_target, self.steps_target = Path(snapshot_dir), epochs, steps
         self.global_batch_size, self.batch_size, self.run_kwargs = global_batch_size, batch_size, run_kwargs
         self._run: ElasticRun | None = None
+        self.dataset: Any = None  # the script's, as prepared (the run's is wrapped under accumulation)
         self._batches: Iterator[Any] | None = None  # the run's own iterator, shared by every epoch
         self._held: Any = None  # a batch the run yielded that the loader has not handed out yet
         self._has_held = False
@@ -136,7 +162,11 @@ class Elastic:
         if self.global_batch_size is not None:
             kwargs.update(global_batch_size=self.global_batch_size)
         else:
-            kwargs.update(global_batch_size=per_rank, batch_policy="fixed-per-rank", per_rank_batch_size=per_rank)
+            step_share = per_rank * self.accumulate  # a step is this rank's micro-batches together
+            kwargs.update(global_batch_size=step_share, batch_policy="fixed-per-rank", per_rank_batch_size=step_share)
+        self.dataset = dataset
+        if self.accumulate > 1:
+            dataset, collate_fn = MicroBatches(dataset, collate_fn or default_collate, per_rank), _as_is
         epochs = self.epochs_target if self.epochs_target is not None or self.steps_target is not None \
             else _UNTIL_EPOCHS
         kwargs.setdefault("num_workers", num_workers)
@@ -231,7 +261,7 @@ class Elastic:
         run = self.run
         if run._pending is not None:
             _usage("optimizer.step() was not called for the last batch: call it once for every batch the prepared "
-                   "loader yields (gradient accumulation and a GradScaler that skips steps need ElasticRun)")
+                   "loader yields (for gradient accumulation give Elastic(gradient_accumulation_steps=K))")
         assert self._batches is not None
         try:
             self._held = next(self._batches)
@@ -256,9 +286,46 @@ class Elastic:
                 return  # healed forward past this epoch: the held batch opens the next one
             batch, self._held, self._has_held = self._held, None, False
             self._consumed = True
-            yield batch
+            if self.accumulate == 1:
+                yield batch
+            else:
+                yield from self._micro_batches(batch)
+
+    def _micro_batches(self, micro: list[Any]) -> Iterator[Any]:
+        """One step's micro-batches (accumulation). Only the last one's backward all-reduces
+        (the others' forwards run under DDP's ``no_sync``) and only its ``optimizer.step()``
+        commits; a step abandoned there is yielded again whole, re-split, by the run."""
+        for i, batch in enumerate(micro):
+            self._micro_index, self._micro_left, self._micro_stepped = i, len(micro) - 1 - i, False
+            try:
+                yield batch
+            finally:
+                self._micro_index = self._micro_left = 0
+            if not self._micro_stepped:
+                _usage("with Elastic(gradient_accumulation_steps=K) call optimizer.step() after every backward: it "
+                       "is a no-op until the step's last micro-batch, which the run knows (an `if (i + 1) % K` in "
+                       "the loop would drift after a re-formation or at an epoch's end)")
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the micro-batch in hand is its step's last (Accelerate's name): its backward
+        all-reduces and its ``optimizer.step()`` commits. Always true without accumulation.
+        Clip under it: ``if ft.sync_gradients: clip_grad_norm_(...)``."""
+        return self._micro_left == 0
+
+    @property
+    def accumulating(self) -> bool:
+        """A step's gradients are being summed: a micro-batch after its step's first is in hand."""
+        return self.accumulate > 1 and self._micro_index > 0 and self.run._pending is not None
 
     def _optimizer_step(self) -> StepResult:
+        if self.accumulate > 1 and self.run._pending is not None:
+            if self._micro_stepped:
+                _usage("optimizer.step() called twice for one micro-batch: call it once after every backward")
+            self._micro_stepped = True
+            if self._micro_left > 0:  # the step's gradients are still being summed: nothing to apply yet
+                self.last_step = StepResult(False, self.run.step_count + 1, self.run.epoch)
+                return self.last_step
         if self.run._pending is None:
             _usage("optimizer.step() called twice for one batch, or outside the prepared loader's loop: call it once "
                    "for every batch the loader yields")
@@ -278,6 +345,34 @@ _TAKEN = {
     "batch_policy": "the DataLoader's batch_size stays per rank; give global_batch_size= to hold the global batch",
     "per_rank_batch_size": "it is the DataLoader's batch_size",
 }
+
+
+class MicroBatches(Dataset[Any]):
+    """The run's dataset under accumulation: fetching a step's share of ids gives its
+    micro-batches of the loader's ``batch_size``, each fetched and collated as the script's
+    DataLoader would (its ``__getitems__`` if it has one, its ``collate_fn``: a padding
+    collate pads each micro-batch alone, as under plain DDP). Picklable, for ``num_workers``."""
+
+    def __init__(self, dataset: Dataset[Any], collate_fn: Any, size: int) -> None:
+        self.dataset, self.collate_fn, self.size = dataset, collate_fn, size
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, ids: list[int]) -> list[Any]:
+        return [self.collate_fn(self._fetch(ids[i:i + self.size])) for i in range(0, len(ids), self.size)]
+
+    def _fetch(self, ids: list[int]) -> Any:
+        many = getattr(self.dataset, "__getitems__", None)
+        return many(ids) if many is not None else [self.dataset[i] for i in ids]
+
+
+def _as_is(batch: Any) -> Any:
+    """The run's collate_fn under accumulation: :class:`MicroBatches` has collated already."""
+    return batch
 
 
 def _loader_settings(data: Any, batch_size: int | None) -> tuple[Dataset[Any], int, Any, int, str]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .sampler import split_sizes
 from .step_result import StepResult
 from .trainer import UsageExit
 
@@ -34,11 +35,18 @@ class PreparedModel(nn.Module):
         object.__setattr__(self, "_ft", ft)  # not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._ft.run.model(*args, **kwargs)
+        ddp = self._ft.run.model
+        if self._ft.sync_gradients:
+            return ddp(*args, **kwargs)
+        with ddp.no_sync():  # a micro-batch before its step's last: its backward only sums locally
+            return ddp(*args, **kwargs)
 
     def no_sync(self) -> Any:
-        _usage("model.no_sync() (gradient accumulation) is not supported by prepare(): every batch is one step; "
-               "use a bigger batch_size, or ElasticRun with global_batch_size=")
+        if self._ft.accumulate > 1:
+            _usage("drop `with model.no_sync():`: with Elastic(gradient_accumulation_steps=K) the run syncs only "
+                   "each step's last micro-batch; call optimizer.step() after every backward")
+        _usage("model.no_sync() (gradient accumulation): give Elastic(gradient_accumulation_steps=K) instead, and "
+               "call optimizer.step() after every backward (a no-op until the step's last micro-batch)")
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -74,6 +82,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self._ft._optimizer_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._ft.accumulating:
+            return  # within a step the micro-batches' gradients add up; the run zeroes them at the commit
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,24 +113,31 @@ class _SamplerShim:
 
 class PreparedLoader:
     """The rest of the current epoch's batches for this rank, from the run; iterate it inside
-    ``ft.epochs(n)``. ``len()`` is the batches of a whole epoch at the current world size."""
+    ``ft.epochs(n)``. ``len()`` is the batches (micro-batches, with accumulation) of a whole
+    epoch at the current world size."""
 
     def __init__(self, ft: Elastic, per_rank: int) -> None:
         self._ft, self.batch_size = ft, per_rank
-        self.dataset = ft.run.plan.dataset
+        self.dataset = ft.dataset
         self.sampler = _SamplerShim(ft)
 
     def __iter__(self) -> Iterator[Any]:
         return self._ft._epoch_batches()
 
     def __len__(self) -> int:
-        plan = self._ft.run.plan
-        return -(-len(self.dataset) // plan.batch_size(self._ft.world_size))  # type: ignore[arg-type]
+        ft, plan = self._ft, self._ft.run.plan
+        step = plan.batch_size(ft.world_size)
+        steps, tail = divmod(len(self.dataset), step)  # type: ignore[arg-type]
+        if ft.accumulate == 1:
+            return steps + (tail > 0)
+        share = split_sizes(tail, ft.world_size)[ft.rank] if tail else 0
+        return steps * ft.accumulate + (max(1, -(-share // self.batch_size)) if tail else 0)
 
 
 class PreparedScheduler:
-    """The script's LR scheduler: ``step()`` counts committed steps only (an abandoned step is
-    not stepped); its state is healed and snapshotted with the model."""
+    """The script's LR scheduler: ``step()`` counts committed steps only (an abandoned step, or
+    a micro-batch before its step's last, is not stepped); its state is healed and
+    snapshotted with the model."""
 
     def __init__(self, ft: Elastic, scheduler: Any) -> None:
         self._ft, self._inner = ft, scheduler
@@ -149,6 +166,8 @@ class PreparedScaler:
         return self._inner.scale(outputs)
 
     def unscale_(self, optimizer: Any) -> None:
+        if not self._ft.sync_gradients:
+            return  # the step's gradients are not all summed yet: unscaled once, at its last micro-batch
         self._inner.unscale_(self._ft.run.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> StepResult:

@@ -133,10 +133,17 @@ def test_a_kept_set_epoch_works_and_a_wrong_one_says_how_to_fix_it(tmp_path: Pat
 
 @pytest.mark.parametrize("mistake", ["loader outside epochs", "no optimizer.step", "no_sync", "iterable dataset",
                                      "closure", "scheduler not prepared", "scheduler built after prepare",
-                                     "step twice"])
+                                     "step twice", "no_sync with accumulation", "step every K-th micro-batch",
+                                     "accumulation and global batch"])
 def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, capsys: Any, mistake: str) -> None:
     model, optimizer, loader, _ = _parts()
-    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    accumulate = 4 if mistake in ("no_sync with accumulation", "step every K-th micro-batch") else 1
+    if mistake == "accumulation and global batch":
+        with pytest.raises(SystemExit) as exc:
+            elastic.Elastic(snapshot_dir=tmp_path, gradient_accumulation_steps=2, global_batch_size=16, **RUN)
+        assert exc.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+        return
+    ft = elastic.Elastic(snapshot_dir=tmp_path, gradient_accumulation_steps=accumulate, **RUN)
     with pytest.raises(SystemExit) as exc:
         if mistake == "iterable dataset":
             ft.prepare(model, optimizer, DataLoader(_Stream(), batch_size=4))
@@ -148,9 +155,14 @@ def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, caps
         if mistake == "loader outside epochs":
             next(iter(loader))
         for _ in ft.epochs(2):
-            for x, y in loader:
+            for i, (x, y) in enumerate(loader):
+                if mistake == "step every K-th micro-batch":  # the plain-DDP idiom, which drifts from the run's steps
+                    F.cross_entropy(model(x), y).backward()
+                    if (i + 1) % 4 == 0:
+                        optimizer.step()
+                    continue
                 F.cross_entropy(model(x), y).backward()
-                if mistake == "no_sync":
+                if mistake in ("no_sync", "no_sync with accumulation"):
                     model.no_sync()
                 if mistake == "closure":
                     optimizer.step(lambda: 0.0)
@@ -163,6 +175,72 @@ def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, caps
     assert len(err) == 1 and err[0].startswith("error: "), err
     if ft._run is not None:
         ft.run.close()
+
+
+def _accumulating_loop(tmp: Path, epochs: int, accumulate: int, inputs: list[list[torch.Tensor]] | None = None,
+                       scheduler_lrs: list[float] | None = None) -> nn.Module:
+    """The plain loop of ``_plain_loop`` with accumulation: every line runs per micro-batch."""
+    model, optimizer, loader, scheduler = _parts(batch=3, scheduler=True)
+    ft = elastic.Elastic(snapshot_dir=tmp, ledger=tmp / "ledger.jsonl", gradient_accumulation_steps=accumulate,
+                         **RUN)
+    model, optimizer, loader, scheduler = ft.prepare(model, optimizer, loader, scheduler)
+    for _ in ft.epochs(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()  # a no-op within a step: the micro-batches' gradients add up
+            (F.cross_entropy(model(x), y) / accumulate).backward()
+            if ft.sync_gradients:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            trained = optimizer.step()
+            scheduler.step()
+            if inputs is not None:
+                inputs.append([x.clone(), y.clone(), torch.tensor(bool(trained))])
+            if scheduler_lrs is not None and trained:
+                scheduler_lrs.append(scheduler.get_last_lr()[0])
+    return model
+
+
+def test_accumulation_commits_every_kth_micro_batch_and_equals_a_hand_written_accumulation(tmp_path: Path) -> None:
+    """40 samples, micro-batches of 3, 4 per step: 3 whole steps (36 samples) and a step of
+    2 micro-batches (3 + 1) per epoch; each micro-batch collated alone; the sampler and the
+    scheduler move by whole steps; the parameters are those of the same accumulation done by
+    hand on the same micro-batches (the world of one: DDP's all-reduce is the identity)."""
+    seen: list[list[torch.Tensor]] = []
+    lrs: list[float] = []
+    model = _accumulating_loop(tmp_path, 2, 4, seen, lrs)
+    assert [len(x) for x, _, _ in seen] == ([3] * 12 + [3, 1]) * 2
+    assert [bool(t) for _, _, t in seen] == ([False, False, False, True] * 3 + [False, True]) * 2
+    assert len(lrs) == 8 and lrs[-1] == pytest.approx(0.1 * 0.5 ** 2), "the scheduler stepped per committed step"
+    report = check_ledger(tmp_path / "ledger.jsonl", dataset_size=N, expect_epochs=2)
+    assert report.ok, report.violations
+    half = len(seen) // 2
+    for epoch in (seen[:half], seen[half:]):
+        rows = [tuple(row.tolist()) for x, _, _ in epoch for row in x]
+        assert len(rows) == len(set(rows)) == N, "every sample once per epoch, in micro-batches"
+
+    ref, optimizer, _, scheduler = _parts(batch=3, scheduler=True)
+    step: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for x, y, trained in seen:
+        step.append((x, y))
+        if not trained:
+            continue
+        optimizer.zero_grad()
+        for mx, my in step:
+            (F.cross_entropy(ref(mx), my) / 4).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 10.0)
+        optimizer.step()
+        scheduler.step()
+        step = []
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_accumulating_run_resumes_from_its_snapshot_at_a_step_boundary(tmp_path: Path) -> None:
+    _accumulating_loop(tmp_path, 1, 4)
+    seen: list[list[torch.Tensor]] = []
+    _accumulating_loop(tmp_path, 2, 4, seen)
+    assert [len(x) for x, _, _ in seen] == [3] * 12 + [3, 1], "only the second epoch is trained, whole steps"
+    report = check_ledger(tmp_path / "ledger.jsonl", dataset_size=N, expect_epochs=2)
+    assert report.ok, report.violations
 
 
 class _Stream(IterableDataset[Any]):
@@ -248,9 +326,75 @@ def test_the_update_is_the_mean_over_the_global_batch_at_several_ranks(tmp_path:
                 assert torch.allclose(a, b, atol=1e-6), (world, step)
 
 
-def _peer_dies(rank: int, tmp: str) -> None:
-    """Rank 1 dies before step 3's backward; rank 0's own ``loss.backward()`` must return and
-    its ``optimizer.step()`` abandon the step (the restart path: exit 1 for its agent)."""
+def _accumulating_ranks(rank: int, tmp: str) -> None:
+    """Two ranks, micro-batches of 3, 2 per step, 27 samples: 2 whole steps (24 samples), then
+    a step of 3 (2 + 1: one micro-batch each). The prepared loop, then plain DDP with
+    ``no_sync`` on the same micro-batches; both save their parameters after each step. In the
+    short last step the run weighs each rank by its share of the step's samples (the mean
+    over the step, as without accumulation): the reference's loss carries that weight."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from elastic.jobs.mlp import SyntheticClassification, as_batch
+    from tests.elastic.test_trainer_gradients import _model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank, world_size=2)
+    data = SyntheticClassification(27, seed=1)
+    model, optimizer = _model(), None
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", epochs=1, gradient_accumulation_steps=2,
+                         snapshot_every_steps=None, handle_sigterm=False, metrics=False)
+    model, optimizer, loader = ft.prepare(model, optimizer, DataLoader(data, batch_size=3, collate_fn=as_batch))
+    micro: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    mine = []
+    for _ in ft.epochs():
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            micro[-1].append((x, y))
+            if optimizer.step():
+                mine.append([p.detach().clone() for p in model.parameters()])
+                micro.append([])
+    ft.run.close()
+    ref = DDP(_model())
+    ref_optimizer = torch.optim.Adam(ref.parameters(), lr=0.01)
+    theirs = []
+    for step in micro[:-1]:
+        ref_optimizer.zero_grad()
+        for x, y in step[:-1]:
+            with ref.no_sync():
+                F.cross_entropy(ref(x), y).backward()
+        weight = 1.0 if len(step) == 2 else 2 * len(step[-1][0]) / 3  # share x world / step's samples
+        (F.cross_entropy(ref(step[-1][0]), step[-1][1]) * weight).backward()
+        ref_optimizer.step()
+        theirs.append([p.detach().clone() for p in ref.parameters()])
+    torch.save({"mine": mine, "theirs": theirs, "sizes": [[len(x) for x, _ in s] for s in micro[:-1]]},
+               f"{tmp}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts processes
+def test_accumulation_at_two_ranks_equals_plain_ddp_with_no_sync_on_the_same_micro_batches(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_accumulating_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank-{rank}.pt")
+        assert got["sizes"] == [[3, 3], [3, 3], [2 if rank == 0 else 1]], got["sizes"]
+        assert len(got["mine"]) == len(got["theirs"]) == 3
+        for step, (mine, theirs) in enumerate(zip(got["mine"], got["theirs"])):
+            for a, b in zip(mine, theirs):
+                if step < 2:  # whole steps: DDP's own averaging, bit for bit
+                    assert torch.equal(a, b), (rank, step, (a - b).abs().max())
+                else:  # the weight is in the bucket here, in the loss there: rounding apart
+                    assert torch.allclose(a, b, atol=1e-6), (rank, step, (a - b).abs().max())
+
+
+def _peer_dies(rank: int, tmp: str, accumulate: int) -> None:
+    """Rank 1 dies before step 3's (last micro-batch's) backward; rank 0's own
+    ``loss.backward()`` must return and its ``optimizer.step()`` abandon the step (the
+    restart path: exit 1 for its agent)."""
     import os
 
     import torch.distributed as dist
@@ -258,16 +402,18 @@ def _peer_dies(rank: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank, world_size=2)
     model, optimizer, loader, _ = _parts()
-    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", handle_sigterm=False, metrics=False, snapshot_every_steps=1)
+    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", handle_sigterm=False, metrics=False, snapshot_every_steps=1,
+                         gradient_accumulation_steps=accumulate)
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     for _ in ft.epochs(3):
         for x, y in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            if rank == 1 and ft.step_count == 2:
+            if rank == 1 and ft.step_count == 2 and ft.sync_gradients:
                 os._exit(0)
             loss.backward()
-            Path(f"{tmp}/backward-{rank}-{ft.step_count}").touch()
+            if ft.sync_gradients:
+                Path(f"{tmp}/backward-{rank}-{ft.step_count}").touch()
             try:
                 optimizer.step()
             except SystemExit as exc:
@@ -276,10 +422,11 @@ def _peer_dies(rank: int, tmp: str) -> None:
 
 
 @pytest.mark.slow  # starts processes
-def test_a_peer_lost_in_the_scripts_own_backward_is_caught_at_optimizer_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_peer_lost_in_the_scripts_own_backward_is_caught_at_optimizer_step(tmp_path: Path, accumulate: int) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_peer_dies, args=(str(tmp_path),), nprocs=2, join=True)
+    mp.spawn(_peer_dies, args=(str(tmp_path), accumulate), nprocs=2, join=True)
     assert (tmp_path / "backward-0-2").exists(), "rank 0's loss.backward() raised"
     assert (tmp_path / "exit-0-1-at-2").exists(), sorted(p.name for p in tmp_path.iterdir())
 
