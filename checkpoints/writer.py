@@ -24,6 +24,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
@@ -33,6 +34,7 @@ from . import layout, sched
 from .capture import Capture, Stager
 from .errors import SnapshotError
 from .fence import SnapshotFencedError
+from .oneshot import LogPump, OneShot
 from .procwriter import WriterProcess
 from .store import SnapshotInfo, SnapshotStore
 from .workers import DaemonPool
@@ -74,7 +76,7 @@ class _Probe:
     """Queued by ``wait_writer_process``: the writer thread owns the channel, so it answers."""
 
     timeout: float
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: OneShot = dataclasses.field(default_factory=OneShot)
     ready: bool = False
 
 
@@ -84,8 +86,8 @@ class _Job:
     world_size: int
     extra_meta: dict[str, Any] | None
     capture: Capture
-    captured: threading.Event = dataclasses.field(default_factory=threading.Event)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    captured: OneShot = dataclasses.field(default_factory=OneShot)  # set by the writer thread, which must never
+    done: OneShot = dataclasses.field(default_factory=OneShot)  # block on a lock a waiter holds (.oneshot)
     stall_s: float = 0.0
     device_waited: bool = False
     boost_at: float | None = None  # time.monotonic() after which an idle-priority write is raised
@@ -149,7 +151,8 @@ class AsyncSnapshotWriter:
         self._closed = False
         self._last_submit: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=4)
-        self._queue: queue.SimpleQueue[_Job | _Probe | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | _Probe | OneShot | None] = queue.SimpleQueue()
+        self._logs = LogPump(log, "snapshot-writer-log")  # the writer thread's lines (.oneshot)
         self._proc: WriterProcess | None = None
         self._io: DaemonPool | None = None
         if mode == "process":
@@ -264,7 +267,7 @@ class AsyncSnapshotWriter:
         ``submit`` may have been halfway through updating.
         """
         if not self._closed:
-            barrier = threading.Event()
+            barrier = OneShot()
             self._queue.put(barrier)
             self._urge()
             if not barrier.wait(timeout):
@@ -293,6 +296,7 @@ class AsyncSnapshotWriter:
             self._closed = True
             self._queue.put(None)  # FIFO: anything still queued is written before the thread exits
             self._thread.join()
+            self._logs.close()
             if self._proc is not None:
                 self._proc.close()
             self._stager.release()
@@ -323,9 +327,9 @@ class AsyncSnapshotWriter:
             try:  # from this long-lived thread: the child's PR_SET_PDEATHSIG follows the thread that spawned it
                 self._proc.start()
             except SnapshotError as e:
-                log.warning("%s", e)
+                self._logs.log(logging.WARNING, "%s", e)
         while (job := self._queue.get()) is not None:
-            if isinstance(job, threading.Event):  # flush barrier
+            if isinstance(job, OneShot):  # flush barrier
                 job.set()
                 continue
             if isinstance(job, _Probe):
@@ -340,7 +344,7 @@ class AsyncSnapshotWriter:
                     self._stats.errors += 1
                     self._stats.last_error = str(e)
                 # a fenced write is the round protocol at work, not a disk fault
-                log.log(logging.WARNING if isinstance(e, SnapshotFencedError) else logging.ERROR,
+                self._logs.log(logging.WARNING if isinstance(e, SnapshotFencedError) else logging.ERROR,
                         "snapshot step %d failed: %s", job.step, e)
             finally:
                 job.captured.set()
@@ -370,7 +374,8 @@ class AsyncSnapshotWriter:
         if self._proc is not None:
             self._proc.hurry()  # its torch import must not starve at idle priority while snapshots fall due
         if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
-            log.info("snapshot step %d: the writer process is not up yet; writing it from a thread", job.step)
+            self._logs.log(logging.INFO, "snapshot step %d: the writer process is not up yet; writing it from a thread",
+                           job.step)
             self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
         info = self._io.submit(
             self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta,
@@ -394,7 +399,8 @@ class AsyncSnapshotWriter:
             s.last_durable_step = info.step
             s.last_durable_time = time.time()
             snapshot = dataclasses.replace(s)
-        log.info(
+        self._logs.log(
+            logging.INFO,
             "snapshot step %d durable: %.1f MB in %.2fs (%.2f GB/s), training stalled %.1f ms",
             info.step,
             info.size_bytes / 1e6,
@@ -406,4 +412,4 @@ class AsyncSnapshotWriter:
             try:
                 self.on_durable(snapshot)
             except Exception:  # noqa: BLE001 - a metrics bug must not fail snapshots
-                log.exception("on_durable callback failed")
+                self._logs.log(logging.ERROR, "on_durable callback failed:\n%s", traceback.format_exc())
