@@ -164,7 +164,11 @@ def test_two_harnesses_coexist_on_separate_subnets_that_cannot_reach_each_other(
     assert one.probe("a", two["a"].addr, 80).error.startswith("OSError: [Errno 101]")
 
 
+# The owner gets SIGINT as from a terminal's Ctrl-C (Python's KeyboardInterrupt). Without the
+# first line it would inherit SIGINT *ignored* whenever the suite itself runs as a background
+# job of a non-interactive shell (`make test &`, nohup), and ignore the test's Ctrl-C.
 OWNER = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)
 import sys, time
 from agent.netns import NodeNetwork
 net = NodeNetwork(["a", "b"]).start()
