@@ -106,11 +106,6 @@ class Questions:
             return {n: self._answered.get(n, False) for n in self._nodes}
 
 
-def ask_peers(witnesses: Mapping[str, str | None], signer: object, timeout: float) -> dict[str, bool]:
-    """Ask every peer's witness at once and wait for the answers; node -> answered."""
-    return Questions(witnesses, signer, timeout).answers()
-
-
 def written_off_by(node: str, participants: Sequence[str], reports: Iterable[ReachReport]) -> list[str]:
     """The peers that wrote ``node`` off as frozen, if the reports leave it out of the next
     round; else none. Not "some report names it": cut apart from a live peer, both sides name
@@ -196,9 +191,7 @@ class FreezeWatch:
         """Why this node's workers are stale (its peers wrote it off as frozen in its current
         round, and the reports leave it out as every closer reads them), or None. ``fresh``:
         read etcd rather than the mirror, which may still lag just after a thaw, when a stale
-        worker's failed collective already asks for a new round.
-
-        """
+        worker's failed collective already asks for a new round."""
         if round_number < 0 or self.node not in participants:
             return None
         entries: Mapping[str, object] = self.handler.mirror.entries()[0]

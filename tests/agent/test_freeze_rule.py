@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import time
 
-from agent.freeze import ANSWER_TIMEOUT_S, Questions, ask_peers, frozen_verdict, probe_enabled, written_off_by
+from agent.freeze import ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, written_off_by
 from elastic.inplace.stall import SLOW, STUCK, StallRule
 from elastic.rendezvous.keepout import ReachReport, choose_kept_out
 from elastic.rendezvous.lease_clock import LeaseClock
@@ -44,8 +44,8 @@ def test_a_live_witness_answers_and_a_frozen_one_times_out_concurrently() -> Non
     frozen.listen(8)  # connects complete in the kernel; nobody ever answers
     try:
         started = time.monotonic()
-        answered = ask_peers({"b": f"127.0.0.1:{live.port}", "c": f"127.0.0.1:{frozen.getsockname()[1]}",
-                              "d": f"127.0.0.1:{frozen.getsockname()[1]}", "e": None}, signer, ANSWER_TIMEOUT_S)
+        answered = Questions({"b": f"127.0.0.1:{live.port}", "c": f"127.0.0.1:{frozen.getsockname()[1]}",
+                              "d": f"127.0.0.1:{frozen.getsockname()[1]}", "e": None}, signer, ANSWER_TIMEOUT_S).answers()
         took = time.monotonic() - started
     finally:
         live.close()
@@ -58,7 +58,7 @@ def test_a_live_witness_answers_and_a_frozen_one_times_out_concurrently() -> Non
 def test_a_witness_sealed_with_another_key_counts_as_silent() -> None:
     other = WitnessServer("b", StateSigner(b"x" * 32), lambda: LeaseClock(3.0, time.monotonic())).start()
     try:
-        assert ask_peers({"b": f"127.0.0.1:{other.port}"}, StateSigner(KEY), 0.5) == {"b": False}
+        assert Questions({"b": f"127.0.0.1:{other.port}"}, StateSigner(KEY), 0.5).answers() == {"b": False}
     finally:
         other.close()
 
