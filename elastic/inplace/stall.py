@@ -65,14 +65,16 @@ class StallRule:
 
     def __init__(self, window: int = WINDOW) -> None:
         self._intervals: deque[float] = deque(maxlen=window)
+        self._limit = stall_limit(self._intervals)  # kept with the intervals: level() runs at every poll
 
     def record(self, seconds: float) -> None:
         """One steady step interval (not the first after a join)."""
         if seconds >= 0:
             self._intervals.append(seconds)
+            self._limit = stall_limit(self._intervals)
 
     def limit(self) -> float:
-        return stall_limit(self._intervals)
+        return self._limit
 
     def stuck(self, waited: float) -> bool:
         return waited > self.limit()
