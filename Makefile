@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# promtool/prometheus (Debian's prometheus package) back the deploy/ tests.
+# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two workers, a
+# file each at a time (module fixtures stay shared); tests/conftest.py puts the longest first.
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
 # marks the rest slow, and fails a test here that starts a process anyway).

@@ -9,12 +9,19 @@ from typing import Callable, Iterator
 
 import pytest
 
+from elastic import contract
 from elastic.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
 from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
+
+# Agents the tests start run their workers cold. A warm standby per node is a second torch
+# import (about 5 s of CPU) that most tests never use, and on 2 cores it slowed every start.
+# The tests of warm starts, and of spares (whose standby is the feature), pass --warm-start.
+WARM_START_ENV = contract.ENV_PREFIX + "WARM_START"
+os.environ.setdefault(WARM_START_ENV, "0")
 
 try:  # the same examples every run: a fuzz test that fails, fails again (never flaky)
     from hypothesis import settings as _hypothesis_settings
@@ -31,10 +38,35 @@ SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes",
 FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 
 
+# `make test` runs files on two workers (pytest-xdist, --dist loadfile). The longest files go
+# first and the pure ones last, so neither worker is left with a two-minute file at the end.
+# Only the order depends on this list: a file missing from it runs after these, in place.
+LONGEST_FIRST = (
+    "tests/agent/test_demo.py",
+    "tests/agent/test_chaos.py",
+    "tests/elastic/inplace/test_inplace_recovery.py",
+    "tests/agent/test_plain_scripts.py",
+    "tests/elastic/inplace/test_user_collectives.py",
+    "tests/elastic/inplace/test_prepare_faults.py",
+    "tests/agent/test_recovery.py",
+    "tests/agent/test_goodput.py",
+    "tests/elastic/rendezvous/test_torchrun.py",
+    "tests/agent/test_etcd_cluster_faults.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def weight(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        listed = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+        return listed, path not in slow_files
+
+    items.sort(key=weight)  # stable: within a file, and among unlisted files, collection order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

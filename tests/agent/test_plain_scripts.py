@@ -124,7 +124,7 @@ def test_two_sigkills_of_the_other_node_in_a_row_both_restart_the_survivor_warm(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], script: Path, tmp_path: Path
 ) -> None:
     rows = tmp_path / "rows.jsonl"
-    common = dict(steps=100000, nnodes="1:2", agent_args=["--lease-ttl", "2"], env={"ROWS": str(rows)})
+    common = dict(steps=100000, nnodes="1:2", agent_args=["--lease-ttl", "2", "--warm-start"], env={"ROWS": str(rows)})
     a = start(nodes, "a", etcd_server, run_id, script, **common)  # type: ignore[arg-type]
     b = start(nodes, "b", etcd_server, run_id, script, **common)  # type: ignore[arg-type]
 

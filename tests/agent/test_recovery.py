@@ -67,7 +67,7 @@ def pair(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, **kw: obje
 def test_killed_node_is_replaced_by_a_smaller_world_and_rejoins_when_restarted(
     victim_rank: int, etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
 ) -> None:
-    a, b = pair(nodes, etcd_server, run_id)
+    a, b = pair(nodes, etcd_server, run_id, agent_args=["--warm-start"])  # a restart from the standby
     victim, survivor = (a, b) if a.steps_at(2)[-1]["rank"] == victim_rank else (b, a)
     round_before = survivor.steps_at(2)[-1]["round"]
     wait_until(lambda: standby_ready(survivor), FORM_TIMEOUT, "the survivor's standby worker to import torch",

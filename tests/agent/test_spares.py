@@ -95,7 +95,7 @@ def test_a_spare_takes_a_lost_nodes_place_twice_and_a_node_back_becomes_the_next
     script = tmp_path / "spares.py"
     script.write_text(SCRIPT)
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:2",
-                          env={"DATASET": str(DATASET)}) for name in ("a", "b", "c")]
+                          env={"DATASET": str(DATASET)}, agent_args=["--warm-start"]) for name in ("a", "b", "c")]
     wait_until(lambda: sum(bool(rows(n, tmp_path)) for n in group) == 2 and any(is_spare(n) for n in group), 150,
                "two nodes to train and the third to wait as a spare", on_timeout=lambda: group[2].log_tail(60))
     spare = next(n for n in group if is_spare(n))

@@ -69,7 +69,7 @@ def test_a_straggler_is_evicted_and_a_spare_takes_its_place(
     flags = {name: tmp_path / f"{name}.slow" for name in ("a", "b", "c")}
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:2",
                           env={"DATASET": str(DATASET), "SLOW_FLAG": str(flags[name]),
-                               "ELASTIC_STRAGGLER_PERIOD_S": "0.5"}) for name in ("a", "b", "c")]
+                               "ELASTIC_STRAGGLER_PERIOD_S": "0.5"}, agent_args=["--warm-start"]) for name in ("a", "b", "c")]
     wait_until(lambda: sum(bool(rows(n, tmp_path)) for n in group) == 2 and any(is_spare(n) for n in group), 150,
                "two nodes to train and the third to wait as a spare", on_timeout=lambda: group[2].log_tail(60))
     spare = next(n for n in group if is_spare(n))

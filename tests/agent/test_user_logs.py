@@ -77,7 +77,7 @@ def test_a_node_lost_under_a_script_without_logging_set_up_is_one_plain_line_on_
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
-    agent_args = [] if path == "in place" else ["--no-in-place"]
+    agent_args = ["--warm-start"] if path == "in place" else ["--warm-start", "--no-in-place"]
     a = start(nodes, "a", etcd_server, run_id, tmp_path, script, agent_args)
     b = start(nodes, "b", etcd_server, run_id, tmp_path, script, agent_args)
     a_rows, b_rows = tmp_path / "a.rows.jsonl", tmp_path / "b.rows.jsonl"

@@ -151,6 +151,7 @@ def test_warm_start_is_on_by_default_and_can_be_turned_off(argv: list[str], env:
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from agent.launch import build_agent_parser
 
+    monkeypatch.delenv("ELASTIC_WARM_START", raising=False)  # tests/conftest.py turns it off for agents
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert build_agent_parser().parse_args([*argv, "train.py"]).warm_start is expected
