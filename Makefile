@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two workers, a
-# file each at a time (module fixtures stay shared); tests/conftest.py puts the longest first.
+# file at a time each; the files of three or more nodes all on one (tests/conftest.py).
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 # Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
 # marks the rest slow, and fails a test here that starts a process anyway).

@@ -38,10 +38,14 @@ SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes",
 FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 
 
-# `make test` runs files on two workers (pytest-xdist, --dist loadfile). The longest files go
-# first and the pure ones last, so neither worker is left with a two-minute file at the end.
-# Only the order depends on this list: a file missing from it runs after these, in place.
-LONGEST_FIRST = (
+# `make test` runs on two pytest-xdist workers: each file is one unit, as under --dist
+# loadfile (module fixtures stay shared), except these files of three or more real nodes,
+# which are one unit together (tests/support/schedule.py). They run one after another on one worker, about
+# half the suite's time, while the other worker takes every other file, slow ones first.
+# Two of them at once put eight nodes' torch imports on 2 cores, and every timeout in both
+# tests became a race. Only the schedule depends on this list: a file missing from it runs
+# on the other worker.
+HEAVY_FILES = (
     "tests/agent/test_demo.py",
     "tests/agent/test_chaos.py",
     "tests/elastic/inplace/test_inplace_recovery.py",
@@ -52,6 +56,7 @@ LONGEST_FIRST = (
     "tests/agent/test_goodput.py",
     "tests/elastic/rendezvous/test_torchrun.py",
     "tests/agent/test_etcd_cluster_faults.py",
+    "tests/agent/test_netns_faults.py",
 )
 
 
@@ -61,12 +66,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
     slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
 
-    def weight(item: pytest.Item) -> tuple[int, int]:
+    def weight(item: pytest.Item) -> tuple[int, bool]:
         path = item.nodeid.split("::")[0]
-        listed = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-        return listed, path not in slow_files
+        heavy = HEAVY_FILES.index(path) if path in HEAVY_FILES else len(HEAVY_FILES)
+        return heavy, path not in slow_files
 
-    items.sort(key=weight)  # stable: within a file, and among unlisted files, collection order
+    items.sort(key=weight)  # stable: within a file, and among the other files, collection order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from tests.support.schedule import HeavyTogether
+
+    return HeavyTogether(config, log, HEAVY_FILES)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
