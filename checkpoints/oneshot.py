@@ -9,8 +9,9 @@ on a lock the training thread can hold:
   holds for a moment inside ``Event.wait()``; interrupted there, a handler that flushes
   waited for ever. :class:`OneShot` is set by releasing a plain lock, which never blocks.
 * A ``logging`` handler's lock is held by a training thread for the length of each log
-  call. :class:`LogPump` takes the writer thread's records and emits them from a thread of
-  its own, so only that thread can wait on a handler's lock, and nobody waits on it.
+  call. :class:`LogPump` takes the writer's threads' records (the store's own lines on the
+  snapshot-io thread too) and emits them from a thread of its own, so only that thread
+  can wait on a handler's lock, and nobody waits on it.
 """
 
 from __future__ import annotations
@@ -49,17 +50,30 @@ class OneShot:
 
 
 class LogPump:
-    """Log records handed over by a thread that must not block, emitted by a thread of their own."""
+    """Log records handed over by threads that must not block, emitted by a thread of their own.
+
+    A thread that calls :meth:`adopt` hands over every record of the ``checkpoints``
+    loggers it logs to (the store's prune and fence lines included, written on the
+    snapshot-io thread): a filter on those loggers, which runs before any handler's lock is
+    taken, queues the record here instead. Other threads log as before.
+    """
+
+    _local = threading.local()  # .pump: the LogPump this thread hands its records to
 
     def __init__(self, logger: logging.Logger, name: str) -> None:
         self.logger = logger
-        self._records: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._records: queue.SimpleQueue[logging.LogRecord | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def log(self, level: int, msg: str, *args: Any) -> None:
-        if self.logger.isEnabledFor(level):
-            self._records.put((level, msg, args))  # SimpleQueue.put is reentrant and never blocks
+        if self.logger.isEnabledFor(level):  # SimpleQueue.put is reentrant and never blocks
+            self._records.put(self.logger.makeRecord(self.logger.name, level, "(writer)", 0, msg, args, None))
+
+    def adopt(self) -> None:
+        """From now on, this thread's ``checkpoints`` records go through the pump."""
+        _divert_checkpoints_loggers()
+        LogPump._local.pump = self
 
     def close(self, timeout: float = 5.0) -> None:
         """Emit what is queued, then stop."""
@@ -68,5 +82,29 @@ class LogPump:
 
     def _run(self) -> None:
         while (record := self._records.get()) is not None:
-            level, msg, args = record
-            self.logger.log(level, msg, *args)
+            logging.getLogger(record.name).handle(record)  # this thread adopted nothing: it emits
+
+
+class _Divert(logging.Filter):
+    """On an adopted thread, queue the record in its pump and drop it here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        pump: LogPump | None = getattr(LogPump._local, "pump", None)
+        if pump is None:
+            return True
+        pump._records.put(record)
+        return False
+
+
+_DIVERT = _Divert()
+
+
+def _divert_checkpoints_loggers() -> None:
+    """A logger's filters apply to its own records only (a parent's do not), so the filter
+    goes on every ``checkpoints`` logger that exists; the package's modules are imported
+    before a writer starts. Idempotent."""
+    for name in ["checkpoints", *logging.Logger.manager.loggerDict]:
+        if name == "checkpoints" or name.startswith("checkpoints."):
+            logger = logging.getLogger(name)
+            if _DIVERT not in logger.filters:
+                logger.addFilter(_DIVERT)

@@ -161,8 +161,7 @@ class AsyncSnapshotWriter:
             # The capture copy runs on the writer thread at normal priority: training waits for
             # it in optimizer.step, so deprioritising it would be a priority inversion.
             # Serialising, hashing and fsyncing run on the io thread, niced.
-            nice = 10 if self.priority == "idle" else int(self.priority)
-            self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(nice))
+            self._io = DaemonPool(1, "snapshot-io", initializer=self._io_thread_setup)
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
@@ -323,6 +322,7 @@ class AsyncSnapshotWriter:
     # ---------------------------------------------------------------- writer thread
 
     def _run(self) -> None:
+        self._logs.adopt()  # procwriter's lines too: nothing on this thread waits on a handler
         if self._proc is not None:
             try:  # from this long-lived thread: the child's PR_SET_PDEATHSIG follows the thread that spawned it
                 self._proc.start()
@@ -376,13 +376,17 @@ class AsyncSnapshotWriter:
         if self._io is None:  # the writer process is still starting (or cannot start): no snapshot waits for it
             self._logs.log(logging.INFO, "snapshot step %d: the writer process is not up yet; writing it from a thread",
                            job.step)
-            self._io = DaemonPool(1, "snapshot-io", initializer=lambda: layout.set_thread_nice(10))
+            self._io = DaemonPool(1, "snapshot-io", initializer=self._io_thread_setup)
         info = self._io.submit(
             self.store.save, job.step, job.capture.staged, world_size=job.world_size, extra_meta=job.extra_meta,
             housekeeping=False,
         ).result()
         self._durable(job, info, t1 - t0, t1, None)
         self._io.submit(self.store.housekeep).result()
+
+    def _io_thread_setup(self) -> None:
+        layout.set_thread_nice(10 if self.priority == "idle" or self._proc is not None else int(self.priority))
+        self._logs.adopt()  # the store's prune and fence lines: the writer waits on this thread
 
     def _durable(self, job: _Job, info: SnapshotInfo, capture_s: float, t1: float, cpu_s: float | None) -> None:
         """Record snapshot ``info`` as durable (stats, log line, ``on_durable``), before pruning."""

@@ -75,3 +75,44 @@ def test_the_log_pump_emits_in_order_from_its_own_thread_even_while_the_handler_
         assert seen == [(f"line {i}", "pump-under-test") for i in range(3)]
     finally:
         logger.removeHandler(handler)
+
+
+def test_an_adopted_threads_store_lines_go_through_the_pump_while_the_handler_is_held() -> None:
+    """The deadlock of a loaded run: the snapshot-io thread logged the store's prune line
+    directly, on a handler whose lock the interrupted training thread held, and the writer
+    (and the handler's flush) waited on that thread for ever."""
+    import checkpoints.store  # noqa: F401 - its logger exists, as in a run
+
+    store_log = logging.getLogger("checkpoints.store")
+    seen: list[tuple[str, str]] = []
+
+    class Recording(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.getMessage(), threading.current_thread().name))
+
+    handler = Recording()
+    store_log.addHandler(handler)
+    level = store_log.level
+    store_log.setLevel(logging.INFO)
+    pump = LogPump(logging.getLogger("checkpoints.writer"), "pump-under-test")
+    logged = OneShot()
+
+    def io_thread() -> None:
+        pump.adopt()
+        store_log.info("pruned snapshots %s", [1, 2])
+        logged.set()
+
+    try:
+        handler.acquire()  # a training thread inside a log call, interrupted
+        try:
+            threading.Thread(target=io_thread, name="snapshot-io-under-test", daemon=True).start()
+            assert logged.wait(5), "an adopted thread's store line waited on the handler's lock"
+        finally:
+            handler.release()
+        store_log.info("from the training thread")  # threads that adopted nothing log as before
+        pump.close()
+        assert ("pruned snapshots [1, 2]", "pump-under-test") in seen
+        assert ("from the training thread", threading.current_thread().name) in seen
+    finally:
+        store_log.removeHandler(handler)
+        store_log.setLevel(level)
