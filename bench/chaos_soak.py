@@ -1,7 +1,9 @@
 """Chaos soak: three local nodes train under random faults; an outside ledger proves nothing was lost.
 
-Three ``elastic agent`` nodes (``agent.local_cluster``) train the ``mlp`` job against an
-embedded etcd. Whenever the world is whole again (all three nodes in the newest round)
+Three ``elastic agent`` nodes (``agent.local_cluster``) train against an embedded etcd:
+the ``mlp`` job through ``ElasticRun`` (``--job mlp``, the default), or a user's plain DDP
+loop changed only by the prepare API's lines (``--job plain``: ``bench/plain_loop_job.py``,
+with its own set-up barrier and metric all-reduce). Whenever the world is whole again (all three nodes in the newest round)
 and has trained ``--min-steps``, the soak waits a random gap and lands the next fault:
 
 * ``kill``: SIGKILL of a random node's whole process tree (rank 0's node included);
@@ -26,6 +28,7 @@ totals, and exits 1 on any violation. Everything is seeded by ``--seed``.
 
     .venv/bin/python bench/chaos_soak.py                      # 10 minutes
     .venv/bin/python bench/chaos_soak.py --duration 120 --faults 5 --seed 1
+    .venv/bin/python bench/chaos_soak.py --job plain          # a plain DDP loop, prepared
     .venv/bin/python bench/chaos_soak.py --netns              # issue 19's network and etcd faults (root)
 """
 
@@ -54,6 +57,7 @@ from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
 
 NODES = 3
+PLAIN_JOB = Path(__file__).resolve().with_name("plain_loop_job.py")
 DATASET_SIZE = 1024  # the mlp job's default: 32 steps per epoch at a global batch of 32
 
 
@@ -73,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", type=int, default=0,
                    help="end once this many faults are over and the world is whole (default: run --duration)")
     p.add_argument("--seed", type=int, default=0, help="seeds the fault plan, targets and timings")
+    p.add_argument("--job", choices=("mlp", "plain"), default="mlp",
+                   help="mlp: the mlp job through ElasticRun (default); plain: a user's plain DDP loop with the "
+                        "prepare API's lines (bench/plain_loop_job.py)")
     p.add_argument("--snapshot-every-steps", type=int, default=10, help="the job's snapshot interval (default 10)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="the job's pretend work per step (default 0.05 s)")
     p.add_argument("--epochs", type=int, default=0, help="let the job finish after this many epochs (default: "
@@ -138,6 +145,11 @@ def hold_for(kind: str, rng: random.Random, args: argparse.Namespace) -> float:
 
 def job_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
     epochs = args.epochs or 100_000  # more than any soak reaches: it trains until we stop it
+    if args.job == "plain":  # 8 a rank: 24 a step in a world of 3, as near the mlp job's 32 as 3 ranks split
+        return ["--epochs", str(epochs), "--dataset-size", str(DATASET_SIZE), "--seed", str(args.seed),
+                "--snapshot-dir", str(run_dir / "snapshots"), "--snapshot-every-steps", str(args.snapshot_every_steps),
+                "--ledger", str(run_dir / "ledger.jsonl"), "--progress", "{progress}",
+                "--save", str(run_dir / "model.pt"), "--step-sleep", str(args.step_sleep)]
     return ["--job", "mlp", "--epochs", str(epochs), "--dataset-size", str(DATASET_SIZE), "--seed", str(args.seed),
             "--snapshot-dir", str(run_dir / "snapshots"), "--snapshot-every-steps", str(args.snapshot_every_steps),
             "--ledger", str(run_dir / "ledger.jsonl"), "--progress", "{progress}",
@@ -147,7 +159,7 @@ def job_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
 def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) -> Cluster:
     nodes = [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="soak", workdir=run_dir, module="elastic.train",
-        module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
+        script=str(PLAIN_JOB) if args.job == "plain" else None, module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
         metrics_port=free_port(),
         agent_args=["--lease-ttl", str(args.lease_ttl), *([] if args.in_place else ["--no-in-place"])],
     )) for i in range(NODES)]
@@ -373,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminate)
     out = Outcome()
-    print(f"chaos soak: {NODES} nodes, {args.duration:.0f} s, seed {args.seed}, snapshot every "
+    print(f"chaos soak: {NODES} nodes, job {args.job}, {args.duration:.0f} s, seed {args.seed}, snapshot every "
           f"{args.snapshot_every_steps} steps, lease TTL {args.lease_ttl} s, "
           f"{'in place' if args.in_place else 'restart path (--no-in-place)'}; logs in {run_dir}", flush=True)
     etcd = EmbeddedEtcd(data_dir=run_dir / "etcd")
