@@ -105,7 +105,11 @@ def test_other_errors_and_other_groups_raise_as_torch_does(monkeypatch: pytest.M
     guard.install()
     with pytest.raises(RuntimeError):
         dist.all_reduce(torch.tensor([1.0]), group=object())  # a subgroup of the script's: its own business
+    with pytest.raises(RuntimeError):
+        dist.all_reduce(torch.tensor([1.0]), dist.ReduceOp.SUM, object())  # the same, passed by position
     assert guard.take() is None
+    assert dist.all_reduce(torch.tensor([1.0]), dist.ReduceOp.SUM, None, True).wait()  # default group by position
+    assert "Connection closed" in str(guard.take())
 
 
 def test_uninstall_all_gives_torch_its_functions_back() -> None:
