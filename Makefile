@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-parallel test-fast venv clean
 
 venv: $(STAMP)
 
@@ -18,9 +18,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two workers, a
-# file at a time each; the files of three or more nodes all on one (tests/conftest.py).
+# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Serial: on 2
+# cores the suite is CPU-bound, so two workers saved a tenth and made the load timing-prone
+# (docs/BENCHMARKS.md). `make test-parallel` is the same on two xdist workers, the files of
+# three or more nodes one after another on one of them (tests/conftest.py).
 test: $(STAMP)
+	sh deploy/prometheus/ensure-prometheus.sh
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-parallel: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
