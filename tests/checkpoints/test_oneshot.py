@@ -9,6 +9,17 @@ import time
 from checkpoints.oneshot import LogPump, OneShot
 
 
+class Recording(logging.Handler):
+    """Each record's message and the thread that emitted it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.getMessage(), threading.current_thread().name))
+
+
 def test_set_returns_while_another_thread_waits_and_every_waiter_passes() -> None:
     flag = OneShot()
     passed: list[bool] = []
@@ -52,13 +63,8 @@ def test_threading_event_would_block_its_setter_where_oneshot_does_not() -> None
 
 def test_the_log_pump_emits_in_order_from_its_own_thread_even_while_the_handler_is_held() -> None:
     logger = logging.getLogger("checkpoints.test_oneshot")
-    seen: list[tuple[str, str]] = []
-
-    class Recording(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append((record.getMessage(), threading.current_thread().name))
-
     handler = Recording()
+    seen = handler.seen
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     pump = LogPump(logger, "pump-under-test")
@@ -84,13 +90,8 @@ def test_an_adopted_threads_store_lines_go_through_the_pump_while_the_handler_is
     import checkpoints.store  # noqa: F401 - its logger exists, as in a run
 
     store_log = logging.getLogger("checkpoints.store")
-    seen: list[tuple[str, str]] = []
-
-    class Recording(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append((record.getMessage(), threading.current_thread().name))
-
     handler = Recording()
+    seen = handler.seen
     store_log.addHandler(handler)
     level = store_log.level
     store_log.setLevel(logging.INFO)
