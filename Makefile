@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Serial: on 2
-# cores the suite is CPU-bound, so two workers saved a tenth and made the load timing-prone
+# cores the suite is CPU-bound, so two workers saved a sixth and made the load timing-prone
 # (docs/BENCHMARKS.md). `make test-parallel` is the same on two xdist workers, the files of
 # three or more nodes one after another on one of them (tests/conftest.py).
 test: $(STAMP)
