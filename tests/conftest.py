@@ -13,6 +13,7 @@ from elastic import contract
 from elastic.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
+from tests.support.schedule import HeavyTogether, file_of
 from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
@@ -64,10 +65,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    slow_files = {file_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
 
     def weight(item: pytest.Item) -> tuple[int, bool]:
-        path = item.nodeid.split("::")[0]
+        path = file_of(item.nodeid)
         heavy = HEAVY_FILES.index(path) if path in HEAVY_FILES else len(HEAVY_FILES)
         return heavy, path not in slow_files
 
@@ -75,8 +76,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    from tests.support.schedule import HeavyTogether
-
     return HeavyTogether(config, log, HEAVY_FILES)
 
 

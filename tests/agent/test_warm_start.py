@@ -21,6 +21,7 @@ import pytest
 
 from agent.proctree import process_tree
 from agent.warm_start import WarmPool
+from tests.conftest import WARM_START_ENV
 from agent.worker_boot import BOOT_CODE, boot_command, parse_boot_command
 from tests.support.waiting import wait_until
 
@@ -151,7 +152,7 @@ def test_warm_start_is_on_by_default_and_can_be_turned_off(argv: list[str], env:
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from agent.launch import build_agent_parser
 
-    monkeypatch.delenv("ELASTIC_WARM_START", raising=False)  # tests/conftest.py turns it off for agents
+    monkeypatch.delenv(WARM_START_ENV, raising=False)  # tests/conftest.py turns it off for agents
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert build_agent_parser().parse_args([*argv, "train.py"]).warm_start is expected

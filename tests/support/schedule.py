@@ -16,6 +16,11 @@ from xdist.scheduler import LoadFileScheduling
 HEAVY = "heavy"
 
 
+def file_of(nodeid: str) -> str:
+    """The test file a pytest node id belongs to."""
+    return nodeid.split("::", 1)[0]
+
+
 class HeavyTogether(LoadFileScheduling):
     """Each file one unit, and every file in ``heavy_files`` in one unit called ``heavy``."""
 
@@ -24,5 +29,5 @@ class HeavyTogether(LoadFileScheduling):
         self.heavy_files = frozenset(heavy_files)
 
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
+        path = file_of(nodeid)
         return HEAVY if path in self.heavy_files else path
