@@ -67,8 +67,12 @@ class LogPump:
         self._thread.start()
 
     def log(self, level: int, msg: str, *args: Any) -> None:
-        if self.logger.isEnabledFor(level):  # SimpleQueue.put is reentrant and never blocks
-            self._records.put(self.logger.makeRecord(self.logger.name, level, "(writer)", 0, msg, args, None))
+        if self.logger.isEnabledFor(level):
+            self.take(self.logger.makeRecord(self.logger.name, level, "(writer)", 0, msg, args, None))
+
+    def take(self, record: logging.LogRecord) -> None:
+        """Queue ``record`` for the pump's thread; never blocks (SimpleQueue.put is reentrant)."""
+        self._records.put(record)
 
     def adopt(self) -> None:
         """From now on, this thread's ``checkpoints`` records go through the pump."""
@@ -92,7 +96,7 @@ class _Divert(logging.Filter):
         pump: LogPump | None = getattr(LogPump._local, "pump", None)
         if pump is None:
             return True
-        pump._records.put(record)
+        pump.take(record)
         return False
 
 
