@@ -16,6 +16,15 @@ names them (``unreachable`` and ``frozen``), and the agent opens a new round at 
 closer of that round leaves them out (:func:`elastic.rendezvous.keepout.choose_kept_out`),
 exactly as for a node its peers cannot reach, so the decision is the same whoever closes.
 
+**A member lost while a join is pending.** A round that adds a node closes before the
+survivors switch to it: they train on in their world until the joiner's workers are up. If
+a member of that world dies or freezes meanwhile, the survivors' world fails (or is tripped
+when stuck), and their join of the new round waits for the lost member's handle, which
+never comes; its lease was the only way out. A local worker behind the agent's round whose
+world failed although that round removed nobody from it (:func:`waiting_level`) is the
+same verdict's trigger: the round's other members are asked at once, and the silent are
+written off in it.
+
 Guard: only a node that holds its own lease (a recent confirmed keep-alive) judges, and in
 a round of three or more only if some other peer answered it: a node that is itself cut
 off hears nobody, and must not evict the others (its own-clock fence stops it instead).
@@ -42,7 +51,7 @@ from typing import Iterable, Mapping, Sequence
 from elastic import contract
 from elastic.etcd import EtcdError
 from elastic.etcd.mirror import Entry
-from elastic.inplace.channel import AgentChannel
+from elastic.inplace.channel import AgentChannel, WorkerStatus
 from elastic.inplace.stall import STUCK
 from elastic.rendezvous.handler import EtcdV3RendezvousHandler
 from elastic.rendezvous.keepout import ReachReport, choose_kept_out
@@ -70,6 +79,26 @@ def frozen_verdict(answered: Mapping[str, bool]) -> list[str]:
     if len(answered) >= 2 and len(silent) == len(answered):
         return []
     return silent
+
+
+def waiting_level(status: WorkerStatus, round_number: int, participants: Sequence[str],
+                  worlds: Mapping[int, Sequence[str]]) -> int:
+    """How far a local worker waits on a member of the agent's round: 0 not at all, 1 (slow)
+    ask the members, 2 (:data:`STUCK`) judge them.
+
+    In the agent's round: its step's own stall level. Behind it, in a world that round only
+    adds to (``worlds``: each recent round's members): its world stuck, or failed (a
+    request for a new round) although the pending round removed nobody, so a member that
+    is also in the pending round is dead or frozen, and the worker's join of that round
+    would wait for the member's handle until its lease expires. A failure is judged at
+    once: a failed collective is the evidence a stalled step only builds up to.
+    """
+    if status.round == round_number:
+        return status.stalled
+    world = worlds.get(status.round)
+    if not 0 <= status.round < round_number or world is None or not set(world) <= set(participants):
+        return 0
+    return STUCK if status.want_round_after is not None else status.stalled
 
 
 class Questions:
@@ -128,34 +157,42 @@ class FreezeWatch:
                  timeout: float = ANSWER_TIMEOUT_S, enabled: bool | None = None) -> None:
         self.node, self.handler, self.channel, self.timeout = node, handler, channel, timeout
         self.enabled = probe_enabled() if enabled is None else enabled
-        self._seen: set[tuple[int, int, int, int]] = set()  # (pid, round, step, level) already acted on
-        self._questions: tuple[tuple[int, int], Questions] | None = None  # (round, step) and its questions
+        self._seen: set[tuple[int, int, int, int, int]] = set()  # (pid, round, its round, step, level) acted on
+        self._questions: tuple[tuple[int, int, int], Questions] | None = None  # (round, its round, step): questions
+        self._worlds: dict[int, tuple[str, ...]] = {}  # recent rounds' members (waiting_level)
 
     # ------------------------------------------------------------------ survivor side
 
     def look(self, pids: Mapping[int, int], round_number: int, participants: tuple[str, ...]) -> Frozen | None:
-        """On a local worker's new report: "slow", ask the round's other members; "stuck",
-        write off those that did not answer. None if nothing was written off."""
+        """On a local worker's new report that it waits on the round's members (:func:`waiting_level`):
+        "slow", ask the round's other members; "stuck" (or its world failed), write off those
+        that did not answer. None if nothing was written off."""
         if not self.enabled or len(participants) < 2 or self.node not in participants:
             return None
+        self._worlds[round_number] = tuple(participants)
+        for old in [r for r in self._worlds if r < round_number - 8]:
+            del self._worlds[old]
         fresh = []
         for rank, pid in pids.items():
             status = self.channel.status(rank)
-            if status is None or status.pid != pid or not status.stalled or status.round != round_number:
+            if status is None or status.pid != pid:
                 continue
-            key = (pid, status.round, status.step, status.stalled)
+            level = waiting_level(status, round_number, participants, self._worlds)
+            if not level:
+                continue
+            key = (pid, round_number, status.round, status.step, level)
             if key not in self._seen:
                 self._seen = {k for k in self._seen if k[1] == round_number} | {key}  # older rounds: done with
-                fresh.append((rank, status))
+                fresh.append((rank, status, level))
         if not fresh:
             return None
-        rank, status = max(fresh, key=lambda found: found[1].stalled)
-        step = (status.round, status.step)
+        rank, status, level = max(fresh, key=lambda found: found[2])
+        step = (round_number, status.round, status.step)
         if self._questions is None or self._questions[0] != step:
             records = self.handler.node_records()
             peers = {n: (records[n].witness_addr if n in records else None) for n in participants if n != self.node}
             self._questions = (step, Questions(peers, self.handler.signer, self.timeout))
-        if status.stalled < STUCK or not self._holds_lease():
+        if level < STUCK or not self._holds_lease():
             return None
         questions = self._questions[1]
         frozen = frozen_verdict(questions.answers())
@@ -165,18 +202,24 @@ class FreezeWatch:
         asked = questions.asked_at
         last = status.extra.get("last_step_at") if isinstance(status.extra, dict) else None
         waited = f"{time.time() - last:.2f} s" if isinstance(last, (int, float)) else "?"
+        behind = status.round != round_number
+        if behind:
+            while_ = (f"local rank {rank}'s world of round {status.round} failed before it could switch to round "
+                      f"{round_number}, which waits for {'its' if len(frozen) == 1 else 'their'} workers")
+        else:
+            while_ = f"local rank {rank}'s step {status.step + 1} waited; detected {waited} after the last step"
         if not frozen:
-            log.debug("[%s] local rank %d's step %d is slow (%s), but every peer's agent answered", self.node, rank,
-                      status.step + 1, waited)
+            log.debug("[%s] %s, but every peer's agent answered", self.node, while_)
             return None
         if not self.handler.reachability.record(ReachReport(self.node, round_number, tuple(frozen), tuple(frozen))):
             return None
         its = "its" if len(frozen) == 1 else "their"
-        log.info("[%s] %s frozen: %s agent did not answer within %g s while local rank %d's step %d waited; "
-                 "detected %s after the last step (asked %.2f s before); written off in round %d, not waiting for "
-                 "%s etcd lease", self.node, ", ".join(frozen), its, self.timeout, rank, status.step + 1, waited,
-                 time.monotonic() - asked, round_number, its)
-        return Frozen(tuple(frozen), f"{', '.join(frozen)} frozen ({its} agent did not answer)")
+        log.info("[%s] %s %s: %s agent did not answer within %g s while %s (asked %.2f s before); written off in "
+                 "round %d, not waiting for %s etcd lease", self.node, ", ".join(frozen),
+                 "lost or frozen" if behind else "frozen", its, self.timeout, while_, time.monotonic() - asked,
+                 round_number, its)
+        what = "lost or frozen" if behind else "frozen"
+        return Frozen(tuple(frozen), f"{', '.join(frozen)} {what} ({its} agent did not answer)")
 
     def _holds_lease(self) -> bool:
         lease = self.handler.lease

@@ -164,6 +164,7 @@ class NodeAgent(ElasticAgent):
         self._said_in_place = False
         self._holds_state = False  # what this node's registry record says: its workers train in place
         self._live_world = False  # the round's other members already train in place: ours join them
+        self._joiner_pids: set[int] = set()  # workers started into a live in-place world (_in_place_statuses)
         self._reform_why = ""  # what the worker asking for a new round said
         self._recovering = False  # the workers started next repair a broken world (goodput)
         self._crash_streak = self._streak_before = 0  # own failures in a row right after a start (policy)
@@ -369,14 +370,20 @@ class NodeAgent(ElasticAgent):
         self._holds_state = False
         if self.channel is None:
             return False, False
-        statuses = []
+        statuses, starting = [], False
         for rank, pid in self.workers.pids().items():
             status = self.channel.status(rank)
             if status is None or status.pid != pid:
-                return False, False
+                if pid not in self._joiner_pids:
+                    return False, False
+                # Started into a world that trains in place, and not heard from yet: it takes
+                # the newest offer at its first batch, so a round that comes meanwhile is
+                # offered to it (restarting it would throw its start-up away, standby and all).
+                starting = True
+                continue
             statuses.append(status)
-        in_place = bool(statuses) and all(s.mode == IN_PLACE for s in statuses)
-        self._holds_state = in_place and all(s.round >= 0 for s in statuses)
+        in_place = (bool(statuses) or starting) and all(s.mode == IN_PLACE for s in statuses)
+        self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
@@ -559,6 +566,7 @@ class NodeAgent(ElasticAgent):
         for worker in self._worker_group.workers:
             if worker.local_rank in started:
                 worker.id = started[worker.local_rank]
+        self._joiner_pids |= set(started.values())
         self.metrics.workers_started(self._worker_group, started)
         self._group_started, self._refilled = time.time(), False
         assert decision.reason is not None
@@ -798,6 +806,7 @@ class NodeAgent(ElasticAgent):
         launches = {rank: Launch(self._command(rank), self._env(rank, joining, port))
                     for rank in range(self.spec.nproc)}
         pids = self.workers.start_all(launches)
+        self._joiner_pids = set(pids.values()) if joining else set()
         self._group_started, self._refilled = time.time(), False
         self.goodput.workers_started(self._group_started)
         self._worker_group.workers = [

@@ -34,6 +34,15 @@ rank 0 SIGSTOPped, the clock from the SIGSTOP to a survivor's first step in the 
 * ``freeze-lease``: its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``: written off when
   its etcd lease expires (``--lease-ttl``). The summary prints the ratio of the two medians.
 
+A fault while a join is in progress, three nodes in place (one killed and started again;
+the round that adds it back has closed, the survivors still train without it):
+
+* ``ours-kill-joining`` / ``ours-stop-joining``: a survivor that is not rank 0 SIGKILLed /
+  SIGSTOPped; the clock runs to rank 0's first step in a world without it
+  (``agent/freeze.py``: a world that fails while a join is pending lost a member);
+  ``ours-kill-joining-lease`` is its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``
+  (the victim left out when its lease expires, as before). The summary prints the ratio.
+
 Joins (no fault: how long the first node's training stood still while another joined):
 
 * ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: the ``mlp`` job;
@@ -50,6 +59,7 @@ thawed then), as faults cluster in real life; every SIGKILL's recovery counted, 
     python bench/recovery.py --trials 3 --configs script-kill,script-stop,torchrun-script-kill
     python bench/recovery.py --churn 120 --configs churn-ours,churn-restart,churn-c10d-tuned
     python bench/recovery.py --trials 7 --configs freeze,freeze-lease
+    python bench/recovery.py --trials 5 --configs ours-kill-joining,ours-stop-joining,ours-kill-joining-lease
 """
 
 from __future__ import annotations
@@ -77,7 +87,8 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare",
            "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
            "script-kill", "script-stop", "torchrun-script-kill",
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
-           "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease")
+           "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "ours-kill-joining",
+           "ours-stop-joining", "ours-kill-joining-lease")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -123,7 +134,7 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
     if job is None:
         job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(workdir / "snapshots"),
                "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
-    env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config == "freeze-lease" else {})}
+    env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config.endswith("-lease") else {})}
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
                                   nnodes=nnodes or f"1:{len(names)}", script=script, env=env)
     nodes = []
@@ -175,6 +186,8 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
         return [spare_trial(config, work, etcd, lease_ttl, give_up)]
     if config in ("freeze", "freeze-lease"):
         return [freeze_trial(config, work, etcd, lease_ttl, give_up)]
+    if config in ("ours-kill-joining", "ours-stop-joining", "ours-kill-joining-lease"):
+        return [kill_joining_trial(config, work, etcd, lease_ttl, give_up)]
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()  # both at once: a 1 s last call cannot wait for a slow import
@@ -249,6 +262,56 @@ def freeze_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, gi
         fault_at = time.time()
         victim.freeze()
         return _first_after(survivor, fault_at, before, give_up)
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+_JOIN_ROUND = re.compile(r"round (\d+) -> (\d+) in place with (\w+): world of 3 nodes")
+
+
+def kill_joining_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """Three nodes in place; c is killed and started again; once the round that adds it back
+    has closed (a survivor's agent says so) and before the survivors switch to it, b (a
+    survivor that is not rank 0) is SIGKILLed (``ours-stop-joining``: SIGSTOPped). The clock
+    runs from that fault to rank 0's first step in a round after the join round: a world
+    without the victim."""
+    nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl)
+    for node in nodes:
+        node.start()
+    try:
+        if not _steady(nodes, 3, 40, 150):
+            print(f"  {config}: no world of 3 within 150 s; skipping", file=sys.stderr, flush=True)
+            return None
+        _wait_standbys(nodes, 120)
+        by_rank = {n.steps_at(3)[-1]["rank"]: n for n in nodes}
+        survivor = by_rank[0]
+        joiner, victim = [n for n in nodes if n is not survivor]
+        joiner.kill()
+        if not _trained_for(survivor, 2, 3.0, time.time(), 60):
+            print(f"  {config}: no world of 2 after the first kill; skipping", file=sys.stderr, flush=True)
+            return None
+        seen = survivor.log_path.stat().st_size
+        joiner.start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            with survivor.log_path.open() as f:
+                f.seek(seen)
+                found = _JOIN_ROUND.search(f.read())
+            if found is not None and found.group(3) == joiner.name:
+                break
+            time.sleep(0.005)
+        else:
+            print(f"  {config}: {joiner.name} never joined; skipping", file=sys.stderr, flush=True)
+            return None
+        join_round = int(found.group(2))
+        fault_at = time.time()
+        victim.freeze() if config == "ours-stop-joining" else victim.kill()
+        switched = [r for r in survivor.progress() if r["time"] <= fault_at and int(r.get("round", -1)) >= join_round]
+        if switched:  # the survivors were already training in the join round: not a kill during a join
+            print(f"  {config}: the join had completed before the kill; skipping", file=sys.stderr, flush=True)
+            return None
+        return _first_after(survivor, fault_at, (join_round, 10**9), give_up)
     finally:
         for n in nodes:
             n.cleanup()
@@ -499,6 +562,12 @@ def main() -> int:
     if frozen is not None and lease:
         print(f"\nfreeze: SIGSTOP to the first step without the node {frozen:.2f} s (median; goal <= 1.0 s) beside "
               f"{lease:.2f} s at the lease TTL (freeze-lease, ELASTIC_FREEZE_PROBE=0): {frozen / lease:.2f}x")
+    joining, joining_lease = _median(results.get("ours-kill-joining", [])), \
+        _median(results.get("ours-kill-joining-lease", []))
+    if joining is not None and joining_lease:
+        print(f"\nkill while a join is pending: to the first step without the node {joining:.2f} s (median; goal "
+              f"<= 1.0 s) beside {joining_lease:.2f} s at the lease TTL (ours-kill-joining-lease, "
+              f"ELASTIC_FREEZE_PROBE=0): {joining / joining_lease:.2f}x")
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "extra": extra}, indent=1))

@@ -8,10 +8,18 @@ train every sample once; thawed, the frozen node's agent stops its stale workers
 comes back healed. A 0.3 s pause of one worker (a GC pause) and the slow first steps write
 nobody off. Timings belong to ``bench/recovery.py --configs freeze,freeze-lease``; the bound
 here leaves room for a loaded 2-core machine.
+
+A member killed while a join is pending (the round that adds a node has closed, the
+survivors still train without it): the survivors' world fails, and their join of that
+round would wait for the dead member's handle until its lease expired. With a 10 s lease,
+the round without it closes in well under that. (The survivors' first step then waits for
+the joiner's start-up, which this test makes slow on purpose to hold the join pending; the
+figure with a warm joiner is ``bench/recovery.py --configs ours-kill-joining``.)
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -46,6 +54,8 @@ SCRIPT = textwrap.dedent('''\
                              ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
     rows = open(os.environ["PROGRESS"], "a")
     pause = os.environ.get("PAUSE_MARKER", "")
+    if os.path.exists(os.environ.get("SLOW_SETUP", "/nonexistent")):
+        time.sleep(2)  # a joiner's slow set-up (loading its data): the survivors train on meanwhile
     for x, y in run:
         if run.step_count < 3:
             time.sleep(0.4)  # slow first steps: no history yet, nobody may be written off
@@ -64,12 +74,13 @@ SCRIPT = textwrap.dedent('''\
 ''')
 
 
-def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path) -> Node:
+def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path,
+          lease_ttl: int = LEASE_TTL) -> Node:
     env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
            "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
-           "PAUSE_MARKER": str(tmp / "paused")}
+           "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup")}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:3",
-                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(lease_ttl)])
 
 
 @pytest.mark.slow
@@ -116,4 +127,53 @@ def test_a_frozen_node_is_left_out_within_a_second_and_comes_back_healed_once_th
     common = sorted(set.intersection(*(set(d) for d in by_node.values())))
     assert common and len({d[common[0]] for d in by_node.values()}) == 1, "replicas differ after the heal"
     assert metric(victim, "elastic_restores_total", source="replica") >= 1
+    assert_trained_once(tmp_path)
+
+
+JOIN_LEASE_TTL = 10  # the lease path would take about this long: the bound below is far from it
+JOIN_BOUND_S = 3.0
+
+
+@pytest.mark.slow
+def test_a_member_killed_while_a_join_is_pending_is_left_out_without_waiting_for_its_lease(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    script = tmp_path / "join_kill.py"
+    script.write_text(SCRIPT)
+    group = [start(nodes, name, etcd_server, run_id, tmp_path, script, JOIN_LEASE_TTL) for name in ("a", "b", "c")]
+    train_together(group, tmp_path, 3, steps=8)
+    by_rank = {rows(n, tmp_path)[-1]["rank"]: n for n in group}
+    keeper = by_rank[0]
+    joiner, victim = [n for n in group if n is not keeper]
+    joiner.kill()
+    killed_at = time.time()
+    train_together([keeper, victim], tmp_path, 2, steps=5, after=killed_at, timeout=60)
+    (tmp_path / "slow-setup").touch()
+    seen = len(keeper.log_path.read_text())
+    joiner.start()
+    closed = re.compile(rf"round (\d+) -> (\d+) in place with {joiner.name}: world of 3 nodes")
+    found: list[re.Match[str]] = []
+    wait_until(lambda: found.extend(closed.finditer(keeper.log_path.read_text()[seen:])) or found, 120,
+               f"the round that adds {joiner.name} back", interval=0.005, on_timeout=logs(keeper, joiner))
+    join_round = int(found[0].group(2))
+    pids = {r["pid"] for r in rows(keeper, tmp_path)}
+    fault_at = time.time()
+    victim.kill()
+    assert not [r for r in rows(keeper, tmp_path) if r["round"] >= join_round], \
+        "the survivors switched to the join round before the kill: the join was not pending"
+    without = re.compile(rf"round {join_round} -> \d+ in place without {victim.name}: world of 2 nodes")
+    wait_until(lambda: without.search(keeper.log_path.read_text()[seen:]), 60,
+               f"a round without {victim.name}", interval=0.005, on_timeout=logs(keeper, joiner))
+    took = time.time() - fault_at
+    assert took <= JOIN_BOUND_S, f"the round without {victim.name} closed {took:.2f} s after the kill " \
+                                 f"(lease TTL {JOIN_LEASE_TTL} s)"
+    assert f"{victim.name} lost or frozen: its agent did not answer" in keeper.log_path.read_text()
+    train_together([keeper, joiner], tmp_path, 2, steps=5, after=fault_at, timeout=120)
+    assert {r["pid"] for r in rows(keeper, tmp_path)} == pids, f"{keeper.name}'s worker was restarted"
+    history = rows(keeper, tmp_path)
+    last_old = [r["step"] for r in history if r["round"] < join_round][-1]
+    assert next(r["step"] for r in history if r["round"] > join_round) == last_old + 1, "a step rolled back or skipped"
+    by_node = {n.name: {r["step"]: r["params"] for r in at_world(n, tmp_path, 2, fault_at)} for n in (keeper, joiner)}
+    common = sorted(set.intersection(*(set(d) for d in by_node.values())))
+    assert common and len({d[common[0]] for d in by_node.values()}) == 1, "replicas differ after the heal"
     assert_trained_once(tmp_path)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import socket
 import time
 
-from agent.freeze import ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, written_off_by
+from agent.freeze import ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by
+from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import SLOW, STUCK, StallRule
 from elastic.rendezvous.keepout import ReachReport, choose_kept_out
 from elastic.rendezvous.lease_clock import LeaseClock
@@ -102,3 +103,28 @@ def test_a_thawed_node_knows_it_was_written_off_and_a_partitioned_pair_agrees_on
     # a and b cut apart, both alive: each names the other; the later in round order is out, on both
     both = [ReachReport("a", 3, ("b",), ("b",)), ReachReport("b", 3, ("a",), ("a",))]
     assert written_off_by("b", ("a", "b"), both) == ["a"] and written_off_by("a", ("a", "b"), both) == []
+
+
+WORLDS = {4: ("a", "b"), 5: ("a", "b", "c"), 6: ("a", "c")}
+
+
+def test_a_worker_in_the_agents_round_waits_as_far_as_its_step_is_stalled() -> None:
+    assert [waiting_level(WorkerStatus(1, round=5, stalled=s), 5, WORLDS[5], WORLDS) for s in (0, SLOW, STUCK)] == \
+        [0, SLOW, STUCK]
+
+
+def test_a_world_that_fails_while_a_join_is_pending_lost_a_member() -> None:
+    """Round 5 only adds c to the worker's world of round 4: that world's failure is not the
+    round's doing, so a member is dead or frozen, and the join of round 5 waits for it."""
+    failed = WorkerStatus(1, round=4, state="joining", want_round_after=4)
+    assert waiting_level(failed, 5, WORLDS[5], WORLDS) == STUCK, "judged at once: a failure is evidence"
+    assert waiting_level(WorkerStatus(1, round=4, stalled=SLOW), 5, WORLDS[5], WORLDS) == SLOW, "slow: ask early"
+    assert waiting_level(WorkerStatus(1, round=4), 5, WORLDS[5], WORLDS) == 0, "training on until the joiner is up"
+
+
+def test_a_round_that_leaves_members_out_explains_the_failure() -> None:
+    """Round 6 removes b from the worker's world of round 5: that is why it failed, nobody is asked."""
+    assert waiting_level(WorkerStatus(1, round=5, want_round_after=5), 6, WORLDS[6], WORLDS) == 0
+    assert waiting_level(WorkerStatus(1, round=3, want_round_after=3), 5, WORLDS[5], WORLDS) == 0, \
+        "a world the agent never saw: unknown is no reason to evict"
+    assert waiting_level(WorkerStatus(1, round=-1, want_round_after=-1), 5, WORLDS[5], WORLDS) == 0
