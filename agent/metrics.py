@@ -74,6 +74,9 @@ class AgentMetrics:
         self.spare = Gauge("elastic_agent_spare",
                            "1 while this node waits as a spare: the world is full (--nnodes MAX) without it, and "
                            "it takes the place of the next member lost", registry=r)
+        self.spare_workers_ready = Gauge("elastic_agent_spare_workers_ready",
+                                         "A spare's workers started ahead with the script's start-up done, "
+                                         "waiting at the loop's first batch for a place", registry=r)
         self.pace = Gauge("elastic_agent_pace_seconds",
                           "This node's pace as published for straggler detection: its slowest local rank's "
                           "median compute seconds per step (0: none yet)", registry=r)

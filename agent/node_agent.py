@@ -138,6 +138,8 @@ class NodeAgent(ElasticAgent):
             self.ours.client.error_listeners.append(lambda kind: metrics.etcd_errors.labels(op=kind).inc())
             self.ours.mirror.listeners.append(self._wake)
             self.ours.reachability.listeners.append(self._on_keep_out)
+            if self.channel is not None:
+                self.ours.while_spare.append(self._start_ahead)
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
                                          self.ours)
         # stragglers: publish this node's pace, name the slow node, evict it (agent/pace.py)
@@ -165,6 +167,7 @@ class NodeAgent(ElasticAgent):
         self._holds_state = False  # what this node's registry record says: its workers train in place
         self._live_world = False  # the round's other members already train in place: ours join them
         self._joiner_pids: set[int] = set()  # workers started into a live in-place world (_in_place_statuses)
+        self._prestarted: dict[int, int] = {}  # local rank -> pid: workers started while a spare (_start_ahead)
         self._reform_why = ""  # what the worker asking for a new round said
         self._recovering = False  # the workers started next repair a broken world (goodput)
         self._crash_streak = self._streak_before = 0  # own failures in a row right after a start (policy)
@@ -199,6 +202,7 @@ class NodeAgent(ElasticAgent):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._drop_prestarted()
             if self.pool is not None:
                 self.pool.close()
             if self.channel is not None:
@@ -791,21 +795,83 @@ class NodeAgent(ElasticAgent):
             if self.ours is not None:
                 self.ours.bootstrap = True
 
+    def _start_ahead(self) -> None:
+        """Waiting as a spare beside a world that trains in place: start this node's workers
+        now, into a set-up world of their own, so that the script's start-up (imports, the
+        model, the data) is done before a place opens. They wait at the loop's first batch
+        for the round that admits this node (``ElasticRun._join_live_world``), which then
+        only offers it to them (:meth:`_start_group`). Called from the rendezvous at each
+        look while a spare; only a world whose members say they train in place (an
+        ``ElasticRun`` script, which waits in its set-up world) gets workers ahead: a plain
+        script would train on alone in it."""
+        if self._prestarted:
+            self._count_ready_ahead()
+            return
+        if self.workers.pids() or self.channel is None or self.ours is None:
+            return
+        records = self.ours.node_records()
+        if not joins_live_world({n: bool(r.extra.get("in_place")) for n, r in records.items()}, self.node):
+            return
+        self.channel.withdraw()
+        for rank in range(self.spec.nproc):
+            self.channel.forget(rank)
+        joining, port = list(range(self.spec.nproc)), _free_port()
+        self._prestarted = self.workers.start_all(
+            {rank: Launch(self._command(rank), self._env(rank, joining, port)) for rank in joining})
+        self._joiner_pids = set(self._prestarted.values())
+        modes = sorted({w.mode for w in self.workers.workers.values()})
+        log.info("[%s] a spare: its workers start now (%s), so that they take a place at the next step boundary "
+                 "with the script's start-up done; they wait at the loop's first batch", self.node,
+                 " and ".join(modes) or "?")
+
+    def _count_ready_ahead(self) -> None:
+        """A worker started ahead is ready once it said it joins (its run is built, its loop waits)."""
+        assert self.channel is not None
+        ready = 0
+        for rank, pid in self._prestarted.items():
+            status = self.channel.status(rank)
+            ready += status is not None and status.pid == pid and status.state == "joining"
+        self.metrics.spare_workers_ready.set(ready)
+
+    def _drop_prestarted(self) -> None:
+        if self._prestarted:
+            self._prestarted = {}
+            self._stop(signal.SIGKILL, 0.0)
+
+    def _take_prestarted(self) -> dict[int, int] | None:
+        """The spare's workers started ahead, if they can take this round's place as they are."""
+        prestarted, self._prestarted = self._prestarted, {}
+        if not prestarted:
+            return None
+        self.metrics.spare_workers_ready.set(0)
+        usable = (self.offer is not None and self._live_world and self.workers.pids() == prestarted
+                  and all(code is None for code in self.workers.exits().values()))
+        if usable:
+            return prestarted
+        self._stop(signal.SIGKILL, 0.0)  # one died, or this round does not train in place: start afresh
+        return None
+
     def _start_group(self) -> None:
         self.watch.reset()
+        adopted = self._take_prestarted()
         if self.channel is not None:
-            for rank in range(self.spec.nproc):
-                self.channel.forget(rank)
+            if adopted is None:
+                for rank in range(self.spec.nproc):
+                    self.channel.forget(rank)
             if self.offer is not None:
                 self.channel.offer(self.offer)  # before the workers start: they read it first
             else:
                 self.channel.withdraw()
         joining = list(range(self.spec.nproc)) if self.offer is not None and self._live_world else None
         self._publish_in_place(False)  # the workers it had are gone; these hold nothing yet
-        port = _free_port() if joining else 0
-        launches = {rank: Launch(self._command(rank), self._env(rank, joining, port))
-                    for rank in range(self.spec.nproc)}
-        pids = self.workers.start_all(launches)
+        if adopted is not None:
+            pids = adopted
+            log.info("[%s] the workers started while a spare take the place: no start-up on the way", self.node)
+        else:
+            port = _free_port() if joining else 0
+            launches = {rank: Launch(self._command(rank), self._env(rank, joining, port))
+                        for rank in range(self.spec.nproc)}
+            pids = self.workers.start_all(launches)
         self._joiner_pids = set(pids.values()) if joining else set()
         self._group_started, self._refilled = time.time(), False
         self.goodput.workers_started(self._group_started)

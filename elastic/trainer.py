@@ -457,18 +457,21 @@ class ElasticRun:
         """A joiner at its loop's first batch: leave the set-up world, join the one that trains
         (the survivors switch to it at their next step boundary) and be healed there.
 
-        Its stable rank is its rank in the agent's offer: its ``RANK`` was the set-up world's."""
+        Its stable rank is its rank in the agent's offer: its ``RANK`` was the set-up world's.
+        A spare's worker, started before its node had a place, waits here for that offer."""
         self._deferred_join = False
         if dist.is_initialized():
             group = release_default_group(self.membership.timeout.total_seconds())
             if not self._owns_process_group:
                 self._took_group = group
         offer = self.membership.channel.offer()
-        if offer is not None:
-            stable, stable_ranks = offer.rank_base + self.dist.local_rank, offer.world_size
-        else:
-            stable, stable_ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        self.membership.start(stable, stable_ranks, self._device)
+        if offer is None:  # a spare's worker, started ahead: its place comes with the round that admits it
+            self._forming = True  # nothing in flight: a SIGTERM meanwhile ends the process at once
+            try:
+                offer = self.membership.wait_for_offer()
+            finally:
+                self._forming = False
+        self.membership.start(offer.rank_base + self.dist.local_rank, offer.world_size, self._device)
         self._guard.take()  # a failure in the set-up world was that world's
         self._form_world("join")
 

@@ -142,6 +142,10 @@ class Membership:
         finally:
             self._joining = False
 
+    def wait_for_offer(self) -> RoundOffer:
+        """The agent's first offer (a spare's worker waits here until its node is admitted)."""
+        return self._await_offer(0)
+
     def _await_offer(self, at_least: int) -> RoundOffer:
         while True:
             offer = self.channel.offer()

@@ -131,6 +131,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # told True when this node starts waiting as a spare (a full world without it), False when it
         # leaves that wait (admitted, or the round it joined); the agent exports it as a gauge
         self.on_spare: list[Callable[[bool], None]] = []
+        # called at each look while this node waits as a spare (on an etcd change, at least once a
+        # second): the agent starts its workers ahead once the world it would join trains in place
+        self.while_spare: list[Callable[[], None]] = []
         self.spare_since: float | None = None  # monotonic; while this node waits as a spare
         self._spare_from: float | None = None  # when this rendezvous first found this node a spare
         # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
@@ -355,6 +358,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     if opened is not None:
                         joined_round, join_revision = record.round + 1, opened
                 else:
+                    for callback in list(self.while_spare):
+                        callback()
                     self.mirror.wait(revision, 1.0)  # a full world: wait as a spare for the next round
             elif joined_round != record.round:
                 join_revision = self._join(record.round, joined_round)

@@ -2,14 +2,16 @@
 
 Real etcd, real ``elastic agent`` process trees, a plain ``ElasticRun`` script written here.
 ``--nnodes 2:2`` and three agents (rather than 3:3 and four: this machine has 2 cores). A
-member is SIGKILLed, then rank 0's node: each time the spare is admitted at the next step
-boundary, healed from the survivor, and the world stays 2; the survivors keep their worker
+member is SIGKILLed, then rank 0's node: each time the spare, whose workers started while it
+waited (the script's start-up done), is admitted at the next step boundary with those very
+processes, healed from the survivor, and the world stays 2; the survivors keep their worker
 processes, no step is rolled back or trained twice, and the replicas stay equal. The node
 killed first comes back and becomes the next spare.
 """
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
 from pathlib import Path
@@ -40,6 +42,8 @@ SCRIPT = textwrap.dedent('''\
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
                              steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
                              ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+    with open(os.environ["PROGRESS"] + ".setup", "a") as f:  # the script's start-up is done: model, data, run
+        f.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\\n")
     rows = open(os.environ["PROGRESS"], "a")
     for x, y in run:
         loss = F.cross_entropy(run.model(x), y)
@@ -59,6 +63,12 @@ def is_spare(node: Node) -> bool:
         return metric(node, "elastic_agent_spare") == 1
     except (AssertionError, OSError):
         return False  # its endpoint is not up yet
+
+
+def set_up(node: Node, tmp: Path) -> set[int]:
+    """The worker processes of ``node`` whose script got through its start-up (model, data, run)."""
+    path = tmp / f"{node.name}.rows.jsonl.setup"
+    return {json.loads(line)["pid"] for line in path.read_text().splitlines()} if path.exists() else set()
 
 
 def pid_after(node: Node, tmp: Path, after: float) -> set[int]:
@@ -102,12 +112,16 @@ def test_a_spare_takes_a_lost_nodes_place_twice_and_a_node_back_becomes_the_next
     members = [n for n in group if n is not spare]
     train_together(members, tmp_path, 2, steps=6)
     assert not rows(spare, tmp_path), "the spare trained before it was admitted"
-    assert metric(spare, "elastic_agent_standby_workers_ready") == 1, "a spare waits with its standby ready"
+    ready = wait_until(lambda: set_up(spare, tmp_path), 60, "the spare's workers to start ahead",
+                       on_timeout=lambda: spare.log_tail(40))
+    wait_until(lambda: metric(spare, "elastic_agent_spare_workers_ready") == 1, 30,
+               "the spare's gauge to count its worker waiting at the first batch")
     rank0 = next(n for n in members if rows(n, tmp_path)[-1]["rank"] == 0)
     member = next(n for n in members if n is not rank0)
 
     # A member is lost: the spare takes its place; rank 0 keeps its process and its rank.
     replace_with_spare(member, rank0, spare, tmp_path)
+    assert pid_after(spare, tmp_path, 0.0) == ready, "the spare's workers started ahead were not the ones admitted"
     assert metric(spare, "elastic_restores_total", source="replica") >= 1
     said = spare.log_path.read_text()
     assert "waiting as a spare" in said and "admitted to round" in said and f"in the place of {member.name}" in said
@@ -118,10 +132,13 @@ def test_a_spare_takes_a_lost_nodes_place_twice_and_a_node_back_becomes_the_next
     wait_until(lambda: is_spare(member), 90, f"{member.name} to come back as the spare",
                on_timeout=lambda: member.log_tail(60))
     assert not pid_after(member, tmp_path, back_at), "a node back beside a full world trained"
+    ready = wait_until(lambda: set_up(member, tmp_path) - set(pid_after(member, tmp_path, 0.0)), 60,
+                       f"{member.name}'s workers to start ahead as the spare", on_timeout=lambda: member.log_tail(40))
 
     # Rank 0's node is lost: the new spare takes its place beside the first spare, now rank 0.
     first_spare_pids = pid_after(spare, tmp_path, 0.0)
     killed_at = replace_with_spare(rank0, spare, member, tmp_path)
     assert pid_after(spare, tmp_path, 0.0) == first_spare_pids
+    assert pid_after(member, tmp_path, killed_at) == ready, "the new spare's workers started ahead were not admitted"
     assert at_world(spare, tmp_path, 2, killed_at)[-1]["rank"] == 0
     assert_trained_once(tmp_path)
