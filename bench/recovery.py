@@ -12,8 +12,9 @@ the clock from the fault to the survivor's first step in a world of one:
 * ``restart-kill`` / ``restart-stop``: the same with ``--no-in-place``: the restart path
   (warm standbys, restore from disk); ``restart-kill-cold`` adds ``--no-warm-start``;
 * ``ours-kill-spare``: three agents at ``--nnodes 2:2`` (two train, one waits as a spare
-  whose workers started ahead, docs/agent.md "Spares"); a member is SIGKILLed and the clock runs to the survivor's first
-  step in the next round, a world of two again: the spare admitted and healed from a replica;
+  whose workers started ahead, docs/agent.md "Spares"); a member is SIGKILLed and the clock
+  runs to the survivor's first step in the next round, a world of two again: the spare
+  admitted and healed from a replica; ``ours-kill-spare-rank0`` kills rank 0's node instead;
 * ``c10d-tuned`` / ``c10d-default``: plain torchrun, torch's c10d backend, tuned
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``) or default;
   ``c10d-tuned-store-host`` kills the node hosting c10d's store; ``torchrun-stop`` freezes.
@@ -82,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from agent.local_node import LocalNode  # noqa: E402
 from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
 
-CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare",
+CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours-kill-spare-rank0",
            "restart-kill", "restart-stop", "restart-kill-cold",
            "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
            "script-kill", "script-stop", "torchrun-script-kill",
@@ -182,7 +183,7 @@ def _steady(nodes: list[LocalNode], world: int, steps: int, timeout: float) -> b
 def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> list[float | None]:
     if config.endswith("-join"):
         return [join_pause(config, work, etcd, lease_ttl, give_up)]
-    if config == "ours-kill-spare":
+    if config in ("ours-kill-spare", "ours-kill-spare-rank0"):
         return [spare_trial(config, work, etcd, lease_ttl, give_up)]
     if config in ("freeze", "freeze-lease"):
         return [freeze_trial(config, work, etcd, lease_ttl, give_up)]
@@ -235,7 +236,8 @@ def spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, giv
                 print(f"  {config}: the spare's workers not ready within 120 s; skipping", file=sys.stderr, flush=True)
                 return None
             time.sleep(0.1)
-        victim = next(n for n in members if n.steps_at(2)[-1]["rank"] != 0)
+        rank0 = config.endswith("rank0")
+        victim = next(n for n in members if (n.steps_at(2)[-1]["rank"] == 0) == rank0)
         survivor = next(n for n in members if n is not victim)
         before = _epoch(survivor.steps_at(2)[-1])
         fault_at = time.time()
