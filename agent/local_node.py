@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -219,6 +220,20 @@ class LocalNode:
     def steps_at(self, world_size: int, after: float = 0.0) -> list[dict[str, Any]]:
         """Steps this node completed in a world of ``world_size`` after time ``after``."""
         return [r for r in self.progress() if r["world_size"] == world_size and r["time"] > after]
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The sum of the agent's ``/metrics`` series ``name`` whose labels include ``labels``;
+        None while it serves none (not up yet, or gone)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics_host}:{self.metrics_port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == name and labels.items() <= s.labels.items()]
+        return sum(found) if found else None
 
     @property
     def log(self) -> "NodeLog":

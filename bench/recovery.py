@@ -74,7 +74,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -589,11 +588,7 @@ def _wait_standbys(nodes: list[LocalNode], timeout: float) -> None:
 
 def _is_spare(node: LocalNode) -> bool:
     """The node's ``elastic_agent_spare`` gauge says it waits beside a full world."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return False
-    return any(line.startswith("elastic_agent_spare ") and float(line.split()[1]) == 1 for line in text.splitlines())
+    return node.metric("elastic_agent_spare") == 1
 
 
 def _standbys_ready(node: LocalNode) -> bool:
@@ -601,11 +596,7 @@ def _standbys_ready(node: LocalNode) -> bool:
 
 
 def _gauge_at_least(node: LocalNode, name: str, value: float) -> bool:
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return False
-    return any(line.startswith(f"{name} ") and float(line.split()[1]) >= value for line in text.splitlines())
+    return (node.metric(name) or 0.0) >= value
 
 
 def _median(values: list[float | None]) -> float | None:

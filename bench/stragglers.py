@@ -29,7 +29,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,7 +125,7 @@ class Job:
     def steady(self, steps: int) -> bool:
         """Three members in one round, each with ``steps`` steps in it, and a spare waiting."""
         members = self.members()
-        if len(members) != 3 or not any(metric(n, "elastic_agent_spare") == 1 for n in self.nodes):
+        if len(members) != 3 or not any(n.metric("elastic_agent_spare") == 1 for n in self.nodes):
             return False
         top = self.rows(members[0])[-1]["round"]
         return all(sum(r["round"] == top for r in self.rows(n)) >= steps for n in members)
@@ -135,19 +134,6 @@ class Job:
         """Steps per second ``node`` trained between ``start`` and ``end``."""
         times = [r["time"] for r in self.rows(node) if start <= r["time"] <= end]
         return (len(times) - 1) / (times[-1] - times[0]) if len(times) >= 3 else 0.0
-
-
-def metric(node: LocalNode, name: str, label: str | None = None) -> float | None:
-    """A series of the node's /metrics (summed over labels unless ``label`` picks one), None if down."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return None
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {") and (label is None or label in line):
-            total, found = total + float(line.rsplit(" ", 1)[1]), True
-    return total if found else None
 
 
 def until(done: Callable[[], bool], timeout: float, poll: float = 0.2) -> bool:
@@ -169,7 +155,7 @@ def evict_trial(work_dir: Path, etcd: EmbeddedEtcd, args: argparse.Namespace) ->
         if not until(lambda: job.steady(40), args.start_deadline):
             print("  no steady world of 3 beside a spare: skipped", flush=True)
             return None
-        spare = next(n for n in job.nodes if metric(n, "elastic_agent_spare") == 1)
+        spare = next(n for n in job.nodes if n.metric("elastic_agent_spare") == 1)
         members = job.members()
         rank0 = job.rank0()
         slow = next(n for n in members if n is not rank0)
@@ -178,7 +164,7 @@ def evict_trial(work_dir: Path, etcd: EmbeddedEtcd, args: argparse.Namespace) ->
         time.sleep(10.0)  # the window of healthy steps to measure
         slowed_at = time.time()
         job.flags[slow.name].touch()
-        if not until(lambda: (metric(slow, "elastic_agent_straggler_evictions_total") or 0) >= 1, 120, 0.1):
+        if not until(lambda: (slow.metric("elastic_agent_straggler_evictions_total") or 0) >= 1, 120, 0.1):
             print(f"  {slow.name} at half speed was not evicted within 120 s", flush=True)
             return None
         evicted_at = time.time()
@@ -240,8 +226,8 @@ def soak(args: argparse.Namespace, base: Path, etcd: EmbeddedEtcd) -> int:
         time.sleep(args.duration)  # the soak: nothing happens to the job, on purpose
         rows = [r for n in job.nodes for r in job.rows(n) if r["time"] >= started]
         new_rounds = sorted({r["round"] for r in rows} - rounds_at_start)
-        evictions = sum(metric(n, "elastic_agent_straggler_evictions_total") or 0 for n in job.nodes)
-        frozen = sum(metric(n, "elastic_agent_inplace_reforms_total", 'reason="frozen"') or 0 for n in job.nodes)
+        evictions = sum(n.metric("elastic_agent_straggler_evictions_total") or 0 for n in job.nodes)
+        frozen = sum(n.metric("elastic_agent_inplace_reforms_total", reason="frozen") or 0 for n in job.nodes)
         named = sum("is a straggler" in n.log_path.read_text() for n in job.nodes)
         steps = max((r["step"] for r in rows), default=0) - min((r["step"] for r in rows), default=0)
         load = subprocess.run(["cat", "/proc/loadavg"], capture_output=True, text=True).stdout.split()[:3]
