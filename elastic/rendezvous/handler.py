@@ -359,7 +359,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         joined_round, join_revision = record.round + 1, opened
                 else:
                     for callback in list(self.while_spare):
-                        callback()
+                        try:
+                            callback()
+                        except Exception:  # noqa: BLE001 - a spare's extra must never break its rendezvous
+                            log.exception("[%s] while waiting as a spare", self.node)
                     self.mirror.wait(revision, 1.0)  # a full world: wait as a spare for the next round
             elif joined_round != record.round:
                 join_revision = self._join(record.round, joined_round)
