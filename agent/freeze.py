@@ -203,9 +203,11 @@ class FreezeWatch:
         last = status.extra.get("last_step_at") if isinstance(status.extra, dict) else None
         waited = f"{time.time() - last:.2f} s" if isinstance(last, (int, float)) else "?"
         behind = status.round != round_number
+        its = "its" if len(frozen) == 1 else "their"
+        what = "lost or frozen" if behind else "frozen"
         if behind:
             while_ = (f"local rank {rank}'s world of round {status.round} failed before it could switch to round "
-                      f"{round_number}, which waits for {'its' if len(frozen) == 1 else 'their'} workers")
+                      f"{round_number}, which waits for {its} workers")
         else:
             while_ = f"local rank {rank}'s step {status.step + 1} waited; detected {waited} after the last step"
         if not frozen:
@@ -213,12 +215,9 @@ class FreezeWatch:
             return None
         if not self.handler.reachability.record(ReachReport(self.node, round_number, tuple(frozen), tuple(frozen))):
             return None
-        its = "its" if len(frozen) == 1 else "their"
         log.info("[%s] %s %s: %s agent did not answer within %g s while %s (asked %.2f s before); written off in "
-                 "round %d, not waiting for %s etcd lease", self.node, ", ".join(frozen),
-                 "lost or frozen" if behind else "frozen", its, self.timeout, while_, time.monotonic() - asked,
-                 round_number, its)
-        what = "lost or frozen" if behind else "frozen"
+                 "round %d, not waiting for %s etcd lease", self.node, ", ".join(frozen), what, its, self.timeout,
+                 while_, time.monotonic() - asked, round_number, its)
         return Frozen(tuple(frozen), f"{', '.join(frozen)} {what} ({its} agent did not answer)")
 
     def _holds_lease(self) -> bool:

@@ -815,9 +815,7 @@ class NodeAgent(ElasticAgent):
         self.channel.withdraw()
         for rank in range(self.spec.nproc):
             self.channel.forget(rank)
-        joining, port = list(range(self.spec.nproc)), _free_port()
-        self._prestarted = self.workers.start_all(
-            {rank: Launch(self._command(rank), self._env(rank, joining, port)) for rank in joining})
+        self._prestarted = self.workers.start_all(self._launches(joining=list(range(self.spec.nproc))))
         self._joiner_pids = set(self._prestarted.values())
         modes = sorted({w.mode for w in self.workers.workers.values()})
         log.info("[%s] a spare: its workers start now (%s), so that they take a place at the next step boundary "
@@ -868,10 +866,7 @@ class NodeAgent(ElasticAgent):
             pids = adopted
             log.info("[%s] the workers started while a spare take the place: no start-up on the way", self.node)
         else:
-            port = _free_port() if joining else 0
-            launches = {rank: Launch(self._command(rank), self._env(rank, joining, port))
-                        for rank in range(self.spec.nproc)}
-            pids = self.workers.start_all(launches)
+            pids = self.workers.start_all(self._launches(joining))
         self._joiner_pids = set(pids.values()) if joining else set()
         self._group_started, self._refilled = time.time(), False
         self.goodput.workers_started(self._group_started)
@@ -884,6 +879,11 @@ class NodeAgent(ElasticAgent):
         self._worker_group.state = WorkerState.HEALTHY
         self.metrics.workers_started(self._worker_group, pids)  # rank info for scripts that export none
         self.metrics.set_state("healthy")
+
+    def _launches(self, joining: list[int] | None) -> dict[int, Launch]:
+        """Every local rank's launch; ``joining``: they start into a set-up world of their own (:meth:`_env`)."""
+        port = _free_port() if joining else 0
+        return {rank: Launch(self._command(rank), self._env(rank, joining, port)) for rank in range(self.spec.nproc)}
 
     def _command(self, local_rank: int) -> tuple[str, ...]:
         return tuple(macros.substitute(list(self.spec.command), str(local_rank)))
