@@ -48,7 +48,7 @@ from .. import contract
 from ..worker_env import Place, update_env
 from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
 from .fence import SocketFence
-from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure
+from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure, reconfigure_timeout
 from .round_store import RoundAbandoned, RoundStore
 from .stall import STUCK, StallRule
 
@@ -169,7 +169,7 @@ class Membership:
                     os._exit(DUPLICATE_HANDLE_EXIT)
                 return None
             self.fence.before_connect()
-            reconfigure(offer.round, handles, self.timeout)
+            reconfigure(offer.round, handles, reconfigure_timeout(self.backend, self.timeout))
             self.fence.after_connect()
         except (RoundAbandoned, ReconfigureError, dist.DistStoreError, RuntimeError, ValueError, OSError) as exc:
             # Part of forming a world, not news: a newer round came, or a member died as this

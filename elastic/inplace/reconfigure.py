@@ -14,7 +14,9 @@ rely on:
   reconfigure (the uuid is in it), so handles are gathered afresh each time;
 * the order of the handle list assigns the new ranks, and ``dist.get_rank()`` /
   ``get_world_size()`` follow it; handles must be unique and include the caller's own;
-* gloo's own rendezvous for a reconfigure goes through the group's store.
+* gloo's own rendezvous for a reconfigure goes through the group's store;
+* gloo waits five times a reconfigure's timeout for each pair to connect (torch 2.14.1),
+  and nothing interrupts that wait: see :func:`reconfigure_timeout`.
 
 A process that exits with a reconfigured group still alive aborts now and then in C++
 teardown (``terminate called without an active exception``, SIGABRT, 3 exits in 40 in
@@ -32,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+GLOO_RECONFIGURE_TIMEOUT_S = 1.0
+GLOO_CONNECT_WAITS = 5  # gloo lets its connect phase last this many reconfigure timeouts (torch 2.14.1)
 _API = ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure")
 
 
@@ -86,6 +90,24 @@ def _leave_at_exit() -> None:
 def handle() -> str:
     """This process's current handle (it changes after every reconfigure)."""
     return str(dist._get_reconfigure_handle())  # type: ignore[attr-defined]
+
+
+def reconfigure_timeout(backend: str, collective_timeout: timedelta) -> timedelta:
+    """The timeout to give :func:`reconfigure`: short for gloo.
+
+    A member that dies after posting its address but before its pairs connect (a node
+    killed in the milliseconds of a re-formation) leaves every survivor in gloo's connect
+    phase for ``5 x timeout``, which no abandoned store read or shut-down socket ends: at
+    the 30 s collective timeout, 150 s of a job standing still. Between live members the
+    phase takes milliseconds (every member has posted its address before any pair
+    connects; waiting for a slow member's address is the round store's wait, which keeps its
+    own bound), so one second, five in that case, costs nothing else. The group's
+    collectives keep the collective timeout. NCCL's communicator set-up can take seconds on a
+    large world and keeps the collective timeout.
+    """
+    if backend != "gloo":
+        return collective_timeout
+    return min(collective_timeout, timedelta(seconds=GLOO_RECONFIGURE_TIMEOUT_S))
 
 
 def reconfigure(uuid: int, handles: Sequence[str], timeout: timedelta) -> None:

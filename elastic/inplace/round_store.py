@@ -9,7 +9,10 @@ round's before the next reconfigure.
 
 Blocking reads wait in short slices and give up at once when :meth:`abandon` is called
 (a newer round came), so a reconfigure waiting for a member that died does not sit out a
-timeout: it fails, and the worker moves on to the newer round.
+timeout: it fails, and the worker moves on to the newer round. They are bounded by this
+store's own timeout, never by the one gloo passes: the reconfigure's timeout is kept short
+to bound its connect phase (:func:`.reconfigure.reconfigure_timeout`), and a member that is
+only slow to reach its reconfigure must not fail the round.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ class RoundStore(dist.Store):
             raise RoundAbandoned("a newer round came")
         return self._target
 
-    def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+    def _wait(self, keys: list[str]) -> None:
         """Poll with ``check`` (a TCPStore ``wait`` that times out logs a warning each time)."""
-        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + self._timeout.total_seconds()
         pause = 0.001
         while not self._store().check(keys):
             if time.monotonic() > deadline:
@@ -93,7 +96,7 @@ class RoundStore(dist.Store):
         return self._store().compare_set(key, expected_value, desired_value)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
-        self._wait(list(keys), timeout)
+        self._wait(list(keys))  # our own bound (the module's docstring), abandoned by a newer round
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._store().check(keys))
@@ -115,4 +118,5 @@ class RoundStore(dist.Store):
         self._store().append(key, value)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout
+        """Ignored: gloo sets its reconfigure timeout here, which is short by design (see the
+        module's docstring); the waits keep the timeout this store was made with."""

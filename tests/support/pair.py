@@ -1,4 +1,4 @@
-"""Two real processes running one script side by side (rank 0 hosts their TCPStore)."""
+"""Real processes running one script side by side (rank 0 hosts their TCPStore)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,20 @@ def run_pair(script: str, tmp_path: Path, timeout: float = 90.0) -> list[str]:
 
     Both are killed by pid if either outlives ``timeout``; a non-zero exit fails with both logs.
     """
+    return run_ranks(script, tmp_path, [0, 0], timeout)
+
+
+def run_ranks(script: str, tmp_path: Path, codes: list[int | tuple[int, ...]], timeout: float = 90.0) -> list[str]:
+    """Run ``script`` as ranks ``0..len(codes)-1``; their stdouts. Each must exit with its
+    code in ``codes``, or one of a tuple (``-9``: it SIGKILLs itself); all are killed by pid
+    past ``timeout``."""
     path = tmp_path / "pair_script.py"
     path.write_text(script)
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(path), str(rank), port], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL)
-             for rank in (0, 1)]
+             for rank in range(len(codes))]
     outs: list[str] = []
     try:
         for p in procs:
@@ -34,6 +41,7 @@ def run_pair(script: str, tmp_path: Path, timeout: float = 90.0) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"exit codes {codes}\n" + "\n---\n".join(outs)
+    got = [p.returncode for p in procs]
+    allowed = [c if isinstance(c, tuple) else (c,) for c in codes]
+    assert all(g in a for g, a in zip(got, allowed)), f"exit codes {got}, expected {codes}\n" + "\n---\n".join(outs)
     return outs
