@@ -9,7 +9,12 @@ not look slow themselves). Every agent reads every member's pace from etcd and r
 same rules, so all of them name the same node; the straggler's own agent evicts itself.
 
 **Slow**: a node whose pace exceeds :data:`FACTOR` times the median of the *other*
-members' paces. A uniformly slow world has no node slow against the others.
+members' paces, and them by at least :data:`MIN_LAG_S` per step. A uniformly slow world
+has no node slow against the others. The floor is for jobs of short steps on a busy host:
+there a few milliseconds of a process's own scheduling are a large factor (rank 0 of a
+job of 3 ms steps measured 2-4x its peers for seconds at a time on a loaded 2-core
+machine, and was evicted), while a real straggler, a throttled GPU or a bad NIC, lags by
+tens of milliseconds per step or more.
 **Persistent**: slow in :data:`WINDOWS` consecutive windows, each of which counts only
 once every member's figure has advanced by :data:`MIN_STEPS` job steps since the last
 (a stalled or restarting node's stale figure never decides). The figures are medians of
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 FACTOR = 1.5  # slower than the others' median by this much
+MIN_LAG_S = 0.02  # and by at least this much per step
 WINDOWS = 3  # consecutive windows before a node is named
 MIN_STEPS = 5  # job steps every member must have made for a window to count
 
@@ -57,14 +63,15 @@ class Straggler:
                 f"{self.others * 1000:.0f} ms on the other nodes ({self.ratio:.1f}x, {self.windows} windows in a row)")
 
 
-def slowest(paces: Mapping[str, float], factor: float = FACTOR) -> tuple[str, float, float] | None:
-    """The node slower than ``factor`` times the median of the others, the slowest if several
-    (one eviction at a time); None in a world of one or with no such node."""
+def slowest(paces: Mapping[str, float], factor: float = FACTOR, min_lag: float = MIN_LAG_S
+            ) -> tuple[str, float, float] | None:
+    """The node slower than ``factor`` times the median of the others and them by ``min_lag``,
+    the slowest if several (one eviction at a time); None in a world of one or with no such node."""
     if len(paces) < 2:
         return None
     node = max(sorted(paces), key=lambda n: paces[n])
     others = statistics.median(v for n, v in paces.items() if n != node)
-    if others > 0 and paces[node] > factor * others:  # 0: no real figure, nothing to compare with
+    if others > 0 and paces[node] > factor * others and paces[node] - others >= min_lag:  # 0: no real figure
         return node, paces[node], others
     return None
 

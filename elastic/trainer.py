@@ -836,7 +836,9 @@ class ElasticRun:
         stop = ready >= _STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
         if ready >= _STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
+        committing = time.perf_counter()
         self._commit_previous()
+        self.metrics.commit_took(time.perf_counter() - committing)
         if self.max_grad_norm is not None:
             if self.state.scaler is not None:
                 self.state.scaler.unscale_(self.state.optimizer)

@@ -82,6 +82,7 @@ class MetricsLike(Protocol):
     def snapshot_submitted(self, seconds: float) -> None: ...
     def snapshot_skipped(self) -> None: ...
     def capture_waited(self, seconds: float) -> None: ...
+    def commit_took(self, seconds: float) -> None: ...
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor | None, tokens: int | None) -> None: ...
 
@@ -115,6 +116,9 @@ class NoMetrics:
     def capture_waited(self, seconds: float) -> None:
         pass
 
+    def commit_took(self, seconds: float) -> None:
+        pass
+
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor | None, tokens: int | None) -> None:
         pass
@@ -132,7 +136,9 @@ class TrainingMetrics:
         self._loss = LossReader()
         self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
         self._collective_seen = 0.0  # the comm hook's total at the previous step
-        self._snapshot_s = 0.0  # this step's snapshot stall: not the rank's pace (step_split)
+        # Not the rank's pace (step_split): this step's snapshot submit and capture wait, and
+        # the commit of the previous step (rank 0's ledger line and snapshot submit).
+        self._submit_s = self._capture_s = self._commit_s = 0.0
 
     def attach(self, model: DistributedDataParallel, *, average: bool = True) -> bool:
         """Time DDP's gradient all-reduce; before the first backward.
@@ -169,16 +175,22 @@ class TrainingMetrics:
     def snapshot_submitted(self, seconds: float) -> None:
         """Training blocked ``seconds`` in ``submit``; the capture wait before the next update adds to it."""
         self._stall = seconds
-        self._snapshot_s += seconds
+        self._submit_s += seconds
 
     def snapshot_skipped(self) -> None:
         self.worker.snapshot_skipped()
 
     def capture_waited(self, seconds: float) -> None:
-        self._snapshot_s += seconds
+        self._capture_s += seconds
         if self._stall is not None:
             self.worker.snapshot_stalled(self._stall + seconds)
             self._stall = None
+
+    def commit_took(self, seconds: float) -> None:
+        """Committing the previous step took ``seconds`` of this one: rank 0's ledger line and
+        snapshot submit, work no other rank does. Counted in a rank's pace, it made rank 0 of
+        a job of short steps look 2-4x slower than its peers, and evicted as a straggler."""
+        self._commit_s += seconds
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor | None, tokens: int | None) -> None:
@@ -189,5 +201,6 @@ class TrainingMetrics:
             total = self.collectives.seconds
             collective, self._collective_seen = total - self._collective_seen, total
         self.worker.step_done(local_samples, step_seconds, data_wait_seconds, None if loss is None else self._loss(loss), tokens,
-                              collective_seconds=collective, snapshot_seconds=self._snapshot_s)
-        self._snapshot_s = 0.0
+                              collective_seconds=collective,
+                              snapshot_seconds=max(self._commit_s, self._submit_s) + self._capture_s)  # submit is in the commit
+        self._submit_s = self._capture_s = self._commit_s = 0.0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agent.pace import PaceMonitor
-from agent.stragglers import Pace, Straggler, StragglerWatch, eviction, slowest
+from agent.stragglers import MIN_LAG_S, Pace, Straggler, StragglerWatch, eviction, slowest
 from elastic.metrics.step_split import SKIP_STEPS, StepSplit
 
 
@@ -74,6 +74,14 @@ def test_a_uniformly_slow_world_has_no_straggler() -> None:
 
 def test_slowness_under_the_factor_is_not_straggling() -> None:
     assert feed(StragglerWatch(), [{"a": 0.1, "b": 0.1, "c": 0.14}] * 5) == [None] * 5
+
+
+def test_a_lag_of_a_few_milliseconds_is_noise_whatever_its_factor() -> None:
+    # rank 0 of a job of 3 ms steps on a loaded machine: 4x its peer, for seconds, and healthy
+    assert feed(StragglerWatch(), [{"a": 0.014, "b": 0.0035}] * 5) == [None] * 5
+    assert slowest({"a": 0.014, "b": 0.0035}) is None
+    assert slowest({"a": 0.0045 + MIN_LAG_S, "b": 0.0035})[0] == "a"  # type: ignore[index]
+    assert slowest({"a": 0.3, "b": 0.25}) is None  # 50 ms behind, but under the factor
 
 
 def test_a_window_counts_only_once_every_member_stepped_on() -> None:
