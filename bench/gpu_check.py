@@ -1,0 +1,274 @@
+"""What the NCCL path does on a real GPU: one short run for a lent one-GPU machine.
+
+CI and the development machines have no GPU, so this is where the CUDA side is checked and
+timed. Sections, each printed as it finishes (a section that fails prints why and the rest
+go on):
+
+* ``api``: torch, CUDA and NCCL versions; which backends can reconfigure a live group in
+  place on this torch (:func:`elastic.inplace.reconfigure.unsupported_reason`), whether an
+  ``nccl2`` backend is registered; a world of one NCCL rank reconfigured in place and
+  all-reducing when the API exists; and whether NCCL lets two ranks share one GPU (it
+  refuses, so shrink and heal need two GPUs).
+* ``staging``: a snapshot's blocking part for a GPU state (ResNet-50 + Adam, and 2 GB of
+  plain tensors): :class:`checkpoints.capture.Stager` (pinned buffers, non_blocking copies on
+  a side stream) against its anchor, a synchronous ``.cpu()`` of the same state (pageable,
+  freshly allocated), in the same run; medians.
+* ``steps``: GPU step time with a snapshot every ``--every`` steps against none,
+  interleaved block by block, medians (the writer's thread and process modes).
+
+    python bench/gpu_check.py                 # all sections
+    python bench/gpu_check.py --sections api  # one
+
+The NCCL collective timing with CUDA events is checked by
+``tests/elastic/metrics/test_cuda_timing.py`` (run it in the same lease).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpoints import AsyncSnapshotWriter, SnapshotStore  # noqa: E402
+from checkpoints.capture import Stager  # noqa: E402
+from elastic.inplace.reconfigure import unsupported_reason  # noqa: E402
+
+GB = 1e9
+
+_TWO_RANKS = """
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+rank = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, rank == 0, timeout=timedelta(seconds=30))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30),
+                        device_id=torch.device("cuda", 0))
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+print("rank", rank, "all_reduce ok", t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+_ONE_RANK_IN_PLACE = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from elastic.inplace.reconfigure import init_group, handle, reconfigure
+torch.cuda.set_device(0)
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, True, timeout=timedelta(seconds=30))
+init_group(sys.argv[2], store, 0, 1, timedelta(seconds=30), torch.device("cuda", 0))
+reconfigure(1, [handle()], timedelta(seconds=30))
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+print("world", dist.get_world_size(), "rank", dist.get_rank(), "all_reduce", t.tolist(), flush=True)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_python(code: str, *args: str, procs: int = 1, timeout: float = 90) -> list[str]:
+    """Run ``code`` in ``procs`` processes (argv[1] = its index when procs > 1); their output."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    children = [subprocess.Popen([sys.executable, "-c", code, *([str(i)] if procs > 1 else []), *args],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                for i in range(procs)]
+    out = []
+    for i, child in enumerate(children):
+        try:
+            text, _ = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            text, _ = child.communicate()
+            text += f"\n(timed out after {timeout:.0f} s)"
+        lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln]
+        out.append(f"proc {i} exit {child.returncode}: " + " | ".join(lines[-4:])[:600])
+    return out
+
+
+def section_api() -> None:
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU {torch.cuda.get_device_name(0)}, "
+          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    backends = list(getattr(dist.Backend, "backend_list", []))
+    print(f"registered backends: {backends}; nccl2 registered: {'nccl2' in backends}")
+    for backend in ("gloo", "nccl", "nccl2"):
+        print(f"in place with {backend}: {unsupported_reason(backend) or 'supported'}")
+    if unsupported_reason("nccl") is None:
+        for backend in ("nccl", "nccl2"):
+            if backend == "nccl" or "nccl2" in backends:
+                print(f"a world of one {backend} rank, reconfigured in place:")
+                for line in run_python(_ONE_RANK_IN_PLACE, str(free_port()), backend):
+                    print("   ", line)
+    print("two NCCL ranks on one GPU:")
+    for line in run_python(_TWO_RANKS, str(free_port()), procs=2, timeout=60):
+        print("   ", line)
+
+
+def resnet_state() -> dict[str, Any]:
+    from torchvision.models import resnet50
+
+    torch.manual_seed(0)
+    model = resnet50(weights=None).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3, 64, 64, device="cuda")).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def plain_state(nbytes: int) -> dict[str, Any]:
+    n = 64
+    return {"model": {f"w{i}": torch.randn(nbytes // 4 // n, device="cuda") for i in range(n)}}
+
+
+def section_staging(repeats: int) -> None:
+    for name, state in (("ResNet-50 + Adam", resnet_state()), ("2 GB of tensors", plain_state(2 * 10**9))):
+        stager = Stager()
+        nbytes = 0
+
+        def staged() -> tuple[float, float]:
+            nonlocal nbytes
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            capture = stager.stage(state)
+            t1 = time.perf_counter()
+            capture.finish_copies()
+            nbytes = capture.nbytes
+            return t1 - t0, time.perf_counter() - t0
+
+        staged()  # allocates the pinned buffers once, as a job's first snapshot does
+        runs = [staged() for _ in range(repeats)]
+        blocking = statistics.median(r[0] for r in runs)
+        landed = statistics.median(r[1] for r in runs)
+
+        def to_cpu() -> None:
+            torch.cuda.synchronize()
+            {k: {n: t.cpu() for n, t in _tensors(v)} for k, v in state.items()}
+
+        anchor = median_time(to_cpu, repeats)
+        print(f"{name}, {nbytes / GB:.2f} GB: stage() blocks {blocking * 1e3:.1f} ms, copies landed after "
+              f"{landed * 1e3:.0f} ms ({nbytes / landed / GB:.1f} GB/s); a synchronous .cpu() of the same state "
+              f"{anchor * 1e3:.0f} ms ({nbytes / anchor / GB:.1f} GB/s): blocking {blocking / anchor:.3f}x the anchor")
+        stager.release()
+        del state
+        torch.cuda.empty_cache()
+
+
+def _tensors(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(prefix, value)]
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in _tensors(v, f"{prefix}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [pair for i, v in enumerate(value) for pair in _tensors(v, f"{prefix}.{i}")]
+    return []
+
+
+def section_steps(blocks: int, every: int, batch: int) -> None:
+    from torchvision.models import resnet50
+
+    torch.manual_seed(0)
+    model = resnet50(weights=None).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    step = 0
+    with tempfile.TemporaryDirectory() as d:
+        writers = {m: AsyncSnapshotWriter(SnapshotStore(Path(d) / m, keep=2), mode=m) for m in ("thread", "process")}
+        for w in writers.values():
+            w.attach_optimizer(opt)
+            w.wait_writer_process()
+
+        def train(n: int, writer: AsyncSnapshotWriter | None) -> float:
+            nonlocal step
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                if writer is not None and i % every == 0:
+                    writer.submit(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                                  world_size=1)
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                step += 1
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            if writer is not None:
+                writer.flush()  # between blocks, off the clock: the write overlaps the next block in a job
+            return elapsed / n
+
+        for w in writers.values():
+            train(2 * every, w)
+        train(every, None)
+        plain: list[float] = []
+        snap: dict[str, list[float]] = {m: [] for m in writers}
+        for b in range(blocks):
+            plain.append(train(2 * every, None))
+            for m in (list(writers) if b % 2 == 0 else list(writers)[::-1]):
+                snap[m].append(train(2 * every, writers[m]))
+        base = statistics.median(plain)
+        print(f"ResNet-50 + Adam, batch {batch} of 224x224, bf16 autocast: {base * 1e3:.1f} ms/step without "
+              f"snapshots ({blocks} blocks of {2 * every} steps)")
+        for m, times in snap.items():
+            ratios = [s / p for s, p in zip(times, plain)]
+            print(f"  a snapshot every {every} steps, {m} writer: {statistics.median(times) * 1e3:.1f} ms/step, "
+                  f"{statistics.median(ratios):.3f}x (blocks: {', '.join(f'{r:.3f}' for r in ratios)})")
+            writers[m].close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="api,staging,steps")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA device here; run this on a machine with a GPU")
+    sections: dict[str, Callable[[], None]] = {
+        "api": section_api,
+        "staging": lambda: section_staging(args.repeats),
+        "steps": lambda: section_steps(args.blocks, args.every, args.batch),
+    }
+    for name in args.sections.split(","):
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            sections[name]()
+        except Exception as exc:  # noqa: BLE001 - report it, run the next section
+            print(f"section {name} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        print(f"({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
