@@ -15,6 +15,9 @@ go on):
   freshly allocated), in the same run; medians.
 * ``steps``: GPU step time with a snapshot every ``--every`` steps against none,
   interleaved block by block, medians (the writer's thread and process modes).
+* ``resume``: a plain DDP loop on CUDA (NCCL, fp16 autocast with a ``GradScaler``, an LR
+  scheduler) with the prepare API's lines, under ``torchrun``: 3 epochs, then 6 from the
+  same snapshots, against 6 straight; the final parameters must be equal bit for bit.
 
     python bench/gpu_check.py                 # all sections
     python bench/gpu_check.py --sections api  # one
@@ -74,6 +77,48 @@ t = torch.ones(4, device="cuda")
 dist.all_reduce(t)
 torch.cuda.synchronize()
 print("world", dist.get_world_size(), "rank", dist.get_rank(), "all_reduce", t.tolist(), flush=True)
+"""
+
+
+_PLAIN_LOOP = """\
+import os, sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+import elastic
+
+snapshots, epochs, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if cuda else "gloo")
+device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 10)).to(device))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+scaler = torch.amp.GradScaler("cuda", enabled=cuda)
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(256, 32, generator=g), torch.randint(0, 10, (256,), generator=g))
+sampler = DistributedSampler(data)
+loader = DataLoader(data, batch_size=32, sampler=sampler)
+ft = elastic.Elastic(snapshot_dir=snapshots, snapshot_every_steps=10, seed=0)
+model, optimizer, loader, scheduler, scaler = ft.prepare(model, optimizer, loader, scheduler, scaler)
+for epoch in ft.epochs(epochs):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=cuda):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+if ft.is_main:
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out)
+    print("done", ft.step_count, "steps; device", next(model.parameters()).device, flush=True)
 """
 
 
@@ -245,9 +290,29 @@ def section_steps(blocks: int, every: int, batch: int) -> None:
             writers[m].close()
 
 
+def section_resume() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        loop = Path(d) / "loop.py"
+        loop.write_text(_PLAIN_LOOP)
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        lines = []
+        for snapshots, epochs, out in (("s1", 3, "a3"), ("s1", 6, "a6"), ("s2", 6, "b6")):
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                                   str(loop), f"{d}/{snapshots}", str(epochs), f"{d}/{out}.pt"],
+                                  capture_output=True, text=True, env=env, timeout=300)
+            said = [ln for ln in (done.stdout + done.stderr).splitlines()
+                    if "resumed" in ln or "done" in ln or "Error" in ln or "starting from scratch" in ln]
+            lines.append(f"{epochs} epochs into {snapshots}: exit {done.returncode}; " + " | ".join(s[-140:] for s in said))
+        for line in lines:
+            print("   ", line)
+        a, b = torch.load(f"{d}/a6.pt"), torch.load(f"{d}/b6.pt")
+        print(f"resumed run equals the straight run bit for bit: {all(torch.equal(a[k], b[k]) for k in a)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="api,staging,steps")
+    ap.add_argument("--sections", default="api,staging,steps,resume")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--every", type=int, default=10)
@@ -259,6 +324,7 @@ def main() -> None:
         "api": section_api,
         "staging": lambda: section_staging(args.repeats),
         "steps": lambda: section_steps(args.blocks, args.every, args.batch),
+        "resume": section_resume,
     }
     for name in args.sections.split(","):
         print(f"== {name}", flush=True)
