@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,15 +131,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_python(code: str, *args: str, procs: int = 1, timeout: float = 90) -> list[str]:
     """Run ``code`` in ``procs`` processes (argv[1] = its index when procs > 1); their output."""
     root = str(Path(__file__).resolve().parents[1])
@@ -217,7 +209,7 @@ def section_staging(repeats: int) -> None:
             torch.cuda.synchronize()
             {k: {n: t.cpu() for n, t in _tensors(v)} for k, v in state.items()}
 
-        anchor = median_time(to_cpu, repeats)
+        anchor = statistics.median(timeit.repeat(to_cpu, repeat=repeats, number=1))
         print(f"{name}, {nbytes / GB:.2f} GB: stage() blocks {blocking * 1e3:.1f} ms, copies landed after "
               f"{landed * 1e3:.0f} ms ({nbytes / landed / GB:.1f} GB/s); a synchronous .cpu() of the same state "
               f"{anchor * 1e3:.0f} ms ({nbytes / anchor / GB:.1f} GB/s): blocking {blocking / anchor:.3f}x the anchor")
