@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoints import AsyncSnapshotWriter, SnapshotStore  # noqa: E402
 from checkpoints.capture import Stager  # noqa: E402
+from checkpoints.tree import map_state  # noqa: E402
+from elastic.etcd.server import free_port  # noqa: E402
 from elastic.inplace.reconfigure import unsupported_reason  # noqa: E402
 
 GB = 1e9
@@ -123,20 +125,16 @@ if ft.is_main:
 """
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def child_env() -> dict[str, str]:
+    """This environment, with the project importable from a child's script."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def run_python(code: str, *args: str, procs: int = 1, timeout: float = 90) -> list[str]:
     """Run ``code`` in ``procs`` processes (argv[1] = its index when procs > 1); their output."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     children = [subprocess.Popen([sys.executable, "-c", code, *([str(i)] if procs > 1 else []), *args],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
                 for i in range(procs)]
     out = []
     for i, child in enumerate(children):
@@ -207,7 +205,7 @@ def section_staging(repeats: int) -> None:
 
         def to_cpu() -> None:
             torch.cuda.synchronize()
-            {k: {n: t.cpu() for n, t in _tensors(v)} for k, v in state.items()}
+            map_state(state, lambda t, _where: t.cpu())
 
         anchor = statistics.median(timeit.repeat(to_cpu, repeat=repeats, number=1))
         print(f"{name}, {nbytes / GB:.2f} GB: stage() blocks {blocking * 1e3:.1f} ms, copies landed after "
@@ -216,16 +214,6 @@ def section_staging(repeats: int) -> None:
         stager.release()
         del state
         torch.cuda.empty_cache()
-
-
-def _tensors(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        return [(prefix, value)]
-    if isinstance(value, dict):
-        return [pair for k, v in value.items() for pair in _tensors(v, f"{prefix}.{k}")]
-    if isinstance(value, (list, tuple)):
-        return [pair for i, v in enumerate(value) for pair in _tensors(v, f"{prefix}.{i}")]
-    return []
 
 
 def section_steps(blocks: int, every: int, batch: int) -> None:
@@ -286,13 +274,11 @@ def section_resume() -> None:
     with tempfile.TemporaryDirectory() as d:
         loop = Path(d) / "loop.py"
         loop.write_text(_PLAIN_LOOP)
-        root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         lines = []
         for snapshots, epochs, out in (("s1", 3, "a3"), ("s1", 6, "a6"), ("s2", 6, "b6")):
             done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                                    str(loop), f"{d}/{snapshots}", str(epochs), f"{d}/{out}.pt"],
-                                  capture_output=True, text=True, env=env, timeout=300)
+                                  capture_output=True, text=True, env=child_env(), timeout=300)
             said = [ln for ln in (done.stdout + done.stderr).splitlines()
                     if "resumed" in ln or "done" in ln or "Error" in ln or "starting from scratch" in ln]
             lines.append(f"{epochs} epochs into {snapshots}: exit {done.returncode}; " + " | ".join(s[-140:] for s in said))
