@@ -799,7 +799,7 @@ class NodeAgent(ElasticAgent):
         """Waiting as a spare beside a world that trains in place: start this node's workers
         now, into a set-up world of their own, so that the script's start-up (imports, the
         model, the data) is done before a place opens. They wait at the loop's first batch
-        for the round that admits this node (``ElasticRun._join_live_world``), which then
+        for the round that admits this node (``InPlaceWorld.enter_loop``), which then
         only offers it to them (:meth:`_start_group`). Called from the rendezvous at each
         look while a spare; only a world whose members say they train in place (an
         ``ElasticRun`` script, which waits in its set-up world) gets workers ahead: a plain

@@ -22,6 +22,8 @@ _EXPORTS = {
     "Elastic": "elastic.prepare",
     "prepare": "elastic.prepare",
     "StepInfo": "elastic.trainer",
+    "SnapshotConfig": "elastic.run_config",
+    "DataConfig": "elastic.run_config",
     "StepResult": "elastic.step_result",
     "Holder": "elastic.user_state",
     "ElasticSampler": "elastic.sampler",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from .distributed import DistInfo, ElasticRunError, init_distributed
     from .ledger import Ledger, LedgerReport, check_ledger, read_ledger
     from .progress import report_progress
+    from .run_config import DataConfig, SnapshotConfig
     from .sampler import ElasticSampler, split_sizes
     from .step_result import StepResult
     from .user_state import Holder

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .run_config import DataConfig
 from .sampler import ElasticSampler, split_sizes
 
-BatchPolicy = Literal["fixed-global", "fixed-per-rank"]
 RECENT_STEPS = 8  # ledger lines a new rank 0 may have to write after a re-formation
 
 
@@ -55,10 +55,11 @@ class DataPlan:
     """Sampler, batch policy and loader settings of one run."""
 
     def __init__(self, dataset: Dataset[Any], *, global_batch_size: int, seed: int,
-                 batch_policy: BatchPolicy = "fixed-global", per_rank_batch_size: int | None = None,
-                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
-        self.dataset, self.global_batch_size, self.batch_policy = dataset, global_batch_size, batch_policy
-        self.per_rank_batch_size, self.num_workers, self.collate_fn = per_rank_batch_size, num_workers, collate_fn
+                 config: DataConfig | None = None) -> None:
+        config = config or DataConfig()
+        self.dataset, self.global_batch_size, self.batch_policy = dataset, global_batch_size, config.batch_policy
+        self.per_rank_batch_size, self.num_workers = config.per_rank_batch_size, config.num_workers
+        self.collate_fn = config.collate_fn
         self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
         self.scale_lr = True  # fixed-per-rank: the linear scaling rule (elastic.prepare turns it off)
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)

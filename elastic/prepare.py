@@ -86,6 +86,7 @@ from .prepared import (
     _has_scheduler,
     _usage,
 )
+from .run_config import DataConfig
 from .step_result import StepResult
 from .trainer import ElasticRun
 
@@ -121,7 +122,8 @@ class Elastic:
         self._micro_left = 0  # micro-batches of the step in hand after the one in hand (accumulation)
         self._micro_index = 0  # the micro-batch in hand's place in its step
         self._micro_stepped = False  # optimizer.step() was called for the micro-batch in hand
-        for taken in ("scheduler", "scaler", "max_grad_norm", "user_backward", "batch_policy", "per_rank_batch_size"):
+        for taken in ("scheduler", "scaler", "max_grad_norm", "user_backward", "batch_policy", "per_rank_batch_size",
+                      "data"):
             if taken in run_kwargs:
                 _usage(f"Elastic(..., {taken}=) is not an option of the prepare API: "
                        + _TAKEN.get(taken, "it is decided by prepare()"))
@@ -159,18 +161,21 @@ class Elastic:
             _usage(_UNPREPARED_SCHEDULER)
         dataset, per_rank, collate_fn, num_workers, replaced = _loader_settings(data, self.batch_size)
         kwargs = dict(self.run_kwargs)
-        if self.global_batch_size is not None:
-            kwargs.update(global_batch_size=self.global_batch_size)
-        else:
-            step_share = per_rank * self.accumulate  # a step is this rank's micro-batches together
-            kwargs.update(global_batch_size=step_share, batch_policy="fixed-per-rank", per_rank_batch_size=step_share)
         self.dataset = dataset
         if self.accumulate > 1:
             dataset, collate_fn = MicroBatches(dataset, collate_fn or default_collate, per_rank), _as_is
+        num_workers = kwargs.pop("num_workers", num_workers)
+        collate_fn = kwargs.pop("collate_fn", collate_fn)
+        if self.global_batch_size is not None:
+            kwargs.update(global_batch_size=self.global_batch_size,
+                          data=DataConfig(num_workers=num_workers, collate_fn=collate_fn))
+        else:
+            step_share = per_rank * self.accumulate  # a step is this rank's micro-batches together
+            kwargs.update(global_batch_size=step_share, data=DataConfig(
+                batch_policy="fixed-per-rank", per_rank_batch_size=step_share, num_workers=num_workers,
+                collate_fn=collate_fn))
         epochs = self.epochs_target if self.epochs_target is not None or self.steps_target is not None \
             else _UNTIL_EPOCHS
-        kwargs.setdefault("num_workers", num_workers)
-        kwargs.setdefault("collate_fn", collate_fn)
         self._run = ElasticRun(model, optimizer, dataset, snapshot_dir=self.snapshot_dir, steps=self.steps_target,
                                epochs=epochs, user_backward=True, scaler=scalers[0] if scalers else None, **kwargs)
         self._run.plan.scale_lr = False  # per rank as the script had it: its learning rate, unscaled
@@ -344,6 +349,8 @@ _TAKEN = {
     "max_grad_norm": "call torch.nn.utils.clip_grad_norm_(model.parameters(), ...) before optimizer.step()",
     "batch_policy": "the DataLoader's batch_size stays per rank; give global_batch_size= to hold the global batch",
     "per_rank_batch_size": "it is the DataLoader's batch_size",
+    "data": "the DataLoader's batch_size, num_workers and collate_fn are kept; give global_batch_size= to hold the "
+            "global batch",
 }
 
 

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
 
@@ -29,10 +29,10 @@ from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
 from .plan import StepRecord
+from .run_config import SnapshotConfig, WriterMode
 
 log = logging.getLogger(__name__)
 
-WriterMode = Literal["process", "thread"]
 
 
 class StaleGroupError(RuntimeError):
@@ -43,13 +43,14 @@ class StaleGroupError(RuntimeError):
 
 
 class Snapshots:
-    def __init__(self, root: Path, *, keep: int, every_steps: int | None, every_seconds: float | None,
-                 writer_mode: WriterMode, ledger: str | Path | None, meta: dict[str, Any],
-                 metrics: MetricsLike, round_of: Callable[[], int] | None = None) -> None:
-        self.root, self.keep, self.every_steps, self.every_seconds = root, keep, every_steps, every_seconds
+    def __init__(self, root: Path, config: SnapshotConfig, *, metrics: MetricsLike,
+                 round_of: Callable[[], int] | None = None) -> None:
+        self.root, self.keep = root, config.keep
+        self.every_steps, self.every_seconds = config.every_steps, config.every_seconds
         self.round_of = round_of or _round_from_env  # the rendezvous round this world was formed in
         self.fence: Fence | None = None
-        self.writer_mode, self.ledger_path, self.meta, self.metrics = writer_mode, ledger, meta, metrics
+        self.writer_mode: WriterMode = config.writer
+        self.ledger_path, self.meta, self.metrics = config.ledger, dict(config.meta), metrics
         self.store: SnapshotStore | None = None
         self.writer: AsyncSnapshotWriter | None = None
         self.ledger: Ledger | None = None

@@ -9,15 +9,15 @@
 
 The run is a small state machine, read top to bottom in this file:
 
-1. **Form a world.** Under ``elastic agent`` with a torch that can reconfigure a process
-   group (*in place*), the process joins the round its agent offers
-   (:mod:`elastic.inplace.membership`), the ranks agree on the step to go on from
-   (:mod:`elastic.inplace.agreement`: the highest step any rank holding state completed)
-   and every rank that stands elsewhere is healed from one that holds it
-   (:mod:`elastic.inplace.transfer`). Only when no rank holds state (the job's start, or
-   every replica lost) is the newest snapshot read from disk. Otherwise (plain torchrun,
-   ``--no-in-place``, an older torch) the process group comes from torchrun's
-   environment and every rank restores the newest snapshot, as a restart always does.
+1. **Form a world.** The run trains in one of two worlds (:mod:`elastic.world`), chosen
+   once and asked at every moment where the recovery paths differ. Under ``elastic agent``
+   with a torch that can reconfigure a process group, :mod:`elastic.inplace.in_place_world`:
+   the process joins the round its agent offers, the ranks agree on the step to go on from
+   (the highest step any rank holding state completed) and every rank that stands
+   elsewhere is healed from one that holds it; only when no rank holds state (the job's
+   start, or every replica lost) is the newest snapshot read from disk. Otherwise (plain
+   torchrun, ``--no-in-place``, an older torch) :mod:`elastic.fixed_world`: torchrun's
+   process group, and every rank restores the newest snapshot, as a restart always does.
 2. **Train.** Each step: this rank's share of the next global batch (:mod:`elastic.plan`),
    the user's forward and loss, then in :meth:`step` every collective of the step
    (:mod:`elastic.grad_sync`), the commit of the previous step (ledger line, snapshot:
@@ -27,8 +27,9 @@ The run is a small state machine, read top to bottom in this file:
    gradient all-reduce records a failure instead of raising, and its ``optimizer.step()``
    calls :meth:`step_after_backward`, the same step from there on.
 3. **A collective fails.** The step is abandoned whole (no optimizer step was taken, so no
-   state is half-applied). In place, the world forms again (1) and the same batch is
-   re-split over the new ranks; otherwise the worker exits and its agent restarts it.
+   state is half-applied) and the world answers (``lost_peer``): in place it forms again
+   (1) and the same batch is re-split over the new ranks; torchrun's world ends the worker
+   and its agent restarts it.
 4. **A node joins.** Every step's tiny control all-reduce carries the newest round whose
    members are all ready; all ranks see it in the same step and switch to it (1) at the
    top of the loop, after the loop's code for that step, so that what the loop registered
@@ -60,9 +61,7 @@ epoch's tail) trains on one stand-in sample with its loss scaled by zero.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
-import gc
 import logging
 import os
 import random
@@ -70,11 +69,10 @@ import signal
 import sys
 import threading
 import time
-import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -91,26 +89,23 @@ from .distributed import (
     ElasticRunError,
     all_gather_ints,
     broadcast_int,
-    collective_device,
-    init_distributed,
     node_name,
-    pick_backend,
 )
+from .fixed_world import FixedWorld
 from .goodput.recorder import GoodputLog
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
-from .inplace import agreement
-from .inplace.channel import RESTART, WorkerChannel, WorkerStatus
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard, owned
-from .log import how_noticed, reformed_line, show_library_lines
-from .own_group import own_backend, release_default_group, taken_over_line, unwrap_ddp
-from .plan import BatchPolicy, DataPlan
+from .log import how_noticed, show_library_lines
+from .own_group import taken_over_line, unwrap_ddp
+from .plan import DataPlan
 from .progress import take_over as take_over_progress
+from .run_config import DataConfig, SnapshotConfig, from_flat_keywords
 from .sampler import epoch_seed
 from .snapshots import Snapshots, StaleGroupError
 from .step_result import StepResult
 from .train_state import TrainState
-from .worker_env import in_setup_world
+from .world import TrainingWorld, choose_world
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +116,6 @@ _STOP_BIT = 1 << 62
 # control-group) signals every process of the unit, and the agent passes its own on too.
 _REPEATED_SIGNAL_S = 3.0
 TERM_GRACE_ENV = contract.TERM_GRACE_ENV  # set by elastic agent: seconds from SIGTERM to its SIGKILL
-_PEER_STOP_WAIT_S = 10.0  # restart path: how long a worker whose peers stopped waits for its own agent
 USAGE_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # would fail again: an agent never restarts it
 
 
@@ -200,17 +194,20 @@ class ElasticRun:
     """Fault-tolerant DDP loop over ``dataset``; iterate it and call ``step(loss)`` per batch.
 
     ``global_batch_size`` stays the same at every world size by default (each rank gets
-    ``global / world``, uneven splits allowed). ``batch_policy="fixed-per-rank"`` instead
-    keeps ``per_rank_batch_size`` and scales the learning rate linearly with the resulting
-    global batch (``lr * per_rank * world / global_batch_size``).
+    ``global / world``, uneven splits allowed). ``data=DataConfig(batch_policy=
+    "fixed-per-rank", per_rank_batch_size=...)`` instead keeps the per-rank batch and scales
+    the learning rate linearly with the resulting global batch (``lr * per_rank * world /
+    global_batch_size``); ``DataConfig`` also holds the loader's ``num_workers`` and
+    ``collate_fn``. ``snapshots=SnapshotConfig(...)`` says when rank 0 snapshots, how many
+    it keeps, and its ledger (:mod:`elastic.run_config`; the flat keywords of earlier
+    releases, ``snapshot_every_steps=`` and the like, still work).
 
     ``run.model`` is the DDP-wrapped model of the current world; use it each step (it is
     built again when the world changes in place). BatchNorm buffers are rank 0's, as with
     DDP's default. ``metrics=False`` records no metrics and installs no comm hook.
-    ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``. ``snapshot_writer``
-    picks where rank 0 writes snapshots: a writer process at idle priority (the default)
-    or a thread. ``in_place=False`` keeps the restart path even where in-place recovery is
-    possible (the default, None, uses it whenever the agent and torch allow).
+    ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``. ``in_place=False`` keeps
+    the restart path even where in-place recovery is possible (the default, None, uses it
+    whenever the agent and torch allow).
 
     ``run.register(name, obj)`` adds the loop's own state to what is healed and snapshotted;
     ``run.rank``, ``run.world_size``, ``run.is_main`` and ``run.epoch`` are always current.
@@ -231,25 +228,18 @@ class ElasticRun:
         scheduler: Any = None,
         scaler: Any = None,
         seed: int = 0,
-        batch_policy: BatchPolicy = "fixed-global",
-        per_rank_batch_size: int | None = None,
-        snapshot_every_steps: int | None = 100,
-        snapshot_every_seconds: float | None = None,
-        keep_snapshots: int = 3,
+        snapshots: SnapshotConfig | None = None,
+        data: DataConfig | None = None,
         backend: str = "auto",
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-        ledger: str | Path | None = None,
         on_step_end: Callable[[StepInfo], None] | None = None,
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
         max_grad_norm: float | None = None,
         handle_sigterm: bool = True,
-        snapshot_meta: dict[str, Any] | None = None,
         metrics: bool = True,
         count_tokens: Callable[[Any], int] | None = None,
-        snapshot_writer: Literal["process", "thread"] = "process",
         in_place: bool | None = None,
         user_backward: bool = False,
+        **flat_keywords: Any,
     ) -> None:
         show_library_lines()  # the lines below reach the user even if their script set up no logging
         self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
@@ -257,21 +247,16 @@ class ElasticRun:
         self._forming = True  # no step in flight and nothing new to save: SIGTERM exits at once
         self._leaving = False  # agreed: this rank stops at the end of the current loop iteration
         self._closed = False
-        self.membership: Any = None
         self.snapshots: Any = None
-        self._broken: tuple[int, str] | None = None  # (step abandoned, how it was noticed), for rank 0's line
-        self._node_ranks: dict[str, list[int]] = {}  # the current world's ranks by node
-        self._owns_process_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-        self._took_group: str | None = None  # the script's own process group, replaced by an in-place one
+        owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
+        # Until a world is chosen, closing the run is closing torchrun's (a usage error on the way in).
+        self.world: TrainingWorld = FixedWorld(self, backend, collective_timeout, owns_group)
         self._batch_epoch: int | None = None  # the epoch of the batch the loop holds (run.epoch)
         self._between_steps: Callable[[], None] | None = None  # agreed in run.step, done after the loop's code
         self._agree_stop = False  # a stop is agreed through the control all-reduce (off: handle_sigterm=False)
         self._guard = Guard()  # the script's own collectives: a lost peer fails the step (user_collectives)
         self._world_hooks: list[Callable[["ElasticRun"], None]] = []
         self._world_hook_due = True  # a world formed since the hooks last ran
-        self._deferred_join = False  # a joiner in its set-up world: it joins at the loop's first batch
-        self._user_broke = ""  # the script's own collective that broke the world being re-formed
-        self._said_misaligned = False
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._agree_stop = True
@@ -280,33 +265,22 @@ class ElasticRun:
                 raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
             if global_batch_size < 1:
                 raise ElasticRunError(f"global batch size must be >= 1, got {global_batch_size}")
-            if batch_policy not in ("fixed-global", "fixed-per-rank"):
-                raise ElasticRunError(f"unknown batch policy {batch_policy!r}; use fixed-global or fixed-per-rank")
-            if batch_policy == "fixed-per-rank" and not per_rank_batch_size:
-                raise ElasticRunError("batch policy fixed-per-rank needs a per-rank batch size")
+            snapshot_config, data_config = from_flat_keywords(snapshots, data, flat_keywords)
             self.steps_target, self.epochs_target = steps, epochs
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens
 
-            self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed,
-                                 batch_policy=batch_policy, per_rank_batch_size=per_rank_batch_size,
-                                 num_workers=num_workers, collate_fn=collate_fn)
+            self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
-            self.membership = self._in_place_membership(backend, collective_timeout, in_place)
-            if self.membership is None or self._deferred_join:
-                self.dist: DistInfo = init_distributed(self._backend if self._deferred_join else backend,
-                                                       collective_timeout)
-            else:
-                self.dist = self.membership_info
-            if (took_ddp or self._took_group) and self.dist.is_main and not self._deferred_join:
-                log.info("%s %s", self._where, taken_over_line(took_ddp, self._took_group))
+            self.world = choose_world(self, backend, collective_timeout, in_place, owns_group)
+            self.dist: DistInfo = self.world.connect()
+            if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
+                log.info("%s %s", self._where, taken_over_line(took_ddp, self.world.took_group))
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward)
-            self.snapshots = Snapshots(Path(snapshot_dir), keep=keep_snapshots, every_steps=snapshot_every_steps,
-                                       every_seconds=snapshot_every_seconds, writer_mode=snapshot_writer,
-                                       ledger=ledger, meta=dict(snapshot_meta or {}), metrics=self.metrics,
+            self.snapshots = Snapshots(Path(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
@@ -318,12 +292,7 @@ class ElasticRun:
             self.goodput = GoodputLog.from_env()  # where this process's time went, for the job's goodput
             if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
                 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
-            if self._deferred_join:
-                self.sync.build(self.dist)  # run.model for set-up code; built again for the real world
-            elif self.membership is not None:
-                self._form_world("start")
-            else:
-                self._start_fixed_world()
+            self.world.start()
             self._guard.install()
         except _USAGE_ERRORS as exc:
             self._usage_error(exc)
@@ -359,9 +328,7 @@ class ElasticRun:
 
     @property
     def round(self) -> int:
-        if self.membership is not None:
-            return self.membership.round
-        return int(os.environ.get(contract.ROUND_ENV, "-1"))
+        return self.world.round
 
     # Always the current world's (in place they change at a re-formation, in the same process;
     # os.environ's RANK, WORLD_SIZE, GROUP_RANK and LOCAL_WORLD_SIZE are rewritten to match).
@@ -422,66 +389,6 @@ class ElasticRun:
 
     # ------------------------------------------------------------------ 1. forming a world
 
-    def _in_place_membership(self, backend: str, timeout: float, wanted: bool | None) -> Any:
-        """A Membership when the agent offers rounds and this torch can reconfigure; else None."""
-        channel = WorkerChannel.from_env()
-        if channel is None or wanted is False:
-            return None  # a group the script made stays as it is: the restart path uses it
-        from .inplace.membership import Membership
-        from .inplace.reconfigure import unsupported_reason
-
-        chosen = pick_backend(own_backend(backend))
-        why_not = unsupported_reason(chosen)
-        if why_not is not None:
-            if int(os.environ.get("RANK", "0")) == 0:
-                log.warning("in-place recovery off: %s; a lost or joining node restarts the workers", why_not)
-            channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why_not))
-            return None
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cpu")
-        if torch.cuda.is_available():
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-        membership = Membership(channel, chosen, timedelta(seconds=timeout), node=node_name())
-        self._device, self._backend = device, chosen
-        if in_setup_world():  # a joiner: set-up code runs in its own world; it joins at the first batch
-            self._deferred_join = True
-            membership.announce()
-            return membership
-        if dist.is_initialized():  # the script's own init_process_group: make it again, reconfigurable
-            self._took_group = release_default_group(timeout)
-        membership.start(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), device)
-        return membership
-
-    def _join_live_world(self) -> None:
-        """A joiner at its loop's first batch: leave the set-up world, join the one that trains
-        (the survivors switch to it at their next step boundary) and be healed there.
-
-        Its stable rank is its rank in the agent's offer: its ``RANK`` was the set-up world's.
-        A spare's worker, started before its node had a place, waits here for that offer."""
-        self._deferred_join = False
-        if dist.is_initialized():
-            group = release_default_group(self.membership.timeout.total_seconds())
-            if not self._owns_process_group:
-                self._took_group = group
-        offer = self.membership.channel.offer()
-        if offer is None:  # a spare's worker, started ahead: its place comes with the round that admits it
-            self._forming = True  # nothing in flight: a SIGTERM meanwhile ends the process at once
-            try:
-                offer = self.membership.wait_for_offer()
-            finally:
-                self._forming = False
-        self.membership.start(offer.rank_base + self.dist.local_rank, offer.world_size, self._device)
-        self._guard.take()  # a failure in the set-up world was that world's
-        self._form_world("join")
-
-    @property
-    def membership_info(self) -> DistInfo:
-        rank = self.membership.world.rank if self.membership.world else int(os.environ.get("RANK", "0"))
-        world = self.membership.world.world_size if self.membership.world else int(os.environ.get("WORLD_SIZE", "1"))
-        return DistInfo(rank, world, int(os.environ.get("LOCAL_RANK", "0")), self._device, self._backend,
-                        node_name())
-
     def _start_metrics(self, wanted: bool) -> Any:
         from .metrics.training import NoMetrics
 
@@ -495,102 +402,35 @@ class ElasticRun:
         except MetricsConfigError as e:
             raise _OwnUsageError(str(e)) from None
 
-    def _start_fixed_world(self) -> None:
-        """torchrun's world: every rank restores the newest snapshot, as every restart does."""
-        t0 = time.perf_counter()
-        self.goodput.forming("start")
-        self.snapshots.attach(self.dist)
+    def _restore_newest(self) -> tuple[int, float | None]:
+        """Every rank loads the newest snapshot, if any: (its step or -1, when it was written)."""
         step, state, written_at = self.snapshots.load_newest(self.dist)
         self._describe_restore(step, state)
-        self.metrics.state_from("disk" if step >= 0 else "fresh")
-        steps = all_gather_ints(self.state.step, self.dist)
-        if len(set(steps)) != 1:
-            raise ElasticRunError(
-                f"ranks restored different steps {steps}; the snapshot directory changed under the job - "
-                "make sure only this job writes to it"
-            )
-        self._has_state, self._committed, self.resumed_from = True, self.state.step, self.state.step
-        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
-        self.sync.build(self.dist, init_sync=True)
-        self.metrics.restored(time.perf_counter() - t0, written_at)
-        self.goodput.formed((), self.dist.rank)
+        return step, written_at
 
-    def _form_world(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
-        """Join the agent's newest round, agree on a step, heal who needs it, build DDP."""
-        started = since if since is not None else time.perf_counter()
-        before, before_ranks = self.membership.world, self._node_ranks
-        broken, self._broken = self._broken, None
-        self.goodput.forming(reason)
-        while True:
-            world = self._join(min_round)
-            self.dist = self.membership_info
-            self.goodput.joined()
-            try:
-                moved, healed = self._agree_and_heal()
-                self.sync.build(self.dist)
-            except CollectiveFailure as exc:  # a member died meanwhile: the next round leaves it out
-                log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
-                          world.round, exc)
-                self.membership.failed(how_noticed(str(exc)))
-                min_round = world.round + 1
-                continue
-            break
+    def _holds_state(self) -> None:
+        """This rank holds the world's state at ``state.step`` (restored, healed or agreed on)."""
+        self._has_state = True
+        self._committed = self.resumed_from = self.state.step
+        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
+
+    def _new_world(self) -> None:
+        """A world formed anew: the loader is built again and the per-world hooks run again."""
         self._generation += 1
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
-        self._node_ranks = self._ranks_by_node(world)
-        user_broke, self._user_broke = self._user_broke, ""
-        if user_broke and before is not None and set(before.participants) <= set(world.participants):
-            self._say_misaligned(user_broke, broken[0] if broken else self.state.step)
-        self.metrics.world_changed(self.dist.rank, self.dist.world_size)
-        self.metrics.healed(time.perf_counter() - started, moved)
-        self.goodput.formed(world.participants, self.dist.rank)
-        if not self.dist.is_main:
-            return
-        seconds = time.perf_counter() - started
-        if before is None:
-            log.info("%s round %d (%s): world of %d, at step %d%s in %.3f s", self._where, world.round, reason,
-                     self.dist.world_size, self.state.step, healed, seconds)
-            return
-        log.info("%s %s", self._where, reformed_line(
-            lost=[n for n in before.participants if n not in world.participants],
-            joined=[n for n in world.participants if n not in before.participants], lost_ranks=before_ranks,
-            failed_step=broken[0] if broken else None, noticed=broken[1] if broken else "", seconds=seconds,
-            old_world=before.world_size, new_world=self.dist.world_size, at_step=self.state.step,
-            round_number=world.round, note=healed))
 
-    def _say_misaligned(self, name: str, step: int) -> None:
-        """A collective of the script's own failed and no node was lost: most likely the ranks
-        did not issue it at the same point. Not fixable from here; said once, with the fix."""
-        if self._said_misaligned:
-            return
-        self._said_misaligned = True
-        log.warning("%s step %d failed in your dist.%s with every node still in the world: your collectives were "
-                    "probably not issued at the same step on every rank (a counter of your own that a heal does "
-                    "not restore, or rank-dependent code); key them on run.step_count or registered state, and do "
-                    "per-world set-up in run.on_new_world", self._where, step, name)
-
-    def _ranks_by_node(self, world: Any) -> dict[str, list[int]]:
-        """Global ranks of each node of ``world``, from the agent's offer (for naming the lost)."""
-        offer = self.membership.channel.offer()
-        if offer is None or offer.round != world.round or len(offer.nprocs) != len(offer.participants):
-            return {}
-        out, base = {}, 0
-        for node, count in zip(offer.participants, offer.nprocs):
-            out[node] = list(range(base, base + count))
-            base += count
-        return out
-
-    def _join(self, min_round: int) -> Any:
-        """The agent's next round. A SIGTERM while waiting for it ends the process at once: no
-        step is in flight. Rank 0 of the world that just ended first makes its last committed
-        step durable, if no snapshot holds it yet (peers left at a step boundary, and now
-        this node is pre-empted too)."""
+    @contextmanager
+    def _between_worlds(self) -> Iterator[None]:
+        """Waiting for a world: no step is in flight, so a SIGTERM ends the process at once.
+        Rank 0 of the world that just ended first makes its last committed step durable, if
+        no snapshot holds it yet (peers left at a step boundary, and now this node is
+        pre-empted too)."""
         was, self._forming = self._forming, True
         try:
             if self._stop_signal is not None:  # it came while the world broke: nothing to wait for
                 self._exit_on_signal_now()
-            return self.membership.join(min_round)
+            yield
         except SystemExit:
             self._forming = was
             self._save_committed_on_the_way_out()
@@ -610,71 +450,6 @@ class ElasticRun:
         except Exception as exc:  # noqa: BLE001 - exiting anyway; the newest durable snapshot stays
             log.warning("%s snapshot step %d not written on the way out: %s", self._where, step, exc)
 
-    def _agree_and_heal(self) -> tuple[int, str]:
-        """Returns (bytes moved, a few words on what happened) for the log."""
-        try:
-            self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
-            mine = agreement.Report(self.dist.rank, self._has_state, self.state.step)
-            rows = self._all_gather_rows(agreement.encode(mine))
-            plan = agreement.plan(agreement.decode(rows))
-            note = ""
-            if plan.from_disk:
-                t0 = time.perf_counter()
-                step, state, written_at = self.snapshots.load_newest(self.dist)
-                self._describe_restore(step, state)
-                self.metrics.restored(time.perf_counter() - t0, written_at)
-                if step < 0:
-                    plan, note = agreement.fresh_plan(self.dist.world_size), ", from rank 0's fresh state"
-                    self.metrics.state_from("fresh")
-                else:
-                    note = f", from snapshot step {step} (no replica held state)"
-                    self.metrics.state_from("disk")
-            elif plan.sources and self.dist.is_main:  # says why the world stands still during a long transfer
-                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where,
-                         self.membership.round, plan.healed, plan.senders(), plan.step)
-            t_heal = time.perf_counter()
-            moved = self._heal(plan) if plan.sources else 0
-            t_heal = time.perf_counter() - t_heal
-            if self.dist.rank in plan.sources and not plan.from_disk:
-                self.metrics.state_from("replica")
-                self.goodput.healed_from_replica()
-            if plan.sources and not note:
-                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
-            raise
-        self._has_state = True
-        self._committed = self.resumed_from = self.state.step
-        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
-        return moved, note
-
-    def _all_gather_rows(self, row: list[int]) -> list[list[int]]:
-        device = collective_device(self.dist)
-        mine = torch.tensor(row, dtype=torch.int64, device=device)
-        out = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
-        dist.all_gather(out, mine)
-        return [t.tolist() for t in out]
-
-    def _heal(self, plan: agreement.HealPlan) -> int:
-        """Send or receive the whole state, as the plan says; returns the bytes this rank moved."""
-        from .inplace.transfer import recv_state, send_state
-
-        device, rank = collective_device(self.dist), self.dist.rank
-        moved = 0
-        if rank in plan.sources:
-            payload = recv_state(plan.sources[rank], device)
-            self.state.load(payload["state"])
-            self.plan.load_recent(payload["recent"])
-            moved = sum(t.numel() * t.element_size() for t in _tensors(payload["state"]))
-        else:
-            needy = [r for r, src in sorted(plan.sources.items()) if src == rank]
-            if needy:
-                payload = {"state": self.state.capture(), "recent": self.plan.recent_state()}
-                for target in needy:
-                    moved += send_state(payload, target, device)
-        return moved
-
     def _describe_restore(self, step: int, state: dict[str, Any] | None) -> None:
         d = self.dist
         if step >= 0 and state is not None:
@@ -691,9 +466,8 @@ class ElasticRun:
 
     def __iter__(self) -> Iterator[Any]:
         try:
-            if self._deferred_join:
-                with owned():
-                    self._join_live_world()
+            with owned():
+                self.world.enter_loop()
             self._t0 = time.perf_counter()
             while True:
                 while not self.done:
@@ -732,16 +506,16 @@ class ElasticRun:
         if failure is not None:
             self._pending.failure = failure
             return
-        if self.membership is not None:
-            replaced_by = self.membership.replaced_by()
-            if replaced_by is not None:  # a world of one has no collective to fail: give way here
-                self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world")
-                return
-        elif not (self._agree_stop and self.dist.world_size > 1):
-            return  # nothing to agree on: no rounds, and no stop (or a world of one decides alone)
-        # The newest round every rank could switch to, and whether this rank was told to stop;
-        # one tiny all-reduce (MAX) that overlaps forward and backward.
-        value = max(self.membership.ready_round(), 0) if self.membership is not None else 0
+        replaced_by = self.world.replaced_by()
+        if replaced_by is not None:  # a world of one has no collective to fail: give way here
+            self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world")
+            return
+        # What the world agrees on each step (the newest round every rank could switch to) and
+        # whether this rank was told to stop: one tiny all-reduce (MAX) that overlaps forward
+        # and backward. None: nothing to agree on.
+        value = self.world.control_value(self._agree_stop)
+        if value is None:
+            return
         if self._stop_signal is not None:
             value += _STOP_BIT
         try:
@@ -854,8 +628,7 @@ class ElasticRun:
         self.plan.commit(self.state.step, ids, d.world_size)
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
-        if self.membership is not None:
-            self.membership.stepped(self.state.step)
+        self.world.stepped(self.state.step)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
         self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, seen_loss, pending.tokens)
@@ -870,8 +643,8 @@ class ElasticRun:
         # then every rank's registered state stands at this step (elastic.user_state).
         if stop and not self.done:  # the last step ends the run as usual, signal or not
             self._between_steps = self._stop_after_step
-        elif self.membership is not None and ready > self.membership.round and not self.done:
-            self._between_steps = lambda: self._form_world("join", min_round=ready)  # every rank saw the same value
+        elif self.world.offers(ready) and not self.done:
+            self._between_steps = lambda: self.world.switch(ready)
         return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
 
     def _at_step_boundary(self) -> None:
@@ -913,7 +686,7 @@ class ElasticRun:
     # ------------------------------------------------------------------ 3. a collective failed
 
     def _recover(self, exc: CollectiveFailure) -> None:
-        """Abandon the step (nothing of it was applied); re-form in place, or let the agent restart us.
+        """Abandon the step (nothing of it was applied); the world forms again or ends.
 
         A peer's loss is not this rank's bug: no traceback and no raw gloo message (DEBUG
         keeps it). In place, rank 0 says what happened once the world formed again; on the
@@ -921,31 +694,9 @@ class ElasticRun:
         self.state.optimizer.zero_grad(set_to_none=True)
         step = self.state.step + 1
         log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
-        replaced = self.membership is not None and self.membership.replaced_by() is not None
-        noticed = how_noticed(str(exc), replaced)
-        if self.membership is None:
-            self._exit_for_restart(step, noticed)
-        started = time.perf_counter()
-        self.goodput.failed()
-        self._broken = (step, noticed)
-        self._user_broke = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""
-        self.membership.failed(noticed)
-        self._form_world("failure", min_round=self.membership.round + 1, since=started)
-
-    def _exit_for_restart(self, step: int, noticed: str) -> None:
-        """The restart path: torchrun's world cannot lose a member, so this worker leaves
-        and its agent starts a new group. Exit code 1 as any failed worker (the agent
-        restarts it, and refunds the restart once the next round shows a peer gone); the
-        line also goes to torchrun's error file, where the agent reads why it failed."""
-        message = f"lost a peer in step {step} ({noticed}); the agent restarts this worker"
-        log.warning("%s %s", self._where, message)
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-            ErrorHandler().record_exception(CollectiveFailure(message))
-        except OSError as exc:
-            log.debug("cannot write the error file: %s", exc)
-        raise SystemExit(1)
+        noticed = how_noticed(str(exc), self.world.replaced_by() is not None)
+        user_collective = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""
+        self.world.lost_peer(step, noticed, user_collective)
 
     # ------------------------------------------------------------------ 5. the end
 
@@ -1023,33 +774,12 @@ class ElasticRun:
             # In place the ranks that stay hold this step in memory: rank 0 staying writes
             # no snapshot for them (it would only make them stand still); one leaving does,
             # and so does rank 0 of torchrun's world, which restarts from disk.
-            if self.dist.is_main and (leaving or self.membership is None):
+            if self.dist.is_main and (leaving or self.world.restarts_from_disk):
                 self._snapshot_before_stopping(step, said)
         if leaving:
             self._leaving = True
             return
-        if self.membership is None:  # torchrun's world cannot lose a member in place
-            self._await_own_stop(said)
-        started = time.perf_counter()
-        self.goodput.failed()
-        if self.dist.is_main and not broke:
-            log.info("%s %s; re-forming in place without them", self._where, said)
-        self._broken = (step, how_noticed(broke) if broke else "they stopped after SIGTERM")
-        self.membership.failed(broke or f"rank(s) {leavers} stopped after step {step} (SIGTERM)")
-        self._form_world("failure", min_round=self.membership.round + 1, since=started)
-
-    def _await_own_stop(self, said: str) -> None:
-        """Torchrun's world (the restart path) without its leavers cannot go on. Its agent
-        is about to stop this worker anyway (it restarts the world once the leavers' node is
-        gone, or stops this group for a new round); exiting first would look like a failure
-        of ours and spend one of its restarts. So wait for that, a while; then exit 1."""
-        log.warning("%s %s; this world cannot go on without them: waiting up to %.0f s for this node's agent to "
-                    "stop this worker and start the world again", self._where, said, _PEER_STOP_WAIT_S)
-        self.close()
-        deadline = time.monotonic() + _PEER_STOP_WAIT_S
-        while self._stop_signal is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise SystemExit(128 + self._stop_signal if self._stop_signal is not None else 1)
+        self.world.peers_stopped(step, said, leavers, broke)
 
     def _snapshot_before_stopping(self, step: int, said: str) -> None:
         """Rank 0: a snapshot of the committed ``step``, durable before this call returns."""
@@ -1132,11 +862,7 @@ class ElasticRun:
             if self.snapshots is not None:
                 self.snapshots.close()
         finally:
-            if self.membership is not None:
-                self.membership.close()  # the group stays, for the script's collectives after the loop; left at exit
-                atexit.register(_release_ddp_at_exit, weakref.ref(self))  # runs before the group is left
-            elif self._owns_process_group and dist.is_initialized():
-                dist.destroy_process_group()
+            self.world.close()
 
     def __enter__(self) -> "ElasticRun":
         return self
@@ -1155,17 +881,6 @@ class _OwnUsageError(ElasticRunError):
     """A usage error of this rank's own (its metrics port, say): it says so itself, whatever its rank."""
 
 
-def _release_ddp_at_exit(ref: "weakref.ref[ElasticRun]") -> None:
-    """Drop the run's DDP before the process group is left at exit: a DDP that outlives its
-    destroyed group frees it in C++ teardown, where gloo aborts the process (SIGABRT,
-    "terminate called without an active exception"; 2 to 3 exits in 12 of a 2-process
-    script, 0 in 14 with this), and the agent would take a finished worker for a failed one."""
-    run = ref()
-    if run is not None and getattr(run, "sync", None) is not None:
-        run.sync.model = None
-    gc.collect()
-
-
 def _term_grace() -> float | None:
     """Seconds the agent waits after SIGTERM before its SIGKILL (None: not under elastic agent)."""
     try:
@@ -1173,12 +888,6 @@ def _term_grace() -> float | None:
     except ValueError:
         return None
     return grace if grace > 0 else None
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    from checkpoints.tree import iter_tensors
-
-    return iter_tensors(tree)
 
 
 __all__ = ["ElasticRun", "StepInfo"]

@@ -5,7 +5,8 @@ takes part in the new rendezvous round and hands the round over (:mod:`.channel`
 worker reconfigures its process group to the new members (:mod:`.reconfigure`, over a
 per-round store, :mod:`.round_store`), agrees with the others on the step to go on from
 (:mod:`.agreement`) and heals any rank that stands elsewhere from one that holds it
-(:mod:`.transfer`). :mod:`.membership` ties these together for the trainer.
+(:mod:`.transfer`). :mod:`.membership` follows the agent's rounds;
+:mod:`.in_place_world` ties these together as the trainer's world (:mod:`elastic.world`).
 
 Only :mod:`.channel` and :mod:`.agreement` are free of torch: the agent imports them.
 """

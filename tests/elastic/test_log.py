@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import logging
-import types
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.distributed import DistInfo
+from elastic.fixed_world import exit_for_restart
 from elastic.grad_sync import GradSync
 from elastic.log import (
     BY_THE_AGENTS,
@@ -33,7 +33,6 @@ from elastic.log import (
     show_library_lines,
 )
 from elastic.metrics.training import NoMetrics
-from elastic.trainer import ElasticRun
 
 GLOO = ("Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/"
         "gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:33680: Connection reset by peer")
@@ -189,8 +188,7 @@ def test_on_the_restart_path_a_survivor_leaves_with_one_line_exit_1_and_its_erro
     with bare_script(monkeypatch) as stderr:
         show_library_lines()
         with pytest.raises(SystemExit) as exit_info:
-            ElasticRun._exit_for_restart(types.SimpleNamespace(_where="[a rank 1]"), 65,  # type: ignore[arg-type]
-                                         how_noticed(GLOO))
+            exit_for_restart("[a rank 1]", 65, how_noticed(GLOO))
     assert exit_info.value.code == 1  # as before: the agent restarts it (refunded once the round shows b gone)
     said = stderr.getvalue()
     assert said.count("\n") == 1 and "Traceback" not in said and "pair.cc" not in said

@@ -24,6 +24,7 @@ from checkpoints import Fence, FenceToken, SnapshotStore
 from checkpoints.fence import FENCE_NAME, LOCK_NAME
 from elastic.distributed import DistInfo
 from elastic.metrics.training import NoMetrics
+from elastic.run_config import SnapshotConfig
 from elastic.snapshots import Snapshots, StaleGroupError
 
 RUN = "fence-test"
@@ -50,8 +51,8 @@ class Rounds:
 
 
 def opened(root: Path, rounds: Rounds, info: DistInfo) -> Snapshots:
-    snapshots = Snapshots(root, keep=5, every_steps=None, every_seconds=None, writer_mode="thread", ledger=None,
-                          meta={}, metrics=NoMetrics(), round_of=rounds)
+    config = SnapshotConfig(every_steps=None, keep=5, writer="thread")
+    snapshots = Snapshots(root, config, metrics=NoMetrics(), round_of=rounds)
     snapshots.attach(info, check_dir=False)
     return snapshots
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -203,18 +202,6 @@ def test_the_step_result_is_true_only_when_the_batch_was_trained() -> None:
 
 
 # ---------------------------------------------------------------------- a real run, world of one, in this process
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The script's own group (as a user's would be), outside any agent."""
-    monkeypatch.delenv("ELASTIC_CONTROL_DIR", raising=False)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run(tmp: Path, model: nn.Module, steps: int) -> Any:
