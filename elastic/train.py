@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .distributed import ElasticRunError
     from .jobs import build_job
     from .ledger import LedgerError
+    from .run_config import DataConfig, SnapshotConfig
     from .trainer import ElasticRun, UsageExit
 
     rank = int(os.environ.get("RANK", "0"))
@@ -145,12 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             job.model, optimizer, job.dataset,
             global_batch_size=args.global_batch_size, snapshot_dir=args.snapshot_dir,
             steps=args.steps, epochs=args.epochs, seed=args.seed,
-            batch_policy=args.batch_policy, per_rank_batch_size=args.per_rank_batch_size,
-            snapshot_every_steps=args.snapshot_every_steps or None,
-            snapshot_every_seconds=args.snapshot_every_seconds, keep_snapshots=args.keep_snapshots,
-            backend=args.backend, collective_timeout=args.collective_timeout, ledger=args.ledger,
-            on_step_end=progress, num_workers=args.num_workers, collate_fn=job.collate_fn,
-            snapshot_meta={"job": args.job}, metrics=args.metrics, snapshot_writer=args.snapshot_writer,
+            snapshots=SnapshotConfig(
+                every_steps=args.snapshot_every_steps or None, every_seconds=args.snapshot_every_seconds,
+                keep=args.keep_snapshots, writer=args.snapshot_writer, ledger=args.ledger, meta={"job": args.job}),
+            data=DataConfig(batch_policy=args.batch_policy, per_rank_batch_size=args.per_rank_batch_size,
+                            num_workers=args.num_workers, collate_fn=job.collate_fn),
+            backend=args.backend, collective_timeout=args.collective_timeout,
+            on_step_end=progress, metrics=args.metrics,
             count_tokens=getattr(job, "tokens", None),  # jobs that define tokens feed elastic_tokens_total
         )
         for batch in run:
