@@ -79,9 +79,14 @@ class GradSync:
             # here instead (``sync_buffers``), so False is what we mean, and the user can do
             # nothing about the warning: it is silenced here, and only here.
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            # Gradients as views of DDP's buckets: autograd writes them into the buckets, so
+            # a step copies no gradient into a bucket and none back (two passes over every
+            # gradient fewer, and one copy of them less in memory). That pays for what the
+            # Python comm hook costs over DDP's built-in all-reduce, and under prepare for
+            # its pass that scales each bucket (docs/BENCHMARKS.md, "Bring your own loop").
             self.model = DistributedDataParallel(
                 self.module, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-                broadcast_buffers=False, init_sync=init_sync,
+                broadcast_buffers=False, init_sync=init_sync, gradient_as_bucket_view=True,
             )
         self.failure = None
         if self.user_backward:
