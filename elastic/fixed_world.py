@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from . import contract
 from .distributed import DistInfo, ElasticRunError, all_gather_ints, init_distributed
 from .grad_sync import CollectiveFailure
-from . import contract
 from .world import TrainingWorld
 
 if TYPE_CHECKING:
