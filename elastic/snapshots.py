@@ -34,7 +34,6 @@ from .run_config import SnapshotConfig, WriterMode
 log = logging.getLogger(__name__)
 
 
-
 class StaleGroupError(RuntimeError):
     """A newer round of this job commits to the snapshot directory: this group must stop.
 
