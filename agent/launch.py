@@ -83,8 +83,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       help="shared snapshot directory, passed to workers as ELASTIC_SNAPSHOT_DIR")
     ours.add_argument("--warm-start", "--warm_start", dest="warm_start", action=argparse.BooleanOptionalAction,
                       default=True,
-                      help="keep one pre-imported standby process per local rank, so a restarted worker "
-                           "skips importing torch (default on; --no-warm-start for cold starts)")
+                      help="fork every worker from one pre-imported template per node, so a started or "
+                           "restarted worker skips importing torch (default on; --no-warm-start for cold starts)")
     ours.add_argument("--in-place", "--in_place", dest="in_place", action=argparse.BooleanOptionalAction,
                       default=True,
                       help="let ElasticRun workers survive a peer lost or a node joining, in their own "

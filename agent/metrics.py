@@ -52,11 +52,11 @@ class AgentMetrics:
                                "Rounds this node's in-place workers joined without a restart, by reason",
                                ["reason"], registry=r)
         self.worker_starts = Counter("elastic_agent_worker_starts",
-                                     "Worker processes started: warm (a pre-imported standby) or cold",
-                                     ["mode"], registry=r)
+                                     "Worker processes started: warm (forked from the node's pre-imported "
+                                     "template, or a standby) or cold", ["mode"], registry=r)
         self.standbys_ready = Gauge("elastic_agent_standby_workers_ready",
-                                    "Pre-imported standby workers ready for the next start (0 with --no-warm-start)",
-                                    registry=r)
+                                    "Local ranks that can start warm now, from the template or a standby "
+                                    "(0 with --no-warm-start)", registry=r)
         self.keepalive_age = Gauge("elastic_agent_etcd_keepalive_age_seconds",
                                    "Seconds since this node sent the last etcd keep-alive etcd confirmed "
                                    "(its workers stop at the lease TTL unless every peer confirms an etcd outage)",

@@ -78,7 +78,7 @@ from .policy import (
     stop_signal,
 )
 from .settings import AgentSettings
-from .warm_start import WarmPool
+from .fork_server import ForkServer
 from .watchdog import HangWatch
 from .worker_boot import AGENT_PID_ENV
 from .workers import Launch, LocalWorkers
@@ -151,9 +151,9 @@ class NodeAgent(ElasticAgent):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.pool = WarmPool(spec.nproc, env={**os.environ, **self._node_env()}) if settings.warm_start else None
+        self.pool = ForkServer(spec.nproc, env={**os.environ, **self._node_env()}) if settings.warm_start else None
         if self.pool is not None:
-            self.pool.fill()  # the standbys import torch while the first rendezvous runs
+            self.pool.fill()  # the template imports torch while the first rendezvous runs
         self.workers = LocalWorkers(logs_specs, spec.role, self.pool, spec.numa_options,
                                     on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
         self.group_rank = self.group_world = 0
@@ -501,7 +501,7 @@ class NodeAgent(ElasticAgent):
         self._recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         self._start_group()
         modes = sorted({w.mode for w in self.workers.workers.values()})
-        start = "warm (from standbys)" if modes == ["warm"] else "cold (importing torch)" if modes == ["cold"] \
+        start = "warm (pre-imported)" if modes == ["warm"] else "cold (importing torch)" if modes == ["cold"] \
             else "warm and cold"
         log.info("[%s] restart (%s)%s: world of %d nodes, workers started %s, %d restarts left", self.node,
                  reason.value, _change(previous, self.participants), self.group_world, start,

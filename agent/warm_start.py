@@ -1,10 +1,12 @@
-"""Warm starts: the agent keeps one pre-imported standby process per local rank.
+"""Warm starts where a fork is unsafe: one pre-imported standby process per local rank.
 
-A cold worker spends 2-5 s importing torch before it can rejoin, which after a fault is
-most of a restart's cost (docs/BENCHMARKS.md). The pool starts standbys
-(:mod:`agent.warm_worker`) while training is healthy, and :class:`agent.workers.LocalWorkers`
-asks it first each time it starts a worker, so the new worker begins at the script's first
-line with torch already loaded. A standby is a ``Popen`` in its own session, like a cold
+The agent's warm starts fork each worker from the node's template (``agent/fork_server.py``).
+Where the template finds a fork unsafe (the CUDA driver loaded at import, a thread running),
+the fork server keeps this pool instead. A cold worker spends 2-5 s importing torch before
+it can rejoin, which after a fault is most of a restart's cost (docs/BENCHMARKS.md). The
+pool starts standbys (:mod:`agent.warm_worker`) while training is healthy, and
+:class:`agent.workers.LocalWorkers` asks it first each time it starts a worker, so the new
+worker begins at the script's first line with torch already loaded. A standby is a ``Popen`` in its own session, like a cold
 worker; log files, ``killpg`` on stop, exit codes and error files are the same.
 
 A worker is started cold when its command is not the agent's own Python running a target

@@ -47,8 +47,9 @@ def preload(modules: list[str]) -> None:
             pass
 
 
-def become(spec: dict[str, Any]) -> None:
-    """Turn this process into the worker ``spec`` describes, then run it to the end."""
+def become(spec: dict[str, Any], parent_pid: int | None = None) -> None:
+    """Turn this process into the worker ``spec`` describes, then run it to the end.
+    ``parent_pid``: the process whose death must kill this worker, when not the agent."""
     os.environ.clear()
     os.environ.update(spec["env"])
     # What a cold start's process start time means: when the agent gave this standby its
@@ -62,7 +63,7 @@ def become(spec: dict[str, Any]) -> None:
     sys.stdout.reconfigure(write_through=True)  # python -u, as every agent worker runs
     sys.stderr.reconfigure(write_through=True)
     _apply_thread_count()
-    worker_boot.prepare()
+    worker_boot.prepare(parent_pid)
     worker_boot.run(spec)
 
 

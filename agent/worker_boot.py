@@ -68,9 +68,11 @@ def parse_target(argv: Sequence[str]) -> dict[str, Any] | None:
     return {"script": rest[0], "args": rest[1:]}
 
 
-def die_with_agent() -> None:
-    """SIGKILL this process when its parent (the agent) dies; exit now if it already has."""
-    expected = os.environ.get(AGENT_PID_ENV, "")
+def die_with_agent(parent_pid: int | None = None) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has. The parent is
+    the agent (``AGENT_PID_ENV``), or for a worker forked by the node's template
+    (:mod:`agent.fork_template`) the template, which itself dies with the agent."""
+    expected = str(parent_pid) if parent_pid is not None else os.environ.get(AGENT_PID_ENV, "")
     if not expected.isdigit():
         return
     try:
@@ -82,8 +84,8 @@ def die_with_agent() -> None:
         os._exit(contract.EXIT_FAILED)  # the agent died before the signal was armed
 
 
-def prepare() -> None:
-    die_with_agent()
+def prepare(parent_pid: int | None = None) -> None:
+    die_with_agent(parent_pid)
     from elastic.log import show_library_lines
 
     show_library_lines()  # the library's lines reach the console even if the script sets up no logging

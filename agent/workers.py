@@ -2,7 +2,8 @@
 
 torch's ``start_processes`` starts and stops a whole group at once. In-place recovery
 needs more: survivors keep running while one dead local rank is started again, and a
-worker may come from a pre-imported standby (``agent/warm_start.py``). So the agent
+worker may be forked from the node's pre-imported template (``agent/fork_server.py``) or
+come from a pre-imported standby (``agent/warm_start.py``). So the agent
 keeps its own small set of processes, built from torch's public pieces:
 
 * ``LogsSpecs.reify`` decides where each rank's stdout, stderr and error file go
@@ -33,6 +34,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Proce
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from .fork_server import ForkServer
 from .warm_start import WarmPool
 
 log = logging.getLogger("elastic.agent")
@@ -40,17 +42,28 @@ log = logging.getLogger("elastic.agent")
 WARM, COLD = "warm", "cold"
 
 
+class _Process(Protocol):
+    """A ``subprocess.Popen``, or a worker the node's template forked (``agent.fork_server``)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class _Handle(Protocol):
-    proc: subprocess.Popen  # type: ignore[type-arg]
+    proc: _Process
 
     def close(self, death_sig: signal.Signals | None = None) -> None: ...
 
 
 @dataclass
-class _Standby:
-    """A standby that became a worker: stopped the way ``SubprocessHandler`` stops one."""
+class _Warm:
+    """A worker forked from the template, or a standby that became one: stopped the way
+    ``SubprocessHandler`` stops a cold one."""
 
-    proc: subprocess.Popen  # type: ignore[type-arg]
+    proc: _Process
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
         try:
@@ -110,7 +123,7 @@ class Launch:
 class LocalWorkers:
     """The local ranks of the current worker group."""
 
-    def __init__(self, logs_specs: LogsSpecs, name: str = "default", pool: WarmPool | None = None,
+    def __init__(self, logs_specs: LogsSpecs, name: str = "default", pool: ForkServer | WarmPool | None = None,
                  numa_options: object | None = None, log_line_prefixes: Mapping[int, str] | None = None,
                  on_start: Callable[[str], None] = lambda mode: None) -> None:
         self.logs_specs, self.name, self.pool = logs_specs, name, pool
@@ -170,7 +183,7 @@ class LocalWorkers:
         if self.pool is not None and self.numa_options is None:
             proc = self.pool.take(launch.args, env, stdout or None, stderr or None)
             if proc is not None:
-                handle, mode = _Standby(proc), WARM
+                handle, mode = _Warm(proc), WARM
         if handle is None:
             handle = SubprocessHandler(entrypoint=launch.args[0], args=launch.args[1:], env=launch.env,
                                        stdout=stdout or None, stderr=stderr or None, local_rank_id=local_rank,

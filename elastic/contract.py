@@ -98,6 +98,9 @@ SETUP_WORLD_ENV = _crossing(  # "1" or unset; the worker drops it once it joins 
 STANDBY_READY_FD_ENV = _crossing(  # popped by the standby once used
     "ELASTIC_STANDBY_READY_FD", "agent (`agent.warm_start`)", "`agent.warm_worker` (in the standby)",
     "a pipe the warm standby writes one byte to once its imports are done")
+TEMPLATE_REPLY_FD_ENV = _crossing(  # popped by the template at its start
+    "ELASTIC_TEMPLATE_REPLY_FD", "agent (`agent.fork_server`)", "`agent.fork_template` (in the template)",
+    "a pipe on which the node's template reports its readiness, each worker it forks and each exit")
 WORKER_STARTED_AT_ENV = _crossing(  # a standby starts long before it becomes a worker
     "ELASTIC_WORKER_STARTED_AT", "`agent.warm_worker` (in the worker)", "`elastic.metrics`",
     "when the agent handed the standby its rank: the worker's start, for its start-up time")

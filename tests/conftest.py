@@ -18,11 +18,10 @@ from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
 
-# Agents the tests start run their workers cold. A warm standby per node is a second torch
-# import (about 5 s of CPU) that most tests never use, and on 2 cores it slowed every start.
-# The tests of warm starts, and of spares (whose standby is the feature), pass --warm-start.
+# Agents the tests start run the product's default: warm starts, each worker forked from its
+# node's template (agent/fork_server.py), one torch import per node however many starts. The
+# tests of the cold path pass --no-warm-start.
 WARM_START_ENV = contract.ENV_PREFIX + "WARM_START"
-os.environ.setdefault(WARM_START_ENV, "0")
 
 try:  # the same examples every run: a fuzz test that fails, fails again (never flaky)
     from hypothesis import settings as _hypothesis_settings

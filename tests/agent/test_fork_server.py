@@ -1,0 +1,184 @@
+"""Warm starts by fork: a real template forking real workers, driven without an agent.
+
+Each promise a cold start makes is checked on a forked worker: the script runs as
+``__main__`` with torchrun's argv and environment and its own log files, in a session of
+its own; exit codes (a signal's included) reach the agent; a failure exits at once with
+the atexit flush. And what a fork adds: one template serves every start, its workers die
+with it, each draws its own random numbers, and a template that cannot fork safely hands
+over to standbys. tests/agent/test_recovery.py and the end-to-end suites run real agents,
+whose workers are forked by default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from agent.fork_server import ForkServer, ForkedProcess
+from agent.proctree import process_tree
+from agent.worker_boot import boot_command
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # every test here starts a template
+
+PY = sys.executable
+
+PROBE = """\
+import json, os, random, sys
+import numpy
+print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "rank": os.environ.get("RANK"),
+                  "torch_preloaded": "torch" in sys.modules, "started_at": os.environ.get("ELASTIC_WORKER_STARTED_AT"),
+                  "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "random": random.random(),
+                  "numpy": float(numpy.random.random())}), flush=True)
+if os.environ.get("HANG"):
+    import time
+    time.sleep(600)
+sys.exit(int(os.environ.get("EXIT_CODE", "0")))
+"""
+
+
+@pytest.fixture
+def server() -> Iterator[ForkServer]:
+    server = ForkServer(2)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def ready(server: ForkServer) -> None:
+    server.fill()
+    wait_until(lambda: server.ready_count() == server.size, 120, "the template to finish importing torch")
+
+
+def template_pid(server: ForkServer) -> int:
+    template = [pid for pid in process_tree(os.getpid())[1:] if "agent.fork_template" in _cmdline(pid)]
+    assert len(template) == 1, f"one template expected, found {template}"
+    return template[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def start(server: ForkServer, tmp_path: Path, name: str, **env: str) -> tuple[ForkedProcess, Path, Path]:
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(PROBE)
+    out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    proc = server.take(boot_command(PY, str(script), ["--lr", "0.1"], module=False), {**os.environ, **env},
+                       str(out), str(err))
+    assert isinstance(proc, ForkedProcess), "a ready template did not fork the worker"
+    return proc, out, err
+
+
+def test_a_forked_worker_runs_the_script_with_torchruns_argv_env_and_logs_in_its_own_session(
+        server: ForkServer, tmp_path: Path) -> None:
+    ready(server)
+    given_at = time.time()
+    proc, out, _ = start(server, tmp_path, "w", RANK="3")
+    assert proc.wait(timeout=60) == 0
+    seen = json.loads(out.read_text())
+    script = str(tmp_path / "job" / "train.py")
+    assert seen["name"] == "__main__" and seen["argv"] == [script, "--lr", "0.1"]
+    assert seen["path0"] == str(tmp_path / "job")  # as `python train.py` sets it
+    assert seen["rank"] == "3" and seen["torch_preloaded"] is True and seen["pid"] == proc.pid
+    assert seen["sid"] == proc.pid  # its own session: the agent signals it and its children together
+    assert given_at <= float(seen["started_at"]) <= time.time()
+
+
+def test_one_template_serves_every_start_and_each_worker_draws_its_own_random_numbers(
+        server: ForkServer, tmp_path: Path) -> None:
+    ready(server)
+    template = template_pid(server)
+    runs = [start(server, tmp_path, f"w{i}", RANK=str(i)) for i in range(4)]
+    assert [proc.wait(timeout=60) for proc, _, _ in runs] == [0, 0, 0, 0]
+    seen = [json.loads(out.read_text()) for _, out, _ in runs]
+    assert {s["ppid"] for s in seen} == {template}  # no import per start: all forked from the one template
+    assert len({s["random"] for s in seen}) == 4, "forked workers share Python's random state"
+    assert len({s["numpy"] for s in seen}) == 4, "forked workers share NumPy's random state"
+    assert template_pid(server) == template
+
+
+def test_exit_codes_and_signals_reach_the_agent_and_a_failure_exits_at_once(server: ForkServer,
+                                                                           tmp_path: Path) -> None:
+    ready(server)
+    proc, _, _ = start(server, tmp_path, "usage", EXIT_CODE="2")
+    assert proc.wait(timeout=60) == 2  # the agent's "usage error, do not restart" code survives
+
+    hung, out, _ = start(server, tmp_path, "hung", HANG="1")
+    wait_until(lambda: out.exists() and out.read_text(), 60, "the worker to start")
+    assert hung.poll() is None
+    os.killpg(hung.pid, signal.SIGKILL)  # as LocalWorkers.stop ends a worker
+    assert hung.wait(timeout=30) == -signal.SIGKILL  # Popen's meaning: minus the signal
+
+    script = tmp_path / "boom.py"
+    script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
+                      "raise RuntimeError('Connection closed by peer')\n")
+    out, err = tmp_path / "boom.out", tmp_path / "boom.err"
+    proc = server.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
+    assert proc is not None and proc.wait(timeout=60) == 1
+    assert "RuntimeError: Connection closed by peer" in err.read_text()
+    assert out.read_text() == "atexit ran\n"  # a snapshot writer's atexit flush still happens
+
+
+def test_a_dead_template_takes_its_workers_with_it_and_the_next_fill_starts_another(
+        server: ForkServer, tmp_path: Path) -> None:
+    ready(server)
+    old = template_pid(server)
+    hung, out, _ = start(server, tmp_path, "hung", HANG="1")
+    wait_until(lambda: out.exists() and out.read_text(), 60, "the worker to start")
+    os.kill(old, signal.SIGKILL)  # the worker's parent: PR_SET_PDEATHSIG ends it too
+    assert hung.wait(timeout=30) == -signal.SIGKILL
+    assert server.ready_count() == 0 and not server.full
+    assert server.take(boot_command(PY, "train.py", [], module=False), dict(os.environ), None, None) is None
+
+    ready(server)
+    assert template_pid(server) != old
+    proc, _, _ = start(server, tmp_path, "again")
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_template_that_cannot_fork_safely_hands_over_to_standbys(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A module whose import leaves a thread running, as a library's might: a fork would copy
+    # whatever lock that thread holds. The template must refuse, and warm starts go on.
+    (tmp_path / "threaded.py").write_text("import threading, time\n"
+                                          "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("ELASTIC_WARM_IMPORTS", "torch,threaded")
+    server = ForkServer(1)
+    try:
+        ready(server)  # ready by the standbys it keeps instead
+        (tmp_path / "probe.py").write_text(PROBE)
+        proc = server.take(boot_command(PY, str(tmp_path / "probe.py"), [], module=False), dict(os.environ),
+                           str(tmp_path / "out"), None)
+        assert proc is not None and not isinstance(proc, ForkedProcess)
+        assert proc.wait(timeout=60) == 0
+        assert json.loads((tmp_path / "out").read_text())["torch_preloaded"] is True
+    finally:
+        server.close()
+
+
+def test_other_commands_start_cold_and_close_leaves_no_process(server: ForkServer, tmp_path: Path) -> None:
+    assert server.take(boot_command(PY, "train.py", [], module=False), dict(os.environ), None, None) is None
+    before = set(process_tree(os.getpid()))  # a session's etcd may be our child too
+    ready(server)
+    assert server.take(("/bin/true",), dict(os.environ), None, None) is None  # --no-python: not ours to fork
+    hung, out, _ = start(server, tmp_path, "hung", HANG="1")
+    wait_until(lambda: out.exists() and out.read_text(), 60, "the worker to start")
+    started = set(process_tree(os.getpid())) - before
+    assert len(started) == 2  # the template and its worker
+    server.close()  # the agent stops its workers first; one left behind dies with the template
+    wait_until(lambda: not (started & set(process_tree(os.getpid()))), 30, "the template and its worker to exit")
+    assert hung.poll() == -signal.SIGKILL
