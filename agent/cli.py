@@ -22,6 +22,9 @@ Every agent flag --foo-bar can also be set as ELASTIC_FOO_BAR.
 
 
 def _agent(argv: Sequence[str]) -> int:
+    from .fork_server import fork_early
+
+    fork_early()  # first: before anything starts a thread, the template shares the agent's torch import
     from .launch import main
 
     return main(argv)

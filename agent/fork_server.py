@@ -8,6 +8,10 @@ use either the same way; where the template finds a fork unsafe (the CUDA driver
 import, a thread running), it says why and this server hands every call to a pool of
 standbys instead, one per local rank, which need no fork.
 
+The template is normally the agent's own fork, made first thing at its start
+(:func:`fork_early`), so agent and template share one torch import; a replacement, or one
+the agent could not fork safely, is started by exec.
+
 A forked worker is the template's child, not the agent's, so the agent cannot wait for it:
 :class:`ForkedProcess` gives what the agent needs of a ``Popen`` (``pid``, ``poll``,
 ``wait``), its exit code read from the template's reply pipe. Signals go to the pid (or its
@@ -26,16 +30,112 @@ import subprocess
 import sys
 import threading
 import time
+from typing import BinaryIO
 
 from checkpoints.layout import pid_alive
 
-from .fork_template import REPLY_FD_ENV, TEMPLATE_CODE
+from .fork_template import REPLY_FD_ENV, TEMPLATE_CODE, fork_unsafe_reason, serve_forked
 from .warm_start import WarmPool
 from .worker_boot import parse_boot_command
 
 log = logging.getLogger("elastic.agent")
 
 FORK_REPLY_TIMEOUT_S = 10.0  # a fork takes milliseconds; a template this slow is treated as gone
+
+
+class _ForkedTemplate:
+    """A template forked from the agent itself: the part of ``Popen`` the server uses."""
+
+    def __init__(self, pid: int, requests_fd: int, replies_fd: int) -> None:
+        self.pid, self.replies_fd = pid, replies_fd
+        self.stdin: BinaryIO | None = os.fdopen(requests_fd, "wb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone all the same
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["template"], timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+
+_forked_early: _ForkedTemplate | None = None
+# Modules that fix their mode from the environment at import: imported here, before the node's
+# env exists, a forked template would keep the agent's mode (prometheus_client's single-process
+# values would hide every worker metric from /metrics). Where one is, the template is exec'd.
+_READ_ENV_AT_IMPORT = ("prometheus_client",)
+
+
+def fork_early() -> None:
+    """Fork this node's template from the agent now, at its start, so that both share one
+    torch import (about 2 s of CPU per node, the most of a template's cost).
+
+    Called by ``elastic agent`` before anything starts a thread or reads the node's settings;
+    :class:`ForkServer` takes the template over. Nothing is forked where a fork would be
+    unsafe here (then the server starts its template by exec, as it does whenever one is
+    gone), and a template never used exits when the agent does (its requests pipe closes).
+    """
+    global _forked_early
+    import torch  # noqa: F401 - the import the template shares
+
+    if _forked_early is not None or fork_unsafe_reason() or any(m in sys.modules for m in _READ_ENV_AT_IMPORT):
+        return
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    agent_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(requests_w)
+        os.close(replies_r)
+        serve_forked(requests_r, replies_w, agent_pid)  # never returns into the agent's code
+    os.close(requests_r)
+    os.close(replies_w)
+    os.set_blocking(replies_r, False)
+    _forked_early = _ForkedTemplate(pid, requests_w, replies_r)
+
+
+def _take_forked_early() -> _ForkedTemplate | None:
+    global _forked_early
+    template, _forked_early = _forked_early, None
+    return template
+
+
+def discard_early() -> None:
+    """With warm starts off: end the template forked at the start (it is waiting for its env)."""
+    template = _take_forked_early()
+    if template is not None:
+        _end(template)
+
+
+def _end(template: subprocess.Popen[bytes] | _ForkedTemplate) -> None:
+    """Close its requests (it exits at their end); kill one stuck in an import; reap it."""
+    with contextlib.suppress(OSError):
+        if template.stdin is not None:
+            template.stdin.close()
+    try:
+        template.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _kill(template.pid)
+        template.wait()
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a template: its session (it is the leader), or itself if it has none yet."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 class ForkedProcess:
@@ -66,7 +166,7 @@ class ForkServer:
         self.size = size
         self.env = dict(os.environ if env is None else env)  # what a cold worker would start from
         self._lock = threading.Lock()  # the reply pipe is read from the agent's loop and its metrics
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | _ForkedTemplate | None = None
         self._reply_fd: int | None = None
         self._pending = b""
         self._ready = False
@@ -90,7 +190,11 @@ class ForkServer:
             if self._fallback is not None:
                 self._fallback.fill()
             elif self._proc is None or self._template_gone:
-                self._spawn()
+                forked = _take_forked_early() if self._proc is None else None
+                if forked is not None:
+                    self._adopt(forked)
+                else:
+                    self._spawn()
 
     @property
     def full(self) -> bool:
@@ -143,15 +247,7 @@ class ForkServer:
             if self._fallback is not None:
                 self._fallback.close()
             if self._proc is not None:
-                with contextlib.suppress(OSError):
-                    if self._proc.stdin is not None:
-                        self._proc.stdin.close()
-                try:
-                    self._proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self._proc.pid, signal.SIGKILL)
-                    self._proc.wait()
+                _end(self._proc)
             self._pump()  # its last replies: the exits it reaped before leaving
             self._gone()
             if self._reply_fd is not None:
@@ -173,8 +269,7 @@ class ForkServer:
 
     def _spawn(self) -> None:
         if self._proc is not None:  # the template that went away: reap it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+            _kill(self._proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=5)
         reply_r, reply_w = os.pipe()
@@ -189,6 +284,17 @@ class ForkServer:
             os.close(self._reply_fd)
         self._reply_fd, self._pending = reply_r, b""
         self._ready = self._template_gone = False
+
+    def _adopt(self, template: _ForkedTemplate) -> None:
+        """Take over the template forked at the agent's start: its first line is the env."""
+        self._proc, self._reply_fd, self._pending = template, template.replies_fd, b""
+        self._ready = self._template_gone = False
+        try:
+            assert template.stdin is not None
+            template.stdin.write(json.dumps({"env": self.env}).encode() + b"\n")
+            template.stdin.flush()
+        except OSError:
+            self._lost("its request pipe broke")
 
     def _pump(self, wait: float = 0.0) -> None:
         """Read what the template said (waiting up to ``wait`` for a first line)."""
@@ -229,8 +335,7 @@ class ForkServer:
         log.warning("the worker template (pid %s) is gone: %s; starting cold until it is back",
                     self._proc.pid if self._proc else "?", why)
         if self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+            _kill(self._proc.pid)
         self._gone()
 
     def _gone(self) -> None:

@@ -65,21 +65,60 @@ def fork_unsafe_reason() -> str:
 
 
 def main() -> None:
+    """The template started by exec: its environment is the node's already."""
+    warm_worker.title_ready()
     worker_boot.die_with_agent()
+    _preload_and_serve(int(os.environ.pop(REPLY_FD_ENV)))
+
+
+def serve_forked(requests_fd: int, reply_fd: int, agent_pid: int) -> None:
+    """The template forked from the agent at its start (:func:`agent.fork_server.fork_early`),
+    sharing the agent's torch import. Its first request line is the node's environment, which
+    the agent knows only later; the rest of its imports wait for it (prometheus_client reads
+    ``PROMETHEUS_MULTIPROC_DIR`` at import). Never returns into the agent's code: the template
+    leaves through ``os._exit``, and only a forked worker unwinds, to the interpreter's exit."""
+    template_pid = os.getpid()
+    try:
+        warm_worker.title_ready()
+        os.setsid()
+        worker_boot.die_with_agent(agent_pid)
+        os.dup2(requests_fd, 0)
+        os.close(requests_fd)
+        first, rest = b"", b""
+        while b"\n" not in first:
+            data = os.read(0, 1 << 16)
+            if not data:
+                os._exit(0)  # the agent went away, or turned warm starts off
+            first += data
+        first, rest = first.split(b"\n", 1)
+        os.environ.clear()
+        os.environ.update(json.loads(first)["env"])
+        sys.argv = ["-c"]
+        _preload_and_serve(reply_fd, rest)
+    except SystemExit:
+        if os.getpid() != template_pid:
+            raise  # a worker's own end: the interpreter's shutdown, as for any worker
+        os._exit(contract.EXIT_FAILED)
+    except BaseException:  # noqa: BLE001 - the template must never run on in the agent's code
+        traceback.print_exc()
+        os._exit(contract.EXIT_FAILED)
+    os._exit(0)  # it said "unsafe"
+
+
+def _preload_and_serve(reply_fd: int, pending: bytes = b"") -> None:
     modules = os.environ.get(warm_worker.WARM_IMPORTS_ENV)
     warm_worker.preload(modules.split(",") if modules else list(warm_worker.DEFAULT_IMPORTS))
-    reply_fd = int(os.environ.pop(REPLY_FD_ENV))
     unsafe = fork_unsafe_reason()
     if unsafe:
         _say(reply_fd, f"unsafe {unsafe}")
         return
-    Template(reply_fd).serve()
+    Template(reply_fd, pending).serve()
 
 
 class Template:
     """The serving loop: requests in on stdin, children out, their exits back."""
 
-    def __init__(self, reply_fd: int) -> None:
+    def __init__(self, reply_fd: int, pending: bytes = b"") -> None:
         self.reply_fd = reply_fd
         self.pid = os.getpid()  # the children's parent, taken before any fork: not getppid() after
         self.wake_r, self.wake_w = os.pipe()
@@ -87,12 +126,13 @@ class Template:
         os.set_blocking(self.wake_w, False)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake select below
         signal.set_wakeup_fd(self.wake_w)
-        self.pending = b""
+        self.pending = pending
 
     def serve(self) -> None:
         """Until the agent closes stdin. A forked child never returns here: it runs the
         worker to its end and leaves through the interpreter's shutdown or ``os._exit``."""
         _say(self.reply_fd, "ready")
+        self._fork_requested()
         while True:
             readable, _, _ = select.select([0, self.wake_r], [], [])
             if self.wake_r in readable:
@@ -103,9 +143,12 @@ class Template:
                 if not data:  # the agent is done with us; a child still running dies with us
                     os._exit(0)  # nothing to flush, and torch's teardown would hold the agent's exit ~1 s
                 self.pending += data
-                while b"\n" in self.pending:
-                    line, self.pending = self.pending.split(b"\n", 1)
-                    self._fork(json.loads(line))
+                self._fork_requested()
+
+    def _fork_requested(self) -> None:
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            self._fork(json.loads(line))
 
     def _fork(self, request: dict[str, Any]) -> None:
         pid = os.fork()

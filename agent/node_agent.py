@@ -78,7 +78,7 @@ from .policy import (
     stop_signal,
 )
 from .settings import AgentSettings
-from .fork_server import ForkServer
+from .fork_server import ForkServer, discard_early
 from .watchdog import HangWatch
 from .worker_boot import AGENT_PID_ENV
 from .workers import Launch, LocalWorkers
@@ -152,6 +152,8 @@ class NodeAgent(ElasticAgent):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.pool = ForkServer(spec.nproc, env={**os.environ, **self._node_env()}) if settings.warm_start else None
+        if self.pool is None:
+            discard_early()
         if self.pool is not None:
             self.pool.fill()  # the template imports torch while the first rendezvous runs
         self.workers = LocalWorkers(logs_specs, spec.role, self.pool, spec.numa_options,

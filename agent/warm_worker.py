@@ -21,16 +21,17 @@ import contextlib
 import importlib
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any
 
 from elastic import contract
-from elastic.metrics.worker import STARTED_AT_ENV
 
 from . import worker_boot
 
 WARM_IMPORTS_ENV = contract.WARM_IMPORTS_ENV
+STARTED_AT_ENV = contract.WORKER_STARTED_AT_ENV  # not elastic.metrics': it would import prometheus_client
 READY_FD_ENV = contract.STANDBY_READY_FD_ENV
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")
@@ -62,6 +63,7 @@ def become(spec: dict[str, Any], parent_pid: int | None = None) -> None:
         _redirect(2, spec["stderr"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
     sys.stdout.reconfigure(write_through=True)  # python -u, as every agent worker runs
     sys.stderr.reconfigure(write_through=True)
+    _show_as_worker(spec)
     _apply_thread_count()
     worker_boot.prepare(parent_pid)
     worker_boot.run(spec)
@@ -76,6 +78,27 @@ def _redirect(fd: int, path: str, flags: int) -> None:
     os.close(opened)
 
 
+def title_ready() -> None:
+    """setproctitle finds the memory it rewrites (argv's, then environ's) at its first call,
+    and finds none once the environment has been cleared: call it first thing."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.getproctitle()
+
+
+def _show_as_worker(spec: dict[str, Any]) -> None:
+    """What ``ps`` shows: the command a cold worker runs, not the standby's or the agent's
+    (a forked template's children inherit its command line)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    target = ["-m", spec["module"]] if spec.get("module") else [spec["script"]]
+    setproctitle.setproctitle(shlex.join([sys.executable, "-u", *target, *spec["args"]]))
+
+
 def _apply_thread_count() -> None:
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0 and "torch" in sys.modules:
@@ -85,6 +108,7 @@ def _apply_thread_count() -> None:
 
 
 def main() -> None:
+    title_ready()
     worker_boot.die_with_agent()
     modules = os.environ.get(WARM_IMPORTS_ENV)
     preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))

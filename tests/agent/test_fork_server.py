@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 from agent.fork_server import ForkServer, ForkedProcess
 from agent.proctree import process_tree
 from agent.worker_boot import boot_command
+from checkpoints.layout import pid_alive
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts a template
@@ -36,7 +38,8 @@ import numpy
 print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "rank": os.environ.get("RANK"),
                   "torch_preloaded": "torch" in sys.modules, "started_at": os.environ.get("ELASTIC_WORKER_STARTED_AT"),
                   "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "random": random.random(),
-                  "numpy": float(numpy.random.random())}), flush=True)
+                  "numpy": float(numpy.random.random()),
+                  "ps": open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode()}), flush=True)
 if os.environ.get("HANG"):
     import time
     time.sleep(600)
@@ -94,6 +97,7 @@ def test_a_forked_worker_runs_the_script_with_torchruns_argv_env_and_logs_in_its
     assert seen["path0"] == str(tmp_path / "job")  # as `python train.py` sets it
     assert seen["rank"] == "3" and seen["torch_preloaded"] is True and seen["pid"] == proc.pid
     assert seen["sid"] == proc.pid  # its own session: the agent signals it and its children together
+    assert f"{PY} -u {script} --lr 0.1" in seen["ps"]  # what `ps` shows: the worker's command, not the template's
     assert given_at <= float(seen["started_at"]) <= time.time()
 
 
@@ -180,5 +184,65 @@ def test_other_commands_start_cold_and_close_leaves_no_process(server: ForkServe
     started = set(process_tree(os.getpid())) - before
     assert len(started) == 2  # the template and its worker
     server.close()  # the agent stops its workers first; one left behind dies with the template
-    wait_until(lambda: not (started & set(process_tree(os.getpid()))), 30, "the template and its worker to exit")
+    wait_until(lambda: hung.poll() is not None, 30, "the worker to die with its template")
     assert hung.poll() == -signal.SIGKILL
+    assert not [pid for pid in started if pid_alive(pid)]
+
+
+DRIVER = """\
+import json, os, sys
+from agent.fork_server import ForkServer, fork_early
+from agent.worker_boot import boot_command
+fork_early()  # as `elastic agent` does first: the template shares this process's torch import
+node_env = {**os.environ, "NODE_ONLY": "from the agent's node env", "PROMETHEUS_MULTIPROC_DIR": sys.argv[3]}
+server = ForkServer(1, env=node_env)
+server.fill()
+import time
+deadline = time.monotonic() + 120
+while server.ready_count() < 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
+out = sys.argv[2]
+proc = server.take(boot_command(sys.executable, sys.argv[1], [], module=False),
+                   {**server.env, "RANK": "5"}, out, out + ".err")
+code = proc.wait(timeout=60) if proc is not None else None
+print(json.dumps({"agent": os.getpid(), "forked": type(proc).__name__, "code": code}), flush=True)
+server.close()
+"""
+
+WORKER = """\
+import json, os, sys
+template = os.getppid()
+with open(f"/proc/{template}/stat") as stat:
+    template_parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+with open(f"/proc/{template}/cmdline", "rb") as cmdline:
+    template_command = cmdline.read().replace(b"\\0", b" ").decode().strip()
+print(json.dumps({"node_only": os.environ.get("NODE_ONLY"), "rank": os.environ.get("RANK"),
+                  "torch_preloaded": "torch" in sys.modules, "sid": os.getsid(0), "pid": os.getpid(),
+                  "template_parent": template_parent, "template_command": template_command,
+                  "metrics_mode": __import__("prometheus_client.values").values.ValueClass.__name__,
+                  "metrics_preloaded": "prometheus_client" in sys.modules,
+                  "ps": open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode()}), flush=True)
+"""
+
+
+def test_a_template_forked_from_the_agent_takes_the_node_env_and_forks_workers(tmp_path: Path) -> None:
+    (tmp_path / "driver.py").write_text(DRIVER)
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "worker.out"
+    root = str(Path(__file__).resolve().parents[2])
+    (tmp_path / "metrics").mkdir()
+    argv = [PY, str(tmp_path / "driver.py"), str(tmp_path / "worker.py"), str(out), str(tmp_path / "metrics")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})  # the template dies with it (PDEATHSIG)
+    assert done.returncode == 0, done.stderr
+    agent = json.loads(done.stdout.strip().splitlines()[-1])
+    assert agent["forked"] == "ForkedProcess" and agent["code"] == 0
+    seen = json.loads(out.read_text())
+    assert seen["node_only"] == "from the agent's node env" and seen["rank"] == "5"
+    assert seen["torch_preloaded"] is True and seen["sid"] == seen["pid"]
+    # the template is the agent's own fork (its command line, its child), not a new interpreter
+    assert seen["template_parent"] == agent["agent"]
+    assert seen["template_command"] == " ".join(argv)
+    assert f"{PY} -u {tmp_path / 'worker.py'}" in seen["ps"]  # not the agent's command line
+    # imported after the node's env arrived: prometheus_client in multiprocess mode, as the agent's /metrics needs
+    assert seen["metrics_preloaded"] is True and seen["metrics_mode"] == "MmapedValue"
