@@ -175,7 +175,7 @@ class GoodputAccountant:
         self.notes = notes_prefix(handler.options.key_prefix, handler.run_id) if handler else ""
         self.record = Account()
         self.revision = 0  # the record's mod revision in etcd; 0: none yet
-        self._pending: list[Interval] = []  # this agent's own intervals (a restart of rank 0)
+        self._pending: list[Interval] = []  # not yet written: its own (a restart of rank 0), rank 0's beats
         self._beats = _Beats()
         self._last_push = 0.0
         self._retry_at = 0.0
@@ -237,6 +237,9 @@ class GoodputAccountant:
         if now < self._retry_at and not force:
             return
         intervals, beat = self._gather(workers, rank_base)
+        if beat is not None:  # held until written: the next beat's interval starts where this one ends,
+            self._pending.append(intervals[-1])  # so a push that waits cannot stretch the start-up over steps
+            self._beats.counted_to, self._beats.first = beat.time, False
         counted = self.record.to if self.record.to is not None else float("-inf")
         if not intervals or max(iv.end for iv in intervals) <= counted:
             self._pending = []  # everything there is was counted already (by someone)
@@ -249,8 +252,6 @@ class GoodputAccountant:
         self._last_push = now
         if self._write(intervals):
             self._pending = []
-            if beat is not None:
-                self._beats.counted_to, self._beats.first = beat.time, False
 
     def _gather(self, workers: Mapping[int, int], rank_base: int) -> tuple[list[Interval], Beat | None]:
         intervals = list(self._pending)

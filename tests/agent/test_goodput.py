@@ -199,6 +199,10 @@ def test_a_kill_on_the_restart_path_costs_detection_rendezvous_start_restore_and
     start = rows[0]["time"] - rows[0].get("step_seconds", 0.0)
     # The survivor's worker is stopped by SIGTERM; the marks it last wrote can trail its last
     # row by a step and one agent tick (65-70 ms seen on a loaded machine, over 2 % of a
-    # 2.6 s run). Never longer than the rows, never short by more than that.
+    # 2.6 s run). Nor can they run ahead of the rows by more than one step: a plain script's
+    # beat comes from its optimizer step, and the SIGTERM may land before that step's row
+    # (24 ms over a 0.94 s run seen, once a restarted worker was forked in milliseconds).
     rows_wall = rows[-1]["time"] - start
-    assert rows_wall - 0.25 <= account.wall <= rows_wall * 1.02, (account, rows[0], rows[-1])
+    alone = [row["time"] for row in rows if row["world_size"] == 1]  # the survivor's steps, one after another
+    one_step = max(later - earlier for earlier, later in zip(alone, alone[1:]))
+    assert rows_wall - 0.25 <= account.wall <= rows_wall * 1.02 + one_step + 0.005, (account, rows[0], rows[-1])

@@ -58,8 +58,9 @@ def handler(etcd_client: EtcdClient, run_id: str) -> Iterator[Handler]:
 
 def accountant(handler: Handler, tmp_path: Path, node: str, **kw: Any) -> GoodputAccountant:
     (tmp_path / node / "heartbeat").mkdir(parents=True)
+    kw.setdefault("push_every", 0.0)
     return GoodputAccountant(node, tmp_path / node / "goodput", tmp_path / node / "heartbeat", CollectorRegistry(),
-                             handler, push_every=0.0, **kw)  # type: ignore[arg-type]
+                             handler, **kw)  # type: ignore[arg-type]
 
 
 def report(acc: GoodputAccountant, rows: list[tuple[float | None, float, str, int | None]], rank: int = 0,
@@ -164,6 +165,45 @@ def test_a_plain_scripts_heartbeats_are_its_steps(handler: Handler, tmp_path: Pa
     record = record_of(handler)
     assert record.productive > 0 and record.lost["worker_start"] == 0 and record.faults == ()
     assert record.high_water == (5 if kind == JOB_STEP else -1)
+
+
+def test_a_plain_scripts_steps_after_a_fast_restart_are_not_start_up_while_the_push_waits(
+        handler: Handler, tmp_path: Path) -> None:
+    """A worker forked from the template beats within a second of its restart, before the
+    accountant may push again: its start-up ends at its first beat all the same, and what
+    follows is ``unknown`` (a plain script's redone steps cannot be told from new ones)."""
+    now = [1000.0]
+    acc = accountant(handler, tmp_path, "a", push_every=60.0, clock=lambda: now[0])
+    beat = Heartbeat(acc.heartbeat_dir / "rank-0")
+    pid = os.getpid()
+    acc.workers_started(time.time())
+    for step in (1, 2):  # the job's first steps: its clock starts
+        time.sleep(0.05)
+        beat.beat(step, LOCAL_COUNT)
+        acc.tick({0: pid}, rank_base=0, force=True)
+    productive = record_of(handler).productive
+    assert productive > 0
+    time.sleep(0.05)  # b is lost; a acts, then the rendezvous
+    acted = time.time()
+    time.sleep(0.05)
+    started = time.time()
+    acc.restarted("peer_lost", ("b",), acted_at=acted, rendezvous_done=started)
+    acc.workers_started(started)
+    acc.tick({0: pid}, rank_base=0)  # the fault is news: pushed at once
+    wait_until(lambda: acc.tick({}, rank_base=0) or acc.record.faults, 10, "the fault back through the mirror")
+    time.sleep(0.05)
+    beat.beat(1, LOCAL_COUNT)
+    first = time.time()
+    acc.tick({0: pid}, rank_base=0)  # within push_every of the last push: held
+    for step in range(2, 6):
+        time.sleep(0.05)
+        beat.beat(step, LOCAL_COUNT)
+        acc.tick({0: pid}, rank_base=0)
+    acc.tick({0: pid}, rank_base=0, force=True)  # as at the agent's stop
+    record = record_of(handler)
+    (fault,) = record.faults
+    assert fault.phases["worker_start"] == pytest.approx(first - started, abs=0.02)
+    assert record.lost["unknown"] >= 0.15 and record.productive == productive
 
 
 def test_what_a_plain_scripts_step_was() -> None:
