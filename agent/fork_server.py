@@ -197,6 +197,11 @@ class ForkServer:
                     self._spawn()
 
     @property
+    def template_pid(self) -> int | None:
+        """The running template's pid (every forked worker's parent), or None."""
+        return self._proc.pid if self._proc is not None and not self._template_gone else None
+
+    @property
     def full(self) -> bool:
         if self._fallback is not None:
             return self._fallback.full
@@ -322,6 +327,7 @@ class ForkServer:
         elif word == "started":
             request_id, pid = rest.split()
             self._started[int(request_id)] = int(pid)
+            self._exits.pop(int(pid), None)  # an earlier child's, whose pid the kernel gave out again
         elif word == "exited":
             pid, code = rest.split()
             self._exits[int(pid)] = int(code)

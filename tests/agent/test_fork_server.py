@@ -47,8 +47,19 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 """
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[ForkServer]:
+    """One template for the tests that neither kill nor close it (each start costs it a fork)."""
+    server = ForkServer(2)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture
 def server() -> Iterator[ForkServer]:
+    """A template of the test's own, for those that kill or close it."""
     server = ForkServer(2)
     try:
         yield server
@@ -62,22 +73,16 @@ def ready(server: ForkServer) -> None:
 
 
 def template_pid(server: ForkServer) -> int:
-    template = [pid for pid in process_tree(os.getpid())[1:] if "agent.fork_template" in _cmdline(pid)]
-    assert len(template) == 1, f"one template expected, found {template}"
-    return template[0]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    pid = server.template_pid
+    assert pid is not None and pid in process_tree(os.getpid()), "no live template of this server"
+    return pid
 
 
 def start(server: ForkServer, tmp_path: Path, name: str, **env: str) -> tuple[ForkedProcess, Path, Path]:
     script = tmp_path / "job" / "train.py"
-    script.parent.mkdir(exist_ok=True)
-    script.write_text(PROBE)
+    if not script.exists():  # written once: rewriting it would truncate it under a worker reading it
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(PROBE)
     out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     proc = server.take(boot_command(PY, str(script), ["--lr", "0.1"], module=False), {**os.environ, **env},
                        str(out), str(err))
@@ -86,10 +91,10 @@ def start(server: ForkServer, tmp_path: Path, name: str, **env: str) -> tuple[Fo
 
 
 def test_a_forked_worker_runs_the_script_with_torchruns_argv_env_and_logs_in_its_own_session(
-        server: ForkServer, tmp_path: Path) -> None:
-    ready(server)
+        shared: ForkServer, tmp_path: Path) -> None:
+    ready(shared)
     given_at = time.time()
-    proc, out, _ = start(server, tmp_path, "w", RANK="3")
+    proc, out, _ = start(shared, tmp_path, "w", RANK="3")
     assert proc.wait(timeout=60) == 0
     seen = json.loads(out.read_text())
     script = str(tmp_path / "job" / "train.py")
@@ -102,25 +107,25 @@ def test_a_forked_worker_runs_the_script_with_torchruns_argv_env_and_logs_in_its
 
 
 def test_one_template_serves_every_start_and_each_worker_draws_its_own_random_numbers(
-        server: ForkServer, tmp_path: Path) -> None:
-    ready(server)
-    template = template_pid(server)
-    runs = [start(server, tmp_path, f"w{i}", RANK=str(i)) for i in range(4)]
+        shared: ForkServer, tmp_path: Path) -> None:
+    ready(shared)
+    template = template_pid(shared)
+    runs = [start(shared, tmp_path, f"w{i}", RANK=str(i)) for i in range(4)]
     assert [proc.wait(timeout=60) for proc, _, _ in runs] == [0, 0, 0, 0]
     seen = [json.loads(out.read_text()) for _, out, _ in runs]
     assert {s["ppid"] for s in seen} == {template}  # no import per start: all forked from the one template
     assert len({s["random"] for s in seen}) == 4, "forked workers share Python's random state"
     assert len({s["numpy"] for s in seen}) == 4, "forked workers share NumPy's random state"
-    assert template_pid(server) == template
+    assert template_pid(shared) == template
 
 
-def test_exit_codes_and_signals_reach_the_agent_and_a_failure_exits_at_once(server: ForkServer,
+def test_exit_codes_and_signals_reach_the_agent_and_a_failure_exits_at_once(shared: ForkServer,
                                                                            tmp_path: Path) -> None:
-    ready(server)
-    proc, _, _ = start(server, tmp_path, "usage", EXIT_CODE="2")
+    ready(shared)
+    proc, _, _ = start(shared, tmp_path, "usage", EXIT_CODE="2")
     assert proc.wait(timeout=60) == 2  # the agent's "usage error, do not restart" code survives
 
-    hung, out, _ = start(server, tmp_path, "hung", HANG="1")
+    hung, out, _ = start(shared, tmp_path, "hung", HANG="1")
     wait_until(lambda: out.exists() and out.read_text(), 60, "the worker to start")
     assert hung.poll() is None
     os.killpg(hung.pid, signal.SIGKILL)  # as LocalWorkers.stop ends a worker
@@ -130,7 +135,7 @@ def test_exit_codes_and_signals_reach_the_agent_and_a_failure_exits_at_once(serv
     script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
                       "raise RuntimeError('Connection closed by peer')\n")
     out, err = tmp_path / "boom.out", tmp_path / "boom.err"
-    proc = server.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
+    proc = shared.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
     assert proc is not None and proc.wait(timeout=60) == 1
     assert "RuntimeError: Connection closed by peer" in err.read_text()
     assert out.read_text() == "atexit ran\n"  # a snapshot writer's atexit flush still happens
@@ -246,3 +251,15 @@ def test_a_template_forked_from_the_agent_takes_the_node_env_and_forks_workers(t
     assert f"{PY} -u {tmp_path / 'worker.py'}" in seen["ps"]  # not the agent's command line
     # imported after the node's env arrived: prometheus_client in multiprocess mode, as the agent's /metrics needs
     assert seen["metrics_preloaded"] is True and seen["metrics_mode"] == "MmapedValue"
+
+
+def test_a_pid_given_out_again_is_not_taken_for_its_predecessors_exit() -> None:
+    """The kernel reuses pids (pid_max is 32768 here): a worker forked with the pid of one
+    that exited long ago must not read as exited at once. The template's lines arrive in
+    order: the old child's exit, then the new child's start."""
+    server = ForkServer(1)
+    for line in ("exited 4321 0", "started 7 4321"):
+        server._heard(line)
+    assert server.exit_code(4321) is None
+    server._heard("exited 4321 3")
+    assert server.exit_code(4321) == 3
