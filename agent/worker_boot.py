@@ -35,9 +35,11 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Sequence
 
 from elastic import contract
+from elastic.atomic_file import write_atomically
 
 BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker_boot import main; main()"
 AGENT_PID_ENV = contract.AGENT_PID_ENV
@@ -133,9 +135,8 @@ def record_error(exc: BaseException) -> None:
         return
     data = {"message": {"message": f"{type(exc).__name__}: {exc}",
                         "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+    try:  # whole or not at all: the agent may read it while a SIGKILL ends us mid-write
+        write_atomically(Path(path), json.dumps(data).encode())
     except OSError:
         pass  # the traceback above is still in the worker's log
 

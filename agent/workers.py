@@ -218,8 +218,7 @@ class LocalWorkers:
         for rank, worker in self.workers.items():
             code = worker.exit_code()
             if code not in (None, 0):
-                out[rank] = ProcessFailure(local_rank=rank, pid=worker.pid, exitcode=int(code),
-                                           error_file=worker.error_file or os.devnull)
+                out[rank] = _failure(rank, worker.pid, int(code), worker.error_file or os.devnull)
         return out
 
     def send(self, sig: int, ranks: list[int] | None = None) -> None:
@@ -282,6 +281,17 @@ class LocalWorkers:
     def forget(self, ranks: list[int] | None = None) -> None:
         for rank in (ranks if ranks is not None else list(self.workers)):
             self.workers.pop(rank, None)
+
+
+def _failure(rank: int, pid: int, code: int, error_file: str) -> ProcessFailure:
+    """torch's ``ProcessFailure``, which parses the error file and raises on a torn one (a
+    script's own ``@record`` writes it in place, and a SIGKILL may end that write): the
+    agent must go on, without the message, rather than crash on a dead worker's file."""
+    try:
+        return ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=error_file)
+    except (ValueError, KeyError, TypeError):
+        log.warning("worker pid %d left a torn error file %s; reporting its exit code only", pid, error_file)
+        return ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=os.devnull)
 
 
 def _bootstrapped(launch: Launch | None) -> bool:

@@ -1,0 +1,46 @@
+"""A worker's error file: written whole by the bootstrap, and never the agent's undoing.
+
+The agent reads a failed worker's error file through torch's ``ProcessFailure``, which
+raises on a file it cannot parse. A script's own ``@record`` writes that file in place, and
+a SIGKILL can end the write halfway; an agent that crashed on it took its node down with
+the worker (seen in ``elastic local`` under load: ``JSONDecodeError`` after a freeze).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+from agent.worker_boot import record_error
+from agent.workers import COLD, LocalWorkers, Worker, _Warm
+
+
+@pytest.mark.slow  # starts a process (a real one that failed, no torch)
+@pytest.mark.parametrize("torn", ["", '{"message": {"mess'])
+def test_a_torn_error_file_is_reported_as_the_exit_code_alone(torn: str, tmp_path: Path) -> None:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(torn)  # a script's own @record, cut off
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    proc.wait(timeout=30)
+    workers = LocalWorkers(DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    workers.workers[0] = Worker(0, _Warm(proc), COLD, str(error_file))
+    (failure,) = workers.failures().values()  # torch's ProcessFailure raised here on such a file
+    assert (failure.pid, failure.exitcode) == (proc.pid, 3)
+
+
+def test_the_bootstrap_writes_the_error_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("Connection closed by peer")
+    except RuntimeError as exc:
+        record_error(exc)
+    data = json.loads(error_file.read_text())
+    assert data["message"]["message"] == "RuntimeError: Connection closed by peer"
+    assert os.listdir(tmp_path) == ["error.json"]  # renamed into place: no temporary left beside it
