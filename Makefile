@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-parallel test-fast venv clean
+.PHONY: demo test test-serial test-fast venv clean
 
 venv: $(STAMP)
 
@@ -18,17 +18,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Serial: on 2
-# cores the suite is CPU-bound, so two workers saved a sixth and made the load timing-prone
-# (docs/BENCHMARKS.md). `make test-parallel` is the same on two xdist workers, the files of
-# three or more nodes one after another on one of them (tests/conftest.py).
+# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two pytest-xdist
+# workers: the files of three or more nodes one after another on one of them, every other
+# file on the other (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 15 min,
+# against 29 serially; three workers were slower (17 min) and load-prone. Since workers are
+# forked from a pre-imported template, the suite no longer saturates 2 cores.
+# `make test-serial` runs one test at a time.
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider
-
-test-parallel: $(STAMP)
-	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+
+test-serial: $(STAMP)
+	sh deploy/prometheus/ensure-prometheus.sh
+	$(PY) -m pytest -q -p no:cacheprovider
 
 # Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
 # marks the rest slow, and fails a test here that starts a process anyway).

@@ -38,7 +38,7 @@ SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes",
 FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 
 
-# `make test-parallel` runs on two pytest-xdist workers: each file is one unit, as under --dist
+# `make test` runs on two pytest-xdist workers: each file is one unit, as under --dist
 # loadfile (module fixtures stay shared), except these files of three or more real nodes,
 # which are one unit together (tests/support/schedule.py). They run one after another on one worker, about
 # half the suite's time, while the other worker takes every other file, slow ones first.
