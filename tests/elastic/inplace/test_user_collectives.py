@@ -189,7 +189,12 @@ def test_a_joiner_running_its_own_init_process_group_does_not_hang_and_is_healed
 ) -> None:
     group = [start(nodes, name, etcd_server, run_id, tmp_path, "1:2", OWN_GROUP="1") for name in ("a", "b")]
     train_together(group, tmp_path, 2, steps=6)
-    assert all(events(n, tmp_path, "own_group")[0]["world"] == 2 for n in group)
+    for n in group:  # the script's own init_process_group saw the world the node first trained in
+        first, trained = events(n, tmp_path, "own_group")[0], rows(n, tmp_path)[0]["world_size"]
+        # Both in the first round: a world of 2. Under load one node may form it alone (the
+        # other came after its one-second last call) and the other then joins as a joiner,
+        # whose set-up world is one of its own until its first batch (seen on 3 xdist workers).
+        assert (first["world"], first["setup"]) in ((trained, ""), (1, "1")), (n.name, first, trained)
     victim, survivor, pid, killed_at = kill_rank_0(group, tmp_path)
     train_together([survivor], tmp_path, 1, steps=3, after=killed_at, timeout=60)
     back_at = time.time()
