@@ -87,9 +87,13 @@ def test_the_objects_and_the_flat_keywords_train_the_same_run(world_of_one: None
                   ledger=tmp_path / "flat.jsonl", collate_fn=as_batch)
     assert all(torch.equal(a, b) for a, b in zip(grouped, flat))
     assert len((tmp_path / "grouped.jsonl").read_text().splitlines()) == 6
-    kept = sorted(p.name for p in (tmp_path / "grouped").iterdir() if p.name.startswith("step-"))
-    assert len(kept) == 2 and kept[-1] == "step-000000000006"  # keep=2 (3 snapshots were due: steps 2, 4, 6)
-    assert kept == sorted(p.name for p in (tmp_path / "flat").iterdir() if p.name.startswith("step-"))
+    for run in ("grouped", "flat"):  # keep=2 of the snapshots due at steps 2, 4 and 6, the last one always
+        kept = sorted(p.name for p in (tmp_path / run).iterdir() if p.name.startswith("step-"))
+        # Step 4's is skipped when step 2's is still being written (the writer's 'skip' policy:
+        # these steps take a millisecond), so the older one kept is step 2's or step 4's.
+        assert len(kept) == 2 and kept[-1] == "step-000000000006", (run, kept)
+        assert kept[0] in ("step-000000000002", "step-000000000004"), (run, kept)
+
 
 def test_a_bad_setting_ends_the_run_with_one_error_line_and_exit_2_before_touching_the_snapshot_dir(
         world_of_one: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
