@@ -63,12 +63,17 @@ class _ForkedTemplate:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(["template"], timeout or 0.0)
-            time.sleep(0.01)
-        return code
+        return _wait(self, ["template"], timeout)
+
+
+def _wait(process: _ForkedTemplate | ForkedProcess, args: list[str], timeout: float | None) -> int:
+    """``Popen.wait`` for a process this agent learns the end of by polling, not by waiting."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (code := process.poll()) is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(args, timeout or 0.0)
+        time.sleep(0.01)
+    return code
 
 
 _forked_early: _ForkedTemplate | None = None
@@ -151,12 +156,7 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(list(self.args), timeout or 0.0)
-            time.sleep(0.01)
-        return code
+        return _wait(self, list(self.args), timeout)
 
 
 class ForkServer:
@@ -205,7 +205,7 @@ class ForkServer:
     def full(self) -> bool:
         if self._fallback is not None:
             return self._fallback.full
-        return self._proc is not None and not self._template_gone
+        return self.template_pid is not None
 
     def ready_count(self) -> int:
         """Local ranks that can start warm now: all of them once the template is ready."""

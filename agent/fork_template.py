@@ -106,8 +106,7 @@ def serve_forked(requests_fd: int, reply_fd: int, agent_pid: int) -> None:
 
 
 def _preload_and_serve(reply_fd: int, pending: bytes = b"") -> None:
-    modules = os.environ.get(warm_worker.WARM_IMPORTS_ENV)
-    warm_worker.preload(modules.split(",") if modules else list(warm_worker.DEFAULT_IMPORTS))
+    warm_worker.preload_configured()
     unsafe = fork_unsafe_reason()
     if unsafe:
         _say(reply_fd, f"unsafe {unsafe}")

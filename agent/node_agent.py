@@ -152,10 +152,10 @@ class NodeAgent(ElasticAgent):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.pool = ForkServer(spec.nproc, env={**os.environ, **self._node_env()}) if settings.warm_start else None
-        if self.pool is None:
-            discard_early()
         if self.pool is not None:
             self.pool.fill()  # the template imports torch while the first rendezvous runs
+        else:
+            discard_early()  # the template forked at the agent's start, never to be used
         self.workers = LocalWorkers(logs_specs, spec.role, self.pool, spec.numa_options,
                                     on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
         self.group_rank = self.group_world = 0

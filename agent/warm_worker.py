@@ -38,6 +38,12 @@ DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.opt
 STANDBY_CODE = "import sys; sys.path.pop(0); from agent.warm_worker import main; main()"
 
 
+def preload_configured() -> None:
+    """What ``ELASTIC_WARM_IMPORTS`` names, or :data:`DEFAULT_IMPORTS` (standby and template)."""
+    modules = os.environ.get(WARM_IMPORTS_ENV)
+    preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))
+
+
 def preload(modules: list[str]) -> None:
     """Import what every worker imports; a module that is missing or fails is skipped
     (the worker imports it again and reports the error itself, with its own traceback)."""
@@ -110,8 +116,7 @@ def _apply_thread_count() -> None:
 def main() -> None:
     title_ready()
     worker_boot.die_with_agent()
-    modules = os.environ.get(WARM_IMPORTS_ENV)
-    preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))
+    preload_configured()
     ready_fd = os.environ.pop(READY_FD_ENV, "")
     if ready_fd.isdigit():  # tell the pool the imports are done (one byte, then EOF)
         with contextlib.suppress(OSError):

@@ -47,24 +47,24 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 """
 
 
-@pytest.fixture(scope="module")
-def shared() -> Iterator[ForkServer]:
-    """One template for the tests that neither kill nor close it (each start costs it a fork)."""
+def _closed_after() -> Iterator[ForkServer]:
     server = ForkServer(2)
     try:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[ForkServer]:
+    """One template for the tests that neither kill nor close it (each start costs it a fork)."""
+    yield from _closed_after()
 
 
 @pytest.fixture
 def server() -> Iterator[ForkServer]:
     """A template of the test's own, for those that kill or close it."""
-    server = ForkServer(2)
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _closed_after()
 
 
 def ready(server: ForkServer) -> None:
