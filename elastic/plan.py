@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .distributed import ElasticRunError
 from .run_config import DataConfig
 from .sampler import ElasticSampler, split_sizes
 
@@ -59,7 +60,7 @@ class DataPlan:
         config = config or DataConfig()
         self.dataset, self.global_batch_size, self.batch_policy = dataset, global_batch_size, config.batch_policy
         self.per_rank_batch_size, self.num_workers = config.per_rank_batch_size, config.num_workers
-        self.collate_fn = config.collate_fn
+        self.collate_fn, self.pin_memory = config.collate_fn, config.pin_memory
         self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
         self.scale_lr = True  # fixed-per-rank: the linear scaling rule (elastic.prepare turns it off)
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
@@ -75,13 +76,15 @@ class DataPlan:
             return 1.0
         return self.batch_size(world_size) / self.global_batch_size
 
-    def batches(self, rank: int, world_size: int, pin_memory: bool) -> Iterator[tuple[Any, list[int], int]]:
-        """This rank's batches for the rest of the current epoch: (batch, global ids, local n)."""
+    def batches(self, rank: int, world_size: int, on_cuda: bool) -> Iterator[tuple[Any, list[int], int]]:
+        """This rank's batches for the rest of the current epoch: (batch, global ids, local n).
+        Pinned when training on CUDA unless the config says not to."""
         size = self.batch_size(world_size)
+        pin = on_cuda and self.pin_memory is not False
         loader = DataLoader(self.dataset, batch_sampler=_LocalBatches(self.sampler.order(), self.sampler.cursor,
                                                                       size, rank, world_size),
-                            num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=pin_memory)
-        for batch in loader:
+                            num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=pin)
+        for batch in _pinned_or_why(loader, pin):
             ids = self.sampler.global_batch(size)  # the loader's batch is this rank's share of these
             start, stop = self.sampler.local_range(len(ids), rank, world_size)
             yield batch, ids, stop - start
@@ -107,3 +110,19 @@ class DataPlan:
     def load_recent(self, rows: list[list[Any]]) -> None:
         self.recent = deque((StepRecord(int(s), int(e), int(w), tuple(int(i) for i in ids)) for s, e, w, ids in rows),
                             maxlen=RECENT_STEPS)
+
+
+def _pinned_or_why(loader: DataLoader[Any], pin: bool) -> Iterator[Any]:
+    """The loader's batches; a dataset that yields CUDA tensors into a pinning loader gets one
+    line saying how to fix it instead of the DataLoader's own "cannot pin" error."""
+    if not pin:
+        yield from loader
+        return
+    try:
+        yield from loader
+    except RuntimeError as exc:
+        if "cannot pin" not in str(exc):
+            raise
+        raise ElasticRunError("the dataset yields tensors that are already on the GPU, which cannot be pinned: "
+                              "give DataLoader(pin_memory=False) (the prepare API keeps it) or "
+                              "ElasticRun(pin_memory=False)") from exc

@@ -144,7 +144,7 @@ class Elastic:
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any] | Dataset[Any],
                 *extras: Any) -> tuple[Any, ...]:
         """``(model, optimizer, loader, *extras)``, wrapped, in the order given. ``data`` is the
-        script's DataLoader (its dataset, batch size, collate_fn and num_workers are kept; its
+        script's DataLoader (its dataset, batch size, collate_fn, num_workers and pin_memory are kept; its
         sampler is replaced by the run's) or a dataset (then give ``Elastic(batch_size=)``).
         ``extras``: LR schedulers and at most one ``GradScaler``, in any order."""
         if self._run is not None:
@@ -159,21 +159,22 @@ class Elastic:
                        f"not {type(sched).__name__}")
         if _has_scheduler(optimizer) and not schedulers:
             _usage(_UNPREPARED_SCHEDULER)
-        dataset, per_rank, collate_fn, num_workers, replaced = _loader_settings(data, self.batch_size)
+        dataset, per_rank, collate_fn, num_workers, pin, replaced = _loader_settings(data, self.batch_size)
         kwargs = dict(self.run_kwargs)
         self.dataset = dataset
         if self.accumulate > 1:
             dataset, collate_fn = MicroBatches(dataset, collate_fn or default_collate, per_rank), _as_is
         num_workers = kwargs.pop("num_workers", num_workers)
         collate_fn = kwargs.pop("collate_fn", collate_fn)
+        pin = kwargs.pop("pin_memory", pin)
         if self.global_batch_size is not None:
             kwargs.update(global_batch_size=self.global_batch_size,
-                          data=DataConfig(num_workers=num_workers, collate_fn=collate_fn))
+                          data=DataConfig(num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin))
         else:
             step_share = per_rank * self.accumulate  # a step is this rank's micro-batches together
             kwargs.update(global_batch_size=step_share, data=DataConfig(
                 batch_policy="fixed-per-rank", per_rank_batch_size=step_share, num_workers=num_workers,
-                collate_fn=collate_fn))
+                collate_fn=collate_fn, pin_memory=pin))
         epochs = self.epochs_target if self.epochs_target is not None or self.steps_target is not None \
             else _UNTIL_EPOCHS
         self._run = ElasticRun(model, optimizer, dataset, snapshot_dir=self.snapshot_dir, steps=self.steps_target,
@@ -382,26 +383,27 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-def _loader_settings(data: Any, batch_size: int | None) -> tuple[Dataset[Any], int, Any, int, str]:
-    """(dataset, per-rank batch size, collate_fn, num_workers, the sampler replaced or '')."""
+def _loader_settings(data: Any, batch_size: int | None) -> tuple[Dataset[Any], int, Any, int, bool | None, str]:
+    """(dataset, per-rank batch size, collate_fn, num_workers, pin_memory, the sampler replaced or '').
+    pin_memory is the loader's own (a plain DataLoader does not pin); None for a bare dataset."""
     if isinstance(data, DataLoader):
         if data.batch_size is None:
             if batch_size is None:
                 _usage("the DataLoader has a batch_sampler of its own: give Elastic(batch_size=N) (per rank); "
                        "the run's elastic sampler decides which samples each rank takes")
         per_rank = batch_size or int(data.batch_size)  # type: ignore[arg-type]
-        dataset, collate_fn, num_workers = data.dataset, data.collate_fn, data.num_workers
+        dataset, collate_fn, num_workers, pin = data.dataset, data.collate_fn, data.num_workers, bool(data.pin_memory)
         replaced = type(data.sampler).__name__ if data.batch_size is not None else type(data.batch_sampler).__name__
     else:
         if batch_size is None:
             _usage("ft.prepare(model, optimizer, dataset) needs Elastic(batch_size=N) (per rank), or pass a DataLoader")
-        per_rank, dataset, collate_fn, num_workers, replaced = int(batch_size), data, None, 0, ""  # type: ignore[arg-type]
+        per_rank, dataset, collate_fn, num_workers, pin, replaced = int(batch_size), data, None, 0, None, ""  # type: ignore[arg-type]
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         _usage("prepare() needs a map-style dataset (with __len__ and __getitem__): exactly-once per epoch is "
                "by sample index")
     if per_rank < 1:
         _usage(f"the per-rank batch size must be >= 1, got {per_rank}")
-    return dataset, per_rank, collate_fn, num_workers, replaced
+    return dataset, per_rank, collate_fn, num_workers, pin, replaced
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any] | Dataset[Any],

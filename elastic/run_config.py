@@ -57,12 +57,16 @@ class DataConfig:
 
     ``batch_policy="fixed-global"`` (the default) keeps the global batch at every world size;
     ``"fixed-per-rank"`` keeps ``per_rank_batch_size`` and scales the learning rate linearly
-    with the global batch. ``num_workers`` and ``collate_fn`` go to the ``DataLoader``."""
+    with the global batch. ``num_workers``, ``collate_fn`` and ``pin_memory`` go to the
+    ``DataLoader``; ``pin_memory`` only matters when training on CUDA, where ``None`` pins
+    (give ``False`` for a dataset whose samples already live on the GPU: those cannot be
+    pinned)."""
 
     batch_policy: BatchPolicy = "fixed-global"
     per_rank_batch_size: int | None = None
     num_workers: int = 0
     collate_fn: Callable[[list[Any]], Any] | None = None
+    pin_memory: bool | None = None
 
     def check(self) -> None:
         if self.batch_policy not in ("fixed-global", "fixed-per-rank"):
@@ -85,6 +89,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "per_rank_batch_size": ("data", "per_rank_batch_size"),
     "num_workers": ("data", "num_workers"),
     "collate_fn": ("data", "collate_fn"),
+    "pin_memory": ("data", "pin_memory"),
 }
 
 

@@ -472,8 +472,8 @@ class ElasticRun:
             while True:
                 while not self.done:
                     generation, epoch = self._generation, self.plan.sampler.epoch
-                    pin = self.dist.device.type == "cuda"
-                    for batch, ids, local_n in self.plan.batches(self.dist.rank, self.dist.world_size, pin):
+                    on_cuda = self.dist.device.type == "cuda"
+                    for batch, ids, local_n in self.plan.batches(self.dist.rank, self.dist.world_size, on_cuda):
                         self._begin(batch, ids, local_n)
                         if self.sync.user_backward:
                             self._before_user_backward()

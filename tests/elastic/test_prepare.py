@@ -445,3 +445,23 @@ def test_a_prepared_scheduler_does_not_step_for_an_abandoned_step(tmp_path: Path
     ft.last_step = StepResult(True, 1, 0)
     wrapped.step()
     assert scheduler.last_epoch == 1 and wrapped.get_last_lr() == scheduler.get_last_lr()
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_the_loaders_pin_memory_is_kept(tmp_path: Path, pin: bool) -> None:
+    """A plain DataLoader does not pin; a dataset already on the GPU cannot be pinned, so the
+    prepared loop must not pin what the script's own loop did not (found on an H200)."""
+    model, optimizer, loader, _ = _parts()
+    loader = DataLoader(loader.dataset, batch_size=8, pin_memory=pin)
+    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    ft.prepare(model, optimizer, loader)
+    try:
+        assert ft.run.plan.pin_memory is pin
+    finally:
+        ft.run.close()
+    bare = elastic.Elastic(snapshot_dir=tmp_path / "bare", batch_size=8, **RUN)
+    bare.prepare(*_parts()[:2], loader.dataset)
+    try:
+        assert bare.run.plan.pin_memory is None  # a bare dataset: the run's default (pin on CUDA)
+    finally:
+        bare.run.close()

@@ -21,12 +21,13 @@ def test_every_flat_keyword_lands_in_its_objects_field() -> None:
 
     flat = dict(snapshot_every_steps=7, snapshot_every_seconds=60.0, keep_snapshots=5, snapshot_writer="thread",
                 ledger="l.jsonl", snapshot_meta={"job": "x"}, batch_policy="fixed-per-rank", per_rank_batch_size=4,
-                num_workers=2, collate_fn=pad)
+                num_workers=2, collate_fn=pad, pin_memory=False)
     assert set(flat) == set(FLAT_KEYWORDS)
     snapshots, data = from_flat_keywords(None, None, flat)
     assert snapshots == SnapshotConfig(every_steps=7, every_seconds=60.0, keep=5, writer="thread", ledger="l.jsonl",
                                        meta={"job": "x"})
-    assert data == DataConfig(batch_policy="fixed-per-rank", per_rank_batch_size=4, num_workers=2, collate_fn=pad)
+    assert data == DataConfig(batch_policy="fixed-per-rank", per_rank_batch_size=4, num_workers=2, collate_fn=pad,
+                              pin_memory=False)
 
 
 def test_nothing_given_is_the_documented_defaults_and_objects_pass_through() -> None:
