@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
-from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks  # noqa: E402
+from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks, steady_allocator  # noqa: E402
 
 GOAL = 0.03
 PREPARED_GOAL = 0.02  # issue 27: the wrapped plain loop against the same loop unwrapped
@@ -111,7 +111,7 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]
     results: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         model = make_model()
-        run = ElasticRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dataset,
+        run = ElasticRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dataset, device="cpu",
                          global_batch_size=args.global_batch_size, steps=10**9,
                          snapshot_dir=os.path.join(tmp, f"snap-{repeat}"),
                          snapshot_every_steps=args.snapshot_every or None, collate_fn=as_batch,
@@ -158,6 +158,8 @@ def main() -> None:
     p.add_argument("--snapshot-every", type=int, default=50, help="ElasticRun snapshot interval in steps; 0: never")
     p.add_argument("--writer", choices=("process", "thread"), default="process",
                    help="ElasticRun's snapshot writer (its default: process)")
+    p.add_argument("--glibc-malloc-default", action="store_true",
+                   help="leave glibc's dynamic mmap threshold alone (see two_ranks.steady_allocator)")
     args = p.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 60, 10, 2
@@ -167,6 +169,7 @@ def main() -> None:
         prom = Path(tmp, "prom")
         prom.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)  # inherited by the spawned workers, as under the agent
+        allocator = "glibc malloc: its defaults" if args.glibc_malloc_default else steady_allocator()
         load = os.getloadavg()[0]
         results = run_two_ranks(worker, args, tmp)
 
@@ -179,7 +182,7 @@ def main() -> None:
     print(f"trainer overhead: world {WORLD}, gloo on CPU, MLP {IN_FEATURES}-{HIDDEN}x3-4 + AdamW, "
           f"global batch {args.global_batch_size}, {args.repeats} repeats x {args.steps} timed steps per loop "
           f"in alternating blocks of {args.block}; load average {load:.1f} -> {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cpus")
+          f"on {os.cpu_count()} cpus; {allocator}")
     print(f"  plain DDP loop : {statistics.median(rate['plain']):9.1f} samples/s  "
           f"(repeats: {', '.join(f'{r:.0f}' for r in rate['plain'])})")
     print(f"  ElasticRun     : {statistics.median(rate['elastic']):9.1f} samples/s  "

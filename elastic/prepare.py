@@ -175,6 +175,7 @@ class Elastic:
             kwargs.update(global_batch_size=step_share, data=DataConfig(
                 batch_policy="fixed-per-rank", per_rank_batch_size=step_share, num_workers=num_workers,
                 collate_fn=collate_fn, pin_memory=pin))
+        kwargs.setdefault("device", next((p.device for p in model.parameters()), None))  # where the script put it
         epochs = self.epochs_target if self.epochs_target is not None or self.steps_target is not None \
             else _UNTIL_EPOCHS
         self._run = ElasticRun(model, optimizer, dataset, snapshot_dir=self.snapshot_dir, steps=self.steps_target,

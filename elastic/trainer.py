@@ -70,7 +70,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -207,7 +207,9 @@ class ElasticRun:
     DDP's default. ``metrics=False`` records no metrics and installs no comm hook.
     ``count_tokens(batch) -> int`` feeds ``elastic_tokens_total``. ``in_place=False`` keeps
     the restart path even where in-place recovery is possible (the default, None, uses it
-    whenever the agent and torch allow).
+    whenever the agent and torch allow). ``device`` is where the run trains: None, this
+    rank's GPU (``LOCAL_RANK``) when CUDA is available, else the CPU; the prepare API
+    passes the model's own, so a script that trains on the CPU keeps doing so on a GPU node.
 
     ``run.register(name, obj)`` adds the loop's own state to what is healed and snapshotted;
     ``run.rank``, ``run.world_size``, ``run.is_main`` and ``run.epoch`` are always current.
@@ -239,6 +241,7 @@ class ElasticRun:
         count_tokens: Callable[[Any], int] | None = None,
         in_place: bool | None = None,
         user_backward: bool = False,
+        device: str | torch.device | None = None,
         **flat_keywords: Any,
     ) -> None:
         show_library_lines()  # the lines below reach the user even if their script set up no logging
@@ -248,6 +251,7 @@ class ElasticRun:
         self._leaving = False  # agreed: this rank stops at the end of the current loop iteration
         self._closed = False
         self.snapshots: Any = None
+        self._device = torch.device(device) if device is not None else None
         owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
         # Until a world is chosen, closing the run is closing torchrun's (a usage error on the way in).
         self.world: TrainingWorld = FixedWorld(self, backend, collective_timeout, owns_group)
@@ -274,7 +278,7 @@ class ElasticRun:
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.world = choose_world(self, backend, collective_timeout, in_place, owns_group)
-            self.dist: DistInfo = self.world.connect()
+            self.dist = self.world.connect()
             if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
                 log.info("%s %s", self._where, taken_over_line(took_ddp, self.world.took_group))
             self.metrics = self._start_metrics(metrics)
@@ -336,6 +340,20 @@ class ElasticRun:
     @property
     def rank(self) -> int:
         return self.dist.rank
+
+    @property
+    def dist(self) -> DistInfo:
+        """The current world as this rank sees it, on the device the run trains on."""
+        return self._dist
+
+    @dist.setter
+    def dist(self, info: DistInfo) -> None:
+        if self._device is not None and self._device != info.device:
+            if info.backend == "nccl" and self._device.type != "cuda":
+                raise ElasticRunError(f"the model is on {self._device} but the backend is nccl, which needs it on a "
+                                      "GPU: move it with model.to(local_rank) before prepare, or use backend gloo")
+            info = replace(info, device=self._device)
+        self._dist = info
 
     @property
     def local_rank(self) -> int:
