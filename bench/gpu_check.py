@@ -15,6 +15,11 @@ go on):
   freshly allocated), in the same run; medians.
 * ``steps``: GPU step time with a snapshot every ``--every`` steps against none,
   interleaved block by block, medians (the writer's thread and process modes).
+* ``overhead``: the prepare API's cost per step on a GPU (issue 27's goal: <= 2 %): one
+  plain DDP loop (ResNet-50, bf16 autocast, AdamW, a DistributedSampler over a dataset
+  held on the GPU) and the same loop with the prepare API's lines, both alive in one
+  ``torchrun`` worker (NCCL, world of one, worker metrics on, a snapshot every
+  ``--every`` steps), timed in alternating blocks; medians.
 * ``resume``: a plain DDP loop on CUDA (NCCL, fp16 autocast with a ``GradScaler``, an LR
   scheduler) with the prepare API's lines, under ``torchrun``: 3 epochs, then 6 from the
   same snapshots, against 6 straight; the final parameters must be equal bit for bit.
@@ -122,6 +127,102 @@ for epoch in ft.epochs(epochs):
 if ft.is_main:
     torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out)
     print("done", ft.step_count, "steps; device", next(model.parameters()).device, flush=True)
+"""
+
+
+_OVERHEAD_LOOP = """\
+import itertools, os, statistics, sys, time, torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+import elastic
+
+snapshots, blocks, block, every, batch = sys.argv[1], *map(int, sys.argv[2:6])
+cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if cuda else "gloo")
+device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+side = 224 if cuda else 32
+
+
+class Images(Dataset):
+    def __init__(self, n):
+        torch.manual_seed(1)
+        self.x, self.y = torch.randn(n, 3, side, side, device=device), torch.randint(0, 1000, (n,), device=device)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices):
+        at = torch.as_tensor(indices, device=device)
+        return self.x[at], self.y[at]
+
+
+def as_batch(b):
+    return b
+
+
+data = Images(32 * batch)
+
+
+def build():
+    from torchvision.models import resnet50, resnet18
+    torch.manual_seed(0)
+    model = DDP((resnet50() if cuda else resnet18()).to(device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sampler = DistributedSampler(data, seed=0)
+    return model, optimizer, sampler, DataLoader(data, batch_size=batch, sampler=sampler, collate_fn=as_batch)
+
+
+def loop(model, optimizer, sampler, loader, epochs):
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            yield
+
+
+model, optimizer, sampler, loader = build()
+loops = {"plain": loop(model, optimizer, sampler, loader, itertools.count())}
+model, optimizer, sampler, loader = build()
+ft = elastic.Elastic(snapshot_dir=snapshots, snapshot_every_steps=every, handle_sigterm=False)  # added
+model, optimizer, loader = ft.prepare(model, optimizer, loader)                                  # added
+loops["prepared"] = loop(model, optimizer, sampler, loader, ft.epochs(10**6))                   # changed
+
+
+def timed(steps, n):
+    if cuda:
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        next(steps)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+timed(loops["plain"], 20)
+timed(loops["prepared"], every + 1)  # its first snapshot (which allocates the staging buffers) off the clock
+times = {name: [] for name in loops}
+for b in range(blocks):
+    for name in (list(loops) if b % 2 == 0 else list(loops)[::-1]):
+        times[name].append(timed(loops[name], block))
+plain = statistics.median(t for t, _ in times["plain"])
+prepared = statistics.median(t for t, _ in times["prepared"])
+pairs = [p[0] / q[0] for p, q in zip(times["plain"], times["prepared"])]
+print(f"overhead: plain {plain * 1e3:.2f} ms/step, prepared {prepared * 1e3:.2f} ms/step; "
+      f"prepared/plain per block pair: median {1 / statistics.median(pairs):.4f}x "
+      f"({', '.join(f'{1 / r:.3f}' for r in pairs)}); host CPU per step: plain "
+      f"{statistics.median(c for _, c in times['plain']) * 1e3:.2f} ms, prepared "
+      f"{statistics.median(c for _, c in times['prepared']) * 1e3:.2f} ms", flush=True)
 """
 
 
@@ -270,6 +371,23 @@ def section_steps(blocks: int, every: int, batch: int) -> None:
             writers[m].close()
 
 
+def section_overhead(blocks: int, every: int, batch: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        loop = Path(d) / "loop.py"
+        loop.write_text(_OVERHEAD_LOOP)
+        prom = Path(d) / "prom"
+        prom.mkdir()  # worker metrics on, as under the agent (multiprocess mode, the timing comm hook)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                               str(loop), f"{d}/snapshots", str(blocks), str(2 * every), str(every), str(batch)],
+                              capture_output=True, text=True, env={**child_env(), "PROMETHEUS_MULTIPROC_DIR": str(prom)},
+                              timeout=400)
+        said = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("overhead") or "Error" in ln]
+        print(f"ResNet-50, batch {batch}, bf16 autocast, AdamW, NCCL world of one, a snapshot every {every} steps, "
+              f"{blocks} blocks of {2 * every} steps per loop: exit {done.returncode}")
+        for line in said or (done.stdout + done.stderr).splitlines()[-8:]:
+            print("   ", line)
+
+
 def section_resume() -> None:
     with tempfile.TemporaryDirectory() as d:
         loop = Path(d) / "loop.py"
@@ -290,7 +408,7 @@ def section_resume() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="api,staging,steps,resume")
+    ap.add_argument("--sections", default="api,staging,steps,overhead,resume")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--every", type=int, default=10)
@@ -302,6 +420,7 @@ def main() -> None:
         "api": section_api,
         "staging": lambda: section_staging(args.repeats),
         "steps": lambda: section_steps(args.blocks, args.every, args.batch),
+        "overhead": lambda: section_overhead(args.blocks, args.every, args.batch),
         "resume": section_resume,
     }
     for name in args.sections.split(","):
