@@ -23,14 +23,16 @@ $(STAMP): pyproject.toml
 # file on the other (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 15 min,
 # against 29 serially; three workers were slower (17 min) and load-prone. Since workers are
 # forked from a pre-imported template, the suite no longer saturates 2 cores.
-# `make test-serial` runs one test at a time.
+# `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
+# (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
+PYTEST_ARGS ?=
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-serial: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
 # marks the rest slow, and fails a test here that starts a process anyway).
