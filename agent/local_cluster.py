@@ -205,15 +205,31 @@ def run_key(run_dir: Path) -> Path:
     return path
 
 
+def threads_per_worker(workers: int, cores: int | None) -> int:
+    """Intra-op threads for each of ``workers`` sharing this machine's ``cores``.
+
+    Every local node is one machine's worth of workers to torch, which by default runs one
+    intra-op thread per core in each; with several nodes on one machine their OpenMP
+    threads then spin against each other. torchrun sets 1 when it starts several workers;
+    here the share is known. Measured on 2 cores (docs/BENCHMARKS.md): the three-node demo
+    used 112 s of CPU with torch's default and 34 s with one thread each.
+    """
+    return max(1, (cores or 1) // max(1, workers))
+
+
 def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: EmbeddedEtcd, net: Any,
            key: Path) -> list[ClusterNode]:
     """Every node runs in the user's directory, signs the rendezvous with the run's key and
-    hands its workers the run's snapshot directory (ELASTIC_SNAPSHOT_DIR)."""
+    hands its workers the run's snapshot directory (ELASTIC_SNAPSHOT_DIR) and their share of
+    the cores (OMP_NUM_THREADS, unless the user set it)."""
     agent_args = ["--lease-ttl", str(args.lease_ttl), "--snapshot-dir", str(run_dir / "snapshots")]
+    env = {HMAC_KEY_FILE_ENV: str(key)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads_per_worker(args.nodes * args.nproc_per_node, os.cpu_count()))
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-        rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(), env={HMAC_KEY_FILE_ENV: str(key)},
+        rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(), env=env,
         agent_args=agent_args, netns=net[f"node-{i}"] if net else None, **job,
     )) for i in range(args.nodes)]
 
@@ -222,7 +238,9 @@ def _header(console: Console, etcd: EmbeddedEtcd, args: argparse.Namespace, what
             key: Path) -> None:
     console.print(f"etcd at [cyan]{etcd.url}[/cyan]; {args.nodes} nodes x {args.nproc_per_node} workers; "
                   f"{what}; logs in {run_dir}", soft_wrap=True)
-    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={run_dir / 'snapshots'}")
+    threads = os.environ.get("OMP_NUM_THREADS") or threads_per_worker(args.nodes * args.nproc_per_node, os.cpu_count())
+    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={run_dir / 'snapshots'}; "
+                 f"OMP_NUM_THREADS={threads} ({args.nodes * args.nproc_per_node} workers share {os.cpu_count()} cores)")
     say(console, f"rendezvous signed with {key}; watch it with: elastic top --rdzv-endpoint {etcd.endpoint} "
                  f"--rdzv-id local --rdzv-conf hmac_key_file={key}")
 

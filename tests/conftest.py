@@ -23,6 +23,13 @@ _run_ids = itertools.count()
 # tests of the cold path pass --no-warm-start.
 WARM_START_ENV = contract.ENV_PREFIX + "WARM_START"
 
+# Every simulated node of every test shares this machine's cores, as `elastic local`'s nodes
+# do, so their workers get its rule (agent/local_cluster.py): a share each, here one thread.
+# With torch's default, one intra-op thread per core in every worker, their OpenMP threads
+# spun against each other: the three-node demo used 112 s of CPU instead of 34 s. A test
+# that is about the thread count sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 try:  # the same examples every run: a fuzz test that fails, fails again (never flaky)
     from hypothesis import settings as _hypothesis_settings
 

@@ -79,7 +79,7 @@ def test_a_node_whose_worker_fails_at_every_start_is_kept_out_and_the_others_fin
                "OMP_NUM_THREADS": "1", "STEPS": str(STEPS), "CRASH_ON": "c", "FAST": str(fast)}
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="2:3",
                      metrics_port=free_port(), env=env,
-                     agent_args=["--lease-ttl", "2", "--no-warm-start"])  # fewer torch imports on 2 cores
+                     agent_args=["--lease-ttl", "2"])
 
     a, b, c = start("a"), start("b"), start("c")
 
