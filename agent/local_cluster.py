@@ -44,13 +44,14 @@ from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and
 from .local_node import LocalNode
 from .local_summary import job_goodput, summary  # noqa: F401
 from .local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
+from .signal_flag import SignalFlag
 
 KEY_FILE = "rdzv.key"  # the run's rendezvous key, in its run directory
 DEFAULT_MAX_RESTARTS = 20
 
 
 @contextlib.contextmanager
-def _ctrl_c_sets(event: threading.Event) -> Iterator[None]:
+def _ctrl_c_sets(event: SignalFlag) -> Iterator[None]:
     """Ctrl-C sets ``event`` instead of raising KeyboardInterrupt, for the duration.
 
     A KeyboardInterrupt is raised at whatever bytecode the main thread is on, and this loop
@@ -63,7 +64,7 @@ def _ctrl_c_sets(event: threading.Event) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread; elsewhere nothing to change
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+    previous = signal.signal(signal.SIGINT, event.set)  # not an Event: agent/signal_flag.py
     try:
         yield
     finally:
@@ -245,7 +246,7 @@ def _header(console: Console, etcd: EmbeddedEtcd, args: argparse.Namespace, what
                  f"--rdzv-id local --rdzv-conf hmac_key_file={key}")
 
 
-def _drive(cluster: Cluster, args: argparse.Namespace, display: Display, ctrl_c: threading.Event,
+def _drive(cluster: Cluster, args: argparse.Namespace, display: Display, ctrl_c: SignalFlag,
            pressed: list[str]) -> str:
     """Run the job to its end, landing faults; returns why it stopped: ended, q, timeout or ctrl-c."""
     started, trained_at = display.started, None
@@ -294,7 +295,7 @@ def main(argv: Sequence[str]) -> int:
         _header(console, etcd, args, what, run_dir, key)
         cluster = Cluster(_nodes(args, job, run_dir, etcd, net, key), run_dir, args.nproc_per_node, etcd=etcd,
                           snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0)
-        stop, pressed, ctrl_c = threading.Event(), [], threading.Event()
+        stop, pressed, ctrl_c = threading.Event(), [], SignalFlag()
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
         with _ctrl_c_sets(ctrl_c):
