@@ -20,9 +20,8 @@ $(STAMP): pyproject.toml
 
 # promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two pytest-xdist
 # workers: the files of three or more nodes one after another on one of them, every other
-# file on the other (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 15 min,
-# against 29 serially; three workers were slower (17 min) and load-prone. Since workers are
-# forked from a pre-imported template, the suite no longer saturates 2 cores.
+# file on the other (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): under
+# 14 min, against 29 serially; three workers were slower (17 min) and load-prone.
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=

@@ -12,6 +12,9 @@ processes and alternates blocks of ``--block`` steps between them (which goes fi
 rotates too), so outside load that comes and goes hits them alike. The
 ElasticRun is built, its writer started and its first snapshot written before the clock
 starts: a restart's start-up cost is the recovery benchmark's business, not this one.
+glibc's mmap threshold is fixed for both loops (``two_ranks.steady_allocator``): left
+dynamic, it gave one loop or the other ~900 page faults a step by chance of the order of
+earlier frees, which swung the ratio by several percent from run to run.
 
     python bench/trainer_overhead.py                      # full run (~6 min on 2 idle cores)
     python bench/trainer_overhead.py --writer thread      # the writer thread instead of the process
