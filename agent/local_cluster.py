@@ -218,6 +218,12 @@ def threads_per_worker(workers: int, cores: int | None) -> int:
     return max(1, (cores or 1) // max(1, workers))
 
 
+def _worker_threads(args: argparse.Namespace) -> str:
+    """OMP_NUM_THREADS for this run's workers: the user's, else their share of the cores."""
+    return os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(args.nodes * args.nproc_per_node,
+                                                                       os.cpu_count()))
+
+
 def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: EmbeddedEtcd, net: Any,
            key: Path) -> list[ClusterNode]:
     """Every node runs in the user's directory, signs the rendezvous with the run's key and
@@ -226,7 +232,7 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     agent_args = ["--lease-ttl", str(args.lease_ttl), "--snapshot-dir", str(run_dir / "snapshots")]
     env = {HMAC_KEY_FILE_ENV: str(key)}
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads_per_worker(args.nodes * args.nproc_per_node, os.cpu_count()))
+        env["OMP_NUM_THREADS"] = _worker_threads(args)
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
@@ -239,9 +245,8 @@ def _header(console: Console, etcd: EmbeddedEtcd, args: argparse.Namespace, what
             key: Path) -> None:
     console.print(f"etcd at [cyan]{etcd.url}[/cyan]; {args.nodes} nodes x {args.nproc_per_node} workers; "
                   f"{what}; logs in {run_dir}", soft_wrap=True)
-    threads = os.environ.get("OMP_NUM_THREADS") or threads_per_worker(args.nodes * args.nproc_per_node, os.cpu_count())
-    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={run_dir / 'snapshots'}; "
-                 f"OMP_NUM_THREADS={threads} ({args.nodes * args.nproc_per_node} workers share {os.cpu_count()} cores)")
+    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={run_dir / 'snapshots'}; OMP_NUM_THREADS="
+                 f"{_worker_threads(args)} ({args.nodes * args.nproc_per_node} workers share {os.cpu_count()} cores)")
     say(console, f"rendezvous signed with {key}; watch it with: elastic top --rdzv-endpoint {etcd.endpoint} "
                  f"--rdzv-id local --rdzv-conf hmac_key_file={key}")
 

@@ -115,13 +115,10 @@ class DataPlan:
 def _pinned_or_why(loader: DataLoader[Any], pin: bool) -> Iterator[Any]:
     """The loader's batches; a dataset that yields CUDA tensors into a pinning loader gets one
     line saying how to fix it instead of the DataLoader's own "cannot pin" error."""
-    if not pin:
-        yield from loader
-        return
     try:
         yield from loader
     except RuntimeError as exc:
-        if "cannot pin" not in str(exc):
+        if not pin or "cannot pin" not in str(exc):
             raise
         raise ElasticRunError("the dataset yields tensors that are already on the GPU, which cannot be pinned: "
                               "give DataLoader(pin_memory=False) (the prepare API keeps it) or "
