@@ -14,6 +14,13 @@ be a script with no torch optimizer that never calls ``elastic.report_progress``
 restarting it every so often would burn ``--max-restarts`` for nothing. The watchdog says
 so once in the log. Once this node has seen the job make progress, a later group gets
 ``startup_timeout`` (imports, restore, compilation) to make its first.
+
+A rank whose script has returned (its record says ``finished``) is done, not hung: the
+interpreter's teardown and the script's exit hooks (a ``wandb.finish()``, a last upload)
+may take longer than the timeout on a loaded machine, and restarting a script that has
+finished would train it all again. Its return counts as its last progress for the ranks
+still running; once every rank that beat has finished, nothing is judged (the agent
+says once if they linger past ``LINGER_WARNING_S``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ log = logging.getLogger("elastic.agent")
 AUTO_FLOOR_S = 60.0
 AUTO_FACTOR = 20.0
 STARTUP_TIMEOUT_S = 600.0
+LINGER_WARNING_S = 120.0
 
 
 class HangWatch:
@@ -42,14 +50,14 @@ class HangWatch:
         self.ever_progressed = False  # some group of this job made progress on this node
         self._intervals: deque[float] = deque(maxlen=200)
         self._last: dict[int, tuple[int, float]] = {}
-        self._said_off = False
+        self._said_off = self._said_linger = False
         self.reset()
 
     def reset(self) -> None:
         """A new worker group: forget old beats (a new group's first beat must be its own)."""
         self._group_started = self._quiet_from = time.time()
         self._last.clear()
-        self._said_off = False
+        self._said_off = self._said_linger = False
         for path in self.directory.glob(contract.HEARTBEAT_PREFIX + "*"):
             path.unlink(missing_ok=True)
 
@@ -108,5 +116,16 @@ class HangWatch:
                 return None
             return quiet if quiet > self.startup_timeout else None
         self.ever_progressed = True
-        quiet = now - max(max(b.time for b in beats.values()), self._quiet_from)
+        if all(b.finished is not None for b in beats.values()):
+            self._say_lingering(now - min(b.finished or now for b in beats.values()))
+            return None
+        last = max(b.finished or b.time for b in beats.values())
+        quiet = now - max(last, self._quiet_from)
         return quiet if quiet > self.current_timeout() else None
+
+    def _say_lingering(self, since: float) -> None:
+        if since > LINGER_WARNING_S and not self._said_linger:
+            self._said_linger = True
+            log.warning("[%s] the workers' script returned %.0f s ago and they have not exited: their exit hooks or "
+                        "the interpreter's teardown are slow or stuck (send them SIGUSR1 for their stacks)",
+                        self.node, since)

@@ -15,7 +15,10 @@ so that any script gets, without a line changed:
 * **the library's lines**: the ``elastic`` logger prints at INFO even if the script sets up
   no logging, and never twice if it does (:mod:`elastic.log`);
 * **why it failed**: an uncaught exception's last line goes to torchrun's error file
-  (:func:`record_error`), where the agent reads it.
+  (:func:`record_error`), where the agent reads it;
+* **done is not hung**: once the script returns, its heartbeat says so
+  (:func:`elastic.heartbeat.mark_finished`), and the watchdog leaves the interpreter's
+  teardown and the script's exit hooks alone, however long they take.
 
 ``-c`` rather than ``-m agent.worker_boot`` because ``-m`` puts the working directory
 first on ``sys.path`` while our modules import, and a user's own ``agent/`` or ``elastic/``
@@ -40,6 +43,7 @@ from typing import Any, Sequence
 
 from elastic import contract
 from elastic.atomic_file import write_atomically
+from elastic.heartbeat import mark_finished
 
 BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker_boot import main; main()"
 AGENT_PID_ENV = contract.AGENT_PID_ENV
@@ -115,6 +119,7 @@ def run(spec: dict[str, Any]) -> None:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if done.code in (None, 0):
+            mark_finished()
             raise  # success: the interpreter's normal, thorough shutdown
         if not isinstance(done.code, int):
             print(done.code, file=sys.stderr)
@@ -123,6 +128,7 @@ def run(spec: dict[str, Any]) -> None:
         traceback.print_exc()
         record_error(exc)
         exit_now(contract.EXIT_FAILED)
+    mark_finished()
 
 
 def record_error(exc: BaseException) -> None:

@@ -120,7 +120,7 @@ WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agen
 
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
-HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 48 bytes at offset 0: step, time, pid, kind, loss, samples
+HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step, time, pid, kind, loss, samples, finished
 
 # $ELASTIC_GOODPUT_DIR (elastic.goodput.files):
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record

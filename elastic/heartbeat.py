@@ -1,13 +1,13 @@
 """Per-rank progress beacons the node agent's hang watchdog (and ``elastic local``) reads.
 
-A worker that makes progress overwrites 48 bytes (step, wall time, pid, kind, loss,
-samples) at offset 0 of ``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite``, no
+A worker that makes progress overwrites 56 bytes (step, wall time, pid, kind, loss,
+samples, finished) at offset 0 of ``$ELASTIC_HEARTBEAT_DIR/rank-{LOCAL_RANK}``: one ``pwrite``, no
 fsync, no lock, nothing that can block on a slow disk or a stuck peer. The agent only
 needs "when did this rank last make progress", so a torn read (never seen with writes
 this small to the page cache) would at worst delay a hang verdict by one poll.
 
 The record only ever grows by fields appended at its end (24 bytes, then 32 with
-``kind``, now 48 with ``loss`` and ``samples``), so every reader parses the longest
+``kind``, 48 with ``loss`` and ``samples``, now 56 with ``finished``), so every reader parses the longest
 layout it knows that fits: an old agent reads a new worker's record as its prefix, and
 :func:`read_beats` still reads the records of workers older than itself (an upgrade can
 meet both). ``loss`` is NaN and ``samples`` 0 where the writer reported none.
@@ -17,6 +17,12 @@ meet both). ``loss`` is NaN and ``samples`` 0 where the writer reported none.
 restarts; :data:`LOCAL_COUNT` counts this process's optimizer steps (the hook every worker
 of ``elastic agent`` gets), which says "alive and stepping" but starts at 0 in each
 process. Tools that report steps rolled back use only job steps.
+
+``finished`` is the wall time at which the worker's script returned (0 while it runs):
+:func:`mark_finished`, called by the agent's bootstrap, so that the interpreter's
+teardown and the script's own exit hooks (a ``wandb.finish()``, a final upload) are not
+mistaken for a hang however long they take. Everything else in the record stays as the
+last beat left it: ``time`` is still when the rank last made progress.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from . import contract
 
 HEARTBEAT_DIR_ENV = contract.HEARTBEAT_DIR_ENV
 LOCAL_COUNT, JOB_STEP = 0, 1
-_FORMAT = struct.Struct("<qdqqdq")  # step, unix time, pid, kind, loss (NaN: none), samples
+_FORMAT = struct.Struct("<qdqqdqd")  # step, unix time, pid, kind, loss (NaN: none), samples, finished (0: no)
+_SAMPLES = struct.Struct("<qdqqdq")  # before finished
 _KINDS = struct.Struct("<qdqq")  # before loss and samples
 _LEGACY = struct.Struct("<qdq")  # before kinds: always written by ElasticRun, so job steps
-_LAYOUTS = (_FORMAT, _KINDS, _LEGACY)  # longest first: each is a prefix of the one before
+_LAYOUTS = (_FORMAT, _SAMPLES, _KINDS, _LEGACY)  # longest first: each is a prefix of the one before
 NO_LOSS = math.nan
 
 
@@ -47,6 +54,7 @@ class Beat:
     kind: int = JOB_STEP
     loss: float | None = None  # the loss the worker reported with this step, if any
     samples: int = 0  # samples this process reported since it started (a running total; see Heartbeat.beat)
+    finished: float | None = None  # when the script returned (teardown since), None while it runs
 
 
 class Heartbeat:
@@ -70,7 +78,7 @@ class Heartbeat:
         polls slower than the worker steps misses beats, and the difference between two
         totals it did see still counts every sample in between. A new process starts
         again at 0, which a reader tells by ``pid``."""
-        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid, kind, loss, samples), 0)
+        os.pwrite(self._fd, _FORMAT.pack(step, time.time(), self._pid, kind, loss, samples, 0.0), 0)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -103,8 +111,30 @@ def parse_beat(raw: bytes) -> Beat | None:
     for layout in _LAYOUTS:
         if len(raw) >= layout.size:
             fields = layout.unpack_from(raw)
-            if layout is not _FORMAT:
-                return Beat(*fields)
-            step, at, pid, kind, loss, samples = fields
-            return Beat(step, at, pid, kind, None if math.isnan(loss) else loss, samples)
+            if layout is _FORMAT or layout is _SAMPLES:
+                step, at, pid, kind, loss, samples, *finished = fields
+                return Beat(step, at, pid, kind, None if math.isnan(loss) else loss, samples,
+                            finished[0] if finished and finished[0] > 0 else None)
+            return Beat(*fields)
     return None
+
+
+def mark_finished() -> None:
+    """This process's script returned: say so in its record, leaving the rest as it was.
+
+    Only a record this process wrote is marked (a rank that never beat has nothing the
+    watchdog would judge). Never raises: it runs on the way out of every worker."""
+    directory = os.environ.get(HEARTBEAT_DIR_ENV)
+    if not directory:
+        return
+    try:
+        path = Path(directory) / contract.heartbeat_file(int(os.environ.get("LOCAL_RANK", "0")))
+        with open(path, "r+b") as f:
+            beat = parse_beat(f.read(_FORMAT.size))
+            if beat is None or beat.pid != os.getpid():
+                return
+            loss = NO_LOSS if beat.loss is None else beat.loss
+            f.seek(0)
+            f.write(_FORMAT.pack(beat.step, beat.time, beat.pid, beat.kind, loss, beat.samples, time.time()))
+    except (OSError, ValueError):
+        pass

@@ -27,12 +27,14 @@ from tests.support.waiting import wait_until
 FORM_TIMEOUT = 150
 
 PLAIN = textwrap.dedent('''\
-    import json, os, sys, time
+    import atexit, json, os, sys, time
     from datetime import timedelta
     import torch
     import torch.distributed as dist
     from torch import nn
 
+    if os.environ.get("EXIT_HOOK_TIME"):  # a slow exit hook, as wandb.finish() can be
+        atexit.register(time.sleep, float(os.environ["EXIT_HOOK_TIME"]))
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("COLLECTIVE_TIMEOUT", "30"))))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -87,9 +89,13 @@ def read_rows(path: Path) -> list[dict]:
 def test_a_healthy_plain_script_runs_past_the_hang_timeout_and_the_startup_budget_without_a_restart(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], script: Path, tmp_path: Path
 ) -> None:
+    """Its exit hook, longer than the hang timeout, is not a hang either: restarting a script
+    that has finished would train it all over again (it once did, when a loaded machine made
+    the interpreter's teardown alone outlast a 2 s timeout)."""
     rows = tmp_path / "rows.jsonl"
     node = start(nodes, "solo", etcd_server, run_id, script, steps=200, nnodes="1:1",
-                 agent_args=["--hang-timeout", "2", "--hang-startup-timeout", "3"], env={"ROWS": str(rows)})
+                 agent_args=["--hang-timeout", "2", "--hang-startup-timeout", "3"],
+                 env={"ROWS": str(rows), "EXIT_HOOK_TIME": "4"})
     wait_until(lambda: not node.alive(), FORM_TIMEOUT, "the script to finish", on_timeout=lambda: node.log_tail(60))
     assert node.process is not None and node.process.returncode == 0, node.log_tail(60)
     seen = read_rows(rows)

@@ -18,11 +18,12 @@ from typing import Iterator
 import pytest
 
 from elastic import progress
-from elastic.heartbeat import JOB_STEP, LOCAL_COUNT, Beat, Heartbeat, parse_beat, read_beats
+from elastic.heartbeat import JOB_STEP, LOCAL_COUNT, Beat, Heartbeat, mark_finished, parse_beat, read_beats
 
 V1 = struct.Struct("<qdq")  # step, time, pid (24 bytes): always a job step
 V2 = struct.Struct("<qdqq")  # + kind (32 bytes)
 V3 = struct.Struct("<qdqqdq")  # + loss (NaN: none), samples (a running total) (48 bytes)
+V4 = struct.Struct("<qdqqdqd")  # + finished: when the script returned, 0 while it runs (56 bytes)
 
 
 def _write(directory: Path, rank: int, raw: bytes) -> None:
@@ -36,7 +37,7 @@ def test_a_beat_round_trips_with_its_loss_and_samples(tmp_path: Path) -> None:
     beat.beat(7, JOB_STEP, 0.25, 96)
     beat.beat(8, LOCAL_COUNT)  # overwrites in place: no loss, no samples
     beat.close()
-    assert (tmp_path / "rank-1").stat().st_size == V3.size == 48
+    assert (tmp_path / "rank-1").stat().st_size == V4.size == 56
     (got,) = read_beats(tmp_path).items()
     assert got[0] == 1 and got[1].time >= before
     assert got[1] == Beat(8, got[1].time, os.getpid(), LOCAL_COUNT, None, 0)
@@ -47,6 +48,8 @@ def test_a_beat_round_trips_with_its_loss_and_samples(tmp_path: Path) -> None:
     (V2, (5, 100.0, 42, LOCAL_COUNT), Beat(5, 100.0, 42, LOCAL_COUNT)),
     (V3, (5, 100.0, 42, JOB_STEP, 1.5, 640), Beat(5, 100.0, 42, JOB_STEP, 1.5, 640)),
     (V3, (5, 100.0, 42, JOB_STEP, math.nan, 0), Beat(5, 100.0, 42, JOB_STEP, None, 0)),
+    (V4, (5, 100.0, 42, JOB_STEP, 1.5, 640, 0.0), Beat(5, 100.0, 42, JOB_STEP, 1.5, 640, None)),
+    (V4, (5, 100.0, 42, LOCAL_COUNT, math.nan, 0, 130.0), Beat(5, 100.0, 42, LOCAL_COUNT, None, 0, 130.0)),
 ])
 def test_every_record_size_ever_written_is_read(tmp_path: Path, layout: struct.Struct, fields: tuple[object, ...],
                                                 expected: Beat) -> None:
@@ -55,14 +58,39 @@ def test_every_record_size_ever_written_is_read(tmp_path: Path, layout: struct.S
 
 
 def test_a_newer_longer_record_reads_as_the_prefix_known_here(tmp_path: Path) -> None:
-    _write(tmp_path, 0, V3.pack(5, 100.0, 42, JOB_STEP, 2.0, 8) + struct.pack("<qq", 1, 2))
+    _write(tmp_path, 0, V4.pack(5, 100.0, 42, JOB_STEP, 2.0, 8, 0.0) + struct.pack("<qq", 1, 2))
     assert read_beats(tmp_path) == {0: Beat(5, 100.0, 42, JOB_STEP, 2.0, 8)}
 
 
 def test_an_older_reader_reads_a_new_record_as_its_own() -> None:
-    """The agent of the last version reads the first 32 bytes of a 48-byte record."""
-    raw = V3.pack(5, 100.0, 42, LOCAL_COUNT, 2.0, 8)
-    assert V2.unpack(raw[: V2.size]) == (5, 100.0, 42, LOCAL_COUNT)
+    """The agent of the last version reads the first 48 bytes of a 56-byte record."""
+    raw = V4.pack(5, 100.0, 42, LOCAL_COUNT, 2.0, 8, 130.0)
+    assert V3.unpack(raw[: V3.size]) == (5, 100.0, 42, LOCAL_COUNT, 2.0, 8)
+
+
+def test_a_finished_script_is_marked_and_the_rest_of_its_record_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    beacon = Heartbeat(tmp_path / "rank-3")
+    beacon.beat(41, LOCAL_COUNT, 0.5, 640)
+    (before,) = read_beats(tmp_path).values()
+    mark_finished()
+    (after,) = read_beats(tmp_path).values()
+    assert after.finished is not None and after.finished >= before.time
+    assert after == Beat(41, before.time, os.getpid(), LOCAL_COUNT, 0.5, 640, after.finished)
+    beacon.beat(42, LOCAL_COUNT)  # a thread of the script still stepping: running again
+    assert read_beats(tmp_path)[3].finished is None
+
+
+def test_only_a_record_of_this_process_is_marked_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    mark_finished()  # never beat: nothing to mark, nothing created
+    assert not (tmp_path / "rank-0").exists()
+    _write(tmp_path, 0, V4.pack(5, 100.0, os.getpid() + 1, JOB_STEP, 1.0, 8, 0.0))  # a predecessor's
+    mark_finished()
+    assert read_beats(tmp_path)[0].finished is None
 
 
 def test_a_record_too_short_for_any_layout_is_skipped(tmp_path: Path) -> None:
