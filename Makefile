@@ -18,16 +18,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Two pytest-xdist
-# workers: the files of three or more nodes one after another on one of them, every other
-# file on the other (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): under
-# 14 min, against 29 serially; three workers were slower (17 min) and load-prone.
+# promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Three pytest-xdist
+# workers: the heaviest multi-node files one after another on one of them, every other file
+# on the other two (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 14 min,
+# against 17-18 min on two workers the same day and 29 serially: the tests wait (leases,
+# recoveries) about a third of the time, and a third worker fills it.
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
 test: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-serial: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh

@@ -45,13 +45,14 @@ SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes",
 FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 
 
-# `make test` runs on two pytest-xdist workers: each file is one unit, as under --dist
-# loadfile (module fixtures stay shared), except these files of three or more real nodes,
-# which are one unit together (tests/support/schedule.py). They run one after another on one worker, about
-# half the suite's time, while the other worker takes every other file, slow ones first.
-# Two of them at once put eight nodes' torch imports on 2 cores, and every timeout in both
-# tests became a race. Only the schedule depends on this list: a file missing from it runs
-# on the other worker.
+# `make test` runs on three pytest-xdist workers: each file is one unit, as under --dist
+# loadfile (module fixtures stay shared), except these files, the heaviest of three or more
+# real nodes, which are one unit together (tests/support/schedule.py). They run one after
+# another on one worker, about a third of the suite's time, while the other two take every
+# other file, slow ones first. Two of them at once put eight nodes' torch imports on 2
+# cores, and every timeout in both tests became a race. The multi-node files that mostly
+# wait (an etcd outage, a partition, a lease running out) are left to the other workers.
+# Only the schedule depends on this list: a file missing from it runs on the others.
 HEAVY_FILES = (
     "tests/agent/test_demo.py",
     "tests/agent/test_chaos.py",
@@ -59,11 +60,7 @@ HEAVY_FILES = (
     "tests/agent/test_plain_scripts.py",
     "tests/elastic/inplace/test_user_collectives.py",
     "tests/elastic/inplace/test_prepare_faults.py",
-    "tests/agent/test_recovery.py",
     "tests/agent/test_goodput.py",
-    "tests/elastic/rendezvous/test_torchrun.py",
-    "tests/agent/test_etcd_cluster_faults.py",
-    "tests/agent/test_netns_faults.py",
 )
 
 

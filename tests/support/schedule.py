@@ -1,4 +1,4 @@
-"""The suite's schedule on two pytest-xdist workers: files as units, the heavy ones as one.
+"""The suite's schedule on pytest-xdist workers: files as units, the heavy ones as one.
 
 pytest-xdist's ``--dist loadgroup`` would say this with markers, but with pytest 9 it no
 longer groups (it renames ``item._nodeid``, which pytest 9 stopped reading), so we give
