@@ -66,10 +66,18 @@ class _Warm:
     proc: _Process
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
+        sig = death_sig or signal.SIGTERM
         try:
-            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
-            pass
+            # Forked a moment ago, it may not have made its session yet: the template says
+            # "started" before the child runs setsid(), so a stop that soon (a round that
+            # changed at once) finds no such group, and the worker itself is all there is.
+            # Once missed, such a worker lived on unseen and joined a later round in place.
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 @dataclass

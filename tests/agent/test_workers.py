@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,22 @@ def test_the_bootstrap_writes_the_error_file_whole(tmp_path: Path, monkeypatch: 
     data = json.loads(error_file.read_text())
     assert data["message"]["message"] == "RuntimeError: Connection closed by peer"
     assert os.listdir(tmp_path) == ["error.json"]  # renamed into place: no temporary left beside it
+
+
+@pytest.mark.slow  # starts a process (a sleeping one, no torch)
+def test_stopping_a_worker_forked_a_moment_ago_reaches_it_before_it_has_its_own_session(tmp_path: Path) -> None:
+    """A warm worker is stopped by its session, which the forked child makes itself just
+    after the template has said "started". A round that changed at once under load sent
+    SIGKILL to a session that did not exist yet; the worker lived on, unseen, and joined a
+    later round in place. Here a child still in our process group plays that worker."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert os.getpgid(proc.pid) != proc.pid  # no session of its own yet
+        workers = LocalWorkers(DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+        workers.workers[0] = Worker(0, _Warm(proc), "warm", str(tmp_path / "error.json"))
+        workers.stop(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
