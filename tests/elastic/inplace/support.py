@@ -71,10 +71,11 @@ def ledger_steps(workdir: Path) -> list[int]:
 
 def start_script(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, workdir: Path,
                  script: Path, nnodes: str = "1:3", env: dict[str, str] | None = None,
-                 agent_args: Iterable[str] = ()) -> Node:
+                 agent_args: Iterable[str] = (), rdzv_conf: dict[str, str] | None = None) -> Node:
     """A node running ``script`` (the job's, or one a test wrote): its progress rows, the
     shared snapshots and ledger in ``workdir``."""
     job_env = {"PROGRESS": str(workdir / f"{name}.rows.jsonl"), "SNAPSHOTS": str(workdir / "snapshots"),
                "LEDGER": str(workdir / "ledger.jsonl"), "OMP_NUM_THREADS": "1", **(env or {})}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
-                 metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args])
+                 metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args],
+                 rdzv_conf=dict(rdzv_conf or {}))

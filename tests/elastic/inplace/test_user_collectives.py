@@ -100,9 +100,13 @@ def events(node: Node, tmp: Path, kind: str) -> list[dict[str, Any]]:
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, nnodes: str,
           **env: str) -> Node:
+    """The job's first world must hold both nodes, which these tests check: at ``1:2`` the
+    first round waits up to 60 s for the second (it closes the moment it comes) rather
+    than a second, which a loaded machine's agent start outlasted."""
     script = write_script(tmp, "user_collectives.py", USER_SCRIPT)
     return start_script(nodes, name, etcd, run_id, tmp, script, nnodes=nnodes,
-                        env={"DATASET": str(DATASET), "EVENTS": str(tmp / f"{name}.events.jsonl"), **env})
+                        env={"DATASET": str(DATASET), "EVENTS": str(tmp / f"{name}.events.jsonl"), **env},
+                        rdzv_conf={"last_call_timeout": "60"})
 
 
 def kill_rank_0(group: list[Node], tmp: Path) -> tuple[Node, Node, int, float]:
