@@ -57,6 +57,14 @@ class Beat:
     finished: float | None = None  # when the script returned (teardown since), None while it runs
 
 
+def own_record_path() -> Path | None:
+    """This worker's record under the agent (``LOCAL_RANK``'s), or None outside it."""
+    directory = os.environ.get(HEARTBEAT_DIR_ENV)
+    if not directory:
+        return None
+    return Path(directory) / contract.heartbeat_file(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 class Heartbeat:
     """The worker side: ``beat(step)`` after every step."""
 
@@ -68,10 +76,8 @@ class Heartbeat:
     @classmethod
     def from_env(cls) -> "Heartbeat | None":
         """None when not running under our agent (plain torchrun or a notebook)."""
-        directory = os.environ.get(HEARTBEAT_DIR_ENV)
-        if not directory:
-            return None
-        return cls(Path(directory) / contract.heartbeat_file(int(os.environ.get('LOCAL_RANK', '0'))))
+        path = own_record_path()
+        return cls(path) if path is not None else None
 
     def beat(self, step: int, kind: int = JOB_STEP, loss: float = NO_LOSS, samples: int = 0) -> None:
         """``samples`` is this process's running total, not this step's: a reader that
@@ -124,11 +130,10 @@ def mark_finished() -> None:
 
     Only a record this process wrote is marked (a rank that never beat has nothing the
     watchdog would judge). Never raises: it runs on the way out of every worker."""
-    directory = os.environ.get(HEARTBEAT_DIR_ENV)
-    if not directory:
-        return
     try:
-        path = Path(directory) / contract.heartbeat_file(int(os.environ.get("LOCAL_RANK", "0")))
+        path = own_record_path()
+        if path is None:
+            return
         with open(path, "r+b") as f:
             beat = parse_beat(f.read(_FORMAT.size))
             if beat is None or beat.pid != os.getpid():
