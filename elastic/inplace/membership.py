@@ -55,6 +55,7 @@ from .stall import STUCK, StallRule
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.005
+_POST_AGAIN_S = 0.1  # a post ahead that failed (its store not up yet) is tried again after this
 _STALL_FLOOR_S = 0.5  # a newer round exists and no step for this long: the collective is stuck
 _STALL_FACTOR = 4.0
 DUPLICATE_HANDLE_EXIT = contract.DUPLICATE_HANDLE_EXIT  # a fresh worker whose handle collides: its agent starts it anew
@@ -90,7 +91,8 @@ class Membership:
         self._handle = ""
         self._lock = threading.Lock()
         self._ready = -1
-        self._posted: dict[int, object] = {}  # round -> the watcher's client to that round's store
+        self._posting: tuple[int, RoundStore] | None = None  # the round whose handles are gathered ahead
+        self._post_again_at = 0.0  # a post that failed is tried again from then
         self._tripped_for = -1
         self._replaced_by = -1  # the newest round that replaces this world rather than growing it
         self._last_step = time.monotonic()
@@ -181,8 +183,9 @@ class Membership:
         with self._lock:
             self.world = World(offer.round, dist.get_rank(), dist.get_world_size(), offer.participants)
             self._ready = offer.round
-            for stale in [r for r in self._posted if r <= offer.round]:
-                self._posted.pop(stale, None)
+            if self._posting is not None and self._posting[0] <= offer.round:
+                self._posting[1].abandon()
+                self._posting = None
         self._last_step = time.monotonic()
         self._steady, self._stalled = False, 0
         update_env(_place(offer, self.world))  # for code that reads RANK and the like late
@@ -304,23 +307,34 @@ class Membership:
 
     def _post_and_check(self, offer: RoundOffer) -> None:
         """For a round that only adds members: post our handle, and mark the round ready
-        once every member's handle is there (the joiners' processes are up)."""
-        client = self._posted.get(offer.round)
-        if client is None:
-            try:
-                host, _, port = offer.store.rpartition(":")
-                tcp = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
-                                    timeout=timedelta(seconds=5))
-                client = dist.PrefixStore(f"round/{offer.round}/", tcp)
-                client.set(_key(offer.rank_base + self.local_rank), self._handle)
-            except (RuntimeError, ValueError, OSError) as exc:
-                log.debug("cannot post to round %d's store yet: %s", offer.round, exc)
+        once every member's handle is there (the joiners' processes are up).
+
+        On a thread of its own (:meth:`_post_ahead`): the round's store host may be frozen,
+        and this watcher must never wait on a peer (it trips the fence and reports stalls).
+        A newer offer abandons the older one's post; a failed post is tried again."""
+        with self._lock:
+            posting = self._posting
+            if posting is not None and posting[0] >= offer.round:
                 return
-            self._posted = {offer.round: client}
+            if time.monotonic() < self._post_again_at:
+                return
+            if posting is not None:
+                posting[1].abandon()  # an older round's post: the newer one replaces it
+            store = RoundStore(self.timeout)
+            self._posting = (offer.round, store)
+        threading.Thread(target=self._post_ahead, args=(offer, store, self._handle), name="elastic-membership-post",
+                         daemon=True).start()
+
+    def _post_ahead(self, offer: RoundOffer, store: RoundStore, handle_now: str) -> None:
         try:
-            complete = client.check([_key(r) for r in range(offer.world_size)])  # type: ignore[attr-defined]
-        except RuntimeError:
-            return
-        if complete:
+            store.point_at(offer.store, f"round/{offer.round}/")
+            store.set(_key(offer.rank_base + self.local_rank), handle_now)
+            store.wait([_key(r) for r in range(offer.world_size)])
+        except (RoundAbandoned, dist.DistStoreError, RuntimeError, ValueError, OSError) as exc:
+            log.debug("cannot post to round %d's store yet: %s", offer.round, exc)
             with self._lock:
-                self._ready = max(self._ready, offer.round)
+                if self._posting is not None and self._posting[1] is store and not store.abandoned:
+                    self._posting, self._post_again_at = None, time.monotonic() + _POST_AGAIN_S
+            return
+        with self._lock:
+            self._ready = max(self._ready, offer.round)
