@@ -1,0 +1,157 @@
+"""A frozen round host does not stall the survivors (issue 39).
+
+In place, a round's members exchange their process-group handles through the round's store,
+a TCPStore hosted by the agent of the round's first node. A SIGSTOPped host keeps its
+sockets open and answers nothing, and torch's TCPStore client then blocks in every call:
+the survivors used to wait until it thawed. Real etcd, real ``elastic agent`` process trees,
+the plain ``ElasticRun`` script of ``test_freeze_fast``; the frozen node is thawed only once
+the survivors trained without it:
+
+* elastic (``--nnodes 1:3``): a member is killed and started again, and the first node of the
+  round that takes it back (that round's store host) is frozen the moment that round
+  closes, while the joiner is healed from it and the survivors still train in their world;
+* fixed size with a spare (``--nnodes 2:2``, three agents): the current round's host
+  (rank 0, the snapshot writer) is frozen mid-training, and the spare takes its place.
+
+Each: the first step without the frozen node well within its lease TTL (the bound leaves
+room for a loaded 2-core machine; the 1 s goal is ``bench/recovery.py --configs
+freeze,freeze-host``), no step rolled back, every sample once, and the node back after its
+thaw.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from elastic.etcd import EmbeddedEtcd, free_port
+from tests.agent.test_freeze_fast import SCRIPT
+from tests.agent.test_spares import is_spare
+from tests.elastic.inplace.support import at_world, logs, rows, train_together
+from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+LEASE_TTL = 10  # the lease path would take about this long: the bound below is far from it
+BOUND_S = 3.0  # the goal is 1.0 s (a median in the benchmark); this leaves margin for a loaded machine
+_CLOSED = re.compile(r"round (\d+) closed in [0-9.]+ s: rank \d+ of (\d+) \(([^)]*)\)")
+
+
+def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path,
+          nnodes: str) -> Node:
+    env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
+           "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET)}
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
+                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+
+
+def first_step_without(frozen: Node, survivors: list[Node], tmp: Path, frozen_at: float, world: int) -> float:
+    """Seconds from the freeze to the survivors' first step in a world without the frozen node."""
+    wait_until(lambda: all(at_world(n, tmp, world, frozen_at) for n in survivors), 60,
+               f"the survivors' first step without {frozen.name}", on_timeout=logs(*survivors))
+    return min(at_world(n, tmp, world, frozen_at)[0]["time"] for n in survivors) - frozen_at
+
+
+def assert_stale_worker_trained_nothing(frozen: Node, survivors: list[Node], tmp: Path, frozen_at: float,
+                                        stale_pids: set[int], world: int) -> None:
+    went_on_at = min(at_world(n, tmp, world, frozen_at)[0]["step"] for n in survivors)
+    assert not [r for r in rows(frozen, tmp) if r["pid"] in stale_pids and r["step"] >= went_on_at], \
+        "the frozen node's stale worker trained after the freeze"
+
+
+def assert_replicas_equal(group: list[Node], tmp: Path, world: int, after: float) -> None:
+    by_node = {n.name: {r["step"]: r["params"] for r in at_world(n, tmp, world, after)} for n in group}
+    common = sorted(set.intersection(*(set(d) for d in by_node.values())))
+    assert common and len({d[common[0]] for d in by_node.values()}) == 1, "replicas differ after the heal"
+
+
+@pytest.mark.slow
+def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    script = tmp_path / "freeze_host.py"
+    script.write_text(SCRIPT)
+    group = [start(nodes, name, etcd_server, run_id, tmp_path, script, "1:3") for name in ("a", "b", "c")]
+    train_together(group, tmp_path, 3, steps=8)
+    joiner = group[2]
+    joiner.kill()
+    killed_at = time.time()
+    wait_until(lambda: all(len(at_world(n, tmp_path, 2, killed_at)) >= 12 for n in group[:2]), 90,
+               "a world of 2 with its pace known", on_timeout=logs(*group[:2]))
+    seen = {n.name: len(n.log_path.read_text()) for n in group[:2]}
+    joiner.start()
+    found: list[re.Match[str]] = []
+
+    def closed_with_joiner() -> bool:
+        for n in group[:2]:
+            found.extend(m for m in _CLOSED.finditer(n.log_path.read_text()[seen[n.name]:])
+                         if m.group(2) == "3")
+        return bool(found)
+
+    wait_until(closed_with_joiner, 120, f"the round that takes {joiner.name} back", interval=0.002,
+               on_timeout=logs(*group))
+    host = next(n for n in group if n.name == found[0].group(3).split(", ")[0])
+    host.freeze()
+    frozen_at = time.time()
+    survivors = [n for n in group if n is not host]
+    join_round = int(found[0].group(1))
+    stale = {r["pid"] for r in rows(host, tmp_path)}
+    took = first_step_without(host, survivors, tmp_path, frozen_at, 2)
+    assert took <= BOUND_S, f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)"
+    train_together(survivors, tmp_path, 2, steps=5, after=frozen_at, timeout=60)
+    keeper = next(n for n in survivors if n is not joiner)
+    assert not [r for r in rows(keeper, tmp_path) if r["time"] > frozen_at and r["round"] == join_round], \
+        "the survivors trained in the round the frozen host formed"
+    assert_went_on_from_where_it_stood(keeper, tmp_path, frozen_at, 2)
+    assert_replicas_equal(survivors, tmp_path, 2, frozen_at)
+
+    thawed_at = time.time()
+    host.thaw()
+    train_together(group, tmp_path, 3, steps=5, after=thawed_at, timeout=120)
+    assert_stale_worker_trained_nothing(host, survivors, tmp_path, frozen_at, stale, 2)
+    assert "wrote it off" in host.log_path.read_text(), host.log_tail(40)
+    assert_replicas_equal(group, tmp_path, 3, thawed_at)
+    assert_trained_once(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_current_rounds_host_frozen_mid_training_at_a_fixed_size_gives_its_place_to_the_spare(
+    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+) -> None:
+    script = tmp_path / "freeze_host.py"
+    script.write_text(SCRIPT)
+    group = [start(nodes, name, etcd_server, run_id, tmp_path, script, "2:2") for name in ("a", "b", "c")]
+    wait_until(lambda: sum(len(rows(n, tmp_path)) >= 40 for n in group) == 2 and any(is_spare(n) for n in group),
+               150, "two nodes to train 40 steps (the stall rule has their pace) beside a spare",
+               on_timeout=logs(*group))
+    spare = next(n for n in group if is_spare(n))
+    members = [n for n in group if n is not spare]
+    wait_until(lambda: spare.log_path.read_text().count("a spare: its workers start now") >= 1, 60,
+               "the spare's workers to start ahead", on_timeout=lambda: spare.log_tail(40))
+    host = next(n for n in members if rows(n, tmp_path)[-1]["rank"] == 0)  # the round's first node
+    survivor = next(n for n in members if n is not host)
+    pids = {r["pid"] for r in rows(survivor, tmp_path)}
+    stale = {r["pid"] for r in rows(host, tmp_path)}
+    before = rows(survivor, tmp_path)[-1]["round"]
+    frozen_at = time.time()
+    host.freeze()
+    wait_until(lambda: any(r["round"] > before for r in rows(survivor, tmp_path) if r["time"] > frozen_at), 60,
+               f"the survivor's first step without {host.name}", on_timeout=logs(survivor, spare))
+    took = next(r["time"] for r in rows(survivor, tmp_path) if r["time"] > frozen_at and r["round"] > before) \
+        - frozen_at
+    assert took <= BOUND_S, f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)"
+    train_together([survivor, spare], tmp_path, 2, steps=5, after=frozen_at, timeout=60)
+    assert all(r["world_size"] == 2 for r in rows(survivor, tmp_path) if r["time"] > frozen_at), "the world shrank"
+    assert {r["pid"] for r in rows(survivor, tmp_path)} == pids, "the survivor's worker was restarted"
+    assert_went_on_from_where_it_stood(survivor, tmp_path, frozen_at, 2)
+    assert_replicas_equal([survivor, spare], tmp_path, 2, frozen_at)
+
+    host.thaw()  # its world went on without it: it stops its stale workers and waits as the next spare
+    wait_until(lambda: is_spare(host), 90, f"{host.name} back as the spare", on_timeout=lambda: host.log_tail(60))
+    assert "wrote it off" in host.log_path.read_text(), host.log_tail(40)
+    assert_stale_worker_trained_nothing(host, [survivor, spare], tmp_path, frozen_at, stale, 2)
+    assert_trained_once(tmp_path)
