@@ -34,6 +34,12 @@ rank 0 SIGSTOPped, the clock from the SIGSTOP to a survivor's first step in the 
   peers' witnesses, and the silent one is written off (``agent/freeze.py``);
 * ``freeze-lease``: its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``: written off when
   its etcd lease expires (``--lease-ttl``). The summary prints the ratio of the two medians.
+* ``freeze-host``: the same three nodes, rank 0's node frozen instead: the first node of the
+  current round, whose agent hosts the round's store (the handle exchange of the next round
+  that only adds members goes through it; issue 39);
+* ``freeze-host-spare``: four agents at ``--nnodes 3:3`` (one waits as a spare, its workers
+  started ahead), the current round's host frozen mid-training: the clock runs to a
+  survivor's first step in the next round, a world of three with the spare.
 
 A fault while a join is in progress, three nodes in place (one killed and started again;
 the round that adds it back has closed, the survivors still train without it):
@@ -60,6 +66,7 @@ thawed then), as faults cluster in real life; every SIGKILL's recovery counted, 
     python bench/recovery.py --trials 3 --configs script-kill,script-stop,torchrun-script-kill
     python bench/recovery.py --churn 120 --configs churn-ours,churn-restart,churn-c10d-tuned
     python bench/recovery.py --trials 7 --configs freeze,freeze-lease
+    python bench/recovery.py --trials 5 --configs freeze,freeze-host,freeze-host-spare
     python bench/recovery.py --trials 5 --configs ours-kill-joining,ours-stop-joining,ours-kill-joining-lease
 """
 
@@ -87,7 +94,8 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "c10d-tuned", "c10d-default", "c10d-tuned-store-host", "torchrun-stop",
            "script-kill", "script-stop", "torchrun-script-kill",
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
-           "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "ours-kill-joining",
+           "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
+           "freeze-host-spare", "ours-kill-joining",
            "ours-stop-joining", "ours-kill-joining-lease")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
@@ -184,8 +192,10 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
         return [join_pause(config, work, etcd, lease_ttl, give_up)]
     if config in ("ours-kill-spare", "ours-kill-spare-rank0"):
         return [spare_trial(config, work, etcd, lease_ttl, give_up)]
-    if config in ("freeze", "freeze-lease"):
+    if config in ("freeze", "freeze-lease", "freeze-host"):
         return [freeze_trial(config, work, etcd, lease_ttl, give_up)]
+    if config == "freeze-host-spare":
+        return [freeze_spare_trial(config, work, etcd, lease_ttl, give_up)]
     if config in ("ours-kill-joining", "ours-stop-joining", "ours-kill-joining-lease"):
         return [kill_joining_trial(config, work, etcd, lease_ttl, give_up)]
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
@@ -252,8 +262,9 @@ def spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, giv
 
 
 def freeze_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
-    """Three nodes in place; a member that is not rank 0 SIGSTOPped (whole tree): the SIGSTOP
-    to a survivor's first step in the round without it (a survivor's, not the frozen node's)."""
+    """Three nodes in place; a member that is not rank 0 SIGSTOPped (whole tree; ``freeze-host``:
+    rank 0's, the round's store host): the SIGSTOP to a survivor's first step in the round
+    without it (a survivor's, not the frozen node's)."""
     nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()
@@ -262,8 +273,41 @@ def freeze_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, gi
             print(f"  {config}: no world of 3 within 150 s; skipping", file=sys.stderr, flush=True)
             return None
         _wait_standbys(nodes, 120)
-        victim = next(n for n in nodes if n.steps_at(3)[-1]["rank"] != 0)
+        host = config == "freeze-host"
+        victim = next(n for n in nodes if (n.steps_at(3)[-1]["rank"] == 0) == host)
         survivor = next(n for n in nodes if n is not victim)
+        before = _epoch(survivor.steps_at(3)[-1])
+        fault_at = time.time()
+        victim.freeze()
+        return _first_after(survivor, fault_at, before, give_up)
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def freeze_spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """``--nnodes 3:3`` and a fourth agent, a spare: the current round's host (rank 0's node)
+    SIGSTOPped mid-training, to a survivor's first step in the next round (a world of three
+    again, the spare in the frozen node's place)."""
+    nodes = make_nodes(config, ("a", "b", "c", "d"), work, etcd, lease_ttl, nnodes="3:3")
+    for node in nodes:
+        node.start()
+    try:
+        deadline = time.time() + 180
+        while sum(len(n.steps_at(3)) >= 40 for n in nodes) < 3 or not any(_is_spare(n) for n in nodes):
+            if time.time() > deadline:
+                print(f"  {config}: no world of 3 beside a spare within 180 s; skipping", file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.1)
+        spare = next(n for n in nodes if _is_spare(n))
+        while not _gauge_at_least(spare, "elastic_agent_spare_workers_ready", 1):
+            if time.time() > deadline:
+                print(f"  {config}: the spare's workers not ready within 180 s; skipping", file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.1)
+        members = [n for n in nodes if n is not spare]
+        victim = next(n for n in members if n.steps_at(3)[-1]["rank"] == 0)
+        survivor = next(n for n in members if n is not victim)
         before = _epoch(survivor.steps_at(3)[-1])
         fault_at = time.time()
         victim.freeze()
@@ -568,6 +612,10 @@ def main() -> int:
     if frozen is not None and lease:
         print(f"\nfreeze: SIGSTOP to the first step without the node {frozen:.2f} s (median; goal <= 1.0 s) beside "
               f"{lease:.2f} s at the lease TTL (freeze-lease, ELASTIC_FREEZE_PROBE=0): {frozen / lease:.2f}x")
+    host = _median(results.get("freeze-host", []))
+    if frozen is not None and host is not None:
+        print(f"\nfreeze the round's host: {host:.2f} s (median; goal <= 1.0 s) beside {frozen:.2f} s for another "
+              f"member (freeze): {host / frozen:.2f}x")
     joining, joining_lease = _median(results.get("ours-kill-joining", [])), \
         _median(results.get("ours-kill-joining-lease", []))
     if joining is not None and joining_lease:
