@@ -91,8 +91,16 @@ def waiting_level(status: WorkerStatus, round_number: int, participants: Sequenc
     request for a new round) although the pending round removed nobody, so a member that
     is also in the pending round is dead or frozen, and the worker's join of that round
     would wait for the member's handle until its lease expires. A failure is judged at
-    once: a failed collective is the evidence a stalled step only builds up to.
+    once: a failed collective is the evidence a stalled step only builds up to. Joining the
+    agent's round: how far that join is stalled (a member, the round's store host among
+    them, frozen before or during the exchange; :func:`elastic.inplace.stall.join_level`).
     """
+    joins = status.state == "joining" and isinstance(status.extra, dict) and status.extra.get("joining") == round_number
+    return max(status.stalled if joins else 0, _behind_level(status, round_number, participants, worlds))
+
+
+def _behind_level(status: WorkerStatus, round_number: int, participants: Sequence[str],
+                  worlds: Mapping[int, Sequence[str]]) -> int:
     if status.round == round_number:
         return status.stalled
     world = worlds.get(status.round)
@@ -200,12 +208,18 @@ class FreezeWatch:
             questions = Questions(questions.peers, self.handler.signer, self.timeout)  # one may have frozen since
             frozen = frozen_verdict(questions.answers())
         asked = questions.asked_at
-        last = status.extra.get("last_step_at") if isinstance(status.extra, dict) else None
+        extra = status.extra if isinstance(status.extra, dict) else {}
+        last = extra.get("last_step_at")
         waited = f"{time.time() - last:.2f} s" if isinstance(last, (int, float)) else "?"
-        behind = status.round != round_number
+        joining = extra.get("joining") == round_number
+        behind = status.round != round_number and not joining
         its = "its" if len(frozen) == 1 else "their"
-        what = "lost or frozen" if behind else "frozen"
-        if behind:
+        what = "lost or frozen" if behind or joining else "frozen"
+        if joining:
+            began = extra.get("join_started_at")
+            since = f"{time.time() - began:.2f} s" if isinstance(began, (int, float)) else "?"
+            while_ = f"local rank {rank}'s join of round {round_number} waited {since} for the exchange"
+        elif behind:
             while_ = (f"local rank {rank}'s world of round {status.round} failed before it could switch to round "
                       f"{round_number}, which waits for {its} workers")
         else:

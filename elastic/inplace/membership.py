@@ -50,7 +50,7 @@ from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
 from .fence import SocketFence
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure, reconfigure_timeout
 from .round_store import RoundAbandoned, RoundStore
-from .stall import STUCK, StallRule
+from .stall import STUCK, StallRule, join_level
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class Membership:
         self._stop = threading.Event()
         self._joining = False
         self._joining_round = -1
+        self._join_clock: tuple[int, float] | None = None  # (round, when its join began), while joining it
         self._want_after: int | None = None  # a request for a round newer than this, until one is joined
         self._why = ""
         self.step = 0
@@ -157,6 +158,8 @@ class Membership:
 
     def _try(self, offer: RoundOffer) -> World | None:
         self._joining_round = offer.round
+        self._stalled = 0
+        self._join_clock = (offer.round, time.monotonic()) if len(offer.participants) > 1 else None
         rank = offer.rank_base + self.local_rank
         started = time.monotonic()
         try:
@@ -178,7 +181,9 @@ class Membership:
             # one formed; the next round leaves it out, and rank 0's line says what happened.
             log.debug("[%s local rank %d] round %d could not be joined (%s); joining the next", self.node,
                       self.local_rank, offer.round, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._join_clock = None
             return None
+        self._join_clock = None
         self._handle = handle()
         with self._lock:
             self.world = World(offer.round, dist.get_rank(), dist.get_world_size(), offer.participants)
@@ -237,8 +242,14 @@ class Membership:
             log.warning("cannot report to the agent: %s", exc)
 
     def _stall_extra(self) -> dict[str, float]:
-        """When the step before the stalled one ended (wall clock), for the agent's log line."""
-        return {"last_step_at": time.time() - (time.monotonic() - self._last_step)} if self._stalled else {}
+        """When the step before the stalled one ended (wall clock), for the agent's log line;
+        for a stalled join, the round it waits to join and since when."""
+        if not self._stalled:
+            return {}
+        clock = self._join_clock
+        if self._joining and clock is not None:
+            return {"joining": clock[0], "join_started_at": time.time() - (time.monotonic() - clock[1])}
+        return {"last_step_at": time.time() - (time.monotonic() - self._last_step)}
 
     def close(self) -> None:
         self._stop.set()
@@ -289,9 +300,13 @@ class Membership:
     def _check_stuck(self) -> None:
         """At most twice per step: tell the agent when the step in flight waits beyond this
         rank's pace (:mod:`.stall`: slow, then stuck); the agent asks the peers' agents whether
-        they are alive (``agent/freeze.py``). A question, not a verdict: nothing here leaves the world."""
+        they are alive (``agent/freeze.py``). A question, not a verdict: nothing here leaves the world.
+        A join that waits beyond :func:`.stall.join_level`'s floor is reported the same way."""
+        if self._joining:
+            self._check_join_stuck()
+            return
         world = self.world
-        if world is None or self._joining or self._stalled >= STUCK or len(world.participants) < 2:
+        if world is None or self._stalled >= STUCK or len(world.participants) < 2:
             return
         waited = time.monotonic() - self._last_step
         level = self._pace.level(waited)
@@ -304,6 +319,21 @@ class Membership:
         log.debug("[%s rank %d] step %d has waited %.2f s (limit %.2f s): %s", self.node, world.rank, self.step + 1,
                   waited, self._pace.limit(), "stuck" if level >= STUCK else "slow")
         self._report("training", wake=True)
+
+    def _check_join_stuck(self) -> None:
+        """The join of a round with peers waits (a member's handle that does not come, a store
+        host that does not answer, a pair that does not connect): tell the agent, which asks
+        the round's members and writes off the silent (``agent/freeze.py``)."""
+        clock = self._join_clock
+        if clock is None or self._stalled >= STUCK:
+            return
+        level = join_level(time.monotonic() - clock[1])
+        if level <= self._stalled or self._join_clock is not clock:
+            return
+        self._stalled = level
+        log.debug("[%s local rank %d] the join of round %d has waited %.2f s: %s", self.node, self.local_rank,
+                  clock[0], time.monotonic() - clock[1], "stuck" if level >= STUCK else "slow")
+        self._report("joining", wake=True)
 
     def _post_and_check(self, offer: RoundOffer) -> None:
         """For a round that only adds members: post our handle, and mark the round ready

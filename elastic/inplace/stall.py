@@ -21,6 +21,13 @@ rule, pure so it is a unit test away from being checked:
 * The first interval after a (re)join is not steady (it holds the heal and the reconfigure)
   and is not recorded (:meth:`StallRule.record` is told so by its caller).
 
+**A join** of a round (the handle exchange and the reconfigure) has no pace of its own:
+between live members it takes tens of milliseconds, and a survivor waiting for a joiner's
+start-up waits on a live agent. So a join is held to the floor (:func:`join_level`): slow
+at ``ASK_AT x FLOOR_S``, stuck at ``FLOOR_S``. A member frozen before or during the
+exchange (the round's store host among them) then costs what a frozen peer in a step does,
+and a joiner merely slow to start is asked about and found alive.
+
 A trip is only a question: the agent asks the peers' agents directly (``agent/freeze.py``),
 and a peer whose agent answers is never evicted. The question goes out early, at ``ASK_AT``
 of the limit (:meth:`StallRule.level` 1, "slow"), so that at the limit (level 2, "stuck")
@@ -58,6 +65,11 @@ def stall_limit(intervals: Iterable[float], factor: float = FACTOR, floor: float
     if len(known) < warm:
         return startup
     return max(floor, factor * percentile(known))
+
+
+def join_level(waited: float, floor: float = FLOOR_S) -> int:
+    """0, ``SLOW`` or ``STUCK`` for a join of a round that has waited ``waited`` seconds."""
+    return STUCK if waited > floor else SLOW if waited > ASK_AT * floor else 0
 
 
 class StallRule:

@@ -10,6 +10,9 @@ the survivors trained without it:
 * elastic (``--nnodes 1:3``): a member is killed and started again, and the first node of the
   round that takes it back (that round's store host) is frozen the moment that round
   closes, while the joiner is healed from it and the survivors still train in their world;
+  then, in the same cluster, a member is killed and the host of the round that follows is
+  frozen as it closes, while the last survivor joins it (no step runs: only the join's own
+  stall tells, ``elastic.inplace.stall.join_level``);
 * fixed size with a spare (``--nnodes 2:2``, three agents): the current round's host
   (rank 0, the snapshot writer) is frozen mid-training, and the spare takes its place.
 
@@ -115,6 +118,32 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     assert_stale_worker_trained_nothing(host, survivors, tmp_path, frozen_at, stale, 2)
     assert "wrote it off" in host.log_path.read_text(), host.log_tail(40)
     assert_replicas_equal(group, tmp_path, 3, thawed_at)
+
+    # A member is killed, and the host of the round that follows (a failure: no step runs, the
+    # survivors only join) is frozen as it closes: only the join's own stall can tell.
+    order = _CLOSED.findall(keeper.log_path.read_text())[-1][2].split(", ")
+    victim = next(n for n in group if n.name == order[1])
+    pair = [n for n in group if n is not victim]
+    seen = {n.name: len(n.log_path.read_text()) for n in pair}
+    found.clear()
+
+    def closed_without_victim() -> bool:
+        for n in pair:
+            found.extend(m for m in _CLOSED.finditer(n.log_path.read_text()[seen[n.name]:]) if m.group(2) == "2")
+        return bool(found)
+
+    victim.kill()
+    wait_until(closed_without_victim, 60, f"the round without {victim.name}", interval=0.002, on_timeout=logs(*pair))
+    host = next(n for n in pair if n.name == found[0].group(3).split(", ")[0])
+    host.freeze()
+    frozen_at = time.time()
+    last = next(n for n in pair if n is not host)
+    took = first_step_without(host, [last], tmp_path, frozen_at, 1)
+    assert took <= BOUND_S, f"first step without the host frozen in a join {took:.2f} s after it froze"
+    assert_went_on_from_where_it_stood(last, tmp_path, frozen_at, 1)
+    host.thaw()
+    thawed_at = time.time()
+    train_together(pair, tmp_path, 2, steps=3, after=thawed_at, timeout=120)
     assert_trained_once(tmp_path)
 
 

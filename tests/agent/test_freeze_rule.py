@@ -11,7 +11,7 @@ import time
 
 from agent.freeze import ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by
 from elastic.inplace.channel import WorkerStatus
-from elastic.inplace.stall import SLOW, STUCK, StallRule
+from elastic.inplace.stall import SLOW, STUCK, StallRule, join_level
 from elastic.rendezvous.keepout import ReachReport, choose_kept_out
 from elastic.rendezvous.lease_clock import LeaseClock
 from elastic.rendezvous.signing import StateSigner
@@ -128,3 +128,20 @@ def test_a_round_that_leaves_members_out_explains_the_failure() -> None:
     assert waiting_level(WorkerStatus(1, round=3, want_round_after=3), 5, WORLDS[5], WORLDS) == 0, \
         "a world the agent never saw: unknown is no reason to evict"
     assert waiting_level(WorkerStatus(1, round=-1, want_round_after=-1), 5, WORLDS[5], WORLDS) == 0
+
+
+def test_a_join_is_held_to_the_floor_whatever_the_pace() -> None:
+    """Between live members a join takes milliseconds; one waiting on a frozen member (the
+    round's store host among them) is asked about at 0.2 s and judged at 0.5 s."""
+    assert [join_level(w) for w in (0.05, 0.25, 0.55)] == [0, SLOW, STUCK]
+
+
+def test_a_worker_whose_join_of_the_agents_round_stalls_waits_on_its_members() -> None:
+    """Round 6 leaves b out of the worker's world of round 5 (a failure): no step runs, so only
+    the join's own stall says that a member of round 6 (its store host, say) froze."""
+    joining = WorkerStatus(1, round=5, state="joining", want_round_after=5, stalled=STUCK, extra={"joining": 6})
+    assert waiting_level(joining, 6, WORLDS[6], WORLDS) == STUCK
+    assert waiting_level(WorkerStatus(1, round=5, state="joining", want_round_after=5), 6, WORLDS[6], WORLDS) == 0
+    assert waiting_level(joining, 7, WORLDS[6], WORLDS) == 0, "a stall of another round's join says nothing of this one"
+    fresh = WorkerStatus(1, round=-1, state="joining", stalled=SLOW, extra={"joining": 6})
+    assert waiting_level(fresh, 6, WORLDS[6], WORLDS) == SLOW, "a joiner's first join too"
