@@ -27,7 +27,14 @@ round leaves out a current member (lost, or written off as frozen), or when a ne
 exists and no step has completed for a while, it trips the :class:`SocketFence`, and gloo
 raises at once instead of waiting for its timeout. It also tells the agent when a step waits
 beyond this rank's own pace (:mod:`.stall`), so that a frozen peer, which fails no collective,
-is written off by the agents (``agent/freeze.py``) instead of at its lease's expiry.
+is written off by the agents (``agent/freeze.py``) instead of at its lease's expiry; and when
+a join of a round waits beyond the stall floor (:func:`.stall.join_level`), which is how a
+member frozen while a round forms (its store host among them) shows when no step runs.
+
+The watcher never waits on a peer: it reads the offer file, trips the fence and writes its
+status. Posting this worker's handle ahead for a round that only adds members, through that
+round's store (whose host may be frozen, and torch's TCPStore client then blocks in every
+call), runs on a thread of its own that a newer round abandons (:mod:`.round_store`).
 """
 
 from __future__ import annotations
