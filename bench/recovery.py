@@ -39,7 +39,14 @@ rank 0 SIGSTOPped, the clock from the SIGSTOP to a survivor's first step in the 
   that only adds members goes through it; issue 39);
 * ``freeze-host-spare``: four agents at ``--nnodes 3:3`` (one waits as a spare, its workers
   started ahead), the current round's host frozen mid-training: the clock runs to a
-  survivor's first step in the next round, a world of three with the spare.
+  survivor's first step in the next round, a world of three with the spare;
+  ``freeze-host-spare-early`` freezes it as soon as the stall rule knows the pace (12 steps),
+  without waiting for the spare's workers to finish their start-up: the survivors then also
+  wait for that (a world of three cannot train without the spare);
+* ``freeze-host-joining``: as ``ours-stop-joining`` below, but the node frozen the moment the
+  round that takes a node back closes is that round's first, its store host (the issue's
+  first case: the survivors' watcher and the joiner used to block on its store until it
+  thawed).
 
 A fault while a join is in progress, three nodes in place (one killed and started again;
 the round that adds it back has closed, the survivors still train without it):
@@ -95,7 +102,7 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "script-kill", "script-stop", "torchrun-script-kill",
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
            "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
-           "freeze-host-spare", "ours-kill-joining",
+           "freeze-host-spare", "freeze-host-spare-early", "freeze-host-joining", "ours-kill-joining",
            "ours-stop-joining", "ours-kill-joining-lease")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
@@ -194,9 +201,9 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: 
         return [spare_trial(config, work, etcd, lease_ttl, give_up)]
     if config in ("freeze", "freeze-lease", "freeze-host"):
         return [freeze_trial(config, work, etcd, lease_ttl, give_up)]
-    if config == "freeze-host-spare":
+    if config in ("freeze-host-spare", "freeze-host-spare-early"):
         return [freeze_spare_trial(config, work, etcd, lease_ttl, give_up)]
-    if config in ("ours-kill-joining", "ours-stop-joining", "ours-kill-joining-lease"):
+    if config in ("ours-kill-joining", "ours-stop-joining", "ours-kill-joining-lease", "freeze-host-joining"):
         return [kill_joining_trial(config, work, etcd, lease_ttl, give_up)]
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl)
     for node in nodes:
@@ -294,17 +301,21 @@ def freeze_spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: i
         node.start()
     try:
         deadline = time.time() + 180
-        while sum(len(n.steps_at(3)) >= 40 for n in nodes) < 3 or not any(_is_spare(n) for n in nodes):
+        early = config.endswith("-early")
+        steps = 12 if early else 40
+        while sum(len(n.steps_at(3)) >= steps for n in nodes) < 3 or not any(_is_spare(n) for n in nodes):
             if time.time() > deadline:
                 print(f"  {config}: no world of 3 beside a spare within 180 s; skipping", file=sys.stderr, flush=True)
                 return None
             time.sleep(0.1)
         spare = next(n for n in nodes if _is_spare(n))
-        while not _gauge_at_least(spare, "elastic_agent_spare_workers_ready", 1):
+        while not early and not _gauge_at_least(spare, "elastic_agent_spare_workers_ready", 1):
             if time.time() > deadline:
                 print(f"  {config}: the spare's workers not ready within 180 s; skipping", file=sys.stderr, flush=True)
                 return None
             time.sleep(0.1)
+        if early and _gauge_at_least(spare, "elastic_agent_spare_workers_ready", 1):
+            print(f"  {config}: the spare's workers were ready already", file=sys.stderr, flush=True)
         members = [n for n in nodes if n is not spare]
         victim = next(n for n in members if n.steps_at(3)[-1]["rank"] == 0)
         survivor = next(n for n in members if n is not victim)
@@ -317,7 +328,7 @@ def freeze_spare_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: i
             n.cleanup()
 
 
-_JOIN_ROUND = re.compile(r"round (\d+) -> (\d+) in place with (\w+): world of 3 nodes")
+_JOIN_ROUND = re.compile(r"round (\d+) -> (\d+) in place with (\w+): world of 3 nodes \(([^)]*)\)")
 
 
 def kill_joining_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
@@ -325,7 +336,8 @@ def kill_joining_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: i
     has closed (a survivor's agent says so) and before the survivors switch to it, b (a
     survivor that is not rank 0) is SIGKILLed (``ours-stop-joining``: SIGSTOPped). The clock
     runs from that fault to rank 0's first step in a round after the join round: a world
-    without the victim."""
+    without the victim. ``freeze-host-joining``: rank 0's node, the first of the join round
+    and so its store host, is SIGSTOPped instead, and the clock runs to b's first step."""
     nodes = make_nodes(config, ("a", "b", "c"), work, etcd, lease_ttl)
     for node in nodes:
         node.start()
@@ -355,8 +367,13 @@ def kill_joining_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: i
             print(f"  {config}: {joiner.name} never joined; skipping", file=sys.stderr, flush=True)
             return None
         join_round = int(found.group(2))
+        if config == "freeze-host-joining":
+            if found.group(4).split(", ")[0] != survivor.name:
+                print(f"  {config}: rank 0's node does not host the join round; skipping", file=sys.stderr, flush=True)
+                return None
+            survivor, victim = victim, survivor
         fault_at = time.time()
-        victim.freeze() if config == "ours-stop-joining" else victim.kill()
+        victim.freeze() if config in ("ours-stop-joining", "freeze-host-joining") else victim.kill()
         switched = [r for r in survivor.progress() if r["time"] <= fault_at and int(r.get("round", -1)) >= join_round]
         if switched:  # the survivors were already training in the join round: not a kill during a join
             print(f"  {config}: the join had completed before the kill; skipping", file=sys.stderr, flush=True)

@@ -136,6 +136,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.while_spare: list[Callable[[], None]] = []
         self.spare_since: float | None = None  # monotonic; while this node waits as a spare
         self._spare_from: float | None = None  # when this rendezvous first found this node a spare
+        self._joined_at = 0.0  # monotonic: when this node joined the round it is in the rendezvous for
         # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
         # agent (None): a newcomer joins, a member asking again had its workers fail
         self.next_cause: str | None = None
@@ -188,8 +189,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.round, self._lease_generation = record, self.lease.generation
             self._joined_once = True
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
+        # A spare's wait began long before the round (it waited beside a full world): its
+        # "closed in" counts from its join of this round, or it reads as a slow close.
+        since = self._joined_at if self._spare_from is not None and self._joined_at > started else started
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
-                 time.monotonic() - started, rank, world, ", ".join(record.participants))
+                 time.monotonic() - since, rank, world, ", ".join(record.participants))
         if self._spare_from is not None:
             replaced = [n for n in record.previous if n not in record.participants]
             log.info("[%s] a spare for %.1f s: admitted to round %d in the place of %s, world size unchanged",
@@ -353,10 +357,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     opened = self._open_and_join(round_rev, record.next_open(self._cause()), joined_round)
                     if opened is not None:  # our join is in the same transaction: the round cannot close without us
                         joined_round, join_revision = record.round + 1, opened
+                        self._joined_at = time.monotonic()
                 elif lost_members(record, self._live(entries)):  # a full world lost a member: a spare steps in
                     opened = self._open_and_join(round_rev, record.next_open(FAILURE), joined_round)
                     if opened is not None:
                         joined_round, join_revision = record.round + 1, opened
+                        self._joined_at = time.monotonic()
                 else:
                     for callback in list(self.while_spare):
                         try:
@@ -367,6 +373,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             elif joined_round != record.round:
                 join_revision = self._join(record.round, joined_round)
                 joined_round = record.round
+                self._joined_at = time.monotonic()
             else:
                 excluded = self.reachability.excluded(record, entries)
                 joined = {n: rev for n, rev in self._joined(entries, record.round).items() if n not in excluded}
