@@ -373,5 +373,7 @@ class Membership:
                 if self._posting is not None and self._posting[1] is store and not store.abandoned:
                     self._posting, self._post_again_at = None, time.monotonic() + _POST_AGAIN_S
             return
+        finally:
+            store.close()  # one post per round: its client and thread go with it
         with self._lock:
             self._ready = max(self._ready, offer.round)

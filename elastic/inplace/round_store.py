@@ -127,6 +127,13 @@ class RoundStore(dist.Store):
     def abandon(self) -> None:
         self._abandoned.set()
 
+    def close(self) -> None:
+        """Drop the client and let its thread go (once a call it is blocked in returns)."""
+        self._target = None
+        if self._caller is not None:
+            self._caller.close()
+            self._caller = None
+
     @property
     def abandoned(self) -> bool:
         return self._abandoned.is_set()

@@ -120,3 +120,22 @@ def test_its_own_bound_ends_a_call_and_that_client_is_never_used_again() -> None
     with pytest.raises(RoundAbandoned):  # a call queued behind the blocked one would block too
         store.set("handle", b"h")
     client.thawed.set()
+
+
+def test_a_closed_store_lets_its_callers_thread_go(store: RoundStore) -> None:
+    """The watcher posts ahead through one store per round: none may leave a thread behind."""
+    def callers() -> int:
+        return sum(t.name == "elastic-round-store" for t in threading.enumerate())
+
+    before = callers()
+    other = RoundStore(timedelta(seconds=5))
+    other.point_at(store.address, "round/2/")
+    other.set("k", b"v")
+    assert callers() == before + 1
+    other.close()
+    deadline = time.monotonic() + 5
+    while callers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert callers() == before
+    with pytest.raises(RoundAbandoned):
+        other.set("k", b"v")
