@@ -318,10 +318,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     from torch.distributed.run import config_from_args
 
     from elastic.metrics.multiprocess import prepare_dir
-    from elastic.rendezvous.handler import RendezvousStateError
+    from elastic.rendezvous.ended import FAILED, SUCCEEDED
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
 
     from .metrics import AgentMetrics
-    from .node_agent import AgentSignal, AgentSpec, NodeAgent, exit_code_for
+    from .node_agent import AgentSignal, AgentSpec, JobFinishedError, NodeAgent, exit_code_for
 
     _standalone(args)
     try:
@@ -366,11 +367,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     try:
         result = agent.run()
     except RendezvousClosedError as exc:
-        logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node, exc)
+        ended = handler.closed_outcome() if isinstance(handler, EtcdV3RendezvousHandler) else None
         handler_close = getattr(handler, "close", None)
         if callable(handler_close):
             handler_close()
-        return 0
+        if isinstance(exc, JobFinishedError) or ended is None or not ended.failed:
+            logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node,
+                                                    ended.line() if ended is not None else exc)
+            return 0 if ended is None or not ended.failed else 1
+        print(f"error: [{node}] {ended.line()}", file=sys.stderr)  # the same cause on every node
+        return 1
     except AgentSignal as exc:
         handler_close = getattr(handler, "close", None)  # leave now (peers notice), but keep the job open
         if callable(handler_close):
@@ -380,15 +386,29 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
         handler.close()  # this agent cannot join; the job itself goes on without it
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except BaseException:
-        handler.shutdown()
+    except BaseException as exc:
+        _close_job(handler, FAILED, f"the agent on {node} crashed: {type(exc).__name__}: {exc}")
         raise
-    handler.shutdown()
-    if result.is_failed():
+    if not result.is_failed():
+        _close_job(handler, SUCCEEDED, "")
+        return 0
+    _close_job(handler, FAILED, agent.failure_line or "a local worker failed")
+    if agent.failure_line:  # the agent said it in one line (a script error, a crash loop): no torchrun box
+        print(f"error: [{node}] the job failed: {agent.failure_line}", file=sys.stderr)
+    else:
         print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
-        codes = {f.exitcode for f in result.failures.values()}
-        return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
-    return 0
+    codes = {f.exitcode for f in result.failures.values()}
+    return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
+
+
+def _close_job(handler: Any, outcome: str, cause: str) -> None:
+    """Close the job's rendezvous; ours also carries how the job ended to the other agents."""
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler
+
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        handler.shutdown(outcome=outcome, cause=cause)
+    else:
+        handler.shutdown()
 
 
 def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> AgentDir:

@@ -25,6 +25,12 @@ back-off unreachable nodes get (:mod:`elastic.rendezvous.keepout`), so the other
 stop standing still for it and train on; it comes back afterwards as a newcomer, and is
 kept out again, for twice as long, at its next such failure. The job fails for it only
 when the others cannot go on without it (fewer than ``--nnodes MIN``).
+
+**The same failure on every node is the script's.** Keep-out is for a node that fails
+where the others do not. A node whose own workers fail right after their start says so,
+with the error's last line, in its registry record (:func:`crash_report`); a node that
+fails so while every other node of its round says the same words fails the job at once
+(:data:`Reason.SCRIPT_ERROR`): no restart and no back-off fixes a ``NameError``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Reason(str, enum.Enum):
     CRASH_LOOP = "crash_loop"  # this node's workers fail right after every start
     STRAGGLER = "straggler"  # this node trains persistently slower than the others (agent.stragglers)
     FROZEN = "frozen"  # a peer's agent did not answer while a collective waited on it (agent.freeze)
+    SCRIPT_ERROR = "script_error"  # every node's workers failed right after their start with the same error
 
     @property
     def counted(self) -> bool:
@@ -109,6 +116,22 @@ def next_streak(streak: int, failures: Iterable[Failure]) -> int:
     return streak + 1 if any(f.right_after_start for f in own) else 0
 
 
+def crash_report(failures: Mapping[int, Failure]) -> str:
+    """What this node tells the others of its failure ('' for none to tell): the last line of
+    its own workers' error (a peer's doing or a failure after a good run tells nothing)."""
+    own = {r: f for r, f in failures.items() if not f.peer_caused and f.right_after_start and f.message}
+    return last_words(own)[:300] if own else ""
+
+
+def script_error(report: str, peers: Mapping[str, str] | None) -> str | None:
+    """The error every node of the round failed with right after its start, if they all did
+    with the same words: the script's bug, not a node's. None while any node differs, says
+    nothing or cannot be heard (``peers`` None), and for a node alone (nothing to compare)."""
+    if not report or not peers or any(words != report for words in peers.values()):
+        return None
+    return report
+
+
 def settled(streak: int, youngest_ran_for: float) -> int:
     """The streak once every local worker has run ``youngest_ran_for`` seconds: a group that
     outlived the window has shown this node can train, and ends it."""
@@ -145,6 +168,7 @@ class Observation:
     crash_streak: int = 0  # :func:`next_streak`, this look's failures included
     nodes_without_us: int | None = None  # the round's other nodes (None: this node cannot be kept out)
     min_nodes: int = 1
+    peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
 
 
 @dataclass(frozen=True)
@@ -195,6 +219,12 @@ def decide(obs: Observation) -> Decision:
     # 4. Local failures: a crash loop first (see the module's doc), then ours to count. Only
     #    a failure of its own extends a streak: one a peer caused never keeps a node out.
     own_quick = any(not f.peer_caused and f.right_after_start for r, f in obs.failures.items() if r in failed)
+    shared = script_error(crash_report(obs.failures), obs.peer_crashes) if own_quick else None
+    if shared is not None:
+        return Decision(Action.FAIL, Reason.SCRIPT_ERROR, failed=failed,
+                        detail=f"the workers of every node ({len(obs.peer_crashes or ()) + 1}) failed right after "
+                               f"their start with the same error, the script's own (no restart or keep-out can fix "
+                               f"it): {shared}")
     if own_quick and obs.crash_streak >= CRASH_LOOP_TRIES and obs.nodes_without_us is not None:
         ranks = sorted(failed)
         cause = last_words({r: f for r, f in obs.failures.items() if r in failed})

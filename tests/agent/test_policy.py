@@ -226,3 +226,57 @@ def test_the_cause_printed_is_the_worker_s_own_traceback_line_first() -> None:
     assert last_words({0: LOST_PEER, 1: BOOM}) == "ValueError: boom on c"
     assert last_words({0: LOST_PEER}) == LOST_PEER.message
     assert last_words({0: Failure(code=1, ran_for=1.0), 1: Failure(code=-9, ran_for=1.0)}) == "exit 1, exit -9"
+
+
+# ------------------------------------------------------------------ the same error on every node: the script's
+
+
+NAME_ERROR = "NameError: name 'undefined_thing' is not defined"
+
+
+def quick(message: str = NAME_ERROR) -> Failure:
+    return Failure(code=1, ran_for=3.0, message=message, progressed=True)
+
+
+def test_the_same_error_right_after_start_on_every_node_fails_the_job_at_once_without_a_keep_out() -> None:
+    decision = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=1, nodes_without_us=2,
+                          peer_crashes={"b": NAME_ERROR, "c": NAME_ERROR}))
+    assert decision.action is Action.FAIL and decision.reason is Reason.SCRIPT_ERROR
+    assert NAME_ERROR in decision.detail and "every node (3)" in decision.detail
+    assert not decision.usage_error and not decision.counted
+
+
+@pytest.mark.parametrize("peers", [
+    {"b": NAME_ERROR, "c": ""},  # c trains: the error is this node's, or b's and ours
+    {"b": "ValueError: boom on b"},  # another error
+    {},  # a node alone: nothing to compare with
+    None,  # cannot hear the others (not the etcd-v3 handler)
+])
+def test_an_error_not_shared_by_every_node_is_a_nodes_own_and_restarts_or_keeps_it_out(
+        peers: dict[str, str] | None) -> None:
+    first = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=1, nodes_without_us=2,
+                       peer_crashes=peers))
+    assert first.action is Action.RESTART and first.reason is Reason.WORKER_FAILED
+    third = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=3, nodes_without_us=2,
+                       peer_crashes=peers))
+    assert third.action is Action.KEEP_OUT and third.reason is Reason.CRASH_LOOP
+
+
+def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdict() -> None:
+    late = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True)
+    for failure in (late, peer):
+        decision = decide(obs(exits={0: 1, 1: None}, failures={0: failure}, crash_streak=1, nodes_without_us=1,
+                              peer_crashes={"b": failure.message}))
+        assert decision.reason is not Reason.SCRIPT_ERROR, failure
+
+
+def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
+    from agent.policy import crash_report, script_error
+
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer")
+    assert crash_report({0: peer, 1: quick()}) == NAME_ERROR
+    assert crash_report({0: peer}) == ""
+    assert crash_report({0: Failure(code=-9, ran_for=200.0, message="killed by SIGKILL")}) == ""
+    assert script_error(NAME_ERROR, {"b": NAME_ERROR}) == NAME_ERROR
+    assert script_error("", {"b": ""}) is None
