@@ -398,6 +398,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     else:
         print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
     codes = {f.exitcode for f in result.failures.values()}
+    if codes == {contract.FINAL_SNAPSHOT_LOST_EXIT}:  # trained to the end; its final snapshot is missing
+        return contract.FINAL_SNAPSHOT_LOST_EXIT
     return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
 
 

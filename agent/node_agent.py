@@ -669,12 +669,15 @@ class NodeAgent(ElasticAgent):
                 self.metrics.crash_loops.inc()
             self.failure_line = f"{decision.detail}; the traceback: {self._traceback_where(decision.failed)}"
             log.error("[%s] the job fails: %s", self.node, self.failure_line)
+        elif decision.final_snapshot_lost:  # the worker's line says it all; no torchrun box after it
+            self.failure_line = decision.detail
+            log.error("[%s] %s: the job fails", self.node, decision.detail)
         else:
             log.error("[%s] %s: the job fails", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
-        if decision.usage_error:  # the ranks whose collective broke with it are not the story
+        if decision.usage_error or decision.final_snapshot_lost:  # the ranks that broke with it are not the story
             failed_alone = {rank: f for rank, f in failed_alone.items() if rank in decision.failed}
         pids = self.workers.pids()
         stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)

@@ -43,6 +43,7 @@ from typing import Iterable, Mapping
 from elastic import contract
 
 USER_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
+FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the end, its final snapshot unwritable
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 # What a worker's last line says when a peer broke its collective (ElasticRun's restart path
@@ -185,6 +186,12 @@ class Decision:
         return self.reason is not None and self.reason.counted and self.action in (Action.RESTART, Action.REPLACE)
 
     @property
+    def final_snapshot_lost(self) -> bool:
+        """FAIL because the final snapshot could not be written: the agent exits 74 as well."""
+        return self.action is Action.FAIL and bool(self.failed) and all(
+            code == FINAL_SNAPSHOT_LOST_EXIT for code in self.failed.values())
+
+    @property
     def usage_error(self) -> bool:
         """FAIL because of a usage error: the agent exits 2 as well (``podFailurePolicy``, systemd)."""
         return self.action is Action.FAIL and bool(self.failed) and all(
@@ -211,6 +218,15 @@ def decide(obs: Observation) -> Decision:
         return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=usage,
                         detail=f"local worker(s) {sorted(usage)} exited with code 2 (a usage error, which would "
                                "come back at every start); not restarting")
+
+    # 2b. The job trained its last step, but rank 0 could not write its final snapshot (a full
+    #     or read-only directory): no restart frees a disk, and the worker said it in one line.
+    lost = {rank: code for rank, code in failed.items() if code == FINAL_SNAPSHOT_LOST_EXIT}
+    if lost and len(lost) == len(failed):
+        return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=lost,
+                        detail=f"local worker(s) {sorted(lost)} trained the last step but could not write the final "
+                               f"snapshot (exit {FINAL_SNAPSHOT_LOST_EXIT}; its line above names the directory and "
+                               "the newest intact snapshot); not restarting: no restart frees a disk")
 
     # 3. Done: every local worker exited cleanly.
     if obs.exits and all(code == 0 for code in obs.exits.values()):

@@ -147,6 +147,8 @@ def goodput_worker_file(local_rank: int) -> str:
 EXIT_OK = 0  # trained its last step; when every local worker did, the agent succeeds
 EXIT_FAILED = 1  # an ordinary failure (a traceback, a lost peer): restarted or replaced, counted
 USAGE_ERROR_EXIT = 2  # would fail again (bad flags, a snapshot of another model): never restarted; the agent exits 2
+FINAL_SNAPSHOT_LOST_EXIT = 74  # trained its last step, but the final snapshot could not be written (a full or
+#   read-only snapshot directory; sysexits' EX_IOERR): never restarted, since no restart frees a disk; the agent exits 74
 DUPLICATE_HANDLE_EXIT = 75  # a fresh in-place worker whose group handle collided: an ordinary failure, replaced
 SIGNAL_EXIT_BASE = 128  # 128 + signum: ElasticRun stopped for a signal (SIGTERM: 143) at a step boundary
 

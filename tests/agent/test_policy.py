@@ -280,3 +280,13 @@ def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
     assert crash_report({0: Failure(code=-9, ran_for=200.0, message="killed by SIGKILL")}) == ""
     assert script_error(NAME_ERROR, {"b": NAME_ERROR}) == NAME_ERROR
     assert script_error("", {"b": ""}) is None
+
+
+def test_a_final_snapshot_that_could_not_be_written_ends_the_job_without_a_restart() -> None:
+    from agent.policy import FINAL_SNAPSHOT_LOST_EXIT
+
+    decision = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: 0}, restarts_left=5))
+    assert decision.action is Action.FAIL and decision.final_snapshot_lost and not decision.usage_error
+    assert decision.failed == {0: FINAL_SNAPSHOT_LOST_EXIT}
+    beside_a_crash = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: -9}, restarts_left=5))
+    assert beside_a_crash.action is Action.RESTART  # a death by a signal beside it is a crash
