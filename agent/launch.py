@@ -44,6 +44,8 @@ ENV_PREFIX = contract.ENV_PREFIX
 # exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
 # 10050-10051 and Ray's 10001.
 DEFAULT_METRICS_PORT = 10400
+AUTO_PORT = -1  # --metrics-port auto: bind port 0 and say the port the kernel picked
+METRICS_PORT_FILE = "metrics.port"  # in --agent-dir: the port /metrics is bound to
 DEFAULT_MAX_RESTARTS = 3
 # SIGTERM -> SIGKILL of the workers when the agent itself is stopped (a pre-emption): inside
 # Kubernetes' default terminationGracePeriodSeconds (30 s), with time left to leave the job.
@@ -68,7 +70,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
     ours.add_argument("--node-name", "--node_name", dest="node_name", default=None,
                       help="this node's name in the registry and logs (default: hostname-pid)")
     ours.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=_port,
-                      default=DEFAULT_METRICS_PORT, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)")
+                      default=DEFAULT_METRICS_PORT, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off; "
+                           f"auto = a free port the kernel picks, written to {METRICS_PORT_FILE} in --agent-dir "
+                           "and to the node registry)")
     ours.add_argument("--metrics-addr", "--metrics_addr", dest="metrics_addr", default="127.0.0.1",
                       help="address to bind /metrics to (default 127.0.0.1; use the node's private IP "
                            "for a scraper, never 0.0.0.0 on a public interface)")
@@ -251,7 +255,9 @@ def _number(kind: Callable[[str], float], text: str, why: str) -> Any:
 
 
 def _port(text: str) -> int:
-    value = _number(int, text, "is not a port (0-65535; 0 turns metrics off)")
+    if text.strip().lower() == "auto":
+        return AUTO_PORT
+    value = _number(int, text, "is not a port (0-65535; 0 turns metrics off; auto picks a free one)")
     if not 0 <= value <= 65535:
         raise _Refused(text, "is not a port (0-65535; 0 turns metrics off)")
     return value
@@ -341,7 +347,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)
     if settings.metrics_port:
         try:
-            metrics.serve(settings.metrics_addr, settings.metrics_port, _advertised(settings.metrics_addr))
+            metrics.serve(settings.metrics_addr, max(0, settings.metrics_port), _advertised(settings.metrics_addr))
+            _say_metrics_port(work, metrics.url)
         except OSError as exc:
             parser.exit(2, f"error: --metrics-port {settings.metrics_port} on {settings.metrics_addr}: "
                            f"{exc.strerror}; pick a free port or 0 to turn metrics off\n")
@@ -401,6 +408,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     if codes == {contract.FINAL_SNAPSHOT_LOST_EXIT}:  # trained to the end; its final snapshot is missing
         return contract.FINAL_SNAPSHOT_LOST_EXIT
     return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
+
+
+def _say_metrics_port(work: Path, url: str) -> None:
+    """The port /metrics is bound to, in the agent directory: with ``--metrics-port auto`` the
+    kernel picked it (no port chosen ahead can be taken by another process first)."""
+    port = url.rsplit(":", 1)[1].split("/", 1)[0]
+    tmp = work / f"{METRICS_PORT_FILE}.tmp"
+    tmp.write_text(port + "\n")
+    os.replace(tmp, work / METRICS_PORT_FILE)
 
 
 def _close_job(handler: Any, outcome: str, cause: str) -> None:

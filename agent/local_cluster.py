@@ -34,14 +34,14 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
 
 from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and tests import them from here)
     ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, kill_during_snapshot,
 )
-from .local_node import LocalNode
+from .local_node import AUTO_METRICS_PORT, LocalNode
 from .local_summary import job_goodput, summary  # noqa: F401
 from .local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
 from .signal_flag import SignalFlag
@@ -266,7 +266,7 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-        rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(), env=env,
+        rdzv_conf={"last_call_timeout": "5"}, metrics_port=AUTO_METRICS_PORT, env=env,
         agent_args=agent_args, netns=net[f"node-{i}"] if net else None, **job,
     )) for i in range(args.nodes)]
 
