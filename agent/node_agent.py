@@ -72,6 +72,7 @@ from .policy import (
     Reason,
     crash_report,
     decide,
+    etcd_lost,
     last_words,
     next_streak,
     refunded,
@@ -322,6 +323,7 @@ class NodeAgent(ElasticAgent):
                            reform_requested=reform, restarts_left=self.remaining_restarts, failures=failures,
                            crash_streak=next_streak(self._crash_streak, failures.values()),
                            nodes_without_us=others, peer_crashes=peer_crashes,
+                           etcd_lost=self._etcd_lost() if failures else "",
                            min_nodes=self.ours.timings.min_nodes if self.ours is not None else 1)
 
     def _peer_crashes(self, report: str) -> dict[str, str] | None:
@@ -335,6 +337,21 @@ class NodeAgent(ElasticAgent):
         records = self.ours.node_records()
         return {n: str(records[n].extra.get("crash", "")) if n in records else ""
                 for n in self.participants if n != self.node}
+
+    def _etcd_lost(self) -> str:
+        """agent.policy.etcd_lost against the round etcd holds now (a newer group's round is there too)."""
+        if self.ours is None:
+            return ""
+        fence, now = self._stale_fence(), self.ours.newest_round()
+        return etcd_lost(fence, self.spec.run_id, now) if fence is not None and now is not None else ""
+
+    def _stale_fence(self) -> dict[str, Any] | None:
+        """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""
+        try:
+            data = json.loads((self.settings.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
 
     def _say_crash(self, report: str) -> None:
         assert self.ours is not None
@@ -664,7 +681,10 @@ class NodeAgent(ElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
 
     def _fail(self, decision: Decision) -> RunResult:
-        if decision.reason in (Reason.CRASH_LOOP, Reason.SCRIPT_ERROR):  # one line that ends with the cause
+        if decision.reason is Reason.ETCD_LOST:  # the fix is the line: no traceback to point at
+            self.failure_line = decision.detail
+            log.error("[%s] the job fails: %s", self.node, decision.detail)
+        elif decision.reason in (Reason.CRASH_LOOP, Reason.SCRIPT_ERROR):  # one line that ends with the cause
             if decision.reason is Reason.CRASH_LOOP:
                 self.metrics.crash_loops.inc()
             self.failure_line = f"{decision.detail}; the traceback: {self._traceback_where(decision.failed)}"

@@ -64,6 +64,7 @@ class Reason(str, enum.Enum):
     STRAGGLER = "straggler"  # this node trains persistently slower than the others (agent.stragglers)
     FROZEN = "frozen"  # a peer's agent did not answer while a collective waited on it (agent.freeze)
     SCRIPT_ERROR = "script_error"  # every node's workers failed right after their start with the same error
+    ETCD_LOST = "etcd_lost"  # the snapshot directory's fence stands above every round etcd holds now
 
     @property
     def counted(self) -> bool:
@@ -120,8 +121,29 @@ def next_streak(streak: int, failures: Iterable[Failure]) -> int:
 def crash_report(failures: Mapping[int, Failure]) -> str:
     """What this node tells the others of its failure ('' for none to tell): the last line of
     its own workers' error (a peer's doing or a failure after a good run tells nothing)."""
-    own = {r: f for r, f in failures.items() if not f.peer_caused and f.right_after_start and f.message}
+    own = {r: f for r, f in failures.items()
+           if not f.peer_caused and f.right_after_start and f.message and "StaleGroupError" not in f.message}
     return last_words(own)[:300] if own else ""
+
+
+def etcd_lost(fence: Mapping[str, object] | None, run_id: str, current_round: int) -> str:
+    """Why every group of this job would be refused, in one line with the fix, or ''.
+
+    ``fence``: what rank 0 said of the fence that refused its group (the snapshot directory,
+    the fence's run and round). A fence of this run above the round etcd holds now cannot
+    be a newer group's (etcd would hold that round too): etcd lost the job's state, its
+    rounds started again below the fence, and without ``--snapshot-dir`` the agents cannot
+    start them above it. (A fence at or below the current round is a stale group's own
+    doing: it rejoins, as before.)"""
+    if not fence or fence.get("run") != run_id:
+        return ""
+    fence_round, directory = fence.get("round"), fence.get("snapshot_dir")
+    if not isinstance(fence_round, int) or isinstance(fence_round, bool) or fence_round <= current_round:
+        return ""
+    return (f"etcd lost this job's state: its rounds start again at {current_round}, below the fence at round "
+            f"{fence_round} in the snapshot directory {directory}, so every new group is refused as stale; start "
+            f"the agents again with --snapshot-dir {directory} (their rounds then start above the fence, and the job "
+            "resumes from its newest snapshot)")
 
 
 def script_error(report: str, peers: Mapping[str, str] | None) -> str | None:
@@ -170,6 +192,7 @@ class Observation:
     nodes_without_us: int | None = None  # the round's other nodes (None: this node cannot be kept out)
     min_nodes: int = 1
     peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
+    etcd_lost: str = ""  # :func:`etcd_lost`'s line: every group of this job would be refused
 
 
 @dataclass(frozen=True)
@@ -234,6 +257,8 @@ def decide(obs: Observation) -> Decision:
 
     # 4. Local failures: a crash loop first (see the module's doc), then ours to count. Only
     #    a failure of its own extends a streak: one a peer caused never keeps a node out.
+    if failed and obs.etcd_lost:  # no restart can help: every group would be refused, here and elsewhere
+        return Decision(Action.FAIL, Reason.ETCD_LOST, failed=failed, detail=obs.etcd_lost)
     own_quick = any(not f.peer_caused and f.right_after_start for r, f in obs.failures.items() if r in failed)
     shared = script_error(crash_report(obs.failures), obs.peer_crashes) if own_quick else None
     if shared is not None:

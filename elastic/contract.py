@@ -121,6 +121,7 @@ WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agen
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
 HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step, time, pid, kind, loss, samples, finished
+STALE_FENCE_FILE = "fence.json"  # rank 0 refused by the fence: the fence's run and round and the snapshot dir (JSON)
 
 # $ELASTIC_GOODPUT_DIR (elastic.goodput.files):
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record

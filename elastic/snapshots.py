@@ -34,6 +34,21 @@ from .run_config import SnapshotConfig, WriterMode
 log = logging.getLogger(__name__)
 
 
+def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None:
+    """The fence that refused this group, for the agent (its heartbeat directory): an agent
+    started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
+    holds now means etcd lost the job's state (agent.policy)."""
+    directory = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+    if not directory or fence is None:
+        return
+    path = Path(directory) / contract.STALE_FENCE_FILE
+    with contextlib.suppress(OSError):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"snapshot_dir": str(root), "run": fence.run, "round": fence.round,
+                                   "group_round": token.round}))
+        os.replace(tmp, path)
+
+
 class FinalSnapshotLost(Exception):
     """The final snapshot could not be written (a full or read-only directory); one line."""
 
@@ -81,6 +96,9 @@ class Snapshots:
             raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {self.root} or ledger; "
                                              "see rank 0's log")
         if verdict == 2:
+            token = self.token()
+            if token is not None:  # every rank: each node's agent judges for itself (agent.policy.etcd_lost)
+                _tell_agent(self.root, Fence(self.root).current(), token)
             raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
                                            "group is stale")
         if check_dir:

@@ -627,6 +627,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}
 
+    def newest_round(self) -> int | None:
+        """The round etcd holds now, from the mirror (None: none, or none that verifies)."""
+        record = self._decode_round(self.mirror.entries()[0])
+        return record.round if record is not None else None
+
     def node_records(self) -> dict[str, NodeRecord]:
         """Every live node's registry record, from the mirror (no etcd request)."""
         entries, _ = self.mirror.entries()

@@ -290,3 +290,39 @@ def test_a_final_snapshot_that_could_not_be_written_ends_the_job_without_a_resta
     assert decision.failed == {0: FINAL_SNAPSHOT_LOST_EXIT}
     beside_a_crash = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: -9}, restarts_left=5))
     assert beside_a_crash.action is Action.RESTART  # a death by a signal beside it is a crash
+
+
+# ------------------------------------------------------------------ etcd lost the job's state
+
+
+def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> None:
+    from agent.policy import etcd_lost
+
+    fence = {"run": "job", "round": 7, "snapshot_dir": "/data/snaps"}
+    line = etcd_lost(fence, "job", 0)
+    assert "--snapshot-dir /data/snaps" in line and "round 7" in line
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    decision = decide(obs(exits={0: 1, 1: 1}, failures={0: stale, 1: stale}, crash_streak=1, nodes_without_us=1,
+                          etcd_lost=line, peer_crashes={"b": stale.message}))
+    assert decision.action is Action.FAIL and decision.reason is Reason.ETCD_LOST and decision.detail == line
+
+
+@pytest.mark.parametrize(("fence", "now"), [
+    ({"run": "job", "round": 7, "snapshot_dir": "/d"}, 7),  # a newer group's fence: etcd holds its round too
+    ({"run": "job", "round": 7, "snapshot_dir": "/d"}, 9),
+    ({"run": "other", "round": 7, "snapshot_dir": "/d"}, 0),  # another job's directory: not ours to judge
+    ({"run": "job", "round": "7", "snapshot_dir": "/d"}, 0),  # not a round number: never acted on
+    ({"run": "job", "round": True, "snapshot_dir": "/d"}, 0),
+    (None, 0),
+])
+def test_a_stale_group_of_a_live_job_is_no_lost_etcd(fence: dict[str, object] | None, now: int) -> None:
+    from agent.policy import etcd_lost
+
+    assert etcd_lost(fence, "job", now) == ""
+
+
+def test_a_stale_group_on_every_node_is_no_script_error() -> None:
+    from agent.policy import crash_report
+
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    assert crash_report({0: stale}) == ""
