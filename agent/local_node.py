@@ -277,6 +277,7 @@ _AGENT_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[[^\]]*\] 
                          r"(?:\[[^\]]*\] )?(.*)$")
 _FAILED = re.compile(r"local worker\(s\) \[[\d, ]*\] failed \(exit ([^)]*)\)")
 _RESTART = re.compile(r"^restart \((\w+)\)")
+_SAID = re.compile(r'\) with "(.*?)"(?::|$)')  # the agent's words for the failure (an OOM kill, a signal)
 _EXITED = re.compile(r"exited with code (-?\d+)")
 _TRACEBACK = "Traceback (most recent call last):"
 _GAVE_UP = ": the job fails"
@@ -298,6 +299,8 @@ class Crash:
 
     def describe(self) -> str:
         """``worker exit 1: NameError: name 'x' is not defined``."""
+        if self.error.startswith("killed by "):  # the agent's own words for a death by a signal (agent.oom)
+            return f"worker {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
         return f"{what}: {self.error}" if self.error else what
 
@@ -392,7 +395,9 @@ class NodeLog:
             self._pending = None
         elif failed is not None or _HUNG in message:
             kind = CRASH if failed is not None else HANG
-            crash = Crash(at, kind, failed[1] if failed is not None else "", self._take_exception())
+            said = _SAID.search(message) if failed is not None else None
+            crash = Crash(at, kind, failed[1] if failed is not None else "",
+                          self._take_exception() or (said[1] if said is not None else ""))
             if "the others keep running" in message:  # in place: only this node's rank starts again
                 self._crashes.append(crash)
             else:

@@ -62,6 +62,7 @@ from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
+from .oom import killed_by, oom_kills
 from .freeze import FreezeWatch
 from .pace import PaceMonitor
 from .policy import (
@@ -185,6 +186,8 @@ class NodeAgent(ElasticAgent):
         self._kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
         self._seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
         self.failure_line = ""  # why the job failed, in one line, when this agent can say it (launch prints it)
+        self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.oom)
+        self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -394,7 +397,11 @@ class NodeAgent(ElasticAgent):
                 continue
             message = worker.error_line()
             if not message and code < 0:
-                message = f"killed by {_signal_name(-code)}"
+                message = self._kill_words.get(worker.pid, "")
+                if not message:
+                    now = oom_kills()
+                    message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
+                    self._oom_seen = now
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
                                 progressed=self.watch.progressed_since_start(rank))
         return out
@@ -1057,13 +1064,6 @@ def _publish_keep_out(handler: EtcdV3RendezvousHandler, out: KeepOut | None) -> 
 
 def _parenthesised(words: str) -> str:
     return f" ({words})" if words else ""
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _outcome(exc: BaseException) -> str:
