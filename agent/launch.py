@@ -44,6 +44,8 @@ ENV_PREFIX = contract.ENV_PREFIX
 # exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
 # 10050-10051 and Ray's 10001.
 DEFAULT_METRICS_PORT = 10400
+AUTO_PORT = -1  # --metrics-port auto: bind port 0 and say the port the kernel picked
+METRICS_PORT_FILE = "metrics.port"  # in --agent-dir: the port /metrics is bound to
 DEFAULT_MAX_RESTARTS = 3
 # SIGTERM -> SIGKILL of the workers when the agent itself is stopped (a pre-emption): inside
 # Kubernetes' default terminationGracePeriodSeconds (30 s), with time left to leave the job.
@@ -68,7 +70,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
     ours.add_argument("--node-name", "--node_name", dest="node_name", default=None,
                       help="this node's name in the registry and logs (default: hostname-pid)")
     ours.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=_port,
-                      default=DEFAULT_METRICS_PORT, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off)")
+                      default=DEFAULT_METRICS_PORT, help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = off; "
+                           f"auto = a free port the kernel picks, written to {METRICS_PORT_FILE} in --agent-dir "
+                           "and to the node registry)")
     ours.add_argument("--metrics-addr", "--metrics_addr", dest="metrics_addr", default="127.0.0.1",
                       help="address to bind /metrics to (default 127.0.0.1; use the node's private IP "
                            "for a scraper, never 0.0.0.0 on a public interface)")
@@ -251,7 +255,9 @@ def _number(kind: Callable[[str], float], text: str, why: str) -> Any:
 
 
 def _port(text: str) -> int:
-    value = _number(int, text, "is not a port (0-65535; 0 turns metrics off)")
+    if text.strip().lower() == "auto":
+        return AUTO_PORT
+    value = _number(int, text, "is not a port (0-65535; 0 turns metrics off; auto picks a free one)")
     if not 0 <= value <= 65535:
         raise _Refused(text, "is not a port (0-65535; 0 turns metrics off)")
     return value
@@ -318,10 +324,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     from torch.distributed.run import config_from_args
 
     from elastic.metrics.multiprocess import prepare_dir
-    from elastic.rendezvous.handler import RendezvousStateError
+    from elastic.rendezvous.ended import FAILED, SUCCEEDED
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
 
     from .metrics import AgentMetrics
-    from .node_agent import AgentSignal, AgentSpec, NodeAgent, exit_code_for
+    from .node_agent import AgentSignal, AgentSpec, JobFinishedError, NodeAgent, exit_code_for
 
     _standalone(args)
     try:
@@ -340,7 +347,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)
     if settings.metrics_port:
         try:
-            metrics.serve(settings.metrics_addr, settings.metrics_port, _advertised(settings.metrics_addr))
+            metrics.serve(settings.metrics_addr, max(0, settings.metrics_port), _advertised(settings.metrics_addr))
+            _say_metrics_port(work, metrics.url)
         except OSError as exc:
             parser.exit(2, f"error: --metrics-port {settings.metrics_port} on {settings.metrics_addr}: "
                            f"{exc.strerror}; pick a free port or 0 to turn metrics off\n")
@@ -366,11 +374,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     try:
         result = agent.run()
     except RendezvousClosedError as exc:
-        logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node, exc)
+        ended = handler.closed_outcome() if isinstance(handler, EtcdV3RendezvousHandler) else None
         handler_close = getattr(handler, "close", None)
         if callable(handler_close):
             handler_close()
-        return 0
+        if isinstance(exc, JobFinishedError) or ended is None or not ended.failed:
+            logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node,
+                                                    ended.line() if ended is not None else exc)
+            return 0 if ended is None or not ended.failed else 1
+        print(f"error: [{node}] {ended.line()}", file=sys.stderr)  # the same cause on every node
+        return 1
     except AgentSignal as exc:
         handler_close = getattr(handler, "close", None)  # leave now (peers notice), but keep the job open
         if callable(handler_close):
@@ -380,15 +393,40 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
         handler.close()  # this agent cannot join; the job itself goes on without it
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except BaseException:
-        handler.shutdown()
+    except BaseException as exc:
+        _close_job(handler, FAILED, f"the agent on {node} crashed: {type(exc).__name__}: {exc}")
         raise
-    handler.shutdown()
-    if result.is_failed():
+    if not result.is_failed():
+        _close_job(handler, SUCCEEDED, "")
+        return 0
+    _close_job(handler, FAILED, agent.failure_line or "a local worker failed")
+    if agent.failure_line:  # the agent said it in one line (a script error, a crash loop): no torchrun box
+        print(f"error: [{node}] the job failed: {agent.failure_line}", file=sys.stderr)
+    else:
         print(ChildFailedError(name=" ".join(command[:6]), failures=result.failures).format_msg(), file=sys.stderr)
-        codes = {f.exitcode for f in result.failures.values()}
-        return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
-    return 0
+    codes = {f.exitcode for f in result.failures.values()}
+    if codes == {contract.FINAL_SNAPSHOT_LOST_EXIT}:  # trained to the end; its final snapshot is missing
+        return contract.FINAL_SNAPSHOT_LOST_EXIT
+    return 2 if codes == {2} else 1  # a usage error stays one: restarting the pod cannot fix it
+
+
+def _say_metrics_port(work: Path, url: str) -> None:
+    """The port /metrics is bound to, in the agent directory: with ``--metrics-port auto`` the
+    kernel picked it (no port chosen ahead can be taken by another process first)."""
+    port = url.rsplit(":", 1)[1].split("/", 1)[0]
+    tmp = work / f"{METRICS_PORT_FILE}.tmp"
+    tmp.write_text(port + "\n")
+    os.replace(tmp, work / METRICS_PORT_FILE)
+
+
+def _close_job(handler: Any, outcome: str, cause: str) -> None:
+    """Close the job's rendezvous; ours also carries how the job ended to the other agents."""
+    from elastic.rendezvous.handler import EtcdV3RendezvousHandler
+
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        handler.shutdown(outcome=outcome, cause=cause)
+    else:
+        handler.shutdown()
 
 
 def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> AgentDir:

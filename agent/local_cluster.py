@@ -34,14 +34,14 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
 
 from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and tests import them from here)
     ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, kill_during_snapshot,
 )
-from .local_node import LocalNode
+from .local_node import AUTO_METRICS_PORT, LocalNode
 from .local_summary import job_goodput, summary  # noqa: F401
 from .local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
 from .signal_flag import SignalFlag
@@ -50,9 +50,16 @@ KEY_FILE = "rdzv.key"  # the run's rendezvous key, in its run directory
 DEFAULT_MAX_RESTARTS = 20
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def _ctrl_c_sets(event: SignalFlag) -> Iterator[None]:
-    """Ctrl-C sets ``event`` instead of raising KeyboardInterrupt, for the duration.
+    """Ctrl-C, SIGTERM and SIGHUP set ``event`` instead of ending the tool, for the duration.
+
+    The tool owns its process tree (etcd, the agents, their workers): SIGTERM (what
+    ``timeout``, systemd and a CI cancel send) killed it at once and left all of that
+    running, reparented to init. Now each stops it as ``q`` does: clean up, then the summary.
 
     A KeyboardInterrupt is raised at whatever bytecode the main thread is on, and this loop
     spends its time inside rich's Live, whose refresh thread shares locks with it: raised
@@ -64,11 +71,12 @@ def _ctrl_c_sets(event: SignalFlag) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread; elsewhere nothing to change
         return
-    previous = signal.signal(signal.SIGINT, event.set)  # not an Event: agent/signal_flag.py
+    previous = {sig: signal.signal(sig, event.set) for sig in STOP_SIGNALS}  # not an Event: agent/signal_flag.py
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _keys(stop: threading.Event, pressed: list[str]) -> None:
@@ -152,6 +160,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--timeout {args.timeout:g}: give positive seconds, or leave it out to run until the job ends")
     if args.max_restarts < 0:
         p.error(f"--max-restarts {args.max_restarts}: give 0 or more")
+    problem = bad_value(args)
+    if problem:
+        p.error(problem)
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
@@ -160,6 +171,25 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                 "example jobs only")
     args.kinds = kinds
     return args, job_args
+
+
+def bad_value(args: argparse.Namespace) -> str:
+    """The first flag whose value cannot mean anything, as ``--flag VALUE: why``; '' if none.
+    Refused up front: once started, a negative count ran as 0 and a non-positive TTL or
+    worker count failed on every node, after etcd and the nodes had started."""
+    checks: list[tuple[str, float, bool, str]] = [
+        ("--faults", args.faults, args.faults >= 0, "give 0 or more (0: faults only on a keypress)"),
+        ("--first-fault-after", args.first_fault_after, args.first_fault_after >= 0, "give 0 or more seconds"),
+        ("--fault-every", args.fault_every, args.fault_every >= 0, "give 0 or more seconds"),
+        ("--back-after", args.back_after, args.back_after >= 0, "give 0 or more seconds"),
+        ("--steps", args.steps, args.steps >= 1, "give 1 or more"),
+        ("--lease-ttl", args.lease_ttl, args.lease_ttl >= 2, "give at least 2 (etcd's minimum lease TTL)"),
+        ("--nproc-per-node", args.nproc_per_node, args.nproc_per_node >= 1, "give 1 or more workers"),
+    ]
+    for flag, value, ok, fix in checks:
+        if not ok or value != value:  # NaN is no number of seconds either
+            return f"{flag} {value:g}: {fix}"
+    return ""
 
 
 def _snapshot_every(module_args: Sequence[str]) -> int:
@@ -236,7 +266,7 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-        rdzv_conf={"last_call_timeout": "5"}, metrics_port=free_port(), env=env,
+        rdzv_conf={"last_call_timeout": "5"}, metrics_port=AUTO_METRICS_PORT, env=env,
         agent_args=agent_args, netns=net[f"node-{i}"] if net else None, **job,
     )) for i in range(args.nodes)]
 
@@ -253,12 +283,12 @@ def _header(console: Console, etcd: EmbeddedEtcd, args: argparse.Namespace, what
 
 def _drive(cluster: Cluster, args: argparse.Namespace, display: Display, ctrl_c: SignalFlag,
            pressed: list[str]) -> str:
-    """Run the job to its end, landing faults; returns why it stopped: ended, q, timeout or ctrl-c."""
+    """Run the job to its end, landing faults; returns why it stopped: ended, q, timeout or signal."""
     started, trained_at = display.started, None
     next_fault, scheduled = None, 0
     while args.timeout is None or time.time() - started < args.timeout:
-        if ctrl_c.wait(0.1):  # Ctrl-C quits like q: clean up, then the summary
-            return "ctrl-c"
+        if ctrl_c.wait(0.1):  # Ctrl-C (SIGTERM, SIGHUP) quits like q: clean up, then the summary
+            return "signal"
         cluster.tick()
         display.update()
         if cluster.ended():
@@ -295,35 +325,50 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: --run-dir {run_dir}: {exc}; use a new --run-dir", file=sys.stderr)
         return 2
     job, what = _job(args, job_args, run_dir)
-    with _network(args.nodes, args.netns) as net, \
+    stop, pressed, ctrl_c = threading.Event(), [], SignalFlag()
+    why = "signal"
+    with _ctrl_c_sets(ctrl_c), _network(args.nodes, args.netns) as net, \
             EmbeddedEtcd(data_dir=run_dir / "etcd", host=net.central_addr if net else "127.0.0.1") as etcd:
         _header(console, etcd, args, what, run_dir, key)
         cluster = Cluster(_nodes(args, job, run_dir, etcd, net, key), run_dir, args.nproc_per_node, etcd=etcd,
                           snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0)
-        stop, pressed, ctrl_c = threading.Event(), [], SignalFlag()
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
-        with _ctrl_c_sets(ctrl_c):
-            try:
-                for n in cluster.nodes:
-                    n.node.start()
-                with Display(console, cluster, time.time()) as display:
-                    why = _drive(cluster, args, display, ctrl_c, pressed)
-            finally:
-                stop.set()
-                for n in cluster.nodes:
-                    n.node.cleanup()
+        try:
+            for n in cluster.nodes:
+                if ctrl_c.is_set():
+                    break
+                n.node.start()
+            with Display(console, cluster, time.time()) as display:
+                why = _drive(cluster, args, display, ctrl_c, pressed)
+        finally:
+            stop.set()
+            for n in cluster.nodes:
+                n.node.cleanup()
     recovered = summary(console, cluster)
-    return _verdict(console, cluster, args, why, recovered)
+    return _verdict(console, cluster, args, why, recovered, ctrl_c.signum)
 
 
-def _verdict(console: Console, cluster: Cluster, args: argparse.Namespace, why: str, recovered: bool) -> int:
-    """The last line: how the job ended (or why it was stopped), and the exit code to match."""
+def stop_reason(why: str, timeout: float | None, signum: int | None) -> str:
+    """Why the tool stopped before the job ended, in the words of ``stopped before ... (why)``."""
+    if why == "q":
+        return "q"
+    if why == "timeout":
+        return f"--timeout {timeout:g} s" if timeout is not None else "timeout"
+    if signum is None or signum == signal.SIGINT:
+        return "Ctrl-C"
+    return signal.Signals(signum).name
+
+
+def _verdict(console: Console, cluster: Cluster, args: argparse.Namespace, why: str, recovered: bool,
+             signum: int | None = None) -> int:
+    """The last line: how the job ended (or why it was stopped), and the exit code to match:
+    0 only for a job that finished; 128 + the signal for a stop by one (130 for Ctrl-C,
+    143 for SIGTERM, as a shell reports it); 1 otherwise."""
     if why != "ended":
         target = "the script ended" if args.script else f"step {args.steps}"
-        reason = {"ctrl-c": "Ctrl-C", "q": "q", "timeout": f"--timeout {args.timeout:g} s"}[why]
-        console.print(f"[yellow]stopped before {target}[/yellow] ({reason})")
-        return 130 if why == "ctrl-c" else 1  # 130: the shell's code for an interrupted command
+        console.print(f"[yellow]stopped before {target}[/yellow] ({stop_reason(why, args.timeout, signum)})")
+        return 128 + (signum or signal.SIGINT) if why == "signal" else 1
     ok, line = cluster.outcome(None if args.script else args.steps)
     if ok and not recovered:
         ok, line = False, "the job ended, but a fault above was never recovered from (recovery 'not seen')"

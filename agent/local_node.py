@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .netns import Namespace
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+AUTO_METRICS_PORT = -1  # --metrics-port auto: no port picked ahead that another process could take first
 # Not `-m agent.cli`: that puts the working directory (the user's, under `elastic local`) first
 # on sys.path, and a user's own `agent/` or `elastic/` directory would shadow ours. `-c` puts ''
 # there, which is dropped (as agent/worker_boot.py does for the workers).
@@ -72,7 +73,7 @@ class LocalNode:
     launcher: str = "elastic"  # or "torchrun": torch's own launcher
     rdzv_backend: str = "etcd-v3"  # "c10d" for comparisons (then endpoint is the store host's)
     agent_args: Sequence[str] = ()
-    metrics_port: int = 0
+    metrics_port: int = 0  # AUTO_METRICS_PORT: the agent binds a free one and says which (bound_metrics_port)
     netns: Namespace | None = None  # run inside this network namespace (agent.netns), at its address
     cwd: Path | None = None  # where the agent and its workers run; None: workdir
     process: subprocess.Popen[bytes] | None = None
@@ -101,7 +102,8 @@ class LocalNode:
         return self.workdir / f"{self.name}.agent"
 
     def command(self) -> list[str]:
-        cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", str(self.metrics_port),
+        port = "auto" if self.metrics_port == AUTO_METRICS_PORT else str(self.metrics_port)
+        cmd = [*ELASTIC, "--node-name", self.name, "--metrics-port", port,
                "--agent-dir", str(self.agent_dir)] if self.launcher == "elastic" else [TORCHRUN]
         if self.netns is not None:  # peers and scrapers reach it at its own address, as on a host
             cmd += ["--local-addr", self.netns.addr]
@@ -226,14 +228,29 @@ class LocalNode:
         None while it serves none (not up yet, or gone)."""
         from prometheus_client.parser import text_string_to_metric_families
 
+        port = self.bound_metrics_port()
+        if port is None:
+            return None
         try:
-            with urllib.request.urlopen(f"http://{self.metrics_host}:{self.metrics_port}/metrics", timeout=5) as reply:
+            with urllib.request.urlopen(f"http://{self.metrics_host}:{port}/metrics", timeout=5) as reply:
                 text = reply.read().decode()
         except OSError:
             return None
         found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
                  if s.name == name and labels.items() <= s.labels.items()]
         return sum(found) if found else None
+
+    def bound_metrics_port(self) -> int | None:
+        """Where this node's /metrics listens: the port it was given, or with
+        AUTO_METRICS_PORT the one its agent bound (None until it says, or without metrics)."""
+        if self.metrics_port != AUTO_METRICS_PORT:
+            return self.metrics_port or None
+        from .launch import METRICS_PORT_FILE
+
+        try:
+            return int((self.agent_dir / METRICS_PORT_FILE).read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def log(self) -> "NodeLog":
@@ -260,6 +277,7 @@ _AGENT_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[[^\]]*\] 
                          r"(?:\[[^\]]*\] )?(.*)$")
 _FAILED = re.compile(r"local worker\(s\) \[[\d, ]*\] failed \(exit ([^)]*)\)")
 _RESTART = re.compile(r"^restart \((\w+)\)")
+_SAID = re.compile(r'\) with "(.*?)"(?::|$)')  # the agent's words for the failure (an OOM kill, a signal)
 _EXITED = re.compile(r"exited with code (-?\d+)")
 _TRACEBACK = "Traceback (most recent call last):"
 _GAVE_UP = ": the job fails"
@@ -281,6 +299,8 @@ class Crash:
 
     def describe(self) -> str:
         """``worker exit 1: NameError: name 'x' is not defined``."""
+        if self.error.startswith("killed by "):  # the agent's own words for a death by a signal (agent.oom)
+            return f"worker {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
         return f"{what}: {self.error}" if self.error else what
 
@@ -375,7 +395,9 @@ class NodeLog:
             self._pending = None
         elif failed is not None or _HUNG in message:
             kind = CRASH if failed is not None else HANG
-            crash = Crash(at, kind, failed[1] if failed is not None else "", self._take_exception())
+            said = _SAID.search(message) if failed is not None else None
+            crash = Crash(at, kind, failed[1] if failed is not None else "",
+                          self._take_exception() or (said[1] if said is not None else ""))
             if "the others keep running" in message:  # in place: only this node's rank starts again
                 self._crashes.append(crash)
             else:

@@ -62,6 +62,7 @@ from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
+from .oom import killed_by, oom_kills
 from .freeze import FreezeWatch
 from .pace import PaceMonitor
 from .policy import (
@@ -70,7 +71,9 @@ from .policy import (
     Failure,
     Observation,
     Reason,
+    crash_report,
     decide,
+    etcd_lost,
     last_words,
     next_streak,
     refunded,
@@ -107,6 +110,10 @@ class AgentSpec:
     numa_options: Any = None
     log_line_prefix_template: str | None = None
     term_grace: float = DEFAULT_TERM_GRACE_S  # --term-grace: SIGTERM to SIGKILL when the agent is stopped
+
+
+class JobFinishedError(RendezvousClosedError):
+    """The job trained its last step while this node was out: nothing to join, and exit 0."""
 
 
 class AgentSignal(Exception):
@@ -178,6 +185,9 @@ class NodeAgent(ElasticAgent):
         self._restarted: _Restarted | None = None  # the last restart, until its first progress explains it
         self._kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
         self._seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
+        self.failure_line = ""  # why the job failed, in one line, when this agent can say it (launch prints it)
+        self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.oom)
+        self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -311,11 +321,46 @@ class NodeAgent(ElasticAgent):
         self._publish_in_place(self._holds_state)
         failures = self._seen_failures = self._failures(exits)
         others = None if self.ours is None else len([n for n in self.participants if n != self.node])
+        peer_crashes = self._peer_crashes(crash_report(failures))
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
                            reform_requested=reform, restarts_left=self.remaining_restarts, failures=failures,
                            crash_streak=next_streak(self._crash_streak, failures.values()),
-                           nodes_without_us=others,
+                           nodes_without_us=others, peer_crashes=peer_crashes,
+                           etcd_lost=self._etcd_lost() if failures else "",
                            min_nodes=self.ours.timings.min_nodes if self.ours is not None else 1)
+
+    def _peer_crashes(self, report: str) -> dict[str, str] | None:
+        """Tell the other nodes (this node's registry record) what its workers failed with right
+        after their start, and read what the round's other members said (agent.policy): the
+        same words from every node make it the script's error. Written only on a change."""
+        if self.ours is None:
+            return None
+        if report:
+            self._say_crash(report)
+        records = self.ours.node_records()
+        return {n: str(records[n].extra.get("crash", "")) if n in records else ""
+                for n in self.participants if n != self.node}
+
+    def _etcd_lost(self) -> str:
+        """agent.policy.etcd_lost against the round etcd holds now (a newer group's round is there too)."""
+        if self.ours is None:
+            return ""
+        fence, now = self._stale_fence(), self.ours.newest_round()
+        return etcd_lost(fence, self.spec.run_id, now) if fence is not None and now is not None else ""
+
+    def _stale_fence(self) -> dict[str, Any] | None:
+        """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""
+        try:
+            data = json.loads((self.settings.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _say_crash(self, report: str) -> None:
+        assert self.ours is not None
+        extra = self.ours.lease.record.extra
+        if extra.get("crash", "") != report:
+            self.ours.lease.update(extra={**extra, "crash": report})
 
     def _after_freezes(self, decision: Decision) -> Decision:
         """agent/freeze.py: thawed after its peers wrote it off, this node stops its stale workers
@@ -352,7 +397,11 @@ class NodeAgent(ElasticAgent):
                 continue
             message = worker.error_line()
             if not message and code < 0:
-                message = f"killed by {_signal_name(-code)}"
+                message = self._kill_words.get(worker.pid, "")
+                if not message:
+                    now = oom_kills()
+                    message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
+                    self._oom_seen = now
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
                                 progressed=self.watch.progressed_since_start(rank))
         return out
@@ -437,6 +486,8 @@ class NodeAgent(ElasticAgent):
         if self._crash_streak:
             youngest = min((w.ran_for() for w in self.workers.workers.values()), default=0.0)
             self._crash_streak = settled(self._crash_streak, youngest)
+            if not self._crash_streak and self.ours is not None:
+                self._say_crash("")  # it trains: its old failure says nothing about the script any more
         if self._restarted is not None and self.watch.progressed():
             log.info("[%s] %s", self.node, self._restarted.explained(time.time()))
             self._restarted = None
@@ -637,15 +688,23 @@ class NodeAgent(ElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
 
     def _fail(self, decision: Decision) -> RunResult:
-        if decision.reason is Reason.CRASH_LOOP:  # one line that ends with the cause
-            self.metrics.crash_loops.inc()
+        if decision.reason is Reason.ETCD_LOST:  # the fix is the line: no traceback to point at
+            self.failure_line = decision.detail
             log.error("[%s] the job fails: %s", self.node, decision.detail)
+        elif decision.reason in (Reason.CRASH_LOOP, Reason.SCRIPT_ERROR):  # one line that ends with the cause
+            if decision.reason is Reason.CRASH_LOOP:
+                self.metrics.crash_loops.inc()
+            self.failure_line = f"{decision.detail}; the traceback: {self._traceback_where(decision.failed)}"
+            log.error("[%s] the job fails: %s", self.node, self.failure_line)
+        elif decision.final_snapshot_lost:  # the worker's line says it all; no torchrun box after it
+            self.failure_line = decision.detail
+            log.error("[%s] %s: the job fails", self.node, decision.detail)
         else:
             log.error("[%s] %s: the job fails", self.node, self._describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims
-        if decision.usage_error:  # the ranks whose collective broke with it are not the story
+        if decision.usage_error or decision.final_snapshot_lost:  # the ranks that broke with it are not the story
             failed_alone = {rank: f for rank, f in failed_alone.items() if rank in decision.failed}
         pids = self.workers.pids()
         stopped = self._stop(signal.SIGTERM, self.settings.graceful_stop)
@@ -655,6 +714,11 @@ class NodeAgent(ElasticAgent):
             self.ours.lease.update(state="failed")
         self.metrics.set_state("failed")
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _traceback_where(self, failed: Any) -> str:
+        """Where a failed worker's traceback is: its stderr file, else this agent's own output."""
+        files = sorted({w.stderr for r, w in self.workers.workers.items() if r in failed and w.stderr})
+        return ", ".join(files) if files else "above, in this agent's output (stderr)"
 
     def _stop(self, sig: int, grace: float) -> dict[int, Any]:
         """Stop every local worker; returns torch's failure records of the stopped group."""
@@ -727,7 +791,7 @@ class NodeAgent(ElasticAgent):
         assert self.ours is not None
         done = sorted(n for n, r in self.ours.node_records().items() if r.state == "succeeded" and n != self.node)
         if done:
-            raise RendezvousClosedError(f"the job finished (node {', '.join(done)}: workers succeeded) "
+            raise JobFinishedError(f"the job finished (node {', '.join(done)}: workers succeeded) "
                                         "while this node was out")
 
     def _rendezvous(self, cause: str = JOIN) -> None:
@@ -1002,13 +1066,6 @@ def _parenthesised(words: str) -> str:
     return f" ({words})" if words else ""
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 def _outcome(exc: BaseException) -> str:
     name = type(exc).__name__
     if "Timeout" in name:
@@ -1022,4 +1079,4 @@ def exit_code_for(exc: AgentSignal) -> int:
     return 128 + exc.signum
 
 
-__all__ = ["AgentSignal", "AgentSpec", "NodeAgent", "exit_code_for", "STANDBY_READY_TIMEOUT_S"]
+__all__ = ["AgentSignal", "AgentSpec", "JobFinishedError", "NodeAgent", "exit_code_for", "STANDBY_READY_TIMEOUT_S"]

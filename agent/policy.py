@@ -25,6 +25,12 @@ back-off unreachable nodes get (:mod:`elastic.rendezvous.keepout`), so the other
 stop standing still for it and train on; it comes back afterwards as a newcomer, and is
 kept out again, for twice as long, at its next such failure. The job fails for it only
 when the others cannot go on without it (fewer than ``--nnodes MIN``).
+
+**The same failure on every node is the script's.** Keep-out is for a node that fails
+where the others do not. A node whose own workers fail right after their start says so,
+with the error's last line, in its registry record (:func:`crash_report`); a node that
+fails so while every other node of its round says the same words fails the job at once
+(:data:`Reason.SCRIPT_ERROR`): no restart and no back-off fixes a ``NameError``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Iterable, Mapping
 from elastic import contract
 
 USER_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
+FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the end, its final snapshot unwritable
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 # What a worker's last line says when a peer broke its collective (ElasticRun's restart path
@@ -56,6 +63,8 @@ class Reason(str, enum.Enum):
     CRASH_LOOP = "crash_loop"  # this node's workers fail right after every start
     STRAGGLER = "straggler"  # this node trains persistently slower than the others (agent.stragglers)
     FROZEN = "frozen"  # a peer's agent did not answer while a collective waited on it (agent.freeze)
+    SCRIPT_ERROR = "script_error"  # every node's workers failed right after their start with the same error
+    ETCD_LOST = "etcd_lost"  # the snapshot directory's fence stands above every round etcd holds now
 
     @property
     def counted(self) -> bool:
@@ -109,6 +118,43 @@ def next_streak(streak: int, failures: Iterable[Failure]) -> int:
     return streak + 1 if any(f.right_after_start for f in own) else 0
 
 
+def crash_report(failures: Mapping[int, Failure]) -> str:
+    """What this node tells the others of its failure ('' for none to tell): the last line of
+    its own workers' error (a peer's doing or a failure after a good run tells nothing)."""
+    own = {r: f for r, f in failures.items()
+           if not f.peer_caused and f.right_after_start and f.message and "StaleGroupError" not in f.message}
+    return last_words(own)[:300] if own else ""
+
+
+def etcd_lost(fence: Mapping[str, object] | None, run_id: str, current_round: int) -> str:
+    """Why every group of this job would be refused, in one line with the fix, or ''.
+
+    ``fence``: what rank 0 said of the fence that refused its group (the snapshot directory,
+    the fence's run and round). A fence of this run above the round etcd holds now cannot
+    be a newer group's (etcd would hold that round too): etcd lost the job's state, its
+    rounds started again below the fence, and without ``--snapshot-dir`` the agents cannot
+    start them above it. (A fence at or below the current round is a stale group's own
+    doing: it rejoins, as before.)"""
+    if not fence or fence.get("run") != run_id:
+        return ""
+    fence_round, directory = fence.get("round"), fence.get("snapshot_dir")
+    if not isinstance(fence_round, int) or isinstance(fence_round, bool) or fence_round <= current_round:
+        return ""
+    return (f"etcd lost this job's state: its rounds start again at {current_round}, below the fence at round "
+            f"{fence_round} in the snapshot directory {directory}, so every new group is refused as stale; start "
+            f"the agents again with --snapshot-dir {directory} (their rounds then start above the fence, and the job "
+            "resumes from its newest snapshot)")
+
+
+def script_error(report: str, peers: Mapping[str, str] | None) -> str | None:
+    """The error every node of the round failed with right after its start, if they all did
+    with the same words: the script's bug, not a node's. None while any node differs, says
+    nothing or cannot be heard (``peers`` None), and for a node alone (nothing to compare)."""
+    if not report or not peers or any(words != report for words in peers.values()):
+        return None
+    return report
+
+
 def settled(streak: int, youngest_ran_for: float) -> int:
     """The streak once every local worker has run ``youngest_ran_for`` seconds: a group that
     outlived the window has shown this node can train, and ends it."""
@@ -145,6 +191,8 @@ class Observation:
     crash_streak: int = 0  # :func:`next_streak`, this look's failures included
     nodes_without_us: int | None = None  # the round's other nodes (None: this node cannot be kept out)
     min_nodes: int = 1
+    peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
+    etcd_lost: str = ""  # :func:`etcd_lost`'s line: every group of this job would be refused
 
 
 @dataclass(frozen=True)
@@ -159,6 +207,12 @@ class Decision:
     @property
     def counted(self) -> bool:
         return self.reason is not None and self.reason.counted and self.action in (Action.RESTART, Action.REPLACE)
+
+    @property
+    def final_snapshot_lost(self) -> bool:
+        """FAIL because the final snapshot could not be written: the agent exits 74 as well."""
+        return self.action is Action.FAIL and bool(self.failed) and all(
+            code == FINAL_SNAPSHOT_LOST_EXIT for code in self.failed.values())
 
     @property
     def usage_error(self) -> bool:
@@ -188,13 +242,30 @@ def decide(obs: Observation) -> Decision:
                         detail=f"local worker(s) {sorted(usage)} exited with code 2 (a usage error, which would "
                                "come back at every start); not restarting")
 
+    # 2b. The job trained its last step, but rank 0 could not write its final snapshot (a full
+    #     or read-only directory): no restart frees a disk, and the worker said it in one line.
+    lost = {rank: code for rank, code in failed.items() if code == FINAL_SNAPSHOT_LOST_EXIT}
+    if lost and len(lost) == len(failed):
+        return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=lost,
+                        detail=f"local worker(s) {sorted(lost)} trained the last step but could not write the final "
+                               f"snapshot (exit {FINAL_SNAPSHOT_LOST_EXIT}; its line above names the directory and "
+                               "the newest intact snapshot); not restarting: no restart frees a disk")
+
     # 3. Done: every local worker exited cleanly.
     if obs.exits and all(code == 0 for code in obs.exits.values()):
         return Decision(Action.SUCCEED)
 
     # 4. Local failures: a crash loop first (see the module's doc), then ours to count. Only
     #    a failure of its own extends a streak: one a peer caused never keeps a node out.
+    if failed and obs.etcd_lost:  # no restart can help: every group would be refused, here and elsewhere
+        return Decision(Action.FAIL, Reason.ETCD_LOST, failed=failed, detail=obs.etcd_lost)
     own_quick = any(not f.peer_caused and f.right_after_start for r, f in obs.failures.items() if r in failed)
+    shared = script_error(crash_report(obs.failures), obs.peer_crashes) if own_quick else None
+    if shared is not None:
+        return Decision(Action.FAIL, Reason.SCRIPT_ERROR, failed=failed,
+                        detail=f"the workers of every node ({len(obs.peer_crashes or ()) + 1}) failed right after "
+                               f"their start with the same error, the script's own (no restart or keep-out can fix "
+                               f"it): {shared}")
     if own_quick and obs.crash_streak >= CRASH_LOOP_TRIES and obs.nodes_without_us is not None:
         ranks = sorted(failed)
         cause = last_words({r: f for r, f in obs.failures.items() if r in failed})

@@ -9,7 +9,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class AgentSettings:
     node_name: str
-    metrics_port: int  # 0: no endpoint
+    metrics_port: int  # 0: no endpoint; -1 (--metrics-port auto): a port the kernel picks
     metrics_addr: str
     lease_ttl: int
     hang_timeout: float | None  # None: derived from the observed step time

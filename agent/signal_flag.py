@@ -22,8 +22,11 @@ class SignalFlag:
 
     def __init__(self) -> None:
         self._raised = False
+        self.signum: int | None = None  # the first signal that raised it, when a handler did
 
-    def set(self, *_signal_args: Any) -> None:
+    def set(self, *signal_args: Any) -> None:
+        if self.signum is None and signal_args and isinstance(signal_args[0], int):
+            self.signum = signal_args[0]
         self._raised = True
 
     def is_set(self) -> bool:

@@ -88,6 +88,7 @@ class Worker:
     error_file: str
     started_at: float = field(default_factory=time.time)
     exited_at: float | None = None  # when the agent first saw it exited
+    stderr: str = ""  # its stderr file ('' : the agent's own stderr), where its traceback is
 
     @property
     def pid(self) -> int:
@@ -197,7 +198,7 @@ class LocalWorkers:
                                        stdout=stdout or None, stderr=stderr or None, local_rank_id=local_rank,
                                        numa_options=self.numa_options)  # type: ignore[arg-type]
             mode = COLD
-        self.workers[local_rank] = Worker(local_rank, handle, mode, error_file)
+        self.workers[local_rank] = Worker(local_rank, handle, mode, error_file, stderr=stderr or "")
         self.on_start(mode)
 
     def _retail(self) -> None:

@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from agent.local_cluster import (  # noqa: E402
     ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, job_goodput,
 )
-from agent.local_node import LocalNode  # noqa: E402
-from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from agent.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
+from elastic.etcd import EmbeddedEtcd  # noqa: E402
 from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
 
@@ -160,7 +160,7 @@ def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) ->
     nodes = [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="soak", workdir=run_dir, module="elastic.train",
         script=str(PLAIN_JOB) if args.job == "plain" else None, module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
-        metrics_port=free_port(),
+        metrics_port=AUTO_METRICS_PORT,
         agent_args=["--lease-ttl", str(args.lease_ttl), *([] if args.in_place else ["--no-in-place"])],
     )) for i in range(NODES)]
     return Cluster(nodes, run_dir, 1, etcd=etcd, snapshot_every=args.snapshot_every_steps)
@@ -231,6 +231,11 @@ def _wait(cluster: Cluster, done: Any, timeout: float, what: str, out: Outcome) 
     while not done():
         if time.time() > deadline:
             out.violations.append(f"wedged: no {what} within {timeout:.0f} s")
+            return
+        gone = [n for n in cluster.nodes if n.exited is not None]
+        if gone:  # a node this harness started is out: the world it waits for cannot form
+            out.violations.append(f"no {what}: {gone[0].node.name} exited ({gone[0].exited}) while it formed: "
+                                  f"{gone[0].node.log.last_error or 'see its log'} ({gone[0].node.log_path})")
             return
         time.sleep(0.05)
         cluster.tick()

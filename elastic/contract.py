@@ -121,6 +121,7 @@ WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agen
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
 HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step, time, pid, kind, loss, samples, finished
+STALE_FENCE_FILE = "fence.json"  # rank 0 refused by the fence: the fence's run and round and the snapshot dir (JSON)
 
 # $ELASTIC_GOODPUT_DIR (elastic.goodput.files):
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record
@@ -147,6 +148,8 @@ def goodput_worker_file(local_rank: int) -> str:
 EXIT_OK = 0  # trained its last step; when every local worker did, the agent succeeds
 EXIT_FAILED = 1  # an ordinary failure (a traceback, a lost peer): restarted or replaced, counted
 USAGE_ERROR_EXIT = 2  # would fail again (bad flags, a snapshot of another model): never restarted; the agent exits 2
+FINAL_SNAPSHOT_LOST_EXIT = 74  # trained its last step, but the final snapshot could not be written (a full or
+#   read-only snapshot directory; sysexits' EX_IOERR): never restarted, since no restart frees a disk; the agent exits 74
 DUPLICATE_HANDLE_EXIT = 75  # a fresh in-place worker whose group handle collided: an ordinary failure, replaced
 SIGNAL_EXIT_BASE = 128  # 128 + signum: ElasticRun stopped for a signal (SIGTERM: 143) at a step boundary
 

@@ -149,6 +149,10 @@ class Elastic:
         ``extras``: LR schedulers and at most one ``GradScaler``, in any order."""
         if self._run is not None:
             _usage("ft.prepare(...) is called once per Elastic object")
+        on_meta = _on_meta(model)
+        if on_meta:  # it would die healing a peer or being healed ("Cannot copy out of meta tensor"), on every node
+            _usage(f"the model's {on_meta} is on the meta device (built under torch.device('meta')): call "
+                   "model.to_empty(device=...) and initialise or load its weights before ft.prepare")
         scalers = [x for x in extras if isinstance(x, torch.amp.GradScaler)]
         schedulers = [x for x in extras if not isinstance(x, torch.amp.GradScaler)]
         if len(scalers) > 1:
@@ -405,6 +409,15 @@ def _loader_settings(data: Any, batch_size: int | None) -> tuple[Dataset[Any], i
     if per_rank < 1:
         _usage(f"the per-rank batch size must be >= 1, got {per_rank}")
     return dataset, per_rank, collate_fn, num_workers, pin, replaced
+
+
+def _on_meta(model: nn.Module) -> str:
+    """The first parameter or buffer of ``model`` left on the meta device (it holds no data), or ''."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta:
+                return f"{kind} {name!r}"
+    return ""
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any] | Dataset[Any],

@@ -34,6 +34,25 @@ from .run_config import SnapshotConfig, WriterMode
 log = logging.getLogger(__name__)
 
 
+def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None:
+    """The fence that refused this group, for the agent (its heartbeat directory): an agent
+    started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
+    holds now means etcd lost the job's state (agent.policy)."""
+    directory = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+    if not directory or fence is None:
+        return
+    path = Path(directory) / contract.STALE_FENCE_FILE
+    with contextlib.suppress(OSError):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"snapshot_dir": str(root), "run": fence.run, "round": fence.round,
+                                   "group_round": token.round}))
+        os.replace(tmp, path)
+
+
+class FinalSnapshotLost(Exception):
+    """The final snapshot could not be written (a full or read-only directory); one line."""
+
+
 class StaleGroupError(RuntimeError):
     """A newer round of this job commits to the snapshot directory: this group must stop.
 
@@ -77,6 +96,9 @@ class Snapshots:
             raise ElasticRunError(problem or f"rank 0 cannot open its snapshot directory {self.root} or ledger; "
                                              "see rank 0's log")
         if verdict == 2:
+            token = self.token()
+            if token is not None:  # every rank: each node's agent judges for itself (agent.policy.etcd_lost)
+                _tell_agent(self.root, Fence(self.root).current(), token)
             raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
                                            "group is stale")
         if check_dir:
@@ -176,15 +198,32 @@ class Snapshots:
         not written again if the periodic one of that very step already is."""
         if self.writer is None:
             return
-        self._settle(self.writer.flush)  # so the overlap policy cannot skip the last one
+        try:
+            self._settle(self.writer.flush)  # so the overlap policy cannot skip the last one
+        except SnapshotError as e:  # an earlier one failed, and said so; the last one may still fit
+            log.debug("an earlier snapshot failed (%s); writing step %d's anyway", e, step)
         if self.ledger is not None:
             self.ledger.sync()
         if self.newest_durable == step:
             return
         token = self.token()
         fence = {"fence": token.to_meta()} if token is not None else {}
-        self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta, **fence})
-        self._settle(self.writer.flush)
+        try:
+            self.writer.submit(step, state, world_size=world_size, extra_meta={**self.meta, **meta, **fence})
+            self._settle(self.writer.flush)
+        except SnapshotError as e:  # a full or read-only directory: the steps are trained, their snapshot is not
+            raise FinalSnapshotLost(self._lost_line(step, e)) from e
+
+    def _lost_line(self, step: int, error: SnapshotError) -> str:
+        """One line: the directory, what went wrong, and the newest snapshot that is intact."""
+        newest = None
+        with contextlib.suppress(SnapshotError, OSError):
+            newest = self.store.newest_valid(full=False) if self.store is not None else None
+        intact = (f"the newest intact snapshot is step {newest.step} ({newest.path})" if newest is not None
+                  else "no intact snapshot is there")
+        return (f"step {step} is trained, but its snapshot (the last of this run) could not be written to "
+                f"{self.root}: {error}; {intact}; exit {contract.FINAL_SNAPSHOT_LOST_EXIT} (not restarted: "
+                "free space or make the directory writable; a new run resumes from that snapshot)")
 
     def _settle(self, wait: Callable[[], None]) -> None:
         """Wait for the writer; a fenced-off write is a stale group only if the fence has moved

@@ -61,6 +61,7 @@ epoch's tail) trains on one stand-in sample with its loss scaled by zero.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -102,7 +103,7 @@ from .plan import DataPlan
 from .progress import take_over as take_over_progress
 from .run_config import DataConfig, SnapshotConfig, from_flat_keywords
 from .sampler import epoch_seed
-from .snapshots import Snapshots, StaleGroupError
+from .snapshots import FinalSnapshotLost, Snapshots, StaleGroupError
 from .step_result import StepResult
 from .train_state import TrainState
 from .world import TrainingWorld, choose_world
@@ -732,9 +733,15 @@ class ElasticRun:
             self._recover(CollectiveFailure(str(exc).splitlines()[0]))
             return False
         self._commit_previous()
-        self.snapshots.final(self.state.step, self.state.capture(), self.dist.world_size,
-                             {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
-                              "samples": self.state.samples})
+        try:
+            self.snapshots.final(self.state.step, self.state.capture(), self.dist.world_size,
+                                 {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
+                                  "samples": self.state.samples})
+        except FinalSnapshotLost as exc:  # no restart frees a disk: one line, and an exit code that says so
+            log.error("%s %s", self._where, exc)
+            with contextlib.suppress(Exception):
+                self.close()
+            raise SystemExit(contract.FINAL_SNAPSHOT_LOST_EXIT) from None
         if self.dist.is_main and self.snapshots.writer is not None:
             log.info("%s finished at step %d (epoch %d); final snapshot durable in %s", self._where,
                      self.state.step, self.plan.sampler.epoch, self.snapshots.root)

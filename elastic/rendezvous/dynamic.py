@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from elastic.etcd import EtcdClient
+from elastic.etcd import EtcdClient, EtcdUnavailableError
 
 from .backend import EtcdV3RendezvousBackend
 from .options import connect
@@ -76,9 +76,14 @@ def create_dynamic_handler(params: RendezvousParameters) -> EtcdV3DynamicHandler
     """Build the handler, checking etcd is reachable and lets us in before returning.
 
     Raises :class:`EtcdConfigError`, :class:`HmacKeyError` or :class:`EtcdError` with
-    one line a user can act on.
+    one line a user can act on; torch's :class:`RendezvousConnectionError` (that line, the
+    :class:`EtcdUnavailableError` as its cause) when etcd does not answer, as torch's own
+    factories do.
     """
-    options, signer, client = connect(params)
+    try:
+        options, signer, client = connect(params)
+    except EtcdUnavailableError as exc:
+        raise RendezvousConnectionError(str(exc)) from exc
     backend = EtcdV3RendezvousBackend(
         client, params.run_id, signer, key_prefix=options.key_prefix, ttl=options.state_ttl
     )

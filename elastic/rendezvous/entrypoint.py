@@ -16,9 +16,13 @@ if TYPE_CHECKING:
 
 def _create(params: "RendezvousParameters", dynamic: bool) -> "RendezvousHandler":
     """torchrun's creator: user errors end the process with one line, not a traceback."""
-    from elastic.etcd import EtcdConfigError, EtcdError
+    from elastic.etcd import EtcdConfigError, EtcdError, EtcdUnavailableError
 
     from .signing import HmacKeyError
+
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from .unreachable import EtcdUnreachableExit
 
     try:
         if dynamic:
@@ -28,8 +32,10 @@ def _create(params: "RendezvousParameters", dynamic: bool) -> "RendezvousHandler
         from .handler import create_handler
 
         return create_handler(params)
-    except (EtcdConfigError, HmacKeyError, EtcdError, ValueError) as exc:
+    except (EtcdConfigError, HmacKeyError, EtcdError, ValueError, RendezvousConnectionError) as exc:
         print(f"error: {params.backend} rendezvous: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, (EtcdUnavailableError, RendezvousConnectionError)):
+            raise EtcdUnreachableExit(str(exc)) from exc  # torch's type for Python callers; exit 2 for torchrun
         raise SystemExit(2) from None
 
 

@@ -9,7 +9,8 @@ updated by transaction (JSON, HMAC-sealed), and learns of every change through o
 * ``{run}/rdzv/round``: the current round: number, ``open``/``closed``, participants.
 * ``{run}/rdzv/join/{round}/{node}``: "this node wants to be in that round", under the
   node's lease, so a node that dies while joining leaves no ghost.
-* ``{run}/rdzv/closed``: the job is over (:meth:`set_closed`).
+* ``{run}/rdzv/closed``: the job is over (:meth:`set_closed`), and how it ended: a
+  ``succeeded`` or ``failed`` outcome and its cause, so every agent exits as the job did.
 
 A later round closes the moment every surviving member has joined; only a member that
 looks alive but has not moved (its lease outlives a SIGKILL by up to the TTL) costs a
@@ -44,6 +45,7 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
 from elastic.etcd.mirror import PrefixMirror
 
+from .ended import JobEnded
 from .last_good import LastGood
 from .lease_clock import Verdict, still_reaches_etcd
 from .lease_watch import LeaseWatch
@@ -215,16 +217,38 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return False
         return value is not None and self._signed(self._closed_key, value)
 
-    def set_closed(self) -> None:
-        value = self.signer.seal(self._closed_key.encode(), json.dumps({"by": self.node}).encode())
+    def set_closed(self, outcome: str = "", cause: str = "") -> None:
+        """Mark the job over; ``outcome`` (``succeeded``/``failed``) and ``cause`` travel with it."""
+        ended = {"by": self.node, **({"outcome": outcome} if outcome else {}), **({"cause": cause} if cause else {})}
+        value = self.signer.seal(self._closed_key.encode(), json.dumps(ended).encode())
         self.client.call(lambda c: c.put(self._closed_key, value))
+
+    def closed_outcome(self) -> JobEnded | None:
+        """How the job ended, as the node that closed its rendezvous said (None: not closed,
+        or a value that fails verification, which is never acted on)."""
+        entry = self.mirror.entries()[0].get(self._closed_key) if self._started else None
+        value = entry.value if entry is not None else None
+        if value is None:
+            try:
+                value = self.client.call(lambda c: c.get(self._closed_key), deadline=2.0)[0]
+            except EtcdError:
+                return None
+        if value is None:
+            return None
+        try:
+            data = json.loads(self.signer.open(self._closed_key.encode(), value))
+        except (SignatureError, ValueError):
+            return None
+        return JobEnded.from_dict(data) if isinstance(data, dict) else None
 
     def num_nodes_waiting(self) -> int:
         reason = self.restart_reason()
         return 1 if reason else 0
 
-    def shutdown(self) -> bool:
+    def shutdown(self, outcome: str = "", cause: str = "") -> bool:
         """Close the job's rendezvous (torch's contract) and leave at once rather than at TTL.
+        ``outcome`` and ``cause`` (our agent gives them; torch's gives neither) tell the
+        other agents how the job ended (:meth:`closed_outcome`).
 
         A node that never got into a round (a wrong job key, bad config) only leaves: its
         failure says nothing about the job, so it must not end it for everyone else.
@@ -233,7 +257,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.close()
             return True
         try:
-            self.set_closed()
+            self.set_closed(outcome, cause)
         except EtcdError as exc:
             log.warning("could not mark the rendezvous closed: %s", exc)
             return False
@@ -609,6 +633,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}
+
+    def newest_round(self) -> int | None:
+        """The round etcd holds now, from the mirror (None: none, or none that verifies)."""
+        record = self._decode_round(self.mirror.entries()[0])
+        return record.round if record is not None else None
 
     def node_records(self) -> dict[str, NodeRecord]:
         """Every live node's registry record, from the mirror (no etcd request)."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import types
 from pathlib import Path
 
 import pytest
 
-from agent.local_cluster import _job, _nodes, parse_args, threads_per_worker
+from agent.local_cluster import _job, _nodes, _verdict, parse_args, stop_reason, threads_per_worker
 
 
 @pytest.mark.parametrize(("workers", "cores", "threads"), [
@@ -34,3 +35,46 @@ def test_every_node_hands_its_workers_that_share_unless_the_user_set_it(
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     nodes = _nodes(args, job, tmp_path, etcd, None, tmp_path / "key")  # type: ignore[arg-type]
     assert all("OMP_NUM_THREADS" not in n.node.env for n in nodes)  # the user's own reaches the workers as is
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--faults", "-1"], "--faults -1: give 0 or more"),
+    (["--fault-every", "-3"], "--fault-every -3: give 0 or more seconds"),
+    (["--back-after", "-1"], "--back-after -1: give 0 or more seconds"),
+    (["--first-fault-after", "nan"], "--first-fault-after nan"),
+    (["--steps", "0"], "--steps 0: give 1 or more"),
+    (["--lease-ttl", "0"], "--lease-ttl 0: give at least 2"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: give 1 or more workers"),
+])
+def test_a_value_that_means_nothing_is_refused_up_front_with_one_error_line(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(flags)  # refused before any etcd or node could start
+    assert stopped.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elastic local: error:")]
+    assert len(errors) == 1 and said in errors[0], errors
+
+
+def test_zero_faults_and_zero_seconds_are_still_values() -> None:
+    args, _ = parse_args(["--faults", "0", "--fault-every", "0", "--back-after", "0", "--steps", "1"])
+    assert (args.faults, args.fault_every, args.back_after, args.steps) == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize(("why", "timeout", "signum", "said", "code"), [
+    ("signal", None, signal.SIGINT, "Ctrl-C", 130),
+    ("signal", None, signal.SIGTERM, "SIGTERM", 143),
+    ("signal", None, signal.SIGHUP, "SIGHUP", 129),
+    ("q", None, None, "q", 1),
+    ("timeout", 30.0, None, "--timeout 30 s", 1),
+])
+def test_a_stop_says_why_with_the_shells_code_and_no_timeout_needed(
+    why: str, timeout: float | None, signum: int | None, said: str, code: int
+) -> None:
+    from rich.console import Console
+
+    args, _ = parse_args(["--steps", "10"] + (["--timeout", f"{timeout:g}"] if timeout else []))
+    console = Console(record=True, width=120)
+    assert _verdict(console, None, args, why, True, signum) == code  # type: ignore[arg-type]
+    assert f"stopped before step 10 ({said})" in console.export_text()
+    assert stop_reason(why, timeout, signum) == said

@@ -293,6 +293,14 @@ def test_a_crash_not_yet_told_apart_counts_once_its_agent_exits(tmp_path: Path) 
     assert [c.describe() for c in log.read()] == ["worker killed by SIGSEGV"]
 
 
+def test_an_oom_kill_is_named_as_the_agent_named_it(tmp_path: Path) -> None:
+    oom = ("killed by the OOM killer (SIGKILL; the cgroup's OOM kill count went from 0 to 1): give the job more "
+           "memory or use less")
+    log = _log(tmp_path, _agent(1, f'local worker(s) [0] failed (exit -9) with "{oom}": stopping local workers now'),
+               _agent(2, "restart (worker_failed): world of 2 nodes, 3 restarts left", "INFO"))
+    assert [c.describe() for c in log.read()] == [f"worker {oom}"]
+
+
 def test_a_crash_loop_with_too_few_nodes_left_is_the_agent_giving_up(tmp_path: Path) -> None:
     """The crash-loop rule's last word names its cause at the end, so it starts with the verdict."""
     log = _log(tmp_path, *TRACEBACK, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),

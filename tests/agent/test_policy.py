@@ -226,3 +226,103 @@ def test_the_cause_printed_is_the_worker_s_own_traceback_line_first() -> None:
     assert last_words({0: LOST_PEER, 1: BOOM}) == "ValueError: boom on c"
     assert last_words({0: LOST_PEER}) == LOST_PEER.message
     assert last_words({0: Failure(code=1, ran_for=1.0), 1: Failure(code=-9, ran_for=1.0)}) == "exit 1, exit -9"
+
+
+# ------------------------------------------------------------------ the same error on every node: the script's
+
+
+NAME_ERROR = "NameError: name 'undefined_thing' is not defined"
+
+
+def quick(message: str = NAME_ERROR) -> Failure:
+    return Failure(code=1, ran_for=3.0, message=message, progressed=True)
+
+
+def test_the_same_error_right_after_start_on_every_node_fails_the_job_at_once_without_a_keep_out() -> None:
+    decision = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=1, nodes_without_us=2,
+                          peer_crashes={"b": NAME_ERROR, "c": NAME_ERROR}))
+    assert decision.action is Action.FAIL and decision.reason is Reason.SCRIPT_ERROR
+    assert NAME_ERROR in decision.detail and "every node (3)" in decision.detail
+    assert not decision.usage_error and not decision.counted
+
+
+@pytest.mark.parametrize("peers", [
+    {"b": NAME_ERROR, "c": ""},  # c trains: the error is this node's, or b's and ours
+    {"b": "ValueError: boom on b"},  # another error
+    {},  # a node alone: nothing to compare with
+    None,  # cannot hear the others (not the etcd-v3 handler)
+])
+def test_an_error_not_shared_by_every_node_is_a_nodes_own_and_restarts_or_keeps_it_out(
+        peers: dict[str, str] | None) -> None:
+    first = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=1, nodes_without_us=2,
+                       peer_crashes=peers))
+    assert first.action is Action.RESTART and first.reason is Reason.WORKER_FAILED
+    third = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=3, nodes_without_us=2,
+                       peer_crashes=peers))
+    assert third.action is Action.KEEP_OUT and third.reason is Reason.CRASH_LOOP
+
+
+def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdict() -> None:
+    late = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True)
+    for failure in (late, peer):
+        decision = decide(obs(exits={0: 1, 1: None}, failures={0: failure}, crash_streak=1, nodes_without_us=1,
+                              peer_crashes={"b": failure.message}))
+        assert decision.reason is not Reason.SCRIPT_ERROR, failure
+
+
+def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
+    from agent.policy import crash_report, script_error
+
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer")
+    assert crash_report({0: peer, 1: quick()}) == NAME_ERROR
+    assert crash_report({0: peer}) == ""
+    assert crash_report({0: Failure(code=-9, ran_for=200.0, message="killed by SIGKILL")}) == ""
+    assert script_error(NAME_ERROR, {"b": NAME_ERROR}) == NAME_ERROR
+    assert script_error("", {"b": ""}) is None
+
+
+def test_a_final_snapshot_that_could_not_be_written_ends_the_job_without_a_restart() -> None:
+    from agent.policy import FINAL_SNAPSHOT_LOST_EXIT
+
+    decision = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: 0}, restarts_left=5))
+    assert decision.action is Action.FAIL and decision.final_snapshot_lost and not decision.usage_error
+    assert decision.failed == {0: FINAL_SNAPSHOT_LOST_EXIT}
+    beside_a_crash = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: -9}, restarts_left=5))
+    assert beside_a_crash.action is Action.RESTART  # a death by a signal beside it is a crash
+
+
+# ------------------------------------------------------------------ etcd lost the job's state
+
+
+def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> None:
+    from agent.policy import etcd_lost
+
+    fence = {"run": "job", "round": 7, "snapshot_dir": "/data/snaps"}
+    line = etcd_lost(fence, "job", 0)
+    assert "--snapshot-dir /data/snaps" in line and "round 7" in line
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    decision = decide(obs(exits={0: 1, 1: 1}, failures={0: stale, 1: stale}, crash_streak=1, nodes_without_us=1,
+                          etcd_lost=line, peer_crashes={"b": stale.message}))
+    assert decision.action is Action.FAIL and decision.reason is Reason.ETCD_LOST and decision.detail == line
+
+
+@pytest.mark.parametrize(("fence", "now"), [
+    ({"run": "job", "round": 7, "snapshot_dir": "/d"}, 7),  # a newer group's fence: etcd holds its round too
+    ({"run": "job", "round": 7, "snapshot_dir": "/d"}, 9),
+    ({"run": "other", "round": 7, "snapshot_dir": "/d"}, 0),  # another job's directory: not ours to judge
+    ({"run": "job", "round": "7", "snapshot_dir": "/d"}, 0),  # not a round number: never acted on
+    ({"run": "job", "round": True, "snapshot_dir": "/d"}, 0),
+    (None, 0),
+])
+def test_a_stale_group_of_a_live_job_is_no_lost_etcd(fence: dict[str, object] | None, now: int) -> None:
+    from agent.policy import etcd_lost
+
+    assert etcd_lost(fence, "job", now) == ""
+
+
+def test_a_stale_group_on_every_node_is_no_script_error() -> None:
+    from agent.policy import crash_report
+
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    assert crash_report({0: stale}) == ""

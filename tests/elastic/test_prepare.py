@@ -177,6 +177,21 @@ def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, caps
         ft.run.close()
 
 
+def test_a_model_left_on_the_meta_device_is_refused_at_prepare_in_one_line(tmp_path: Path, capsys: Any) -> None:
+    """Built under ``torch.device("meta")`` with ``to_empty`` forgotten, it died healing or being
+    healed on every node in turn, which kept each node out in turn for ever."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    _, optimizer, loader, _ = _parts()
+    ft = elastic.Elastic(snapshot_dir=tmp_path, **RUN)
+    with pytest.raises(SystemExit) as exc:
+        ft.prepare(model, optimizer, loader)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "meta device" in err[0] and "to_empty" in err[0] and "'0.weight'" in err[0], err
+    assert ft._run is None  # refused before anything was set up
+
+
 def _accumulating_loop(tmp: Path, epochs: int, accumulate: int, inputs: list[list[torch.Tensor]] | None = None,
                        scheduler_lrs: list[float] | None = None) -> nn.Module:
     """The plain loop of ``_plain_loop`` with accumulation: every line runs per micro-batch."""

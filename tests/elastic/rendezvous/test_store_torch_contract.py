@@ -230,6 +230,29 @@ def test_factory_raises_torchs_connection_error_when_etcd_is_unreachable() -> No
     assert isinstance(caught.value.__cause__, EtcdUnavailableError)
 
 
+@pytest.mark.parametrize("backend", ["etcd-v3-dynamic", "etcd-v3"])
+def test_the_handler_factories_raise_torchs_connection_error_when_etcd_is_unreachable(
+        backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's dynamic-rendezvous test expects this type from the factory torch calls; on the
+    command line the same error still ends the process with one line and exit 2."""
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from elastic.rendezvous.dynamic import create_dynamic_handler
+
+    params = RendezvousParameters(backend=backend, endpoint=f"127.0.0.1:{free_port()}", run_id="unreachable",
+                                  min_nodes=1, max_nodes=1, connect_timeout="1")
+    with pytest.raises(RendezvousConnectionError) as caught:
+        get_rendezvous_handler(params)
+    assert isinstance(caught.value, SystemExit) and caught.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {backend} rendezvous: ") \
+        and "did not answer" in errors[0], errors
+    if backend == "etcd-v3-dynamic":
+        with pytest.raises(RendezvousConnectionError) as direct:
+            create_dynamic_handler(params)
+        assert isinstance(direct.value.__cause__, EtcdUnavailableError)
+
+
 def test_factory_returns_a_working_backend_and_store(etcd_server: EmbeddedEtcd, run_id: str) -> None:
     backend, store = create_backend(_params(etcd_server.endpoint, run_id, key_prefix="/test"))
     assert isinstance(backend, EtcdV3RendezvousBackend) and isinstance(store, EtcdV3Store)
