@@ -61,6 +61,11 @@ class StateSigner:
         assert self._key is not None
         return hmac.new(self._key, etcd_key + b"\0" + payload, hashlib.sha256).digest()
 
+    def lacks_key_for(self, value: bytes) -> bool:
+        """True if ``value`` is signed and this signer has no key: a tool that sees such values
+        cannot tell a forged unsigned value beside them from a real one, so it must not act."""
+        return self._key is None and value[: len(_SIGNED)] == _SIGNED
+
     def seal(self, etcd_key: bytes, payload: bytes) -> bytes:
         if self._key is None:
             return _UNSIGNED + payload
