@@ -345,7 +345,7 @@ class SnapshotStore:
         layout.fsync_dir(tmp)
         token = FenceToken.from_meta(extra_meta.get("fence"))
         try:
-            with Fence(self.root).holding(token) if token is not None else contextlib.nullcontext():
+            with Fence(self.root, key=self._key).holding(token) if token is not None else contextlib.nullcontext():
                 os.rename(tmp, final)  # fails (ENOTEMPTY/EEXIST) rather than clobbering a snapshot
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):

@@ -625,6 +625,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}
 
+    def newest_round(self) -> int | None:
+        """The round number etcd's round record holds now (read from etcd, before any mirror),
+        or None if there is none or it does not verify."""
+        raw, _ = self.client.call(lambda c: c.get(self._round_key))
+        if raw is None:
+            return None
+        try:
+            return RoundRecord.from_json(self.signer.open(self._round_key.encode(), raw)).round
+        except (SignatureError, ValueError, KeyError, TypeError):
+            return None
+
     def node_records(self) -> dict[str, NodeRecord]:
         """Every live node's registry record, from the mirror (no etcd request)."""
         entries, _ = self.mirror.entries()
