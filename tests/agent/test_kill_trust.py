@@ -50,7 +50,10 @@ def test_a_forged_record_naming_a_bystander_gets_no_signal(
     key.write_bytes(b"k" * 32)
     key.chmod(0o600)
     signer, prefix = StateSigner(b"k" * 32), nodes_prefix("/elastic", run_id)
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    # "elastic" in its command line, as any process run from a checkout of this project has:
+    # the old check (that word, or "torchrun") took it for an agent and SIGKILLed it
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "elastic-bystander"],
+                                 start_new_session=True)
     try:
         lease = etcd_client.call(lambda c: c.lease(60))
         real = NodeRecord("a", socket.gethostname(), 1, started_at=time.time())
@@ -69,7 +72,7 @@ def test_a_forged_record_naming_a_bystander_gets_no_signal(
 
         etcd_client.call(lambda c: c.delete(prefix + "a"))  # now an unsigned job
         unsigned = elastic("kill", "ghost", *target)
-        assert "not signalling pid" in unsigned.stderr and "not an elastic or torchrun agent" in unsigned.stderr, \
+        assert "not signalling pid" in unsigned.stderr and f"not an agent of run {run_id!r}" in unsigned.stderr, \
             unsigned.stderr
         assert "killed" not in unsigned.stdout
         assert bystander.poll() is None, "the tool signalled a process that is not the node's agent"
