@@ -2,8 +2,11 @@
 
 Nodes are found through the etcd registry. A node on this machine is killed directly,
 its whole process tree at once (torchrun's workers live in their own sessions, so the
-agent's process group alone would leave them running). A node elsewhere is asked,
-through etcd, to do it to itself.
+agent's process group alone would leave them running), but only once the process is
+verified to be that node's agent (:mod:`.proc_identity`). A node elsewhere, or one whose
+pid is not verified here, is asked through etcd to do it to itself. A tool without the job
+key that finds signed values refuses to act at all: it cannot tell a forged record from a
+real one.
 
 A freeze (SIGSTOP) is undone by a thaw helper (SIGCONT after ``--seconds``) that must not
 be frozen with the tree: when an agent freezes its own tree on a command from etcd, a
@@ -24,10 +27,11 @@ import subprocess
 import sys
 from typing import Sequence
 
-from elastic.rendezvous.registry import NodeRecord, list_nodes
+from elastic.rendezvous.registry import list_nodes
 
 from .commands import FREEZE, KILL, MAX_FREEZE_S, send, valid_freeze
 from .etcd_args import add_etcd_arguments, connect
+from .proc_identity import identify
 from .proctree import kill_tree, process_tree
 
 THAW_MARK = "elastic-thaw"  # in the helper's command line, for ps (and tests)
@@ -124,7 +128,7 @@ def main(argv: Sequence[str]) -> int:
     except argparse.ArgumentTypeError as exc:  # --rdzv-conf that is not key=value,...
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    nodes = list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix)
+    nodes = list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True)
     if not nodes:
         print(f"error: no live nodes in run {etcd.run_id!r} at {args.rdzv_endpoint}; "
               "check --rdzv-id and --rdzv-endpoint", file=sys.stderr)
@@ -139,7 +143,11 @@ def main(argv: Sequence[str]) -> int:
             return 2
         victim = found[0]
     action = FREEZE if args.freeze else KILL
-    if is_local(victim) and not args.via_etcd:
+    why = "--via-etcd" if args.via_etcd else identify(victim, etcd.run_id)
+    if why is not None and not args.via_etcd and victim.host == socket.gethostname():
+        print(f"not signalling pid {victim.pid} here: {why}; asking node {victim.node}'s agent through etcd instead",
+              file=sys.stderr)
+    if why is None:
         if action == KILL:
             pids = kill_tree(victim.pid)
             print(f"killed node {victim.node}: SIGKILL to {len(pids)} processes (agent pid {victim.pid})")
@@ -156,13 +164,3 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def is_local(node: NodeRecord) -> bool:
-    """Same host and a live process with that pid that is an agent (not a recycled pid)."""
-    if node.host != socket.gethostname() or not process_tree(node.pid):
-        return False
-    try:
-        with open(f"/proc/{node.pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ")
-    except OSError:
-        return False
-    return b"elastic" in cmdline or b"torchrun" in cmdline or node.pid == os.getpid()

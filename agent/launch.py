@@ -362,7 +362,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                                   run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
-    _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id)
+    fenced = _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id, rdzv_configs.get("hmac_key_file"))
+    if fenced:
+        parser.exit(2, f"error: {fenced}\n")
     _export_spare(handler, metrics)
     settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes, rdzv_configs)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
@@ -445,19 +447,37 @@ def _export_spare(handler: object, metrics: AgentMetrics) -> None:
         handler.on_spare.append(lambda spare: metrics.spare.set(1 if spare else 0))
 
 
-def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str) -> None:
+def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str,
+                                  key_file: object = None) -> str | None:
     """A job whose etcd lost its state starts its rounds again at 0, below the fence its
     snapshot directory holds, and every new group would be refused as stale: start them
-    above it (a stale writer from before the loss holds a lower round and stays refused)."""
+    above it (a stale writer from before the loss holds a lower round and stays refused).
+
+    A fence above the newest round etcd holds for this job was raised by no group of it
+    (etcd's rounds only rise): every group would be refused at its first commit, and its
+    workers restarted for nothing. Returns that one line (the caller exits 2), else None.
+    With a job key a fence that does not verify is ignored (``checkpoints/fence.py``)."""
     from checkpoints import Fence
+    from checkpoints.signing import load_key
 
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
 
     if snapshot_dir is None or not isinstance(handler, EtcdV3RendezvousHandler):
-        return
-    fence = Fence(snapshot_dir).current()
-    if fence is not None and fence.run == run_id:
-        handler.first_round = fence.round + 1
+        return None
+    fence = Fence(snapshot_dir, key=load_key(str(key_file))[0]) if key_file else Fence(snapshot_dir)
+    token = fence.current()
+    if token is None or token.run != run_id:
+        return None
+    newest = handler.newest_round()
+    if newest is None:
+        handler.first_round = token.round + 1
+        return None
+    if token.round > newest:
+        return (f"the snapshot directory's fence {fence.path} stands at round {token.round} of run {run_id!r}, above "
+                f"the newest round etcd holds for this job ({newest}): no group of this job raised it (the file was "
+                f"edited or copied in), and it would refuse every snapshot; if no other group of this job runs, "
+                f"delete {fence.path} and start again (a job key signs the fence: an edited one is then ignored)")
+    return None
 
 
 def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:

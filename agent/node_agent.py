@@ -386,7 +386,7 @@ class NodeAgent(ElasticAgent):
         if not others:
             return []
         out = self.ours.reachability.keep_outs(self.ours.mirror.entries()[0])
-        return [n for n in others if n in out]
+        return [n for n in others if n in out and out[n].round >= self.round_number]  # older: put back, a replay
 
     def _failures(self, exits: dict[int, int | None]) -> dict[int, Failure]:
         """The failed local workers in detail: how long each ran and its last words."""
@@ -644,7 +644,8 @@ class NodeAgent(ElasticAgent):
         assert self.ours is not None
         back_for = None if self._back_in_at is None else time.monotonic() - self._back_in_at
         self._crash_strikes = next_strikes(self._crash_strikes, back_for)
-        out = KeepOut(self.node, self._crash_strikes, backoff(self._crash_strikes), cause=decision.detail)
+        out = KeepOut(self.node, self._crash_strikes, backoff(self._crash_strikes), cause=decision.detail,
+                      round=self.round_number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
         if decision.reason is not Reason.STRAGGLER:

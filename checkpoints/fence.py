@@ -16,12 +16,21 @@ A round may only raise the fence, never lower it; a token of another run takes t
 directory over (a new job on an old directory), and the old run's groups are then stale.
 A commit refused raises :class:`SnapshotFencedError`: the group that holds it is stale
 and must stop. Readers (``load_latest``, ``verify``) ignore both files.
+
+With a job key the fence is signed like the manifests (``"hmac"`` over run and round): a
+fence that does not verify (edited, written without the key) is ignored with one WARNING
+naming the file, as if absent, and the next raise replaces it; so whoever can write the
+directory but lacks the key cannot stop a signed job's snapshots with one edit. Without a
+key an edited fence cannot be told from a newer round's: its refusal names ``.fence`` and
+says what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -29,12 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from . import signing
 from .errors import SnapshotError
 
 log = logging.getLogger(__name__)
 
 FENCE_NAME = ".fence"
 LOCK_NAME = ".fence.lock"
+_DOMAIN = b"elastic-snapshot-fence/v1"
+_warned: set[tuple[str, bytes]] = set()  # (fence path, content) already reported as not verifying
 
 
 class SnapshotFencedError(SnapshotError):
@@ -63,17 +75,43 @@ class FenceToken:
             return None
 
 
-class Fence:
-    """The fence of one snapshot directory (which must exist)."""
+def _tag(key: bytes, token: FenceToken) -> str:
+    return hmac.new(key, b"\0".join((_DOMAIN, token.run.encode(), str(token.round).encode())),
+                    hashlib.sha256).hexdigest()
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+
+class Fence:
+    """The fence of one snapshot directory (which must exist).
+
+    ``key``: the job key (the default: from the environment, as :class:`SnapshotStore`
+    reads it; None: unsigned). With a key the fence is written signed and read only if it
+    verifies."""
+
+    def __init__(self, root: str | os.PathLike[str],
+                 key: bytes | None | signing._FromEnv = signing.FROM_ENV) -> None:
         self.root = Path(root)
+        self.path = self.root / FENCE_NAME
+        self._key = signing.load_key()[0] if key is signing.FROM_ENV else key  # type: ignore[assignment]
 
     def current(self) -> FenceToken | None:
         try:
-            return FenceToken.from_meta(json.loads((self.root / FENCE_NAME).read_bytes()))
+            raw = self.path.read_bytes()
+            meta = json.loads(raw)
         except (OSError, ValueError):
             return None
+        token = FenceToken.from_meta(meta)
+        if token is None or self._key is None:
+            return token
+        tag = meta.get("hmac") if isinstance(meta, dict) else None
+        if isinstance(tag, str) and hmac.compare_digest(tag, _tag(self._key, token)):
+            return token
+        if (str(self.path), raw) not in _warned:
+            _warned.add((str(self.path), raw))
+            log.warning("ignoring the snapshot fence %s (round %d of run %r): it is %s, so it stops nothing; the "
+                        "next group of this job replaces it", self.path, token.round, token.run,
+                        "not signed with the job key (edited, or written without the key)" if tag is None
+                        else "signed with another key, or edited")
+        return None
 
     @contextlib.contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
@@ -90,14 +128,15 @@ class Fence:
         with self._locked(fcntl.LOCK_EX):
             current = self.current()
             if current is not None and current.run == token.run and current.round > token.round:
-                raise _fenced(token, current)
+                raise _fenced(token, current, self.path)
             if current == token:
                 return
             if current is not None and current.run != token.run:
                 log.warning("snapshot dir %s: run %r takes it over from run %r", self.root, token.run, current.run)
             tmp = self.root / f"{FENCE_NAME}.{os.getpid()}.tmp"
+            meta = token.to_meta() if self._key is None else {**token.to_meta(), "hmac": _tag(self._key, token)}
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(token.to_meta(), f)
+                json.dump(meta, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.root / FENCE_NAME)
@@ -109,15 +148,18 @@ class Fence:
             current = self.current()
             if not token.admits(current):
                 assert current is not None
-                raise _fenced(token, current)
+                raise _fenced(token, current, self.path)
             yield
 
 
-def _fenced(token: FenceToken, current: FenceToken) -> SnapshotFencedError:
+def _fenced(token: FenceToken, current: FenceToken, path: Path | None = None) -> SnapshotFencedError:
+    where = f" (its fence {path})" if path is not None else ""
     if current.run != token.run:
-        return SnapshotFencedError(f"run {current.run!r} now writes to this snapshot directory; this group of run "
-                                   f"{token.run!r} is stale and commits nothing more")
-    return SnapshotFencedError(f"round {current.round} of this job now commits to this snapshot directory; this "
-                               f"group of round {token.round} is stale (cut off or written off) and commits nothing "
-                               "more (if etcd lost its data, start the agents with --snapshot-dir so that new rounds "
-                               "start above the fence)")
+        return SnapshotFencedError(f"run {current.run!r} now writes to this snapshot directory{where}; this group of "
+                                   f"run {token.run!r} is stale and commits nothing more; if run {current.run!r} does "
+                                   f"not use this directory, delete {path or FENCE_NAME}")
+    return SnapshotFencedError(f"round {current.round} of this job now commits to this snapshot directory{where}; "
+                               f"this group of round {token.round} is stale (cut off or written off) and commits "
+                               f"nothing more; if no group of round {current.round} runs ({FENCE_NAME} edited, or etcd "
+                               f"lost its data), stop the job, delete {path or FENCE_NAME} and start it again (with "
+                               "--snapshot-dir, so that new rounds start above the fence)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import logging
 import os
 from pathlib import Path
 from typing import Mapping
@@ -75,11 +76,29 @@ def load_key(key_file: str | os.PathLike[str] | None = None,
             raise SnapshotKeyError(f"cannot read job key file {str(path)!r}: {e.strerror or e}") from None
         if not key:
             raise SnapshotKeyError(f"job key file {str(path)!r} is empty")
+        _warn_if_exposed(path)
         return checked_key(key, f"job key file {str(path)!r}"), where
     inline = env.get(KEY_ENV)
     if inline:
         return checked_key(inline.strip().encode(), KEY_ENV), KEY_ENV
     return None, None
+
+
+_exposed_warned: set[str] = set()
+
+
+def _warn_if_exposed(path: Path) -> None:
+    """One WARNING per key file and process if its group or others may read it (as ssh judges
+    a private key; ``elastic/rendezvous/signing.py`` says the same for the agents)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077 and str(path) not in _exposed_warned:
+        _exposed_warned.add(str(path))
+        logging.getLogger(__name__).warning(
+            "job key file %s is open to other users (mode %o): anyone on this host who can read it can forge "
+            "snapshots this job trusts; chmod 600 %s", path, mode & 0o777, path)
 
 
 def _message(dirname: str, step: int, body: bytes) -> bytes:

@@ -345,7 +345,7 @@ class SnapshotStore:
         layout.fsync_dir(tmp)
         token = FenceToken.from_meta(extra_meta.get("fence"))
         try:
-            with Fence(self.root).holding(token) if token is not None else contextlib.nullcontext():
+            with Fence(self.root, key=self._key).holding(token) if token is not None else contextlib.nullcontext():
                 os.rename(tmp, final)  # fails (ENOTEMPTY/EEXIST) rather than clobbering a snapshot
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
@@ -731,7 +731,7 @@ class SnapshotStore:
             self._remove(self.root / layout.step_dirname(s), s)
         for name in os.listdir(self.root):
             if layout.is_quarantine_dirname(name):
-                shutil.rmtree(self.root / name, ignore_errors=True)
+                _remove_tree(self.root / name)
         if doomed:
             layout.fsync_dir(self.root)
             spare = f"; step {doomed[-1]}'s files kept as the spare the next save writes over" if self.recycle else ""
@@ -743,7 +743,7 @@ class SnapshotStore:
         # cleanup removes, never a half-deleted dir that still looks like a snapshot.
         doomed = self.root / layout.temp_dirname(step)
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove_tree(doomed)
 
     def _retire_to_spare(self, path: Path, step: int) -> None:
         # The rename alone unmakes the snapshot: a spare's name never parses as a step.
@@ -810,8 +810,8 @@ class SnapshotStore:
         found = self.spares()
         doomed = found[: max(0, len(found) - keep)]
         for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
-        return doomed
+            _remove_tree(path)
+        return [path for path in doomed if not os.path.lexists(path)]
 
     def temp_dirs(self) -> list[TempDirStatus]:
         newest = max(self._steps(), default=-1)
@@ -841,8 +841,19 @@ class SnapshotStore:
         removed = []
         for t in self.temp_dirs():
             if t.stale:
-                shutil.rmtree(t.path, ignore_errors=True)
-                removed.append(t.path)
+                _remove_tree(t.path)
+                if not os.path.lexists(t.path):  # say only what is gone
+                    removed.append(t.path)
         if removed:
             log.info("removed %d stale temp dir(s) left by crashed writers in %s", len(removed), self.root)
         return removed
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory of the store's; a symbolic link in its place (a user's step dir
+    linked in) goes itself, and what it points to is never touched."""
+    if path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

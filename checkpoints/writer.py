@@ -153,6 +153,7 @@ class AsyncSnapshotWriter:
         self._intervals: collections.deque[float] = collections.deque(maxlen=4)
         self._queue: queue.SimpleQueue[_Job | _Probe | OneShot | None] = queue.SimpleQueue()
         self._logs = LogPump(log, "snapshot-writer-log")  # the writer thread's lines (.oneshot)
+        self._fenced_said: str | None = None  # the last fence refusal logged (each fence is said once)
         self._proc: WriterProcess | None = None
         self._io: DaemonPool | None = None
         if mode == "process":
@@ -343,9 +344,14 @@ class AsyncSnapshotWriter:
                 with self._lock:
                     self._stats.errors += 1
                     self._stats.last_error = str(e)
-                # a fenced write is the round protocol at work, not a disk fault
-                self._logs.log(logging.WARNING if isinstance(e, SnapshotFencedError) else logging.ERROR,
-                        "snapshot step %d failed: %s", job.step, e)
+                # a fenced write is the round protocol at work, not a disk fault; said once per fence
+                fenced = isinstance(e, SnapshotFencedError)
+                again = fenced and str(e) == self._fenced_said
+                self._fenced_said = str(e) if fenced else self._fenced_said
+                self._logs.log(logging.DEBUG if again else logging.WARNING if fenced else logging.ERROR,
+                               "snapshot step %d failed: %s%s", job.step, e,
+                               " (later snapshots refused by this fence are not logged again)" if fenced and not again
+                               else "")
             finally:
                 job.captured.set()
                 job.done.set()

@@ -43,9 +43,10 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import transact
-from elastic.etcd.mirror import PrefixMirror
+from elastic.etcd.mirror import Entry, PrefixMirror
 
 from .ended import JobEnded
+from .freshness import lease_stale, round_order, round_stale
 from .last_good import LastGood
 from .lease_clock import Verdict, still_reaches_etcd
 from .lease_watch import LeaseWatch
@@ -564,6 +565,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except (SignatureError, ValueError, KeyError, TypeError) as exc:
             self._answer_forgery(self._round_key, entry.mod_revision, str(exc) or type(exc).__name__,
                                  self._put_round_back)
+        last = self._round_good.last(self._round_key)
+        if record is not None and last is not None and round_stale(
+                round_order(last.round, last.state == CLOSED), round_order(record.round, record.state == CLOSED)):
+            self._answer_forgery(self._round_key, entry.mod_revision,
+                                 f"it is signed but stale: round {record.round} ({record.state}) after round "
+                                 f"{last.round} ({last.state}), an older record put back", self._put_round_back)
+            record = None
         return self._round_good.resolve(self._round_key, record, time.monotonic())
 
     def _put_round_back(self, forged_revision: int) -> None:
@@ -608,8 +616,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return None
 
     def _joined(self, entries: dict, round_number: int) -> dict[str, int]:  # type: ignore[type-arg]
+        """The nodes joined to ``round_number``: join keys that verify and are held by a lease
+        (a join is put under its node's lease: one put back without a lease is a replay)."""
         prefix = f"{self._join_prefix}{round_number}/"
-        ours = [(key, entry.value) for key, entry in entries.items() if key.startswith(prefix)]
+        ours = [(key, entry.value) for key, entry in entries.items()
+                if key.startswith(prefix) and self._current(key, entry)]
         return {key[len(prefix):]: entries[key].create_revision for key, _ in self._joins_memo.decode(ours)}
 
     def _records(self, entries: dict) -> dict[str, NodeRecord]:  # type: ignore[type-arg]
@@ -617,7 +628,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         good record for a lease TTL (its agent, if alive, rewrites it at once): a forgery is
         never read as a node's death, nor as a new node."""
         ours = [(key, entry.value) for key, entry in entries.items() if key.startswith(self._nodes_prefix)]
-        verified = dict(self._nodes_memo.decode(ours))
+        verified = {key: record for key, record in self._nodes_memo.decode(ours) if self._current(key, entries[key])}
         now, records = time.monotonic(), {}
         for key, _ in ours:
             record = verified.get(key)
@@ -631,13 +642,30 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._nodes_good.keep_only([key for key, _ in ours])
         return records
 
+    def _current(self, key: str, entry: Entry) -> bool:
+        """False (one WARNING per value) for a key that must live under its writer's lease but
+        is held by none: signed bytes put back later, never a join nor a live node."""
+        stale = lease_stale(entry.lease)
+        if stale is None:
+            return True
+        if (key, entry.mod_revision) not in self._forgeries_seen:
+            self._forgeries_seen.add((key, entry.mod_revision))
+            log.warning("[%s] ignoring %s: it verifies but is stale, %s", self.node, key, stale)
+        return False
+
     def _live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         return {node: record.state for node, record in self._records(entries).items()}
 
     def newest_round(self) -> int | None:
-        """The round etcd holds now, from the mirror (None: none, or none that verifies)."""
-        record = self._decode_round(self.mirror.entries()[0])
-        return record.round if record is not None else None
+        """The round number etcd's round record holds now (read from etcd, before any mirror),
+        or None if there is none or it does not verify."""
+        raw, _ = self.client.call(lambda c: c.get(self._round_key))
+        if raw is None:
+            return None
+        try:
+            return RoundRecord.from_json(self.signer.open(self._round_key.encode(), raw)).round
+        except (SignatureError, ValueError, KeyError, TypeError):
+            return None
 
     def node_records(self) -> dict[str, NodeRecord]:
         """Every live node's registry record, from the mirror (no etcd request)."""

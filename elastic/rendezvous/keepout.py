@@ -31,12 +31,16 @@ class ReachReport:
     ``frozen``: those of ``unreachable`` whose agent did not answer its witness while a
     collective waited on them (a SIGSTOPped node's kernel accepts the connect and nothing
     answers: ``agent/freeze.py``); such a node, thawed, knows its workers are stale at once,
-    whatever its lease says."""
+    whatever its lease says.
+
+    ``lease``: the lease its writer holds the key under, signed with the rest, so the same
+    bytes put back later (without a lease, or under another) are stale (:mod:`.freshness`)."""
 
     node: str
     round: int
     unreachable: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
+    lease: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -48,7 +52,8 @@ class ReachReport:
         node, number = data.get("node"), data.get("round")
         if not isinstance(node, str) or not isinstance(number, int) or isinstance(number, bool):
             raise ValueError(f"not a reach report: node {node!r:.40}, round {number!r:.40}")
-        return cls(node, number, _names(data.get("unreachable", [])), _names(data.get("frozen", [])))
+        return cls(node, number, _names(data.get("unreachable", [])), _names(data.get("frozen", [])),
+                   _lease(data.get("lease", 0)))
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,18 @@ class KeepOut:
     """What a kept-out node says about itself (its ``keepout`` key, under its own lease).
 
     ``unreachable``: the peers it cannot reach; ``cause``: why else it stays out (its
-    workers fail right after every start, ``agent.policy``'s crash loop)."""
+    workers fail right after every start, ``agent.policy``'s crash loop); ``round``: the round
+    it went out of (the one it was left out of, or, in a crash loop, the one it was in), so a
+    member does not stop for a keep-out of an earlier round put back; ``lease``: the lease it
+    holds the key under, signed, so a replay of these bytes is stale (:mod:`.freshness`)."""
 
     node: str
     strikes: int
     backoff: float
     unreachable: tuple[str, ...] = ()
     cause: str = ""
+    lease: int = 0
+    round: int = -1
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -78,7 +88,11 @@ class KeepOut:
         cause = data.get("cause", "")
         if not isinstance(cause, str):
             raise ValueError(f"not a keep-out: cause {cause!r:.40}")
-        return cls(node, strikes, float(back), _names(data.get("unreachable", [])), cause)
+        number = data.get("round", -1)
+        if not isinstance(number, int) or isinstance(number, bool) or number < -1:
+            raise ValueError(f"not a keep-out: round {number!r:.40}")
+        return cls(node, strikes, float(back), _names(data.get("unreachable", [])), cause,
+                   _lease(data.get("lease", 0)), number)
 
     def describe(self) -> str:
         cut = f"; cannot reach {', '.join(self.unreachable)}" if self.unreachable else ""
@@ -94,6 +108,12 @@ def _object(raw: bytes) -> dict:  # type: ignore[type-arg]
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     return data
+
+
+def _lease(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+        raise ValueError(f"{value!r:.40} is not a lease id")
+    return value
 
 
 def _names(value: object) -> tuple[str, ...]:

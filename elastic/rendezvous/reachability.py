@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Mapping
 
 from elastic.etcd import EtcdClient, EtcdError
 
+from .freshness import lease_stale
 from .keepout import KeepOut, ReachReport, backoff, choose_kept_out, next_strikes
 from .probe import UNREACHABLE, reach
 from .registry import NodeLease, NodeRecord
@@ -44,6 +47,8 @@ class Reachability:
         self._served = -1  # the newest round whose exclusion of this node it has sat out
         self._back_at: float | None = None  # when this node last came back from a keep-out
         self.listeners: list[Callable[[KeepOut | None], None]] = []  # told when this node goes out / comes back
+        self._out: KeepOut | None = None  # what this node last published about itself (None: it is not out)
+        self._stale_seen: set[tuple[str, int]] = set()  # (key, mod revision) of replays already reported
 
     # ------------------------------------------------------------------ after a failed round
 
@@ -70,10 +75,14 @@ class Reachability:
     def record(self, report: ReachReport) -> bool:
         """Put this node's report in etcd, under its lease; False if etcd refused it."""
         key = self.reach_prefix + self.node
-        value = self.signer.seal(key.encode(), report.to_json())
+
+        def put(lease_id: int) -> object:
+            value = self.signer.seal(key.encode(), replace(report, lease=lease_id).to_json())
+            return self.client.call(lambda c: c.put(key, value, lease=lease_id))
+
         try:
             with self.client.deadline(1.0):
-                self.lease.write(lambda lease_id: self.client.call(lambda c: c.put(key, value, lease=lease_id)))
+                self.lease.write(put)
         except EtcdError as exc:
             log.warning("[%s] could not record the unreachable peers: %s", self.node, exc)
             return False
@@ -82,17 +91,57 @@ class Reachability:
     # ------------------------------------------------------------------ reading the mirror
 
     def _decoded(self, entries: Mapping[str, object], prefix: str, parse: Callable[[bytes], object]) -> list[object]:
+        """The values under ``prefix`` that verify and are current: held by the lease their
+        writer signed (a replay of older bytes is stale: one WARNING per value, never a decision)."""
         found = []
         for key, entry in entries.items():
             if key.startswith(prefix):
                 try:
-                    found.append(parse(self.signer.open(key.encode(), entry.value)))  # type: ignore[attr-defined]
+                    value = parse(self.signer.open(key.encode(), entry.value))  # type: ignore[attr-defined]
                 except (SignatureError, ValueError, KeyError, TypeError):
                     continue
+                stale = lease_stale(getattr(entry, "lease", 0), value.lease)  # type: ignore[attr-defined]
+                if stale is not None:
+                    self._report_stale(key, getattr(entry, "mod_revision", 0), stale)
+                    continue
+                found.append(value)
         return found
 
+    def _report_stale(self, key: str, mod_revision: int, why: str) -> None:
+        if (key, mod_revision) in self._stale_seen:
+            return
+        self._stale_seen.add((key, mod_revision))
+        log.warning("[%s] ignoring %s: it verifies but is stale, %s; nobody is kept out on its word",
+                    self.node, key, why)
+
     def keep_outs(self, entries: Mapping[str, object]) -> dict[str, KeepOut]:
-        return {k.node: k for k in self._decoded(entries, self.keepout_prefix, KeepOut.from_json)}  # type: ignore[attr-defined]
+        found = {k.node: k for k in self._decoded(entries, self.keepout_prefix, KeepOut.from_json)}  # type: ignore[attr-defined]
+        mine = found.get(self.node)
+        if mine is not None and self._out is None and self.lease is not None:
+            self._clear_replay(mine)
+            del found[self.node]
+        return found
+
+    def _clear_replay(self, found: KeepOut) -> None:
+        """A keep-out for this node while it is not out, under its live lease: not this node's
+        word (it was put back); say so and delete it, in the background (callers read a mirror)."""
+        key = self.keepout_prefix + self.node
+        if (key, -found.lease) in self._stale_seen:
+            return
+        self._stale_seen.add((key, -found.lease))
+        log.warning("[%s] ignoring %s: this node is not kept out (an older keep-out put back); deleting it",
+                    self.node, key)
+
+        def clear() -> None:
+            try:
+                if self._out is None:
+                    self.client.call(lambda c: c.delete(key), deadline=1.0)
+            except EtcdError as exc:
+                log.warning("[%s] could not delete the replayed %s: %s", self.node, key, exc)
+            finally:
+                self._stale_seen.discard((key, -found.lease))
+
+        threading.Thread(target=clear, name="elastic-keepout-replay", daemon=True).start()
 
     def reports(self, entries: Mapping[str, object], round_number: int) -> list[ReachReport]:
         found = self._decoded(entries, self.reach_prefix, ReachReport.from_json)
@@ -135,7 +184,7 @@ class Reachability:
                     "then rejoins once it can reach them", self.node, record.round,
                     f" ({', '.join(cut)})" if cut else "", backoff(self.strikes), self.strikes)
         while True:
-            out = KeepOut(self.node, self.strikes, backoff(self.strikes), cut)
+            out = KeepOut(self.node, self.strikes, backoff(self.strikes), cut, round=record.round)
             self._publish(out)
             if self._sleep(out.backoff, closed):
                 return
@@ -162,13 +211,19 @@ class Reachability:
 
     def _publish(self, out: KeepOut | None) -> None:
         key = self.keepout_prefix + self.node
+        self._out = out
+
+        def put(lease_id: int) -> object:
+            assert out is not None
+            value = self.signer.seal(key.encode(), replace(out, lease=lease_id).to_json())
+            return self.client.call(lambda c: c.put(key, value, lease=lease_id))
+
         try:
             with self.client.deadline(1.0):
                 if out is None:
                     self.client.call(lambda c: c.delete(key))
                 else:
-                    value = self.signer.seal(key.encode(), out.to_json())
-                    self.lease.write(lambda lease_id: self.client.call(lambda c: c.put(key, value, lease=lease_id)))
+                    self.lease.write(put)
         except EtcdError as exc:
             log.warning("[%s] could not %s its keep-out record: %s", self.node,
                         "clear" if out is None else "write", exc)

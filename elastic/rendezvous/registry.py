@@ -26,7 +26,7 @@ from elastic.etcd.keepalive import KeepAlive
 from elastic.etcd.kv import is_lease_not_found, transact
 
 from .lease_clock import LeaseClock
-from .signing import SignatureError, StateSigner
+from .signing import HMAC_KEY_FILE_ENV, HmacKeyError, SignatureError, StateSigner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,11 +119,27 @@ def decode_node(signer: StateSigner, key: bytes | str, value: bytes, quiet: bool
         return None
 
 
-def list_nodes(client: EtcdClient, run_id: str, signer: StateSigner, key_prefix: str = "/elastic") -> list[NodeRecord]:
-    """Every node that holds a live lease in ``run_id``, in name order."""
+def list_nodes(client: EtcdClient, run_id: str, signer: StateSigner, key_prefix: str = "/elastic",
+               strict: bool = False) -> list[NodeRecord]:
+    """Every node that holds a live lease in ``run_id``, in name order.
+
+    ``strict`` (a tool about to act): raises :class:`HmacKeyError` if the records are signed
+    and ``signer`` has no key, since an unsigned forgery among them would pass for real."""
     prefix = nodes_prefix(key_prefix, run_id)
     rows = client.call(lambda c: list(c.get_prefix(prefix)))
-    records = [decode_node(signer, meta.key, value) for value, meta in rows]
+    if strict and any(signer.lacks_key_for(value) for value, _ in rows):
+        raise HmacKeyError(
+            f"run {run_id!r}'s registry is signed with a job key this tool does not have, so it cannot tell a "
+            f"forged record from a real one and does nothing: give it the key ({HMAC_KEY_FILE_ENV}=PATH or "
+            "--rdzv-conf hmac_key_file=PATH)"
+        )
+    records = []
+    for value, meta in rows:
+        if meta.lease_id == 0:  # an agent's record lives under its lease: this one is older bytes put back
+            log.warning("ignoring registry entry %s: held by no lease, so no live agent's (a replay)",
+                        meta.key.decode(errors="replace"))
+            continue
+        records.append(decode_node(signer, meta.key, value))
     return sorted((r for r in records if r is not None), key=lambda r: r.node)
 
 

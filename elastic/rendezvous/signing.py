@@ -61,6 +61,11 @@ class StateSigner:
         assert self._key is not None
         return hmac.new(self._key, etcd_key + b"\0" + payload, hashlib.sha256).digest()
 
+    def lacks_key_for(self, value: bytes) -> bool:
+        """True if ``value`` is signed and this signer has no key: a tool that sees such values
+        cannot tell a forged unsigned value beside them from a real one, so it must not act."""
+        return self._key is None and value[: len(_SIGNED)] == _SIGNED
+
     def seal(self, etcd_key: bytes, payload: bytes) -> bytes:
         if self._key is None:
             return _UNSIGNED + payload
@@ -102,6 +107,27 @@ def _warn_unsigned_once() -> None:
         )
 
 
+_exposed_warned: set[str] = set()
+
+
+def exposed_mode(mode: int) -> bool:
+    """True if a key file of this ``st_mode`` is open to its group or others (as ssh judges a
+    private key): whoever can read the job key can write any value the agents will trust."""
+    return bool(mode & 0o077)
+
+
+def warn_if_exposed(path: Path) -> None:
+    """One WARNING per key file and process if it is readable (or writable) by others."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if exposed_mode(mode) and str(path) not in _exposed_warned:
+        _exposed_warned.add(str(path))
+        log.warning("job key file %s is open to other users (mode %o): anyone on this host who can read it can "
+                    "forge every value this job trusts; chmod 600 %s", path, mode & 0o777, path)
+
+
 def load_hmac_key(key_file: str | None, env: Mapping[str, str] | None = None) -> bytes | None:
     """The job key from ``hmac_key_file``, ``ELASTIC_RDZV_HMAC_KEY_FILE`` or ``ELASTIC_RDZV_HMAC_KEY``."""
     env = os.environ if env is None else env
@@ -116,6 +142,7 @@ def load_hmac_key(key_file: str | None, env: Mapping[str, str] | None = None) ->
             raise HmacKeyError(f"cannot read HMAC key file {str(path)!r}: {exc.strerror}") from None
         if not key:
             raise HmacKeyError(f"HMAC key file {str(path)!r} is empty")
+        warn_if_exposed(path)
         return key
     inline = env.get(HMAC_KEY_ENV)
     return inline.strip().encode() if inline else None

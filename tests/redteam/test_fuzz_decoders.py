@@ -168,16 +168,19 @@ def _typed_reports(found: object) -> bool:
         isinstance(r, ReachReport) and _str(r.node) and _int(r.round) and _names(r.unreachable) for r in found)
 
 
+LEASE = 0x5EED  # the lease a genuine keep-out or reach report names and is held by
+
+
 def _reachability(signer: StateSigner) -> Reachability:
     return Reachability("me", None, signer, None, RUN)  # type: ignore[arg-type] # reading only
 
 
 def _keep_outs(signer: StateSigner, key: str, value: bytes) -> object:
-    return _reachability(signer).keep_outs({key: types.SimpleNamespace(value=value)}) or REFUSED
+    return _reachability(signer).keep_outs({key: types.SimpleNamespace(value=value, lease=LEASE)}) or REFUSED
 
 
 def _reports(signer: StateSigner, key: str, value: bytes) -> object:
-    return _reachability(signer).reports({key: types.SimpleNamespace(value=value)}, 3) or REFUSED
+    return _reachability(signer).reports({key: types.SimpleNamespace(value=value, lease=LEASE)}, 3) or REFUSED
 
 
 NONCE = "00112233aabbccdd"
@@ -211,8 +214,8 @@ DECODERS = [
             _refusing(decode_account), _typed_account),
     Decoder("goodput note", notes_prefix("/elastic", "fuzz") + "a", json.dumps({"reason": "hang", "at": 5.0}).encode(),
             _refusing(decode_note), lambda n: isinstance(n, tuple) and _str(n[0]) and isinstance(n[1], float)),
-    Decoder("keep-out", f"{RUN}/keepout/a", KeepOut("a", 2, 10.0, ("b",)).to_json(), _keep_outs, _typed_keep_outs),
-    Decoder("reach report", f"{RUN}/reach/a", ReachReport("a", 3, ("b", "c")).to_json(), _reports, _typed_reports),
+    Decoder("keep-out", f"{RUN}/keepout/a", KeepOut("a", 2, 10.0, ("b",), lease=LEASE).to_json(), _keep_outs, _typed_keep_outs),
+    Decoder("reach report", f"{RUN}/reach/a", ReachReport("a", 3, ("b", "c"), lease=LEASE).to_json(), _reports, _typed_reports),
     Decoder("witness answer", _sealing_key("peer", NONCE).decode(),
             json.dumps({"node": "peer", "age": None, "failing": True}).encode(),
             _refusing(_answer, SignatureError, ValueError), _typed_answer),
