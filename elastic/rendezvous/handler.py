@@ -579,7 +579,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         (a member racing us, the protocol moving on) replaced it first."""
         good = self._round_good.last(self._round_key)
         if good is not None and self._swap_round(forged_revision, good):
-            log.info("[%s] put round %d's record back over the one that did not verify", self.node, good.round)
+            log.info("[%s] put round %d's record back over one it could not act on (forged or stale)", self.node,
+                     good.round)
 
     def _answer_forgery(self, key: str, mod_revision: int, why: str,
                         repair: Callable[[int], None] | None) -> None:
@@ -632,8 +633,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         now, records = time.monotonic(), {}
         for key, _ in ours:
             record = verified.get(key)
-            if record is None:
-                own = key == self.lease.key
+            own = key == self.lease.key
+            if record is not None and own and not self.lease.ours(entries[key].mod_revision, entries[key].value):
+                record = None  # signed, but not what this node last wrote: an older record of its own put back
+                self._answer_forgery(key, entries[key].mod_revision, "it is signed but stale: not this agent's "
+                                     "last write (an older record put back)", lambda _rev: self.lease.update())
+            elif record is None:
                 self._answer_forgery(key, entries[key].mod_revision, "not a record signed with the job key",
                                      (lambda _rev: self.lease.update()) if own else None)
             record = self._nodes_good.resolve(key, record, now)

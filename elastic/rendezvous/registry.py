@@ -164,6 +164,11 @@ class NodeLease:
         self._record = record
         self._lock = threading.Lock()  # the lease id and the record; never held across a request but a grant
         self._put_lock = threading.Lock()  # record writes, one at a time
+        # (etcd revision, bytes) of this node's last confirmed record write, and the bytes being
+        # written now: a value of its key after that revision that is neither was put there by
+        # somebody else (an older record of its own put back: ``ours``)
+        self._last_write: tuple[int, bytes] = (0, b"")
+        self._writing: bytes = b""
         self._lease_id: int | None = None
         self.generation = 0
         self.on_lost: list[Callable[[], None]] = []
@@ -177,6 +182,13 @@ class NodeLease:
     @property
     def record(self) -> NodeRecord:
         return self._record
+
+    def ours(self, mod_revision: int, value: bytes) -> bool:
+        """Whether ``value`` at ``mod_revision`` of this node's key is its own latest write (or one
+        in flight); False for anything written there since by somebody else, e.g. an older
+        signed record of this node put back under its live lease."""
+        revision, written = self._last_write
+        return mod_revision <= revision or value in (written, self._writing)
 
     def lease_id(self) -> int:
         known = self._lease_id
@@ -195,9 +207,12 @@ class NodeLease:
         lease = self.client.call(lambda c: c.lease(self.ttl))
         if guard is not None:
             value = self.signer.seal(self.key.encode(), self._record.to_json())
-            if not transact(self.client, [guard], [tx.Put(self.key, value, lease=lease.id)]).succeeded:
+            self._writing = value
+            result = transact(self.client, [guard], [tx.Put(self.key, value, lease=lease.id)])
+            if not result.succeeded:
                 self.client.call(lambda c: c.revoke_lease(lease.id), deadline=2.0)
                 return False
+            self._last_write = (result.revision, value)
         self._lease_id = lease.id
         self._confirmed(sent)
         if guard is None:
@@ -258,7 +273,9 @@ class NodeLease:
             if lease_id is None:
                 return
             value = self.signer.seal(self.key.encode(), record.to_json())
-            transact(self.client, [], [tx.Put(self.key, value, lease=lease_id)], deadline=deadline)
+            self._writing = value
+            result = transact(self.client, [], [tx.Put(self.key, value, lease=lease_id)], deadline=deadline)
+            self._last_write = (result.revision, value)
 
     def start(self, patience: float | None = None) -> "NodeLease":
         """Claim this node's name (see :meth:`_claim`), then keep the lease alive."""

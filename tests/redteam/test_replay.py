@@ -3,7 +3,8 @@ writer without the key who puts back signed bytes the agents wrote earlier.
 
 A signature proves who wrote a value, not when. What the operator checks: the healthy node
 is not kept out (the job keeps its world of 2 and its workers), an older round record put
-back is not a round, the agents say so naming the key, and the job trains its last step.
+back is not a round, a node's own older registry record put back is rewritten by it, the
+agents say so naming the key, and the job trains its last step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def test_signed_values_put_back_later_are_stale_not_decisions(
     env = {"ROWS": str(rows), "ELASTIC_RDZV_HMAC_KEY_FILE": str(key), "STEP_TIME": "0.1"}
     group = [start(nodes, name, etcd_server, run_id, script, STEPS, nnodes="1:2", agent_args=["--lease-ttl", "2"],
                    env=env) for name in ("a", "b")]
+    node_key = f"/elastic/{run_id}/nodes/b"
+    wait_until(lambda: etcd_client.call(lambda c: c.get(node_key))[0] is not None, FORM_TIMEOUT, "b to register",
+               on_timeout=lambda: group[1].log_tail(60))
+    b_before, _ = etcd_client.call(lambda c: c.get(node_key))  # b's signed record as it stood then
     wait_until(lambda: len([r for r in read_rows(rows) if r["world"] == 2]) >= 3, FORM_TIMEOUT,
                "the job to train in a world of 2", on_timeout=lambda: group[0].log_tail(60))
     replayed_at = time.time()
@@ -61,6 +66,12 @@ def test_signed_values_put_back_later_are_stale_not_decisions(
     etcd_client.call(lambda c: c.put(keepout_key, keepout, lease=lease_b))
     wait_until(lambda: etcd_client.call(lambda c: c.get(keepout_key))[0] is None, FORM_TIMEOUT,
                "b to delete the keep-out it did not write", on_timeout=lambda: group[1].log_tail(60))
+
+    # b's own older record, put back under its live lease: b rewrites its record (when it next
+    # reads the registry it sees a write that is not its own; its pace updates rewrite it anyway).
+    etcd_client.call(lambda c: c.put(node_key, b_before, lease=lease_b))
+    wait_until(lambda: etcd_client.call(lambda c: c.get(node_key))[0] != b_before, FORM_TIMEOUT,
+               "b to rewrite its own record", on_timeout=lambda: group[1].log_tail(60))
 
     for node in group:
         wait_until(lambda: not node.alive(), FORM_TIMEOUT * 2, f"{node.name} to finish",

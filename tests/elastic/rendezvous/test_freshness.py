@@ -91,3 +91,15 @@ def test_a_keep_out_names_the_round_it_went_out_of() -> None:
     assert KeepOut.from_json(KeepOut("b", 1, 5.0).to_json()).round == -1, "unknown: no member stops for it"
     with pytest.raises(ValueError):
         KeepOut.from_json(out.to_json().replace(b'"round": 12', b'"round": "12"'))
+
+
+def test_a_node_tells_its_own_last_record_from_an_older_one_put_back() -> None:
+    from elastic.rendezvous.registry import NodeLease
+
+    lease = NodeLease.__new__(NodeLease)  # only its memory of its writes is under test
+    lease._last_write, lease._writing = (10, b"latest"), b""
+    assert lease.ours(10, b"latest") and lease.ours(9, b"older"), "a mirror behind its own write"
+    assert lease.ours(12, b"latest"), "the same bytes again change nothing"
+    assert not lease.ours(12, b"older"), "an older record of its own, put back after its last write"
+    lease._writing = b"next"
+    assert lease.ours(13, b"next"), "its write in flight"
