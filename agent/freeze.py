@@ -152,6 +152,21 @@ def written_off_by(node: str, participants: Sequence[str], reports: Iterable[Rea
     return by if by and node in choose_kept_out(participants, reports) else []
 
 
+def written_off_later(node: str, round_number: int,
+                      reports: Mapping[int, Iterable[ReachReport]]) -> tuple[int, list[str]] | None:
+    """The first round after ``round_number`` (this node's own) in which other nodes wrote
+    ``node`` off as frozen, and who: frozen as that round closed, before its agent saw it,
+    this node's workers were left behind in the older world while its peers formed a round
+    with it and went on without it. Its agent never saw that round, so no report of its own
+    round says so; its workers must be stopped all the same (a worker of the old world must
+    not rejoin in place, healed or not)."""
+    for later in sorted(r for r in reports if r > round_number):
+        by = sorted(r.node for r in reports[later] if node in r.frozen and r.node != node)
+        if by:
+            return later, by
+    return None
+
+
 @dataclass(frozen=True)
 class Frozen:
     """Peers written off as frozen, and what the log line says about it."""
@@ -259,8 +274,13 @@ class FreezeWatch:
                            for kv in reply.kvs}
             except EtcdError as exc:
                 log.debug("[%s] cannot read the reach reports: %s", self.node, exc)
-        by = written_off_by(self.node, participants, self.handler.reachability.reports(entries, round_number))
+        reach = self.handler.reachability
+        by = written_off_by(self.node, participants, reach.reports(entries, round_number))
         if not by:
-            return None
+            later = written_off_later(self.node, round_number,
+                                      {r: reach.reports(entries, r) for r in range(round_number + 1, round_number + 9)})
+            if later is None:
+                return None
+            round_number, by = later
         return (f"its peers ({', '.join(by)}) wrote it off in round {round_number}: its agent did not answer them "
-                "while a step waited (it was frozen, or cut off from them); its workers are stale")
+                "while a step or a join waited (it was frozen, or cut off from them); its workers are stale")

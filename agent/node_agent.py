@@ -147,6 +147,7 @@ class NodeAgent(ElasticAgent):
             self.ours.reachability.listeners.append(self._on_keep_out)
             if self.channel is not None:
                 self.ours.while_spare.append(self._start_ahead)
+                self.ours.bootstrap_needed = self._needs_bootstrap
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
                                          self.ours)
         # stragglers: publish this node's pace, name the slow node, evict it (agent/pace.py)
@@ -861,6 +862,15 @@ class NodeAgent(ElasticAgent):
         finally:
             if self.ours is not None:
                 self.ours.bootstrap = True
+
+    def _needs_bootstrap(self, record: Any) -> bool:
+        """Whether this node's workers may read MASTER_ADDR in ``record``'s round: not when they
+        join a world that already trains in place (they start in a set-up world of their own,
+        :meth:`_env`), so the rendezvous need not wait for rank 0 to publish it."""
+        assert self.ours is not None
+        records = self.ours.node_records()
+        return not joins_live_world({n: bool(r.extra.get("in_place")) for n, r in records.items()
+                                     if n in record.participants}, self.node)
 
     def _start_ahead(self) -> None:
         """Waiting as a spare beside a world that trains in place: start this node's workers

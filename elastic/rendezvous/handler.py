@@ -147,6 +147,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # non-zero rank would otherwise wait for a dead rank 0 to publish it. Rank 0 always
         # publishes (one put): a joiner does not know yet whether its workers will need it.
         self.bootstrap = True
+        # Asked for the round just closed when ``bootstrap`` is on: False if this node's workers
+        # will not need MASTER_ADDR either (the agent's answer: they join a world that trains in
+        # place). A non-zero rank's read of it waits for rank 0's put, which a rank 0 frozen as
+        # the round closed never makes (issue 39: a joiner's agent stood still 60 s).
+        self.bootstrap_needed: Callable[[RoundRecord], bool] | None = None
         self._probe = DeathProbe(on_death=lambda: self.mirror.notify())
         self._vouch = PeerAsker(signer, timeout=_VOUCH_TIMEOUT_S)  # late members' witnesses, after a failure
         self.advertise_host = local_addr  # where peers reach this node's witness (the agent may set it)
@@ -203,7 +208,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                      self.node, time.monotonic() - self._spare_from, record.round,
                      ", ".join(replaced) or "a lost member")
         store = dist.PrefixStore(f"round/{record.round}", self._store)
-        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if self.bootstrap or rank == 0 else None
+        needed = self.bootstrap and (self.bootstrap_needed is None or self.bootstrap_needed(record))
+        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if needed or rank == 0 else None
         for callback in list(self.on_round):
             callback(record)
         return RendezvousInfo(store, rank, world, bootstrap)

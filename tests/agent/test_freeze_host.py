@@ -35,7 +35,7 @@ from elastic.etcd import EmbeddedEtcd, free_port
 from tests.agent.test_freeze_fast import SCRIPT
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import at_world, logs, rows, train_together
-from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
+from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -52,16 +52,34 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
                  metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
 
-def first_step_without(frozen: Node, survivors: list[Node], tmp: Path, frozen_at: float, world: int) -> float:
+def without(node: Node, tmp: Path, world: int, after_round: int) -> list[dict]:  # type: ignore[type-arg]
+    """``node``'s rows in a world of ``world`` formed after round ``after_round`` (the round the
+    frozen node was in): a survivor may still write a row or two of the old world after the
+    SIGSTOP, and a world of the same size before it."""
+    return [r for r in rows(node, tmp) if r["world_size"] == world and r["round"] > after_round]
+
+
+def first_step_without(frozen: Node, survivors: list[Node], tmp: Path, frozen_at: float, world: int,
+                       after_round: int) -> float:
     """Seconds from the freeze to the survivors' first step in a world without the frozen node."""
-    wait_until(lambda: all(at_world(n, tmp, world, frozen_at) for n in survivors), 60,
+    wait_until(lambda: all(without(n, tmp, world, after_round) for n in survivors), 60,
                f"the survivors' first step without {frozen.name}", on_timeout=logs(*survivors))
-    return min(at_world(n, tmp, world, frozen_at)[0]["time"] for n in survivors) - frozen_at
+    return min(without(n, tmp, world, after_round)[0]["time"] for n in survivors) - frozen_at
 
 
-def assert_stale_worker_trained_nothing(frozen: Node, survivors: list[Node], tmp: Path, frozen_at: float,
-                                        stale_pids: set[int], world: int) -> None:
-    went_on_at = min(at_world(n, tmp, world, frozen_at)[0]["step"] for n in survivors)
+def assert_went_on_from_where_it_stood(node: Node, tmp: Path, world: int, after_round: int) -> None:
+    """Zero steps rolled back or skipped: the first step of the new world follows the node's last."""
+    history = rows(node, tmp)
+    first = without(node, tmp, world, after_round)[0]
+    before = history[history.index(first) - 1]
+    assert first["step"] == before["step"] + 1, (before, first)
+
+
+def assert_stale_worker_trained_nothing(frozen: Node, survivors: list[Node], tmp: Path, stale_pids: set[int],
+                                        world: int, after_round: int) -> None:
+    """A row of the stale worker may come for a step every member finished before the freeze
+    (SIGSTOP between its all-reduce and its row); none for a step the survivors trained without it."""
+    went_on_at = min(without(n, tmp, world, after_round)[0]["step"] for n in survivors)
     assert not [r for r in rows(frozen, tmp) if r["pid"] in stale_pids and r["step"] >= went_on_at], \
         "the frozen node's stale worker trained after the freeze"
 
@@ -103,19 +121,19 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     survivors = [n for n in group if n is not host]
     join_round = int(found[0].group(1))
     stale = {r["pid"] for r in rows(host, tmp_path)}
-    took = first_step_without(host, survivors, tmp_path, frozen_at, 2)
+    took = first_step_without(host, survivors, tmp_path, frozen_at, 2, join_round)
     assert took <= BOUND_S, f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)"
     train_together(survivors, tmp_path, 2, steps=5, after=frozen_at, timeout=60)
     keeper = next(n for n in survivors if n is not joiner)
     assert not [r for r in rows(keeper, tmp_path) if r["time"] > frozen_at and r["round"] == join_round], \
         "the survivors trained in the round the frozen host formed"
-    assert_went_on_from_where_it_stood(keeper, tmp_path, frozen_at, 2)
+    assert_went_on_from_where_it_stood(keeper, tmp_path, 2, join_round)
     assert_replicas_equal(survivors, tmp_path, 2, frozen_at)
 
     thawed_at = time.time()
     host.thaw()
     train_together(group, tmp_path, 3, steps=5, after=thawed_at, timeout=120)
-    assert_stale_worker_trained_nothing(host, survivors, tmp_path, frozen_at, stale, 2)
+    assert_stale_worker_trained_nothing(host, survivors, tmp_path, stale, 2, join_round)
     assert "wrote it off" in host.log_path.read_text(), host.log_tail(40)
     assert_replicas_equal(group, tmp_path, 3, thawed_at)
 
@@ -138,9 +156,10 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     host.freeze()
     frozen_at = time.time()
     last = next(n for n in pair if n is not host)
-    took = first_step_without(host, [last], tmp_path, frozen_at, 1)
+    failure_round = int(found[0].group(1))
+    took = first_step_without(host, [last], tmp_path, frozen_at, 1, failure_round)
     assert took <= BOUND_S, f"first step without the host frozen in a join {took:.2f} s after it froze"
-    assert_went_on_from_where_it_stood(last, tmp_path, frozen_at, 1)
+    assert_went_on_from_where_it_stood(last, tmp_path, 1, failure_round)
     host.thaw()
     thawed_at = time.time()
     train_together(pair, tmp_path, 2, steps=3, after=thawed_at, timeout=120)
@@ -176,11 +195,11 @@ def test_the_current_rounds_host_frozen_mid_training_at_a_fixed_size_gives_its_p
     train_together([survivor, spare], tmp_path, 2, steps=5, after=frozen_at, timeout=60)
     assert all(r["world_size"] == 2 for r in rows(survivor, tmp_path) if r["time"] > frozen_at), "the world shrank"
     assert {r["pid"] for r in rows(survivor, tmp_path)} == pids, "the survivor's worker was restarted"
-    assert_went_on_from_where_it_stood(survivor, tmp_path, frozen_at, 2)
+    assert_went_on_from_where_it_stood(survivor, tmp_path, 2, before)
     assert_replicas_equal([survivor, spare], tmp_path, 2, frozen_at)
 
     host.thaw()  # its world went on without it: it stops its stale workers and waits as the next spare
     wait_until(lambda: is_spare(host), 90, f"{host.name} back as the spare", on_timeout=lambda: host.log_tail(60))
     assert "wrote it off" in host.log_path.read_text(), host.log_tail(40)
-    assert_stale_worker_trained_nothing(host, [survivor, spare], tmp_path, frozen_at, stale, 2)
+    assert_stale_worker_trained_nothing(host, [survivor, spare], tmp_path, stale, 2, before)
     assert_trained_once(tmp_path)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import socket
 import time
 
-from agent.freeze import ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by
+from agent.freeze import (ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by,
+                          written_off_later)
 from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import SLOW, STUCK, StallRule, join_level
 from elastic.rendezvous.keepout import ReachReport, choose_kept_out
@@ -145,3 +146,12 @@ def test_a_worker_whose_join_of_the_agents_round_stalls_waits_on_its_members() -
     assert waiting_level(joining, 7, WORLDS[6], WORLDS) == 0, "a stall of another round's join says nothing of this one"
     fresh = WorkerStatus(1, round=-1, state="joining", stalled=SLOW, extra={"joining": 6})
     assert waiting_level(fresh, 6, WORLDS[6], WORLDS) == SLOW, "a joiner's first join too"
+
+
+def test_a_node_written_off_in_a_round_its_agent_never_saw_has_stale_workers() -> None:
+    """Frozen as round 5 closed (its agent still in round 4), written off in round 5 by b."""
+    later = {5: [ReachReport("b", 5, ("a",), ("a",))], 6: []}
+    assert written_off_later("a", 4, later) == (5, ["b"])
+    assert written_off_later("a", 5, later) is None, "its own round is written_off_by's"
+    assert written_off_later("b", 4, later) is None
+    assert written_off_later("a", 4, {5: [ReachReport("a", 5, ("b",), ("b",))]}) is None, "its own report"
