@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work.release()  # a temporary directory goes; a given --agent-dir stays
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | None,
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | str | None,
          work: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
@@ -407,17 +407,17 @@ def _export_spare(handler: object, metrics: AgentMetrics) -> None:
         handler.on_spare.append(lambda spare: metrics.spare.set(1 if spare else 0))
 
 
-def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str) -> None:
+def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | str | None, run_id: str) -> None:
     """A job whose etcd lost its state starts its rounds again at 0, below the fence its
     snapshot directory holds, and every new group would be refused as stale: start them
     above it (a stale writer from before the loss holds a lower round and stays refused)."""
-    from checkpoints import Fence
+    from checkpoints.stores import open_fence
 
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
 
     if snapshot_dir is None or not isinstance(handler, EtcdV3RendezvousHandler):
         return
-    fence = Fence(snapshot_dir).current()
+    fence = open_fence(snapshot_dir).current()
     if fence is not None and fence.run == run_id:
         handler.first_round = fence.round + 1
 
@@ -434,9 +434,20 @@ def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:
                        "give a count, or auto (one worker per GPU, else per CPU)\n")
 
 
-def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | None:
+def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | str | None:
     if not value:
         return None
+    from checkpoints.location import is_remote
+
+    if is_remote(value):  # the bucket, credentials and endpoint are checked before any worker starts
+        from checkpoints import SnapshotError
+        from checkpoints.stores import open_store
+
+        try:
+            open_store(value, create=True, key=None)
+        except SnapshotError as exc:
+            parser.exit(2, f"error: --snapshot-dir {exc}\n")
+        return value
     snapshot_dir = Path(value)
     try:
         snapshot_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,49 @@
+"""The one place a snapshot location becomes a store: a directory or an object store.
+
+Every entry point opens its store and its fence through here, so ``s3://bucket/prefix``
+works wherever a directory does and no caller tests for a scheme itself. Both stores
+answer the same calls (save, load_latest, load, check/verify, status, prune, temp dirs,
+sign) with the same meaning of "valid".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+from .fence import Fence
+from .location import LocationError, is_remote
+from .errors import SnapshotDirError
+from .store import SnapshotStore
+
+Location = Union[str, "os.PathLike[str]"]
+
+
+def open_store(location: Location, **kwargs: Any) -> Any:
+    """:class:`SnapshotStore` for a directory, :class:`.s3store.S3SnapshotStore` for ``s3://``."""
+    if is_remote(location):
+        from .s3store import S3SnapshotStore  # boto3 only when an object store is used
+
+        try:
+            return S3SnapshotStore(str(location), **kwargs)
+        except LocationError as e:
+            raise SnapshotDirError(str(e)) from None
+    return SnapshotStore(location, **kwargs)
+
+
+def open_fence(location: Location, store: Any = None) -> Any:
+    """The fence of ``location`` (``store``: an open S3 store, to reuse its client)."""
+    if is_remote(location):
+        from .s3store import S3SnapshotStore
+
+        if isinstance(store, S3SnapshotStore):
+            return store.fence
+        return open_store(location, create=False, key=None).fence
+    return Fence(location)
+
+
+def location_of(value: str | os.PathLike[str]) -> str | Path:
+    """A user's ``--snapshot-dir``/``snapshot_dir`` as the store wants it: the URL untouched
+    (a Path would fold ``s3://`` into ``s3:/``), anything else as a Path."""
+    return str(value) if is_remote(value) else Path(value)
