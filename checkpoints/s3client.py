@@ -27,6 +27,10 @@ from .errors import SnapshotDirError, SnapshotError
 from .location import S3Location
 
 log = logging.getLogger(__name__)
+# botocore says where it found credentials and the endpoint at INFO on every client; the
+# store's own lines say what matters (and a start-up refusal must stay one line).
+for _name in ("botocore.credentials", "botocore.configprovider"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 T = TypeVar("T")
 
