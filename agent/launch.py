@@ -437,9 +437,9 @@ def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:
 def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | str | None:
     if not value:
         return None
-    from checkpoints.location import is_remote
+    from checkpoints.location import uses_object_store
 
-    if is_remote(value):  # the bucket, credentials and endpoint are checked before any worker starts
+    if uses_object_store(value):  # the bucket, credentials and endpoint are checked before any worker starts
         from checkpoints import SnapshotError
         from checkpoints.stores import open_store
 

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from checkpoints.location import is_remote
+from checkpoints.location import uses_object_store
 from elastic.etcd import EmbeddedEtcd, free_port
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
-    if args.snapshot_dir and is_remote(args.snapshot_dir):
+    if args.snapshot_dir and uses_object_store(args.snapshot_dir):
         if KILL_SNAPSHOT in kinds:
             p.error(f"--chaos {KILL_SNAPSHOT} watches a snapshot directory's temp dirs; not with an s3:// "
                     "--snapshot-dir")
@@ -198,7 +198,7 @@ def _network(nodes: int, netns: bool) -> Iterator[Any]:
 def snapshots_of(args: argparse.Namespace, run_dir: Path) -> str:
     """The job's snapshot location: ``--snapshot-dir`` (a directory or s3://), else the run's snapshots/."""
     if args.snapshot_dir:
-        return args.snapshot_dir if is_remote(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
+        return args.snapshot_dir if uses_object_store(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
     return str(run_dir / "snapshots")
 
 

@@ -38,6 +38,22 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
     return isinstance(location, str) and location.lower().startswith(S3_SCHEME)
 
 
+def split_tiers(location: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(local_dir, s3_url)`` for two tiers, ``LOCAL_DIR,s3://bucket/prefix``; None otherwise."""
+    if not isinstance(location, str):
+        return None
+    local, sep, remote = location.rpartition(",")
+    if not sep or not local or not is_remote(remote) or is_remote(local):
+        return None
+    return local, remote
+
+
+def uses_object_store(location: str | os.PathLike[str]) -> bool:
+    """Snapshots (or their second tier) go to an object store: every node sees the same
+    namespace, so there is no shared directory to check, and the store is probed at start."""
+    return is_remote(location) or split_tiers(location) is not None
+
+
 def parse_s3(location: str) -> S3Location:
     """``s3://bucket[/prefix]`` -> S3Location; LocationError (one line) if it is not one."""
     if not is_remote(location):

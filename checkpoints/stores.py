@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .fence import Fence
-from .location import LocationError, is_remote
+from .location import LocationError, is_remote, split_tiers, uses_object_store
 from .errors import SnapshotDirError
 from .store import SnapshotStore
 
@@ -21,7 +21,13 @@ Location = Union[str, "os.PathLike[str]"]
 
 
 def open_store(location: Location, **kwargs: Any) -> Any:
-    """:class:`SnapshotStore` for a directory, :class:`.s3store.S3SnapshotStore` for ``s3://``."""
+    """:class:`SnapshotStore` for a directory, :class:`.s3store.S3SnapshotStore` for ``s3://``,
+    :class:`.tiered.TieredStore` for ``LOCAL_DIR,s3://...``."""
+    tiers = split_tiers(location)
+    if tiers is not None:
+        from .tiered import TieredStore
+
+        return TieredStore(SnapshotStore(tiers[0], **kwargs), open_store(tiers[1], **kwargs))
     if is_remote(location):
         from .s3store import S3SnapshotStore  # boto3 only when an object store is used
 
@@ -34,16 +40,16 @@ def open_store(location: Location, **kwargs: Any) -> Any:
 
 def open_fence(location: Location, store: Any = None) -> Any:
     """The fence of ``location`` (``store``: an open S3 store, to reuse its client)."""
-    if is_remote(location):
-        from .s3store import S3SnapshotStore
-
-        if isinstance(store, S3SnapshotStore):
-            return store.fence
-        return open_store(location, create=False, key=None).fence
+    if uses_object_store(location):
+        fence = getattr(store, "fence", None)
+        if fence is not None:
+            return fence
+        tiers = split_tiers(location)
+        return open_store(tiers[1] if tiers else location, create=False, key=None).fence
     return Fence(location)
 
 
 def location_of(value: str | os.PathLike[str]) -> str | Path:
     """A user's ``--snapshot-dir``/``snapshot_dir`` as the store wants it: the URL untouched
     (a Path would fold ``s3://`` into ``s3:/``), anything else as a Path."""
-    return str(value) if is_remote(value) else Path(value)
+    return str(value) if uses_object_store(value) else Path(value)

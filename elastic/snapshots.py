@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
-from checkpoints.location import is_remote
+from checkpoints.location import uses_object_store
 from checkpoints.stores import open_fence, open_store
 
 from . import contract
@@ -81,7 +81,7 @@ class Snapshots:
         if verdict == 2:
             raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
                                            "group is stale")
-        if check_dir and not is_remote(self.root):  # an object store is one namespace for every node
+        if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
             check_shared_dir(self.root, info)
         if self.store is None:
             self.store = open_store(self.root, keep=self.keep, create=False)

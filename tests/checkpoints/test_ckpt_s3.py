@@ -187,3 +187,32 @@ def test_server_outage_delays_uploads_not_steps(s3: str, s3_server: SeaweedS3,
     assert store.load_latest()[0].step == step
     lines = [r.getMessage() for r in caplog.records if r.name == "checkpoints.s3client"]
     assert sum("does not answer" in m for m in lines) == 1 and sum("answers again" in m for m in lines) == 1
+
+
+def test_two_tiers_resume_from_the_newest_valid_of_both(s3: str, tmp_path: Path) -> None:
+    node_a = f"{tmp_path / 'node-a'},{s3}"
+    store = open_store(node_a, keep=5, key=KEY)
+    for step in (1, 2):
+        store.save(step, _state(step), world_size=1)
+    assert store.local.newest_valid().step == 2 and store.remote.newest_valid().step == 2
+    store.local.save(3, _state(3), world_size=1)  # newer locally (its upload never happened)
+    assert store.load_latest()[0].step == 3
+    store.remote.save(4, _state(4), world_size=1)  # newer remotely (written from another node)
+    assert store.load_latest()[1]["step"] == 4
+    # healed onto a node whose disk is empty: the object store's newest
+    node_b = open_store(f"{tmp_path / 'node-b'},{s3}", keep=5, key=KEY)
+    assert node_b.load_latest()[1]["step"] == 4 and node_b.load(2)["step"] == 2
+    # a local copy gone bad: the same step from the object store, never an older local one
+    store.save(5, _state(5), world_size=1)
+    bad = next((tmp_path / "node-a" / "step-000000000005").glob("*model.pt"))
+    data = bytearray(bad.read_bytes())
+    data[-20] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    info, state = store.load_latest()
+    assert info.step == 5 and state["step"] == 5 and torch.equal(state["model"]["w"], torch.full((1000,), 5.0))
+    # the writer process opens the same two tiers from the location alone
+    with AsyncSnapshotWriter(store) as writer:
+        assert writer.wait_writer_process(60)
+        writer.submit(6, _state(6), world_size=1)
+        writer.flush(60)
+    assert store.local.newest_valid().step == 6 and store.remote.newest_valid().step == 6

@@ -62,3 +62,15 @@ def test_an_outage_is_two_lines(caplog: pytest.LogCaptureFixture) -> None:
     o.answered()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "does not answer (refused)" in lines[0] and "answers again" in lines[1]
+
+
+def test_two_tiers_are_a_local_dir_then_an_s3_url() -> None:
+    from checkpoints.location import split_tiers, uses_object_store
+
+    assert split_tiers("/nvme/ckpt,s3://bucket-1/job") == ("/nvme/ckpt", "s3://bucket-1/job")
+    assert split_tiers("/a,b/ckpt,s3://bucket-1/job") == ("/a,b/ckpt", "s3://bucket-1/job")
+    for single in ("/nvme/ckpt", "s3://bucket-1/job", "s3://bucket-1/a,s3://bucket-1/b", ",s3://bucket-1/x",
+                   "/a,/b"):
+        assert split_tiers(single) is None, single
+    assert uses_object_store("/nvme/ckpt,s3://bucket-1/job") and uses_object_store("s3://bucket-1/job")
+    assert not uses_object_store("/nvme/ckpt") and location_of("/n,s3://bucket-1/j") == "/n,s3://bucket-1/j"
