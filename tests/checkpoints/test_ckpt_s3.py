@@ -27,13 +27,17 @@ KEY = b"k" * 32
 _n = iter(range(10**6))
 
 
+@pytest.fixture(scope="module")
+def bucket(s3_server: SeaweedS3) -> str:
+    return s3_server.bucket(f"ckpt-tests-{os.getpid()}")
+
+
 @pytest.fixture
-def s3(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A fresh bucket's URL, with the server's endpoint and credentials in the AWS variables."""
+def s3(s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh prefix's URL, with the server's endpoint and credentials in the AWS variables."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    bucket = s3_server.bucket(f"test-{os.getpid()}-{next(_n)}")
-    yield f"s3://{bucket}/job"
+    yield f"s3://{bucket}/job-{next(_n)}"
 
 
 def _state(step: int, n: int = 1000) -> dict:
@@ -64,12 +68,12 @@ def test_torn_forged_and_unsigned_objects_are_never_read(s3: str, s3_server: Sea
     # a forged snapshot: written with another key under the step above all others
     open_store(s3, keep=5, key=b"x" * 32).save(5, _state(5), world_size=1, housekeeping=False)
     c = s3_server.client()
-    bucket = s3.split("/")[2]
-    objs = {o["Key"]: o for o in c.list_objects_v2(Bucket=bucket, Prefix="job/")["Contents"]}
-    data4 = next(k for k in objs if k.startswith("job/step-000000000004/") and k.endswith("model.pt"))
+    bucket, prefix = s3.split("/")[2], s3.split("/")[3]
+    objs = {o["Key"]: o for o in c.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")["Contents"]}
+    data4 = next(k for k in objs if k.startswith(f"{prefix}/step-000000000004/") and k.endswith("model.pt"))
     body = c.get_object(Bucket=bucket, Key=data4)["Body"].read()
     c.put_object(Bucket=bucket, Key=data4, Body=body[:-8] + b"\0" * 8)  # same size, other bytes
-    man3 = "job/step-000000000003/MANIFEST.json"
+    man3 = f"{prefix}/step-000000000003/MANIFEST.json"
     c.put_object(Bucket=bucket, Key=man3, Body=c.get_object(Bucket=bucket, Key=man3)["Body"].read()[:40])  # torn
     info, state = store.load_latest()
     assert info.step == 2 and state["step"] == 2
@@ -143,10 +147,10 @@ def test_writer_killed_mid_upload_leaves_the_previous_snapshot_and_prune_cleans_
 
 def test_bad_locations_are_one_line_at_start(s3: str, s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    bucket = s3.split("/")[2]
+    bucket, prefix = s3.split("/")[2], s3.split("/")[3]
     with pytest.raises(SnapshotDirError, match="does not exist"):
         open_store("s3://no-such-bucket-here/job")
-    s3_server.client().put_object(Bucket=bucket, Key="job/notes.txt", Body=b"mine")
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/notes.txt", Body=b"mine")
     with pytest.raises(SnapshotDirError, match="did not write"):
         open_store(s3)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")

@@ -90,7 +90,9 @@ class SeaweedS3:
         args = [str(_WEED), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                 "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-master.telemetry=false",
-                "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-s3.port.grpc=0"]
+                # Every bucket is a collection that grows its own volumes: small ones, and enough
+                # of them, or the server refuses writes (InternalError) after a few buckets.
+                "-master.volumeSizeLimitMB=64", "-volume.max=300", "-s3.port.grpc=0"]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
