@@ -577,6 +577,7 @@ def test_rbac_script_gives_trainer_its_prefix_and_nothing_else(tmp_path: Path) -
             monitor.close()
 
 
+@pytest.mark.slow  # starts processes (kubectl renders the overlays)
 def test_s3_overlay_takes_snapshots_to_a_bucket_with_credentials_from_a_secret(
         rendered: dict[str, list[Doc]]) -> None:
     docs = rendered["s3"]
