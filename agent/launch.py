@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work.release()  # a temporary directory goes; a given --agent-dir stays
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | None,
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | str | None,
          work: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
@@ -447,7 +447,7 @@ def _export_spare(handler: object, metrics: AgentMetrics) -> None:
         handler.on_spare.append(lambda spare: metrics.spare.set(1 if spare else 0))
 
 
-def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, run_id: str,
+def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | str | None, run_id: str,
                                   key_file: object = None) -> str | None:
     """A job whose etcd lost its state starts its rounds again at 0, below the fence its
     snapshot directory holds, and every new group would be refused as stale: start them
@@ -457,14 +457,14 @@ def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | None, ru
     (etcd's rounds only rise): every group would be refused at its first commit, and its
     workers restarted for nothing. Returns that one line (the caller exits 2), else None.
     With a job key a fence that does not verify is ignored (``checkpoints/fence.py``)."""
-    from checkpoints import Fence
     from checkpoints.signing import load_key
+    from checkpoints.stores import open_fence
 
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
 
     if snapshot_dir is None or not isinstance(handler, EtcdV3RendezvousHandler):
         return None
-    fence = Fence(snapshot_dir, key=load_key(str(key_file))[0]) if key_file else Fence(snapshot_dir)
+    fence = open_fence(snapshot_dir, key=load_key(str(key_file))[0]) if key_file else open_fence(snapshot_dir)
     token = fence.current()
     if token is None or token.run != run_id:
         return None
@@ -492,9 +492,20 @@ def _check_devices(parser: argparse.ArgumentParser, nproc: str) -> None:
                        "give a count, or auto (one worker per GPU, else per CPU)\n")
 
 
-def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | None:
+def _checked_snapshot_dir(parser: argparse.ArgumentParser, value: str | None) -> Path | str | None:
     if not value:
         return None
+    from checkpoints.location import uses_object_store
+
+    if uses_object_store(value):  # the bucket, credentials and endpoint are checked before any worker starts
+        from checkpoints import SnapshotError
+        from checkpoints.stores import open_store
+
+        try:
+            open_store(value, create=True, key=None)
+        except SnapshotError as exc:
+            parser.exit(2, f"error: --snapshot-dir {exc}\n")
+        return value
     snapshot_dir = Path(value)
     try:
         snapshot_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
+from checkpoints.location import uses_object_store
 from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
@@ -136,6 +137,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         f"(default {DEFAULT_MAX_RESTARTS}; a peer lost or a node joining does not count)")
     p.add_argument("--timeout", type=float, default=None,
                    help="stop after this many seconds (default: none; the job runs until it ends, q or Ctrl-C)")
+    p.add_argument("--snapshot-dir", default=None, metavar="DIR_OR_S3_URL",
+                   help="where the job's snapshots go: a directory, or s3://bucket/prefix with credentials and "
+                   "endpoint from the standard AWS variables (default: the run directory's snapshots/)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="logs, snapshots, etcd data and the rendezvous key (default runs/local-TIME)")
     p.add_argument("script", nargs="?", default=None, metavar="SCRIPT",
@@ -166,6 +170,17 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
+    if args.snapshot_dir and uses_object_store(args.snapshot_dir):
+        if KILL_SNAPSHOT in kinds:
+            p.error(f"--chaos {KILL_SNAPSHOT} watches a snapshot directory's temp dirs; not with an s3:// "
+                    "--snapshot-dir")
+        from checkpoints import SnapshotError
+        from checkpoints.stores import open_store
+
+        try:  # a missing bucket, refused credentials or a silent endpoint: one line, before any node
+            open_store(args.snapshot_dir, create=True, key=None)
+        except SnapshotError as exc:
+            p.exit(2, f"error: --snapshot-dir {exc}\n")
     if args.script and KILL_SNAPSHOT in kinds:
         p.error(f"--chaos {KILL_SNAPSHOT} needs to know where the job writes snapshots; it works with the "
                 "example jobs only")
@@ -210,6 +225,13 @@ def _network(nodes: int, netns: bool) -> Iterator[Any]:
         yield net
 
 
+def snapshots_of(args: argparse.Namespace, run_dir: Path) -> str:
+    """The job's snapshot location: ``--snapshot-dir`` (a directory or s3://), else the run's snapshots/."""
+    if args.snapshot_dir:
+        return args.snapshot_dir if uses_object_store(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
+    return str(run_dir / "snapshots")
+
+
 def _job(args: argparse.Namespace, job_args: list[str], run_dir: Path) -> tuple[dict[str, Any], str]:
     """What every node runs (LocalNode fields) and how the header names it."""
     if args.script:
@@ -217,7 +239,7 @@ def _job(args: argparse.Namespace, job_args: list[str], run_dir: Path) -> tuple[
             return {"module": args.script, "module_args": args.script_args}, f"-m {args.script}"
         return ({"script": str(Path(args.script).resolve()), "module_args": args.script_args},
                 Path(args.script).name)
-    module_args = ["--job", args.job, "--steps", str(args.steps), "--snapshot-dir", str(run_dir / "snapshots"),
+    module_args = ["--job", args.job, "--steps", str(args.steps), "--snapshot-dir", snapshots_of(args, run_dir),
                    "--snapshot-every-steps", "20", "--step-sleep", "0.03", "--progress", "{progress}", *job_args]
     return {"module": "elastic.train", "module_args": module_args}, f"job {args.job}"
 
@@ -259,7 +281,7 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     """Every node runs in the user's directory, signs the rendezvous with the run's key and
     hands its workers the run's snapshot directory (ELASTIC_SNAPSHOT_DIR) and their share of
     the cores (OMP_NUM_THREADS, unless the user set it)."""
-    agent_args = ["--lease-ttl", str(args.lease_ttl), "--snapshot-dir", str(run_dir / "snapshots")]
+    agent_args = ["--lease-ttl", str(args.lease_ttl), "--snapshot-dir", snapshots_of(args, run_dir)]
     env = {HMAC_KEY_FILE_ENV: str(key)}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = _worker_threads(args)
@@ -275,7 +297,7 @@ def _header(console: Console, etcd: EmbeddedEtcd, args: argparse.Namespace, what
             key: Path) -> None:
     console.print(f"etcd at [cyan]{etcd.url}[/cyan]; {args.nodes} nodes x {args.nproc_per_node} workers; "
                   f"{what}; logs in {run_dir}", soft_wrap=True)
-    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={run_dir / 'snapshots'}; OMP_NUM_THREADS="
+    say(console, f"workers run in {Path.cwd()}; ELASTIC_SNAPSHOT_DIR={snapshots_of(args, run_dir)}; OMP_NUM_THREADS="
                  f"{_worker_threads(args)} ({args.nodes * args.nproc_per_node} workers share {os.cpu_count()} cores)")
     say(console, f"rendezvous signed with {key}; watch it with: elastic top --rdzv-endpoint {etcd.endpoint} "
                  f"--rdzv-id local --rdzv-conf hmac_key_file={key}")

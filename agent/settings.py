@@ -13,7 +13,7 @@ class AgentSettings:
     metrics_addr: str
     lease_ttl: int
     hang_timeout: float | None  # None: derived from the observed step time
-    snapshot_dir: Path | None
+    snapshot_dir: Path | str | None  # a directory, or an s3:// URL
     work_dir: Path  # heartbeat/, metrics/, control/ and goodput/ live here
     warm_start: bool = True  # keep pre-imported standby workers (agent/warm_start.py)
     in_place: bool = True  # let ElasticRun workers survive membership changes (elastic/inplace)

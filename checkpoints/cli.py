@@ -20,6 +20,7 @@ from typing import Sequence
 from . import layout, signing
 from .errors import SnapshotError
 from .store import SnapshotStatus, SnapshotStore, TempDirStatus
+from .stores import open_store
 
 
 def _size(n: int) -> str:
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job_key, key_from = signing.load_key(args.key_file)
         # A person pruning wants the space back, so this store keeps no spare.
-        store = SnapshotStore(args.dir, create=False, recycle=False, key=job_key)
+        store = open_store(args.dir, create=False, recycle=False, key=job_key)
         if args.cmd == "sign":
             if job_key is None:
                 print(f"error: no job key to sign with; pass --key-file or set {signing.KEY_FILE_ENV}", file=sys.stderr)

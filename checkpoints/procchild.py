@@ -23,6 +23,7 @@ from . import wire
 from .arena import map_arena
 from .errors import SnapshotError
 from .store import SnapshotStore
+from .stores import open_store
 
 
 def main(sock_fd: int) -> None:
@@ -67,7 +68,7 @@ def _job(msg: dict[str, Any], tensors: list[torch.Tensor],
         key = tuple(sorted(cfg.items()))
         store = stores.get(key)
         if store is None:
-            store = stores[key] = SnapshotStore(
+            store = stores[key] = open_store(  # a directory or s3://
                 cfg["root"], keep=cfg["keep"], if_exists=cfg["if_exists"], create=False,
                 io_threads=cfg["io_threads"], stale_temp_grace_s=cfg["stale_temp_grace_s"], propagate_nice=False,
                 recycle=cfg["recycle"], key=bytes.fromhex(cfg["key"]) if cfg.get("key") else None,

@@ -75,6 +75,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from checkpoints.stores import location_of
+
 from . import contract
 from .prepared import (
     _UNPREPARED_SCHEDULER,
@@ -127,7 +129,7 @@ class Elastic:
             if taken in run_kwargs:
                 _usage(f"Elastic(..., {taken}=) is not an option of the prepare API: "
                        + _TAKEN.get(taken, "it is decided by prepare()"))
-        self.snapshot_dir, self.epochs_target, self.steps_target = Path(snapshot_dir), epochs, steps
+        self.snapshot_dir, self.epochs_target, self.steps_target = location_of(snapshot_dir), epochs, steps
         self.global_batch_size, self.batch_size, self.run_kwargs = global_batch_size, batch_size, run_kwargs
         self._run: ElasticRun | None = None
         self.dataset: Any = None  # the script's, as prepared (the run's is wrapped under accumulation)

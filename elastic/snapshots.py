@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
+from checkpoints.location import uses_object_store
+from checkpoints.stores import open_fence, open_store
 
 from . import contract
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
@@ -61,7 +63,7 @@ class StaleGroupError(RuntimeError):
 
 
 class Snapshots:
-    def __init__(self, root: Path, config: SnapshotConfig, *, metrics: MetricsLike,
+    def __init__(self, root: Path | str, config: SnapshotConfig, *, metrics: MetricsLike,
                  round_of: Callable[[], int] | None = None) -> None:
         self.root, self.keep = root, config.keep
         self.every_steps, self.every_seconds = config.every_steps, config.every_seconds
@@ -85,7 +87,7 @@ class Snapshots:
         problem = ""
         if info.is_main and self.writer is None:
             try:
-                self.store = SnapshotStore(self.root, keep=self.keep)
+                self.store = open_store(self.root, keep=self.keep)
                 if self.ledger_path is not None and self.ledger is None:
                     self.ledger = Ledger(self.ledger_path)
             except (SnapshotError, LedgerError) as e:
@@ -101,10 +103,10 @@ class Snapshots:
                 _tell_agent(self.root, Fence(self.root).current(), token)
             raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
                                            "group is stale")
-        if check_dir:
+        if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
             check_shared_dir(self.root, info)
         if self.store is None:
-            self.store = SnapshotStore(self.root, keep=self.keep, create=False)
+            self.store = open_store(self.root, keep=self.keep, create=False)
         if info.is_main and self.writer is None:
             # The writer process imports torch when a worker starts; until it is ready a thread
             # writes, so the first snapshot after a start never waits for that import.
@@ -128,7 +130,7 @@ class Snapshots:
         if token is None:
             return ""
         try:
-            self.fence = self.fence or Fence(self.root)
+            self.fence = self.fence or open_fence(self.root, self.store)
             self.fence.raise_to(token)
         except SnapshotFencedError as e:
             return str(e)
@@ -237,7 +239,7 @@ class Snapshots:
             wait()
         except SnapshotFencedError as e:
             token = self.token()
-            current = self.fence.current() if self.fence is not None else Fence(self.root).current()
+            current = self.fence.current() if self.fence is not None else open_fence(self.root, self.store).current()
             if token is None or current != token:
                 raise StaleGroupError(str(e)) from None
             log.warning("a snapshot submitted in an earlier round of this world was not committed (round %d "

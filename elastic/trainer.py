@@ -82,6 +82,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from checkpoints import SnapshotMismatchError
+from checkpoints.stores import location_of
 
 from . import contract
 from .distributed import (
@@ -285,7 +286,7 @@ class ElasticRun:
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward)
-            self.snapshots = Snapshots(Path(snapshot_dir), snapshot_config, metrics=self.metrics,
+            self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again

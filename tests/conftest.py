@@ -13,6 +13,7 @@ from elastic import contract
 from elastic.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
+from tests.support.s3server import SeaweedS3
 from tests.support.schedule import HeavyTogether, file_of
 from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
@@ -41,7 +42,7 @@ except ImportError:  # only the red-team fuzz tests need it
 # Fixtures that start a real etcd, agents, namespaces or other processes. A test that uses
 # one is slow by itself, so a new test cannot slip into `make test-fast` by forgetting a
 # marker; and under `make test-fast` a test that starts a process anyway fails, saying so.
-SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes", "node_network"})
+SLOW_FIXTURES = frozenset({"etcd_server", "secure_etcd", "etcd_client", "nodes", "node_network", "s3_server"})
 FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 
 
@@ -121,6 +122,17 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEt
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One real S3-compatible server (SeaweedFS) for the session; each test uses its own bucket."""
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ kubernetes_validate = pytest.importorskip(
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "s3")
 # Elastic Indexed Jobs (changing completions with parallelism) need 1.27; 1.29 is the oldest
 # release still common in managed clusters.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -575,3 +575,22 @@ def test_rbac_script_gives_trainer_its_prefix_and_nothing_else(tmp_path: Path) -
         finally:
             trainer.close()
             monitor.close()
+
+
+@pytest.mark.slow  # starts processes (kubectl renders the overlays)
+def test_s3_overlay_takes_snapshots_to_a_bucket_with_credentials_from_a_secret(
+        rendered: dict[str, list[Doc]]) -> None:
+    docs = rendered["s3"]
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"], "no shared volume with S3"
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("trainer-config"))
+    assert config["data"]["ELASTIC_SNAPSHOT_DIR"].startswith("s3://")
+    trainer = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "trainer")
+    spec = pod_spec(trainer)
+    assert "snapshots" not in {v["name"] for v in spec["volumes"]}
+    agent = spec["containers"][0]
+    assert "snapshots" not in {m["name"] for m in agent["volumeMounts"]}
+    creds = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in agent["env"] if e["name"].startswith("AWS_")}
+    assert set(creds) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    made = re.search(r"kubectl -n elastic create secret generic trainer-s3\b([^\n]*)", guide)
+    assert made and all(f"--from-literal={ref['key']}=" in made.group(1) for ref in creds.values())

@@ -1,0 +1,69 @@
+"""Where snapshots live: a local directory, or ``s3://bucket/prefix`` in an object store.
+
+One parse, used by every entry point (``--snapshot-dir``, ``ElasticRun``/``Elastic``,
+``python -m checkpoints``, ``elastic local``), so they cannot disagree about what counts as
+a bucket. Pure string handling: no client is created here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+S3_SCHEME = "s3://"
+# S3's bucket naming rules (3-63 chars, lowercase letters, digits, dots, hyphens); SeaweedFS
+# and MinIO follow them too.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class LocationError(ValueError):
+    """A snapshot location that cannot be used; ``str()`` is the one line to show."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or "a/b/" (always ends with "/")
+
+    def key(self, rel: str) -> str:
+        return self.prefix + rel
+
+    def __str__(self) -> str:
+        return f"{S3_SCHEME}{self.bucket}/{self.prefix}".rstrip("/") if self.prefix else f"{S3_SCHEME}{self.bucket}"
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` names an object store rather than a directory."""
+    return isinstance(location, str) and location.lower().startswith(S3_SCHEME)
+
+
+def split_tiers(location: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(local_dir, s3_url)`` for two tiers, ``LOCAL_DIR,s3://bucket/prefix``; None otherwise."""
+    if not isinstance(location, str):
+        return None
+    local, sep, remote = location.rpartition(",")
+    if not sep or not local or not is_remote(remote) or is_remote(local):
+        return None
+    return local, remote
+
+
+def uses_object_store(location: str | os.PathLike[str]) -> bool:
+    """Snapshots (or their second tier) go to an object store: every node sees the same
+    namespace, so there is no shared directory to check, and the store is probed at start."""
+    return is_remote(location) or split_tiers(location) is not None
+
+
+def parse_s3(location: str) -> S3Location:
+    """``s3://bucket[/prefix]`` -> S3Location; LocationError (one line) if it is not one."""
+    if not is_remote(location):
+        raise LocationError(f"{location!r} is not an s3:// location")
+    rest = location[len(S3_SCHEME):]
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise LocationError(f"snapshot location {location}: {bucket!r} is not a valid bucket name "
+                            "(3-63 lowercase letters, digits, dots or hyphens)")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise LocationError(f"snapshot location {location}: '.' and '..' are not allowed in the prefix")
+    return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))
