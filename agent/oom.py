@@ -2,11 +2,12 @@
 
 A worker the kernel's OOM killer ended exits by SIGKILL, exactly as one an operator or a
 chaos tool killed: only the kernel's count of OOM kills tells them apart. The agent reads
-the count when it starts a group and again when a worker died by SIGKILL; a count that
-rose names the OOM killer. The count is its cgroup's (v2 ``memory.events``, v1
-``memory.oom_control``), else the machine's (``/proc/vmstat``), so on a shared machine
-another process's OOM kill at the same moment could be taken for this worker's: the
-line says which count it read.
+the count when it starts and again when a worker died by SIGKILL; a count that rose
+names the OOM killer. The count is its cgroup's under cgroup v2 (``memory.events``,
+which counts the cgroups below it too), else the machine's (``/proc/vmstat``): v1's
+``memory.oom_control`` counts its own cgroup only, and a worker in a cgroup of its own
+would go unseen. With the machine's count another process's OOM kill at the same moment
+could be taken for this worker's: the line says which count it read.
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ def _sources(proc_cgroup: str) -> list[tuple[str, Path]]:
     for line in proc_cgroup.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
+        if hierarchy == "0" and not controllers:  # v2: absent under v1 (its unified root has no memory.events)
             out.append(("cgroup", _CGROUP_ROOT / path.lstrip("/") / "memory.events"))
-        elif "memory" in controllers.split(","):
-            out.append(("cgroup", _CGROUP_ROOT / "memory" / path.lstrip("/") / "memory.oom_control"))
     out.append(("machine", Path("/proc/vmstat")))
     return out
 
