@@ -126,6 +126,9 @@ HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record
 GOODPUT_JOB_FILE = "job.json"  # agent writes the job's record as it last saw it in etcd; workers read it
 
+# $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node_agent reads):
+SDC_EVENTS_FILE = "sdc-{local_rank}.jsonl"  # one JSON line each time a replica check names this rank
+
 
 def worker_status_file(local_rank: int) -> str:
     return WORKER_STATUS_FILE.format(local_rank=local_rank)
@@ -137,6 +140,10 @@ def heartbeat_file(local_rank: int) -> str:
 
 def goodput_worker_file(local_rank: int) -> str:
     return GOODPUT_WORKER_FILE.format(local_rank=local_rank)
+
+
+def sdc_events_file(local_rank: int) -> str:
+    return SDC_EVENTS_FILE.format(local_rank=local_rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,6 +183,8 @@ COLLECTIVE_METRICS_ENV = _setting("ELASTIC_COLLECTIVE_METRICS", "`0`: no collect
 WARM_IMPORTS_ENV = _setting("ELASTIC_WARM_IMPORTS", "the modules a warm standby imports (comma-separated)")
 STRAGGLER_PERIOD_ENV = _setting("ELASTIC_STRAGGLER_PERIOD_S", "seconds between the agents' pace records")
 STRAGGLER_EVICT_ENV = _setting("ELASTIC_STRAGGLER_EVICT", "`0`: name stragglers, never evict them")
+CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
+                                 "steps between ElasticRun's replica consistency checks (0: off)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")
 
 

@@ -83,6 +83,8 @@ from torch.utils.data import Dataset
 from checkpoints import SnapshotMismatchError
 
 from . import contract
+from .consistency.check import ReplicaCheck
+from .consistency.report import check_interval, report_mismatch
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistInfo,
@@ -242,6 +244,7 @@ class ElasticRun:
         in_place: bool | None = None,
         user_backward: bool = False,
         device: str | torch.device | None = None,
+        check_every_steps: int | None = None,
         **flat_keywords: Any,
     ) -> None:
         show_library_lines()  # the lines below reach the user even if their script set up no logging
@@ -273,6 +276,8 @@ class ElasticRun:
             self.steps_target, self.epochs_target = steps, epochs
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens
+            self._check = ReplicaCheck(check_interval(check_every_steps),
+                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics))
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
@@ -515,6 +520,7 @@ class ElasticRun:
             self._world_hook_due = False
             for hook in self._world_hooks:
                 hook(self)
+            self._check.baseline(self)  # every replica just restored or healed the same state
         now = time.perf_counter()
         started = getattr(self, "_t0", now)
         seed_everything(step_seed(self.seed, self.state.step, self.dist.rank))
@@ -674,6 +680,27 @@ class ElasticRun:
                 self._recover(failure)  # an agreed join waits: the world is broken, it forms again
             elif action is not None:
                 action()
+            elif self._check.due(self.state.step):
+                self._check_replicas()
+
+    def _check_replicas(self) -> bool:
+        """The replica consistency check (:mod:`elastic.consistency`). True: the loop cannot go
+        on as it was (the run went back to the last agreed state, or a peer was lost in the
+        check's all-gather and the world answered)."""
+        try:
+            return self._check.run(self)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._recover(CollectiveFailure(str(exc).splitlines()[0]))
+            return True
+
+    def _returned_to(self, step: int) -> None:
+        """Every replica loaded the last agreed state, of ``step``: the steps since are trained
+        again (their ledger lines written again), from a loader built anew."""
+        self._committed = step
+        self._generation += 1
+        self.world.stepped(step)  # in place: a re-formation agrees on this step, not the abandoned ones
 
     def _optimizer_step(self) -> None:
         saved: list[float] = []
@@ -724,6 +751,8 @@ class ElasticRun:
             return self._finish_owned()
 
     def _finish_owned(self) -> bool:
+        if self._check.pending(self.state.step) and self._check_replicas():
+            return False  # trained again since the last agreed state, or the world broke
         try:
             broadcast_int(0, self.dist)  # returns once every rank has reached the end
         except RuntimeError as exc:
