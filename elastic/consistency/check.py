@@ -57,6 +57,7 @@ class Agreed:
     step: int
     state: dict[str, Any]
     recent: list[list[Any]]
+    digests: list[int]  # this rank's, when it kept the copy: a copy that changed since is told apart
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class ReplicaCheck:
         self.agreed: Agreed | None = None
         self.on_mismatch = on_mismatch
         self._warned_methods = False
+        self._last: tuple[int, list[list[int]]] | None = None  # the last mismatch: (step, every rank's digests)
+        self.ignored: set[str] = set()  # entries found to differ by design (the same mismatch after a retrain)
 
     def due(self, step: int) -> bool:
         return (self.every_steps > 0 and step > 0 and step % self.every_steps == 0
@@ -94,7 +97,7 @@ class ReplicaCheck:
 
     def run(self, run: CheckedRun) -> bool:
         """Vote; on a mismatch return to the last agreed state. True: the run went back."""
-        fp = _fingerprint(run)
+        fp = _fingerprint(run, self.ignored)
         rows = all_gather_vector(fp.digests(), run.dist)
         verdict = vote(rows)
         if verdict.methods_differ:
@@ -104,9 +107,13 @@ class ReplicaCheck:
                             run.dist.node, run.dist.rank)
             self._warned_methods = True
         if verdict.agreed:
-            self._keep(run)
+            self._keep(run, fp)
             return False
         mismatch = self._describe(run, fp, rows, verdict)
+        if self._last == (run.state.step, rows):
+            self._by_design(run, mismatch)
+            return False
+        self._last = (run.state.step, rows)
         if self.on_mismatch is not None:
             self.on_mismatch(mismatch, run.dist)
         self._return(run)
@@ -114,9 +121,25 @@ class ReplicaCheck:
 
     # ------------------------------------------------------------------ internals
 
-    def _keep(self, run: CheckedRun) -> None:
+    def _keep(self, run: CheckedRun, fp: Fingerprint | None = None) -> None:
+        digests = (fp or _fingerprint(run, self.ignored)).digests()
         state = map_state(run.state.capture(), lambda t, _w: t.detach().to("cpu", copy=True))
-        self.agreed = Agreed(run.state.step, state, run.plan.recent_state())
+        self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
+
+    def _by_design(self, run: CheckedRun, m: Mismatch) -> None:
+        """The same steps, retrained from the same agreed state, differ in the very same way:
+        that is the loop's doing (a registered value that is rank-local, say), not corruption.
+        Say so once and stop comparing those entries, rather than retraining forever."""
+        entries = sorted({n for names in m.differing.values() for n in names})
+        self.ignored.update(entries)
+        self._last = None
+        if run.dist.is_main:
+            log.warning("[%s rank %d] the replicas differ again at step %d after retraining it from step %d, in the "
+                        "same way: not silent data corruption but state that differs between ranks by design (%s); "
+                        "the replica check no longer compares it (register only values every rank holds alike: a "
+                        "healed rank gets another rank's)", run.dist.node, run.dist.rank, m.step, m.back_to,
+                        ", ".join(entries[:_NAMES_SHOWN]) + (" ..." if len(entries) > _NAMES_SHOWN else ""))
+        self._keep(run)
 
     def _describe(self, run: CheckedRun, fp: Fingerprint, rows: list[list[int]], verdict: Verdict) -> Mismatch:
         """Every rank learns every rank's node and per-entry hashes (the rare path)."""
@@ -140,14 +163,16 @@ class ReplicaCheck:
         run.state.load(map_state(agreed.state, lambda t, _w: t.clone()))  # the copy stays untouched
         run.plan.load_recent(agreed.recent)
         run._returned_to(agreed.step)
-        again = vote(all_gather_vector(_fingerprint(run).digests(), run.dist))
-        if again.agreed:
+        intact = _fingerprint(run, self.ignored).digests() == agreed.digests
+        flags = all_gather_vector([int(intact)], run.dist)
+        good = [r for r, (ok,) in enumerate(flags) if ok]
+        if len(good) == len(flags):
             return
-        if not again.has_majority:
-            raise RuntimeError(f"replicas disagree even on step {agreed.step}, their last agreed state, and no "
-                               "majority decides; the job restarts from its newest snapshot")
-        src, d = again.majority[0], run.dist
-        for rank in again.suspects:  # rare: a copy itself went bad since the check that kept it
+        if not good:
+            raise RuntimeError(f"every replica's copy of step {agreed.step}, their last agreed state, changed since; "
+                               "the job restarts from its newest snapshot")
+        src, d = good[0], run.dist
+        for rank in (r for r, (ok,) in enumerate(flags) if not ok):  # rare: a copy went bad since it was kept
             if d.rank == src:
                 send_state(run.state.capture(), rank, collective_device(d))
             elif d.rank == rank:
@@ -156,9 +181,10 @@ class ReplicaCheck:
                             d.node, d.rank, agreed.step, src)
 
 
-def _fingerprint(run: CheckedRun) -> Fingerprint:
+def _fingerprint(run: CheckedRun, ignored: set[str]) -> Fingerprint:
     user = run.state.user
-    return fingerprint(run.state.module, run.state.optimizer, user.capture() if len(user) else None)
+    fp = fingerprint(run.state.module, run.state.optimizer, user.capture() if len(user) else None)
+    return fp.without(ignored) if ignored else fp
 
 
 def all_gather_vector(values: list[int], info: DistInfo) -> list[list[int]]:

@@ -71,6 +71,11 @@ class Fingerprint:
             out[g] = (out[g] + (h & _MASK) * (2 * i + 0x9E3779B97F4A7C15)) & _MASK
         return [METHOD, *(_signed(d) for d in out)]
 
+    def without(self, names: set[str]) -> "Fingerprint":
+        keep = [i for i, n in enumerate(self.names) if n not in names]
+        return Fingerprint([self.names[i] for i in keep], [self.groups[i] for i in keep],
+                           [self.hashes[i] for i in keep])
+
     def differing(self, other: "Fingerprint") -> list[str]:
         """Names of the entries whose hash differs from ``other``'s (all, if they do not line up)."""
         if self.names != other.names:

@@ -43,6 +43,8 @@ SCRIPT = textwrap.dedent('''\
                      snapshot_every_steps=0, ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3,
                      check_every_steps=int(os.environ["EVERY"]))
     ema = run.register("ema", torch.zeros(4))
+    if os.environ.get("LOCAL_STATE"):  # rank-local by design: found so once, then no longer compared
+        run.register("mine", {"rank": run.rank})
     node = os.environ["ELASTIC_NODE_NAME"]
     flips = json.loads(os.environ.get("FLIPS", "[]"))  # [step, node, what], each done once
     done = set()
@@ -61,7 +63,7 @@ SCRIPT = textwrap.dedent('''\
 ''')
 
 
-def _world(tmp: Path, tag: str, world: int, flips: str) -> list[subprocess.Popen[bytes]]:
+def _world(tmp: Path, tag: str, world: int, flips: str, **extra: str) -> list[subprocess.Popen[bytes]]:
     """``world`` worker processes, nodes ``{tag}0..``: a gloo world under plain env:// (no agent)."""
     out = tmp / tag
     out.mkdir()
@@ -72,7 +74,7 @@ def _world(tmp: Path, tag: str, world: int, flips: str) -> list[subprocess.Popen
                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "ELASTIC_NODE_NAME": f"{tag}{rank}",
                "OMP_NUM_THREADS": "1", "STEPS": str(STEPS), "EVERY": str(EVERY), "FLIPS": flips,
                "SNAPSHOTS": str(out / "snapshots"), "LEDGER": str(out / "ledger.jsonl"), "OUT": str(out),
-               "PYTHONPATH": str(ROOT)}
+               "PYTHONPATH": str(ROOT), **extra}
         env.pop("ELASTIC_HEARTBEAT_DIR", None)
         log = open(out / f"rank{rank}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, str(tmp / "job.py")], env=env, stdout=log,
@@ -110,7 +112,8 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
     # second moment, a registered tensor; 2 replicas: a parameter. References undisturbed.
     three = '[[9, "c1", "0.weight"], [13, "c2", "3.weight.exp_avg_sq"], [18, "c1", "registered"]]'
     runs = {"r": _world(tmp_path, "r", 3, "[]"), "c": _world(tmp_path, "c", 3, three),
-            "p": _world(tmp_path, "p", 2, "[]"), "d": _world(tmp_path, "d", 2, '[[9, "d1", "0.bias"]]')}
+            "p": _world(tmp_path, "p", 2, "[]", LOCAL_STATE="1"),
+            "d": _world(tmp_path, "d", 2, '[[9, "d1", "0.bias"]]', LOCAL_STATE="1")}
     for procs in runs.values():
         _wait(procs, tmp_path)
 
@@ -125,10 +128,17 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
     for rank in range(3):
         assert_state_equal(_final(tmp_path, "c", rank), _final(tmp_path, "r", 0), f"3 replicas, rank {rank}")
 
+    # 2 replicas, each registering a rank-local value: the first check differs (step 4), the
+    # retrain differs the same way, so that entry is dropped from the check (said once);
+    # the flip after step 9 is then found at step 12, both nodes named.
+    for tag in ("p", "d"):
+        said = _log(tmp_path, tag)
+        assert said.count("differ by design") == 0 and said.count("state that differs between ranks by design") == 1
+        assert "registered 'mine'['rank']" in said, said[-3000:]
     two = _log(tmp_path, "d")
     named = [line for line in two.splitlines() if "silent data corruption at step" in line]
-    assert len(named) == 1 and "no majority decides; node d0 (rank 0) and node d1 (rank 1) are all suspects" \
-        in named[0], two[-3000:]
+    assert len(named) == 2 and "at step 12: replicas disagree and no majority decides; node d0 (rank 0) and node " \
+        "d1 (rank 1) are all suspects (differing: 0.bias" in named[1], two[-3000:]
     for rank in range(2):
         assert_state_equal(_final(tmp_path, "d", rank), _final(tmp_path, "p", 0), f"2 replicas, rank {rank}")
 
