@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from checkpoints.tree import map_state
+from checkpoints.tree import iter_tensors, map_state
 
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
@@ -81,6 +81,7 @@ class ReplicaCheck:
         self._warned_methods = False
         self._last: tuple[int, list[list[int]]] | None = None  # the last mismatch: (step, every rank's digests)
         self.ignored: set[str] = set()  # entries found to differ by design (the same mismatch after a retrain)
+        self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
 
     def due(self, step: int) -> bool:
         return (self.every_steps > 0 and step > 0 and step % self.every_steps == 0
@@ -123,7 +124,8 @@ class ReplicaCheck:
 
     def _keep(self, run: CheckedRun, fp: Fingerprint | None = None) -> None:
         digests = (fp or _fingerprint(run, self.ignored)).digests()
-        state = map_state(run.state.capture(), lambda t, _w: t.detach().to("cpu", copy=True))
+        state = host_copy(run.state.capture(), self._buffers)
+        self._buffers = iter_tensors(state)
         self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
 
     def _by_design(self, run: CheckedRun, m: Mismatch) -> None:
@@ -179,6 +181,21 @@ class ReplicaCheck:
                 run.state.load(recv_state(src, collective_device(d)))
                 log.warning("[%s rank %d] healed step %d from rank %d: this rank's copy of it had changed",
                             d.node, d.rank, agreed.step, src)
+
+
+def host_copy(state: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, Any]:
+    """``state`` with every tensor copied to host memory: into ``buffers`` (the last copy's)
+    when they line up, so that a check allocates nothing (fresh pages fault in at a cost
+    several times the copy's); pinned for a GPU's tensors, whose copies are queued and
+    waited for once."""
+    sources = iter_tensors(state)
+    if [(b.shape, b.dtype) for b in buffers] != [(t.shape, t.dtype) for t in sources]:
+        buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
+    it = iter(buffers)
+    copy = map_state(state, lambda t, _w: next(it).copy_(t.detach(), non_blocking=t.is_cuda))
+    if any(t.is_cuda for t in sources):
+        torch.cuda.synchronize()
+    return copy
 
 
 def _fingerprint(run: CheckedRun, ignored: set[str]) -> Fingerprint:
