@@ -128,6 +128,7 @@ GOODPUT_JOB_FILE = "job.json"  # agent writes the job's record as it last saw it
 
 # $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node_agent reads):
 SDC_EVENTS_FILE = "sdc-{local_rank}.jsonl"  # one JSON line each time a replica check names this rank
+SDC_INJECT_FILE = "sdc-inject-{local_rank}.json"  # agent writes (elastic inject-sdc), the worker takes and removes it
 
 
 def worker_status_file(local_rank: int) -> str:
@@ -183,6 +184,8 @@ COLLECTIVE_METRICS_ENV = _setting("ELASTIC_COLLECTIVE_METRICS", "`0`: no collect
 WARM_IMPORTS_ENV = _setting("ELASTIC_WARM_IMPORTS", "the modules a warm standby imports (comma-separated)")
 STRAGGLER_PERIOD_ENV = _setting("ELASTIC_STRAGGLER_PERIOD_S", "seconds between the agents' pace records")
 STRAGGLER_EVICT_ENV = _setting("ELASTIC_STRAGGLER_EVICT", "`0`: name stragglers, never evict them")
+SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
+                          "seconds within which a node named the outlier twice by replica votes is kept out")
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")

@@ -84,6 +84,7 @@ from checkpoints import SnapshotMismatchError
 
 from . import contract
 from .consistency.check import ReplicaCheck
+from .consistency.inject import FlipRequests
 from .consistency.report import check_interval, report_mismatch
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -278,6 +279,8 @@ class ElasticRun:
             self.count_tokens = count_tokens
             self._check = ReplicaCheck(check_interval(check_every_steps),
                                        on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics))
+            self._flips = FlipRequests()  # `elastic inject-sdc`: a bit flipped on request, to rehearse
+            self._check_due = False  # set by a step every rank of the world applied: all check, or none
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
@@ -442,6 +445,7 @@ class ElasticRun:
         self._generation += 1
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
+        self._check.forget()  # every rank of the new world keeps a baseline at its first batch
 
     @contextmanager
     def _between_worlds(self) -> Iterator[None]:
@@ -653,6 +657,7 @@ class ElasticRun:
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
+        self._check_due = self._check.due(self.state.step)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
         self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, seen_loss, pending.tokens)
@@ -680,7 +685,10 @@ class ElasticRun:
                 self._recover(failure)  # an agreed join waits: the world is broken, it forms again
             elif action is not None:
                 action()
-            elif self._check.due(self.state.step):
+            if action is None and failure is None:
+                self._flips.poll(self.state.module, self.state.optimizer, self.state.step, self._where)
+            check, self._check_due = self._check_due, False
+            if check and action is None and failure is None:
                 self._check_replicas()
 
     def _check_replicas(self) -> bool:

@@ -84,8 +84,13 @@ class ReplicaCheck:
         self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
 
     def due(self, step: int) -> bool:
-        return (self.every_steps > 0 and step > 0 and step % self.every_steps == 0
-                and (self.agreed is None or self.agreed.step != step))
+        """Whether applying ``step`` makes a check due: a function of the step alone, so that
+        every rank of a world that applied it decides alike (a check is a collective)."""
+        return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+
+    def forget(self) -> None:
+        """A new world: its ranks' histories differ (a joiner has none); each keeps a baseline."""
+        self.agreed = None
 
     def pending(self, step: int) -> bool:
         """Steps were trained since the last agreed state (the run's end checks them)."""

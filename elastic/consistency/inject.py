@@ -8,9 +8,17 @@ tensor or a registered tensor of one worker, between two steps.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from .. import contract
+
+log = logging.getLogger(__name__)
 
 
 def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 0) -> None:
@@ -45,4 +53,39 @@ def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str)
     return value
 
 
-__all__ = ["flip_bit", "target"]
+
+
+def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str) -> Path:
+    """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (written whole)."""
+    path = Path(heartbeat_dir) / contract.SDC_INJECT_FILE.format(local_rank=local_rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"what": what}))
+    os.replace(tmp, path)
+    return path
+
+
+class FlipRequests:
+    """The worker's side: one ``stat`` per step boundary; a request is taken once, removed,
+    and carried out on this rank's live state (a bad request is one line, never a crash)."""
+
+    def __init__(self) -> None:
+        where = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+        local_rank = os.environ.get("LOCAL_RANK", "0")
+        self.path = Path(where) / contract.SDC_INJECT_FILE.format(local_rank=local_rank) if where else None
+
+    def poll(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, where: str) -> None:
+        if self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            request = json.loads(self.path.read_text())
+            self.path.unlink()
+            what = str(request["what"])
+            flip_bit(target(module, optimizer, what), 0, 22)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("%s fault injection request not carried out: %s", where, exc)
+            return
+        log.warning("%s fault injection: flipped bit 22 of element 0 of %s after step %d (silent data corruption, "
+                    "on request)", where, what, step)
+
+
+__all__ = ["FlipRequests", "flip_bit", "request_flip", "target"]

@@ -121,3 +121,41 @@ def test_flip_bit_refuses_what_it_cannot_do() -> None:
     model, opt = _model_and_adam()
     with pytest.raises(KeyError, match="no parameter"):
         target(model, opt, "nope.exp_avg")
+
+
+def test_an_sdc_command_round_trips_and_a_bad_one_is_refused() -> None:
+    from agent.commands import SDC, Command
+
+    c = Command(SDC, 0.0, 1.7e9, "0.weight.exp_avg_sq")
+    assert Command.from_json(c.to_json()) == c
+    for bad in ('{"action": "sdc", "issued_at": 1.0, "what": 3}', '{"action": "sdc", "issued_at": 1.0, "what": ""}',
+                '{"action": "sdc", "issued_at": 1.0, "what": "' + "x" * 201 + '"}'):
+        with pytest.raises(ValueError, match="tensor name"):
+            Command.from_json(bad.encode())
+
+
+def test_a_flip_request_is_taken_once_and_a_bad_one_is_one_line(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from elastic.consistency.inject import FlipRequests, request_flip
+
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model, opt = _model_and_adam()
+    requests = FlipRequests()
+    before = fingerprint(model, opt, None)
+    requests.poll(model, opt, 5, "[n rank 0]")  # nothing asked: nothing done
+    assert fingerprint(model, opt, None).hashes == before.hashes
+    path = request_flip(tmp_path, 0, "1.weight.exp_avg")  # type: ignore[arg-type]
+    requests.poll(model, opt, 5, "[n rank 0]")
+    assert not path.exists() and fingerprint(model, opt, None).differing(before) == ["1.weight.exp_avg"]
+    assert "flipped bit 22 of element 0 of 1.weight.exp_avg after step 5" in caplog.text
+    request_flip(tmp_path, 0, "no.such")  # type: ignore[arg-type]
+    requests.poll(model, opt, 6, "[n rank 0]")
+    assert "fault injection request not carried out" in caplog.text
+
+
+def test_kill_and_freeze_commands_are_unchanged() -> None:
+    from agent.commands import FREEZE, KILL, Command
+
+    for c in (Command(KILL, 0.0, 1.7e9), Command(FREEZE, 3.0, 1.7e9)):
+        assert Command.from_json(c.to_json()) == c and b"what" not in c.to_json()
