@@ -74,8 +74,10 @@ class Mismatch:
 class ReplicaCheck:
     """Every ``every_steps`` committed steps (0: never), at the step boundary."""
 
-    def __init__(self, every_steps: int, on_mismatch: Callable[[Mismatch, DistInfo], None] | None = None) -> None:
+    def __init__(self, every_steps: int, on_mismatch: Callable[[Mismatch, DistInfo], None] | None = None,
+                 snapshot_every_steps: int | None = None) -> None:
         self.every_steps = every_steps
+        self.snapshot_every_steps = snapshot_every_steps or 0
         self.agreed: Agreed | None = None
         self.on_mismatch = on_mismatch
         self._warned_methods = False
@@ -85,8 +87,14 @@ class ReplicaCheck:
 
     def due(self, step: int) -> bool:
         """Whether applying ``step`` makes a check due: a function of the step alone, so that
-        every rank of a world that applied it decides alike (a check is a collective)."""
-        return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+        every rank of a world that applied it decides alike (a check is a collective).
+
+        A step a snapshot is due at (by steps) is checked too, before the snapshot copies it
+        (inside the next step): a snapshot never holds state the replicas did not agree on,
+        so a restart from disk cannot resume a corrupted replica's state."""
+        if self.every_steps <= 0 or step <= 0:
+            return False
+        return step % self.every_steps == 0 or (self.snapshot_every_steps > 0 and step % self.snapshot_every_steps == 0)
 
     def forget(self) -> None:
         """A new world: its ranks' histories differ (a joiner has none); each keeps a baseline."""

@@ -159,3 +159,12 @@ def test_kill_and_freeze_commands_are_unchanged() -> None:
 
     for c in (Command(KILL, 0.0, 1.7e9), Command(FREEZE, 3.0, 1.7e9)):
         assert Command.from_json(c.to_json()) == c and b"what" not in c.to_json()
+
+
+def test_a_check_is_due_every_n_steps_and_before_every_snapshot_by_steps() -> None:
+    from elastic.consistency.check import ReplicaCheck
+
+    check = ReplicaCheck(100, snapshot_every_steps=30)
+    assert [s for s in range(1, 201) if check.due(s)] == [30, 60, 90, 100, 120, 150, 180, 200]
+    assert not any(ReplicaCheck(0, snapshot_every_steps=30).due(s) for s in range(1, 100))  # off is off
+    assert [s for s in range(0, 9) if ReplicaCheck(4).due(s)] == [4, 8]
