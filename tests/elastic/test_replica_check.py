@@ -55,6 +55,9 @@ SCRIPT = textwrap.dedent('''\
             for i, (step, on, what) in enumerate(flips):
                 if i not in done and run.step_count == step and on == node:
                     done.add(i)
+                    if what == "kept copy too":  # the host copy of the last agreed state goes bad as well
+                        flip_bit(run._check.agreed.state["model"]["0.bias"], 1, 9)
+                        what = "0.bias"
                     t = ema if what == "registered" else target(run.state.module, run.optimizer, what)
                     flip_bit(t, 3, 22)
                     print(f"FLIPPED {what} on {node} after step {step}", flush=True)
@@ -110,7 +113,8 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
     (tmp_path / "job.py").write_text(SCRIPT)
     # 3 replicas: a parameter (right after a check's step: the longest rollback), an Adam
     # second moment, a registered tensor; 2 replicas: a parameter. References undisturbed.
-    three = '[[9, "c1", "0.weight"], [13, "c2", "3.weight.exp_avg_sq"], [18, "c1", "registered"]]'
+    three = ('[[9, "c1", "0.weight"], [13, "c2", "3.weight.exp_avg_sq"], [18, "c1", "registered"], '
+             '[21, "c2", "kept copy too"]]')
     runs = {"r": _world(tmp_path, "r", 3, "[]"), "c": _world(tmp_path, "c", 3, three),
             "p": _world(tmp_path, "p", 2, "[]", LOCAL_STATE="1"),
             "d": _world(tmp_path, "d", 2, '[[9, "d1", "0.bias"]]', LOCAL_STATE="1")}
@@ -118,13 +122,17 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
         _wait(procs, tmp_path)
 
     chaos = _log(tmp_path, "c")
-    assert chaos.count("FLIPPED") == 3, chaos[-3000:]
+    assert chaos.count("FLIPPED") == 4, chaos[-3000:]
     named = [line for line in chaos.splitlines() if "silent data corruption at step" in line]
-    assert len(named) == 3, chaos[-4000:]
+    assert len(named) == 4, chaos[-4000:]
     assert "at step 12: node c1 (rank 1; differs in 0.weight" in named[0], named[0]
     assert "returns to step 8" in named[0] and "retrains 4 step(s)" in named[0], named[0]
     assert "at step 16: node c2 (rank 2; differs in " in named[1] and "3.weight.exp_avg_sq" in named[1], named[1]
     assert "at step 20: node c1 (rank 1; differs in registered 'ema'" in named[2], named[2]
+    # after the last step, the run's end checks: c2's live state and its kept copy both
+    # changed, so it is healed from a majority replica after the rollback
+    assert "at step 22: node c2 (rank 2; differs in 0.bias" in named[3] and "returns to step 20" in named[3]
+    assert "healed step 20 from rank 0: this rank's copy of it had changed" in chaos, chaos[-3000:]
     for rank in range(3):
         assert_state_equal(_final(tmp_path, "c", rank), _final(tmp_path, "r", 0), f"3 replicas, rank {rank}")
 
