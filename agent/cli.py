@@ -13,6 +13,7 @@ usage: elastic COMMAND [ARGS]
   local   a whole cluster on this machine: embedded etcd, N agents, a job, kills,
           a live view and a recovery summary   (elastic local --help)
   kill    kill (or --freeze) a node of a running job, found through etcd
+  inject-sdc  flip one bit of a node's live training state (silent data corruption)
   etcd    run an embedded etcd in the foreground, for one-machine setups
   top     live terminal dashboard of a running job
   sd      Prometheus http_sd endpoint listing the job's live nodes
@@ -42,6 +43,12 @@ def _kill(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _inject_sdc(argv: Sequence[str]) -> int:
+    from .inject_sdc import main
+
+    return main(argv)
+
+
 def _etcd(argv: Sequence[str]) -> int:
     from .etcd_cmd import main
 
@@ -64,6 +71,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "agent": _agent,
     "local": _local,
     "kill": _kill,
+    "inject-sdc": _inject_sdc,
     "etcd": _etcd,
     "top": _top,
     "sd": _sd,

@@ -1,7 +1,9 @@
 """Chaos commands through etcd: ``elastic kill`` for a node on another machine.
 
 A signed command under ``{run}/commands/{node}`` asks that node's agent to SIGKILL its
-own process tree (node loss) or to SIGSTOP it for a while (a partition). The agent reads
+own process tree (node loss), to SIGSTOP it for a while (a partition), or to have its
+first worker flip one bit of its training state (silent data corruption, ``elastic
+inject-sdc``: :mod:`elastic.consistency.inject`). The agent reads
 it from its watch-fed mirror in the monitor loop, so it costs nothing when unused.
 """
 
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KILL, FREEZE = "kill", "freeze"
+KILL, FREEZE, SDC = "kill", "freeze", "sdc"
+MAX_WHAT = 200  # SDC: a tensor's name (a parameter, or <parameter>.<optimizer state>)
 MAX_FREEZE_S = 86400.0  # a chaos freeze, not a way to park a node: longer is a typo
 
 
@@ -44,12 +47,16 @@ def valid_freeze(seconds: object) -> bool:
 
 @dataclass(frozen=True)
 class Command:
-    action: str  # KILL or FREEZE
+    action: str  # KILL, FREEZE or SDC
     seconds: float  # FREEZE: how long (valid_freeze)
     issued_at: float  # time.time() of the sender
+    what: str = ""  # SDC: the tensor to flip a bit of ("first": the first parameter)
 
     def to_json(self) -> bytes:
-        return json.dumps({"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}).encode()
+        body = {"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}
+        if self.action == SDC:
+            body["what"] = self.what
+        return json.dumps(body).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Command":
@@ -61,14 +68,17 @@ class Command:
         if not isinstance(data, dict):
             raise ValueError("not a command: not a JSON object")
         action, seconds, issued_at = data.get("action"), data.get("seconds", 0.0), data.get("issued_at")
-        if action not in (KILL, FREEZE):
+        if action not in (KILL, FREEZE, SDC):
             raise ValueError(f"unknown action {action!r:.40}")
         if not (isinstance(issued_at, (int, float)) and not isinstance(issued_at, bool)
                 and math.isfinite(issued_at)):
             raise ValueError(f"issued_at {issued_at!r:.40} is not a time")
         if action == FREEZE and not valid_freeze(seconds):
             raise ValueError(f"freeze for {seconds!r:.40} s: not seconds above 0 and at most {MAX_FREEZE_S:g}")
-        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at))
+        what = data.get("what", "first") if action == SDC else ""
+        if action == SDC and not (isinstance(what, str) and 0 < len(what) <= MAX_WHAT):
+            raise ValueError(f"sdc of {what!r:.40}: not a tensor name of 1 to {MAX_WHAT} characters")
+        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at), what)
 
 
 def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | None:
@@ -81,11 +91,11 @@ def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | Non
 
 
 def send(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str, node: str,
-         action: str, seconds: float = 0.0) -> None:
+         action: str, seconds: float = 0.0, what: str = "") -> None:
     key = command_key(key_prefix, run_id, node)
     if action == FREEZE and not valid_freeze(seconds):
         raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
-    body = Command(action, float(seconds), time.time()).to_json()
+    body = Command(action, float(seconds), time.time(), what).to_json()
     client.call(lambda c: c.put(key, signer.seal(key.encode(), body)))
 
 
@@ -108,6 +118,7 @@ class CommandWatch:
         self.handler = handler
         self.key = command_key(handler.options.key_prefix, handler.run_id, node)
         self._started = time.time()
+        self.heartbeat_dir: str | None = None  # SDC: where the node's first worker looks for a request
 
     def poll(self) -> None:
         entries, _ = self.handler.mirror.entries()
@@ -122,4 +133,18 @@ class CommandWatch:
             self.handler.client.call(lambda c: c.delete(self.key), deadline=2.0)
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
-        carry_out(command)
+        if command.action == SDC:
+            ask_worker_to_flip(self.heartbeat_dir, command.what)
+        else:
+            carry_out(command)
+
+
+def ask_worker_to_flip(heartbeat_dir: str | None, what: str) -> None:
+    """Leave the request for local rank 0, which takes it at its next step boundary."""
+    if heartbeat_dir is None:
+        log.error("chaos command from etcd: sdc, but this agent runs no workers to corrupt")
+        return
+    from elastic.consistency.inject import request_flip
+
+    request_flip(heartbeat_dir, 0, what)
+    log.warning("chaos command from etcd: sdc: local rank 0 flips a bit of %s at its next step boundary", what)

@@ -80,6 +80,7 @@ from .policy import (
     settled,
     stop_signal,
 )
+from .sdc import SdcWatch
 from .settings import AgentSettings
 from .fork_server import ForkServer, discard_early
 from .watchdog import HangWatch
@@ -133,6 +134,8 @@ class NodeAgent(ElasticAgent):
         self.watch = HangWatch(settings.heartbeat_dir, settings.hang_timeout,
                                settings.hang_startup_timeout, node=self.node)
         self.commands = CommandWatch(self.ours, self.node) if self.ours is not None else None
+        if self.commands is not None:
+            self.commands.heartbeat_dir = str(settings.heartbeat_dir)  # `elastic inject-sdc`: the request goes there
         self.channel: AgentChannel | None = None
         self.store_server: Any = None
         if self.ours is not None and settings.in_place:
@@ -153,6 +156,8 @@ class NodeAgent(ElasticAgent):
         # stragglers: publish this node's pace, name the slow node, evict it (agent/pace.py)
         self.pace = PaceMonitor(self.node, self.ours, metrics, settings.metrics_dir, settings.heartbeat_dir) \
             if self.ours is not None else None
+        # silent data corruption: replica votes that named this node (agent/sdc.py)
+        self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
         # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/freeze.py)
         self.freeze = FreezeWatch(self.node, self.ours, self.channel) \
             if self.ours is not None and self.channel is not None else None
@@ -286,6 +291,8 @@ class NodeAgent(ElasticAgent):
                 slow = self.pace.look(self.participants, self.ours.timings.min_nodes)
                 if slow is not None:  # this node is the straggler, and the others train faster without it
                     decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=slow)
+            if decision.action is Action.CONTINUE:
+                decision = self._after_sdc_events()
             if self.freeze is not None:
                 decision = self._after_freezes(decision)
             if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
@@ -362,6 +369,20 @@ class NodeAgent(ElasticAgent):
         extra = self.ours.lease.record.extra
         if extra.get("crash", "") != report:
             self.ours.lease.update(extra={**extra, "crash": report})
+
+    def _after_sdc_events(self) -> Decision:
+        """agent/sdc.py: replica votes named this node the outlier twice within the window:
+        suspect hardware, kept out (if the others can train on without it)."""
+        suspect = self.sdc.look()
+        if suspect is None or self.ours is None:
+            return Decision(Action.CONTINUE)
+        others = len([n for n in self.participants if n != self.node])
+        if others < self.ours.timings.min_nodes:
+            log.error("[%s] %s; not kept out: without it %d node(s) would remain, fewer than the %d the job needs",
+                      self.node, suspect, others, self.ours.timings.min_nodes)
+            self.sdc.forget()
+            return Decision(Action.CONTINUE)
+        return Decision(Action.KEEP_OUT, Reason.SDC, detail=suspect)
 
     def _after_freezes(self, decision: Decision) -> Decision:
         """agent/freeze.py: thawed after its peers wrote it off, this node stops its stale workers
@@ -649,8 +670,9 @@ class NodeAgent(ElasticAgent):
                       round=self.round_number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
-        if decision.reason is not Reason.STRAGGLER:
+        if decision.reason not in (Reason.STRAGGLER, Reason.SDC):
             self.metrics.crash_loops.inc()
+        self.sdc.forget()
         if self.pace is not None:
             self.pace.forget()
         _publish_keep_out(self.ours, out)
@@ -672,6 +694,7 @@ class NodeAgent(ElasticAgent):
         self._back_in_at = time.monotonic()
         if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
+                     else "replica votes name it the outlier twice again" if decision.reason is Reason.SDC
                      else "its workers fail right after their start once more")
             log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if %s)",
                      self.node, out.backoff, again)

@@ -65,6 +65,7 @@ class Reason(str, enum.Enum):
     FROZEN = "frozen"  # a peer's agent did not answer while a collective waited on it (agent.freeze)
     SCRIPT_ERROR = "script_error"  # every node's workers failed right after their start with the same error
     ETCD_LOST = "etcd_lost"  # the snapshot directory's fence stands above every round etcd holds now
+    SDC = "sdc"  # replica votes named this node the outlier twice within a window (sdc_keep_out)
 
     @property
     def counted(self) -> bool:
@@ -321,3 +322,21 @@ def refunded(reason: Reason, previous: Iterable[str], current: Iterable[str]) ->
     """
     previous_set = set(previous)
     return reason is Reason.WORKER_FAILED and bool(previous_set) and not previous_set <= set(current)
+
+
+SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
+SDC_WINDOW_S = 86400.0  # ... within this many seconds (ELASTIC_SDC_WINDOW_S)
+
+
+def sdc_keep_out(outlier_at: Iterable[float], now: float, window_s: float = SDC_WINDOW_S,
+                 strikes: int = SDC_STRIKES) -> str | None:
+    """Silent data corruption (``elastic.consistency``): a node that a majority of replicas
+    named the outlier ``strikes`` times within ``window_s`` is suspect hardware, kept out
+    with the crash loop's back-off (a spare takes its place where one waits). Returns the
+    detail line, or None. Being one of two suspects (two replicas, no majority) never
+    counts: nothing says which side was wrong."""
+    recent = sorted(t for t in outlier_at if now - window_s <= t <= now)
+    if len(recent) < strikes:
+        return None
+    return (f"suspect hardware: named the outlier by the replica vote {len(recent)} times within "
+            f"{window_s:.0f} s (silent data corruption of its state; see docs/reliability.md)")

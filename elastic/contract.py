@@ -127,6 +127,10 @@ STALE_FENCE_FILE = "fence.json"  # rank 0 refused by the fence: the fence's run 
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record
 GOODPUT_JOB_FILE = "job.json"  # agent writes the job's record as it last saw it in etcd; workers read it
 
+# $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node_agent reads):
+SDC_EVENTS_FILE = "sdc-{local_rank}.jsonl"  # one JSON line each time a replica check names this rank
+SDC_INJECT_FILE = "sdc-inject-{local_rank}.json"  # agent writes (elastic inject-sdc), the worker takes and removes it
+
 
 def worker_status_file(local_rank: int) -> str:
     return WORKER_STATUS_FILE.format(local_rank=local_rank)
@@ -138,6 +142,10 @@ def heartbeat_file(local_rank: int) -> str:
 
 def goodput_worker_file(local_rank: int) -> str:
     return GOODPUT_WORKER_FILE.format(local_rank=local_rank)
+
+
+def sdc_events_file(local_rank: int) -> str:
+    return SDC_EVENTS_FILE.format(local_rank=local_rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,6 +187,10 @@ COLLECTIVE_METRICS_ENV = _setting("ELASTIC_COLLECTIVE_METRICS", "`0`: no collect
 WARM_IMPORTS_ENV = _setting("ELASTIC_WARM_IMPORTS", "the modules a warm standby imports (comma-separated)")
 STRAGGLER_PERIOD_ENV = _setting("ELASTIC_STRAGGLER_PERIOD_S", "seconds between the agents' pace records")
 STRAGGLER_EVICT_ENV = _setting("ELASTIC_STRAGGLER_EVICT", "`0`: name stragglers, never evict them")
+SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
+                          "seconds within which a node named the outlier twice by replica votes is kept out")
+CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
+                                 "steps between ElasticRun's replica consistency checks (0: off)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")
 
 

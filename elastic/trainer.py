@@ -85,6 +85,9 @@ from checkpoints import SnapshotMismatchError
 from checkpoints.stores import location_of
 
 from . import contract
+from .consistency.check import ReplicaCheck
+from .consistency.inject import FlipRequests
+from .consistency.report import check_interval, report_mismatch
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistInfo,
@@ -244,6 +247,7 @@ class ElasticRun:
         in_place: bool | None = None,
         user_backward: bool = False,
         device: str | torch.device | None = None,
+        check_every_steps: int | None = None,
         **flat_keywords: Any,
     ) -> None:
         show_library_lines()  # the lines below reach the user even if their script set up no logging
@@ -275,6 +279,11 @@ class ElasticRun:
             self.steps_target, self.epochs_target = steps, epochs
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens
+            self._check = ReplicaCheck(check_interval(check_every_steps),
+                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics),
+                                       snapshot_every_steps=snapshot_config.every_steps)
+            self._flips = FlipRequests()  # `elastic inject-sdc`: a bit flipped on request, to rehearse
+            self._check_due = False  # set by a step every rank of the world applied: all check, or none
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
@@ -439,6 +448,7 @@ class ElasticRun:
         self._generation += 1
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
+        self._check.forget()  # every rank of the new world keeps a baseline at its first batch
 
     @contextmanager
     def _between_worlds(self) -> Iterator[None]:
@@ -517,6 +527,7 @@ class ElasticRun:
             self._world_hook_due = False
             for hook in self._world_hooks:
                 hook(self)
+            self._check.baseline(self)  # every replica just restored or healed the same state
         now = time.perf_counter()
         started = getattr(self, "_t0", now)
         seed_everything(step_seed(self.seed, self.state.step, self.dist.rank))
@@ -649,6 +660,7 @@ class ElasticRun:
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
+        self._check_due = self._check.due(self.state.step)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
         self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, seen_loss, pending.tokens)
@@ -676,6 +688,30 @@ class ElasticRun:
                 self._recover(failure)  # an agreed join waits: the world is broken, it forms again
             elif action is not None:
                 action()
+            if action is None and failure is None:
+                self._flips.poll(self.state.module, self.state.optimizer, self.state.step, self._where)
+            check, self._check_due = self._check_due, False
+            if check and action is None and failure is None:
+                self._check_replicas()
+
+    def _check_replicas(self) -> bool:
+        """The replica consistency check (:mod:`elastic.consistency`). True: the loop cannot go
+        on as it was (the run went back to the last agreed state, or a peer was lost in the
+        check's all-gather and the world answered)."""
+        try:
+            return self._check.run(self)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._recover(CollectiveFailure(str(exc).splitlines()[0]))
+            return True
+
+    def _returned_to(self, step: int) -> None:
+        """Every replica loaded the last agreed state, of ``step``: the steps since are trained
+        again (their ledger lines written again), from a loader built anew."""
+        self._committed = step
+        self._generation += 1
+        self.world.stepped(step)  # in place: a re-formation agrees on this step, not the abandoned ones
 
     def _optimizer_step(self) -> None:
         saved: list[float] = []
@@ -726,6 +762,8 @@ class ElasticRun:
             return self._finish_owned()
 
     def _finish_owned(self) -> bool:
+        if self._check.pending(self.state.step) and self._check_replicas():
+            return False  # trained again since the last agreed state, or the world broke
         try:
             broadcast_int(0, self.dist)  # returns once every rank has reached the end
         except RuntimeError as exc:

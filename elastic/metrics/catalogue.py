@@ -87,6 +87,7 @@ class Families:
     heal: Gauge
     heal_bytes: Counter
     restores: Counter
+    sdc_mismatches: Counter
 
 
 @functools.cache
@@ -170,6 +171,9 @@ def families() -> Families:
         restores=Counter("elastic_restores_total",
                          "Times this worker took its state from somewhere: a snapshot on disk, a live replica "
                          "(healed in place), or nowhere (a fresh start).", ("source",), registry=r),
+        sdc_mismatches=Counter("elastic_sdc_mismatches_total",
+                               "Replica consistency checks that named this node (rank 0 counts, labelled by the "
+                               "node named): silent data corruption suspected.", ("node",), registry=r),
         heal_bytes=Counter("elastic_heal_bytes_total",
                            "State bytes this worker sent to or received from a live replica when healing.",
                            registry=r),

@@ -78,6 +78,7 @@ class MetricsLike(Protocol):
     def restored(self, seconds: float, snapshot_written_at: float | None) -> None: ...
     def healed(self, seconds: float, transferred_bytes: int) -> None: ...
     def state_from(self, source: str) -> None: ...
+    def sdc_mismatch(self, node: str) -> None: ...
     def world_changed(self, rank: int, world_size: int) -> None: ...
     def snapshot_submitted(self, seconds: float) -> None: ...
     def snapshot_skipped(self) -> None: ...
@@ -102,6 +103,9 @@ class NoMetrics:
         pass
 
     def state_from(self, source: str) -> None:
+        pass
+
+    def sdc_mismatch(self, node: str) -> None:
         pass
 
     def world_changed(self, rank: int, world_size: int) -> None:
@@ -165,6 +169,10 @@ class TrainingMetrics:
 
     def state_from(self, source: str) -> None:
         self.worker.state_from(source)
+
+    def sdc_mismatch(self, node: str) -> None:
+        """A replica check named ``node`` (rank 0 counts, for every node named)."""
+        self.worker.families.sdc_mismatches.labels(node=node).inc()
 
     def world_changed(self, rank: int, world_size: int) -> None:
         self.worker.rank_changed(rank, world_size)

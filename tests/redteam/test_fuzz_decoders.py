@@ -58,7 +58,17 @@ from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from agent import commands as agent_commands
-from agent.commands import FREEZE, KILL, Command, CommandWatch, command_key, decode_command, valid_freeze
+from agent.commands import (
+    FREEZE,
+    KILL,
+    MAX_WHAT,
+    SDC,
+    Command,
+    CommandWatch,
+    command_key,
+    decode_command,
+    valid_freeze,
+)
 from agent.goodput import account_key, decode_account, decode_note, notes_prefix
 from elastic.etcd import EmbeddedEtcd, EtcdClient
 from elastic.goodput.account import LOST_CAUSES, Account, Fault, Interval, extend
@@ -141,8 +151,9 @@ def _typed_node(n: object) -> bool:
 
 
 def _typed_command(c: object) -> bool:
-    return (isinstance(c, Command) and c.action in (KILL, FREEZE) and _finite(c.issued_at)
-            and (c.action == KILL or valid_freeze(c.seconds)))
+    return (isinstance(c, Command) and c.action in (KILL, FREEZE, SDC) and _finite(c.issued_at)
+            and (c.action != FREEZE or valid_freeze(c.seconds))
+            and (c.action != SDC or (isinstance(c.what, str) and 0 < len(c.what) <= MAX_WHAT)))
 
 
 def _typed_fault(f: object) -> bool:

@@ -1,0 +1,91 @@
+"""A fault to rehearse with: flip one bit of one element of a live tensor.
+
+What a flaky GPU, a bad DIMM or a cosmic ray does to a replica, made on purpose, so the
+replica check (:mod:`.check`) can be seen at work: ``elastic inject-sdc`` (through the
+node's agent) or a test script calls :func:`flip_bit` on a parameter, an optimizer state
+tensor or a registered tensor of one worker, between two steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import contract
+
+log = logging.getLogger(__name__)
+
+
+def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 0) -> None:
+    """Flip bit ``bit`` of element ``index`` (of the flattened tensor), in place."""
+    if t.numel() == 0:
+        raise ValueError("cannot flip a bit of an empty tensor")
+    flat = t.detach().view(-1)
+    index %= flat.numel()
+    bits = flat.element_size() * 8
+    if not 0 <= bit < bits:
+        raise ValueError(f"bit {bit} is outside a {bits}-bit element")
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    word = flat.view(ints)
+    with torch.no_grad():
+        mask = (1 << bit) if bit < bits - 1 else -(1 << bit)  # the sign bit, as a signed mask
+        word[index : index + 1].bitwise_xor_(torch.tensor(mask, dtype=ints, device=t.device))
+
+
+def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str) -> torch.Tensor:
+    """The tensor ``what`` names: a parameter (``fc.weight``), or ``<parameter>.<state>``
+    for its optimizer state (``fc.weight.exp_avg_sq``); ``first`` is the first parameter."""
+    params = dict(module.named_parameters())
+    if what == "first":
+        return next(iter(params.values()))
+    if what in params:
+        return params[what]
+    name, _, key = what.rpartition(".")
+    state: dict[str, Any] = optimizer.state.get(params[name], {}) if name in params else {}
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise KeyError(f"no parameter or optimizer state named {what!r} (parameters: {', '.join(list(params)[:6])}...)")
+    return value
+
+
+
+
+def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str) -> Path:
+    """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (written whole)."""
+    path = Path(heartbeat_dir) / contract.SDC_INJECT_FILE.format(local_rank=local_rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"what": what}))
+    os.replace(tmp, path)
+    return path
+
+
+class FlipRequests:
+    """The worker's side: one ``stat`` per step boundary; a request is taken once, removed,
+    and carried out on this rank's live state (a bad request is one line, never a crash)."""
+
+    def __init__(self) -> None:
+        where = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+        local_rank = os.environ.get("LOCAL_RANK", "0")
+        self.path = Path(where) / contract.SDC_INJECT_FILE.format(local_rank=local_rank) if where else None
+
+    def poll(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, where: str) -> None:
+        if self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            request = json.loads(self.path.read_text())
+            self.path.unlink()
+            what = str(request["what"])
+            flip_bit(target(module, optimizer, what), 0, 22)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("%s fault injection request not carried out: %s", where, exc)
+            return
+        log.warning("%s fault injection: flipped bit 22 of element 0 of %s after step %d (silent data corruption, "
+                    "on request)", where, what, step)
+
+
+__all__ = ["FlipRequests", "flip_bit", "request_flip", "target"]
