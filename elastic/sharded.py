@@ -30,8 +30,9 @@ a resume works at another replica count and at another shard count.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -205,6 +206,52 @@ def check_snapshots(every_seconds: float | None) -> None:
                               "SnapshotConfig(every_steps=N) instead of every_seconds")
 
 
+# ---------------------------------------------------------------------- a peer lost in the script's backward
+
+def quiet_lost_peer(where: Callable[[], str], step: Callable[[], int]) -> Callable[[], None]:
+    """The prepare API with a sharded model on the restart path: FSDP2's gradient collectives run
+    in the script's own ``loss.backward()``, where no comm hook can catch a lost peer. Such a
+    failure then ends the worker as :func:`elastic.fixed_world.exit_for_restart` would: one line
+    (also in torchrun's error file), no traceback, exit 1, and the agent restarts the world.
+    Anything else is reported as before. Returns what puts the previous hook back."""
+    global _lost_peer_line
+    _lost_peer_line = (where, step)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not told_lost_peer(exc):
+            previous(kind, exc, tb)
+
+    sys.excepthook = hook  # a script run as ``python script.py``; a warm worker asks told_lost_peer
+
+    def restore() -> None:
+        global _lost_peer_line
+        _lost_peer_line = None
+        if sys.excepthook is hook:
+            sys.excepthook = previous
+    return restore
+
+
+_lost_peer_line: tuple[Callable[[], str], Callable[[], int]] | None = None
+
+
+def told_lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (out of the script) is a lost peer of a sharded run on the restart path,
+    now said in one line (and in torchrun's error file): then no traceback is due."""
+    from .fixed_world import exit_for_restart
+    from .grad_sync import is_collective_failure
+    from .log import how_noticed
+
+    if _lost_peer_line is None or not is_collective_failure(exc):
+        return False
+    where, step = _lost_peer_line
+    try:
+        exit_for_restart(where(), step(), how_noticed(str(exc)))
+    except SystemExit:
+        pass  # the process is on its way out already, with exit code 1
+    return True
+
+
 # ---------------------------------------------------------------------- state (restart path)
 
 def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -238,4 +285,5 @@ def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
 
 
 __all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "full_state", "is_sharded", "layout_of", "load_full_state",
-           "mesh_problem", "optimizer_problem"]
+           "mesh_problem", "optimizer_problem", "quiet_lost_peer",
+           "told_lost_peer"]

@@ -305,6 +305,9 @@ class ElasticRun:
                 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
             self.world.start()
             self._guard.install()
+            if self.mesh is not None and user_backward and self.world.restarts_from_disk:
+                # kept to the process's end: the failure surfaces after the loop's generator is gone
+                sharded.quiet_lost_peer(lambda: self._where, lambda: self.state.step + 1)
         except _USAGE_ERRORS as exc:
             self._usage_error(exc)
         finally:
