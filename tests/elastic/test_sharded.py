@@ -167,3 +167,26 @@ def test_a_lost_peer_in_the_scripts_own_backward_is_one_line_and_anything_else_a
     finally:
         restore()
     assert not told_lost_peer(RuntimeError("Connection closed by peer"))
+
+
+def test_a_sharded_snapshot_verified_by_the_store_loads_with_torch_distributed_checkpoint(
+        world_of_one: None, tmp_path: Path) -> None:
+    """What docs/training.md says to do outside the service: verify and load with the store
+    (checksums, signature, ``weights_only``), then hand the full state to DCP, whose own
+    ``dcp.load`` fills a model of any shard count."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from checkpoints import SnapshotStore
+
+    trained = _sharded()
+    _train(trained, tmp_path / "snap", 3, snapshots=SnapshotConfig(every_steps=3, writer="thread"))
+    found = SnapshotStore(tmp_path / "snap", create=False).load_latest()
+    assert found is not None and found[0].step == 3
+    dcp.save(found[1]["model"], checkpoint_id=str(tmp_path / "dcp"))
+
+    fresh = _sharded()
+    target = get_model_state_dict(fresh)
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    set_model_state_dict(fresh, target, options=StateDictOptions())
+    assert all(torch.equal(a, b) for a, b in zip(_local(trained), _local(fresh)))
