@@ -5,8 +5,9 @@ with replicas across nodes and shards inside one, ``fully_shard`` per block and 
 AdamW after sharding) plus the prepare lines. Until in-place recovery of sharded models is
 built, a sharded run takes the restart path: what is checked is that it trains at all (it
 crashed in DDP's constructor, and crash-looped in the heal), that a killed node costs one
-line and a resume from the newest snapshot at the smaller replica count, and that every
-sample of each epoch is trained once (the ledger)."""
+line and a resume from the newest snapshot at the smaller replica count, the node's return
+a resume at the larger one, that every sample of each epoch is trained once (the ledger),
+and that the snapshot holds the whole model (it loads unsharded)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from torch import nn
+
+from checkpoints import SnapshotStore
 from elastic.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
 FORM_TIMEOUT = 150
-DATASET = 384
+DATASET = 512
 
 HSDP = textwrap.dedent('''\
     import json, os, sys, time
@@ -70,7 +74,7 @@ def _rows(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_is_lost(
+def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_is_lost_and_more_when_back(
         etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
     script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     script.write_text(HSDP)
@@ -87,8 +91,13 @@ def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_
     b.kill()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
                "node a to train on alone (1 replica x 2 shards)", on_timeout=both)
-    wait_until(lambda: not a.alive(), FORM_TIMEOUT, "node a to finish", on_timeout=both)
+    b.start()  # the node back: the world restarts at 2 replicas again, from the newest snapshot
+    back_at = time.time()
+    wait_until(lambda: any(r["world"] == 4 and r["time"] > back_at for r in _rows(rows)), FORM_TIMEOUT,
+               "node b back in a world of 2 replicas x 2 shards", on_timeout=both)
+    wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
     assert a.process is not None and a.process.returncode == 0, both()
+    assert b.process is not None and b.process.returncode == 0, both()
 
     log = a.log_tail(400)
     assert "in-place recovery off: the model is sharded (FSDP2/HSDP)" in log
@@ -96,3 +105,10 @@ def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_
     assert "lost a peer in step" in log  # the script's own backward lost it: one line, not a traceback
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
+
+    # The last snapshot holds the full model (not rank 0's shards): it loads, verified, into the
+    # same model unsharded (a shard count of 1), and it is the step the job ended at.
+    found = SnapshotStore(tmp_path / "snapshots", create=False).load_latest()
+    assert found is not None and found[0].step == _rows(rows)[-1]["step"]
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    plain.load_state_dict(found[1]["model"])  # strict: every key, global shapes
