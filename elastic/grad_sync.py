@@ -82,6 +82,9 @@ class GradSync:
         self.failure = None
         if self.sharded:  # it syncs (and averages) its own gradients; DDP cannot wrap DTensors
             self.model, self.averages = self.module, True
+            attach = getattr(self.metrics, "attach_sharded", None)  # FSDP2's collectives timed (metrics on)
+            if attach is not None:
+                attach(self.module)
             return self.model
         with warnings.catch_warnings():
             # torch 2.14 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``, which

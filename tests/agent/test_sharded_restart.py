@@ -87,6 +87,10 @@ def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
                "HSDP over 2 nodes x 2 ranks to pass its first snapshot", on_timeout=both)
 
+    for op in ("allgather", "reducescatter"):  # FSDP2's own collectives, timed as DDP's all-reduce is
+        wait_until(lambda: (a.metric("elastic_collective_duration_seconds_count", op=op) or 0) > 0, 30,
+                   f"node a to export {op} timings", on_timeout=both)
+
     killed_at = time.time()
     b.kill()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,

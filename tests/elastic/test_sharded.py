@@ -190,3 +190,25 @@ def test_a_sharded_snapshot_verified_by_the_store_loads_with_torch_distributed_c
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
     set_model_state_dict(fresh, target, options=StateDictOptions())
     assert all(torch.equal(a, b) for a, b in zip(_local(trained), _local(fresh)))
+
+
+def test_fsdp2s_timed_collectives_are_installed_without_changing_a_bit(world_of_one: None) -> None:
+    """A world of one issues no collective; tests/agent/test_sharded_restart.py reads the timings."""
+    from elastic.metrics.fsdp_timing import time_fsdp_collectives
+
+    def train(timed: bool) -> tuple[list[torch.Tensor], list[Any]]:
+        model = _sharded()
+        timers = time_fsdp_collectives(model, "gloo") if timed else []
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        data = _Data(16)
+        for i in range(0, 16, 4):
+            optimizer.zero_grad()
+            F.cross_entropy(model(data.x[i:i + 4]), data.y[i:i + 4]).backward()
+            optimizer.step()
+        return _local(model), timers
+
+    plain, _ = train(False)
+    timed, timers = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, timed))
+    assert [t.op for t in timers] == ["allgather", "reducescatter"]
+    assert time_fsdp_collectives(_plain(), "gloo") == []  # nothing sharded: nothing to time
