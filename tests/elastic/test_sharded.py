@@ -212,3 +212,23 @@ def test_fsdp2s_timed_collectives_are_installed_without_changing_a_bit(world_of_
     assert all(torch.equal(a, b) for a, b in zip(plain, timed))
     assert [t.op for t in timers] == ["allgather", "reducescatter"]
     assert time_fsdp_collectives(_plain(), "gloo") == []  # nothing sharded: nothing to time
+
+
+def test_a_snapshot_of_another_models_shapes_is_refused_in_one_line(
+        world_of_one: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = SnapshotConfig(every_steps=2, writer="thread")
+    _train(_sharded(), tmp_path / "snap", 2, snapshots=config)
+    wider = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in wider:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(wider, mesh=mesh)
+    with pytest.raises(SystemExit) as exit_info:
+        _train(wider, tmp_path / "snap", 4, snapshots=config)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "shape mismatch 0.weight (snapshot [16, 8] vs live [32, 8])" in err, err
