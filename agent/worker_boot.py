@@ -125,10 +125,18 @@ def run(spec: dict[str, Any]) -> None:
             print(done.code, file=sys.stderr)
         exit_now(done.code if isinstance(done.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - as the interpreter would report it, then out
-        traceback.print_exc()
+        if not _told_lost_peer(exc):
+            traceback.print_exc()
         record_error(exc)
         exit_now(contract.EXIT_FAILED)
     mark_finished()
+
+
+def _told_lost_peer(exc: BaseException) -> bool:
+    """A sharded run's lost peer, raised in the script's own backward, said in one line instead
+    of a traceback (:func:`elastic.sharded.told_lost_peer`)."""
+    sharded = sys.modules.get("elastic.sharded")
+    return sharded is not None and bool(sharded.told_lost_peer(exc))
 
 
 def record_error(exc: BaseException) -> None:

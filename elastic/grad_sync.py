@@ -14,6 +14,11 @@ the previous step: the step is abandoned whole, never half-applied.
   the forward and waited for after the backward, so it overlaps them. In place, it carries
   the newest round every rank can switch to, so that all ranks switch at one boundary.
 
+A model sharded with FSDP2 (``sharded``, :mod:`elastic.sharded`) is never wrapped in DDP:
+its own backward reduce-scatters (and, as HSDP, all-reduces over replicas) and averages its
+gradients, so ``run.model`` is the model itself, and under ``user_backward`` the step's loss
+scale is put into the gradients after the backward (:meth:`GradSync.scale_sharded_grads`).
+
 DDP is built again after every change of world (:meth:`build`): its reducer keeps the
 group's size and its bucket state, and a failed all-reduce leaves it unusable.
 
@@ -57,9 +62,10 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 class GradSync:
-    def __init__(self, module: nn.Module, metrics: MetricsLike, user_backward: bool = False) -> None:
-        self.module, self.metrics, self.user_backward = module, metrics, user_backward
-        self.model: DistributedDataParallel | None = None
+    def __init__(self, module: nn.Module, metrics: MetricsLike, user_backward: bool = False,
+                 sharded: bool = False) -> None:
+        self.module, self.metrics, self.user_backward, self.sharded = module, metrics, user_backward, sharded
+        self.model: Any = None  # DistributedDataParallel, or the sharded module itself
         self.averages = True  # does DDP average (True) or does the loss carry 1/world (False)?
         self.grad_scale = 1.0  # user_backward: each bucket is multiplied by it (the step's loss scale)
         self.failure: str | None = None  # user_backward: the first gradient all-reduce of the step that failed
@@ -73,6 +79,13 @@ class GradSync:
         (``init_sync``), as DDP always did."""
         self._info = info
         self._buckets_settled = False
+        self.failure = None
+        if self.sharded:  # it syncs (and averages) its own gradients; DDP cannot wrap DTensors
+            self.model, self.averages = self.module, True
+            attach = getattr(self.metrics, "attach_sharded", None)  # FSDP2's collectives timed (metrics on)
+            if attach is not None:
+                attach(self.module)
+            return self.model
         with warnings.catch_warnings():
             # torch 2.14 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``, which
             # would sync buffers at init; in place, rank 0's buffers are healed and synced
@@ -113,7 +126,7 @@ class GradSync:
     def settle_buckets(self) -> None:
         """After a backward the script ran itself: DDP's one-time bucket rebuild, here (see backward)."""
         try:
-            if not self._buckets_settled and self.model is not None:
+            if not self._buckets_settled and isinstance(self.model, DistributedDataParallel):
                 self._buckets_settled = ddp_buckets.settle(self.model)
         except RuntimeError as exc:
             if is_collective_failure(exc):
@@ -128,6 +141,18 @@ class GradSync:
                 raise CollectiveFailure(_first_line(exc)) from exc
             raise
         self.settle_buckets()
+
+    def scale_sharded_grads(self, world_size: int) -> None:
+        """``user_backward`` with a sharded model: no comm hook scales the buckets, so the step's
+        loss scale (``grad_scale``, relative to a sum over ranks) goes into the averaged
+        gradients here, before anything reads them (clipping, the optimizer)."""
+        factor = self.grad_scale * world_size
+        if not self.sharded or factor == 1.0:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank, one broadcast per dtype."""

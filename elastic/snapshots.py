@@ -77,6 +77,7 @@ class Snapshots:
         self._last_time = time.monotonic()
         self._checked_members: tuple[int, int] | None = None
         self._stalled = 0.0  # seconds training waited on snapshots since the last take_stall()
+        self.collective = False  # a sharded model: every rank takes part in rank 0's capture (elastic.sharded)
 
     # ------------------------------------------------------------------ opening, per world
 
@@ -160,9 +161,11 @@ class Snapshots:
         """Step ``step`` is committed: its ledger line, and its snapshot if one is due (rank 0)."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
-        if self.writer is None:
-            return
         by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        if self.writer is None:
+            if self.collective and (force or by_steps) and step != 0:
+                state()  # this rank's part of rank 0's sharded capture (snapshots are due by steps only)
+            return
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         if not (force or by_steps or by_time) or step == 0:
             return

@@ -31,11 +31,20 @@ class TrainState:
         self.step = 0  # completed optimizer steps since the job began
         self.samples = 0  # samples those steps consumed
         self.user = UserState()  # what the loop registered (run.register)
+        self.sharded = False  # an FSDP2 model: its state is gathered and scattered by every rank at once
+
+    def _model_and_optimizer(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.sharded:
+            from .sharded import full_state
+
+            return full_state(self.module, self.optimizer)  # a collective: every rank calls capture at once
+        return self.module.state_dict(), self.optimizer.state_dict()
 
     def capture(self) -> dict[str, Any]:
+        model, optimizer = self._model_and_optimizer()
         state: dict[str, Any] = {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "sampler": self.sampler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples},
             "rng": capture_rng_state(),
@@ -50,10 +59,15 @@ class TrainState:
 
     def load(self, state: dict[str, Any]) -> None:
         """Take ``state`` (a snapshot or a replica's); a mismatch is the user's to fix, in one line."""
-        check_state_compatible(self.module.state_dict(), state["model"], "model")
-        self.module.load_state_dict(state["model"])
+        check_state_compatible(self.module.state_dict(), state["model"], "model")  # global shapes, if sharded
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                from .sharded import load_full_state
+
+                load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+            else:
+                self.module.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
             raise ElasticRunError(
                 f"snapshot optimizer does not match this optimizer ({e}); resume with the same optimizer "

@@ -102,6 +102,7 @@ from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard, owned
 from .log import how_noticed, show_library_lines
+from . import sharded
 from .own_group import taken_over_line, unwrap_ddp
 from .plan import DataPlan
 from .progress import take_over as take_over_progress
@@ -286,17 +287,25 @@ class ElasticRun:
             self._check_due = False  # set by a step every rank of the world applied: all check, or none
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
+            self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
+            if self.mesh is not None:  # each rank holds other shards: a whole-world vote would always split
+                self._check.every_steps = 0  # per-shard votes within each replicate group: not built yet
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
-            self.world = choose_world(self, backend, collective_timeout, in_place, owns_group)
+            self.state.sharded = self.mesh is not None
+            if self.mesh is not None:
+                sharded.check_snapshots(snapshot_config.every_seconds)
+            self.world = choose_world(self, backend, collective_timeout, in_place, owns_group,
+                                      off_reason=sharded.RESTART_REASON if self.mesh is not None else None)
             self.dist = self.world.connect()
             if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
                 log.info("%s %s", self._where, taken_over_line(took_ddp, self.world.took_group))
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
-            self.sync = GradSync(self.state.module, self.metrics, user_backward)
+            self.sync = GradSync(self.state.module, self.metrics, user_backward, sharded=self.mesh is not None)
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
+            self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded capture
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
             self._has_state = False  # a fresh process holds nothing until restored or healed
@@ -309,6 +318,9 @@ class ElasticRun:
                 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
             self.world.start()
             self._guard.install()
+            if self.mesh is not None and user_backward and self.world.restarts_from_disk:
+                # kept to the process's end: the failure surfaces after the loop's generator is gone
+                sharded.quiet_lost_peer(lambda: self._where, lambda: self.state.step + 1)
         except _USAGE_ERRORS as exc:
             self._usage_error(exc)
         finally:
@@ -318,6 +330,7 @@ class ElasticRun:
 
     @property
     def model(self) -> DistributedDataParallel:
+        """DDP of the current world around the script's module (a sharded model: the model itself)."""
         assert self.sync.model is not None
         return self.sync.model
 
@@ -470,8 +483,8 @@ class ElasticRun:
 
     def _save_committed_on_the_way_out(self) -> None:
         snapshots = self.snapshots
-        if snapshots is None or snapshots.writer is None or not self._has_state:
-            return
+        if snapshots is None or snapshots.writer is None or not self._has_state or self.state.sharded:
+            return  # a sharded capture needs every rank, and they are not here: the newest durable one stays
         step = self.state.step
         if self._committed != step or step <= 0 or snapshots.newest_durable == step:
             return  # not known to be committed by every rank, or already durable
@@ -620,6 +633,7 @@ class ElasticRun:
                 if recorded is not None:
                     raise CollectiveFailure(recorded)
                 self.sync.settle_buckets()
+                self.sync.scale_sharded_grads(self.dist.world_size)
                 ready = self._after_backward(pending)
             except CollectiveFailure as exc:
                 abandoned = StepResult(False, self.state.step + 1, self.epoch)
@@ -642,7 +656,13 @@ class ElasticRun:
         if ready >= _STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
         committing = time.perf_counter()
-        self._commit_previous()
+        try:
+            self._commit_previous()
+        except CollectiveFailure as exc:  # a sharded capture gathers over the mesh: a peer lost there
+            abandoned = StepResult(False, self.state.step + 1, self.epoch)
+            with owned():
+                self._recover(exc)
+            return abandoned
         self.metrics.commit_took(time.perf_counter() - committing)
         if self.max_grad_norm is not None:
             if self.state.scaler is not None:
@@ -840,6 +860,8 @@ class ElasticRun:
             # and so does rank 0 of torchrun's world, which restarts from disk.
             if self.dist.is_main and (leaving or self.world.restarts_from_disk):
                 self._snapshot_before_stopping(step, said)
+            elif self.state.sharded and self.world.restarts_from_disk:
+                self.state.capture()  # rank 0's sharded capture is a collective: this rank's part
         if leaving:
             self._leaving = True
             return
@@ -943,6 +965,14 @@ class ElasticRun:
 
 class _OwnUsageError(ElasticRunError):
     """A usage error of this rank's own (its metrics port, say): it says so itself, whatever its rank."""
+
+
+def _local_world_size() -> int:
+    """This node's rank count, as torchrun (or elastic agent) says; a world of one without it."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "") or (dist.get_world_size() if dist.is_initialized() else 1))
+    except ValueError:
+        return 1
 
 
 def _term_grace() -> float | None:

@@ -106,15 +106,22 @@ class TrainingWorld(ABC):
 
 
 def choose_world(run: "ElasticRun", backend: str, timeout: float, in_place: bool | None,
-                 owns_group: bool) -> TrainingWorld:
+                 owns_group: bool, off_reason: str | None = None) -> TrainingWorld:
     """In place when the agent offers rounds, ``in_place`` is not False and this torch can
-    reconfigure the chosen backend (else one line says why not); torchrun's world otherwise."""
+    reconfigure the chosen backend (else one line says why not); torchrun's world otherwise.
+    ``off_reason``: why this run cannot recover in place (a sharded model), said once and
+    told to the agent, so that a lost or joining node restarts the workers."""
     from .fixed_world import FixedWorld
     from .inplace.channel import WorkerChannel
 
     channel = WorkerChannel.from_env()
     if channel is None or in_place is False:
         return FixedWorld(run, backend, timeout, owns_group)  # a group the script made stays as it is
+    if off_reason is not None:
+        from .inplace.in_place_world import restart_instead
+
+        restart_instead(channel, off_reason)
+        return FixedWorld(run, backend, timeout, owns_group)
     from .inplace.in_place_world import InPlaceWorld, in_place_off_reason
 
     why_not, chosen = in_place_off_reason(channel, backend)

@@ -57,6 +57,14 @@ def in_place_off_reason(channel: WorkerChannel, backend: str) -> tuple[str | Non
     return why_not, chosen
 
 
+def restart_instead(channel: WorkerChannel, why: str) -> None:
+    """This run takes the restart path for a reason of its own (a sharded model): rank 0 says
+    so once, and the agent is told, so that a lost or joining node restarts the workers."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.warning("in-place recovery off: %s", why)
+    channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why))
+
+
 class InPlaceWorld(TrainingWorld):
     def __init__(self, run: "ElasticRun", channel: WorkerChannel, backend: str, timeout: float,
                  owns_group: bool) -> None:
@@ -308,4 +316,4 @@ def _release_ddp_at_exit(ref: "weakref.ref[ElasticRun]") -> None:
     gc.collect()
 
 
-__all__ = ["InPlaceWorld", "in_place_off_reason"]
+__all__ = ["InPlaceWorld", "in_place_off_reason", "restart_instead"]

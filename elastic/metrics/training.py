@@ -137,6 +137,7 @@ class TrainingMetrics:
                                     torch_version=torch.__version__, identity=rank_identity(info))
         self.backend = info.backend
         self.collectives: CollectiveTimer | None = None
+        self._sharded: list[CollectiveTimer] = []  # a sharded model's all-gather and reduce-scatter
         self._loss = LossReader()
         self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
         self._collective_seen = 0.0  # the comm hook's total at the previous step
@@ -156,6 +157,13 @@ class TrainingMetrics:
         self.collectives = register_comm_hook(model, self.backend, average=average)
         self._collective_seen = 0.0
         return average
+
+    def attach_sharded(self, model: torch.nn.Module) -> None:
+        """Time a sharded model's FSDP2 collectives (:mod:`elastic.metrics.fsdp_timing`)."""
+        if collective_metrics_enabled() and not self._sharded:
+            from .fsdp_timing import time_fsdp_collectives
+
+            self._sharded = time_fsdp_collectives(model, self.backend)
 
     def rank_changed(self, rank: int, world_size: int) -> None:
         """In-place recovery gave this process ``rank`` of ``world_size``: its per-rank series follow."""
@@ -204,9 +212,11 @@ class TrainingMetrics:
                   loss: torch.Tensor | None, tokens: int | None) -> None:
         """``loss`` None: a loop that runs its own backward (elastic.prepare); elastic_loss stays unset."""
         collective = 0.0
-        if self.collectives is not None:
-            self.collectives.drain()
-            total = self.collectives.seconds
+        timers = ([self.collectives] if self.collectives is not None else []) + self._sharded
+        if timers:
+            for timer in timers:
+                timer.drain()
+            total = sum(timer.seconds for timer in timers)
             collective, self._collective_seen = total - self._collective_seen, total
         self.worker.step_done(local_samples, step_seconds, data_wait_seconds, None if loss is None else self._loss(loss), tokens,
                               collective_seconds=collective,
