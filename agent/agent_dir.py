@@ -6,10 +6,16 @@ person cares about (a typo, a home or shared folder), so the agent first makes s
 directory is its own: one it created, or one that was empty, marked with :data:`MARKER`.
 A non-empty directory without the marker is refused. Without ``--agent-dir`` the agent
 makes a temporary directory, and :meth:`AgentDir.release` removes it when the agent exits.
+
+Two agents must never share one: the second would clear the first's run-time folders under
+its live workers (a careless second start on the same node crashed the live agent). The
+agent holds a POSIX lock on :data:`LOCK` for its life; the kernel drops it when the agent
+dies, however it dies, and forked workers do not inherit it (``lockf`` locks are per process).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MARKER = ".elastic-agent-dir"
+LOCK = ".elastic-agent.lock"  # locked by the live agent using the directory; holds its pid
 RUNTIME = ("heartbeat", "control", "goodput")  # cleared at start (metrics/ loses its *.db files)
 _MARKER_TEXT = ("Made by elastic agent, which clears heartbeat/, control/, goodput/ and metrics/*.db "
                 "here at each start. It uses a directory only when it is new, empty or holds this file.\n")
@@ -30,11 +37,14 @@ class AgentDirError(ValueError):
 class AgentDir:
     path: Path
     temporary: bool  # made for this run only, so removed when the agent exits
+    lock_fd: int | None = None  # open while the agent lives: its lock on LOCK
 
     def release(self) -> None:
         """Remove the directory if the agent made it for this run; a given one stays."""
         if self.temporary:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # the lock goes with it (it would at exit anyway)
 
 
 def claim_agent_dir(value: str | os.PathLike[str] | None) -> AgentDir:
@@ -56,11 +66,27 @@ def claim_agent_dir(value: str | os.PathLike[str] | None) -> AgentDir:
                     f"{path} holds files the agent did not create (it has no {MARKER}), and the agent "
                     "clears its run-time folders there; pass a new or empty directory")
             _mark(path)
+        lock_fd = _lock(path)
         for stale in RUNTIME:
             shutil.rmtree(path / stale, ignore_errors=True)  # a previous agent's: the marker says so
     except OSError as exc:
         raise AgentDirError(f"{path}: cannot use it ({exc.strerror}); pass a writable directory") from None
-    return AgentDir(path, temporary=False)
+    return AgentDir(path, temporary=False, lock_fd=lock_fd)
+
+
+def _lock(path: Path) -> int:
+    """Lock ``path``'s :data:`LOCK` for this process, or say which live agent holds it."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise AgentDirError(f"{path} is in use by a live agent (pid {holder}); give each agent on a "
+                            "machine its own directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _mark(path: Path) -> None:

@@ -165,7 +165,7 @@ def nodes(tmp_path: Path) -> Iterator[Callable[..., TorchrunNode]]:
     started: list[TorchrunNode] = []
 
     def start(**kwargs: object) -> TorchrunNode:
-        node = TorchrunNode(workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
+        node = TorchrunNode(**{"workdir": tmp_path, **kwargs})  # type: ignore[arg-type]
         started.append(node)
         return node.start()
 

@@ -90,6 +90,7 @@ class WorkerMetrics:
         f.rank_info.labels(*self.identity.labels()).set(1)
         f.worker_restarts.set(restart_count)
         f.build_info.labels(package_version(), torch_version, backend, device).set(1)
+        f.sdc_mismatches.labels(node=self.identity.node)  # served at 0 from the start: rate() and alerts see it
 
     def _bind(self, label: str) -> None:
         f = self.families

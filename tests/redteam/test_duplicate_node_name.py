@@ -77,11 +77,15 @@ def test_a_duplicate_elastic_agent_exits_2_with_one_line_and_the_job_trains_on(
     member = start(nodes, "a", etcd_server, run_id, script, 100000, nnodes="1:2", agent_args=["--lease-ttl", "2"],
                    env={"ROWS": str(rows)})
     wait_until(lambda: len(read_rows(rows)) >= 3, FORM_TIMEOUT, "the job to train", on_timeout=member.log_tail)
-    copy = start(nodes, "a", etcd_server, run_id, script, 100000, nnodes="1:2", agent_args=["--lease-ttl", "2"])
+    # The copy on another machine (its own --agent-dir; two agents on one directory are refused
+    # before they reach the rendezvous: tests/agent/test_agent_dir_lock.py).
+    other_host = tmp_path / "other-host"
+    other_host.mkdir()
+    copy = start(nodes, "a", etcd_server, run_id, script, 100000, nnodes="1:2", agent_args=["--lease-ttl", "2"],
+                 workdir=other_host)
     wait_until(lambda: not copy.alive(), FORM_TIMEOUT, "the copy to be refused", on_timeout=copy.log_tail)
     assert copy.process is not None and copy.process.returncode == 2
     text = copy.log_path.read_text()
-    # both nodes log to one file (same name): the copy's line is the one error line in it
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "node name 'a' is in use by a live agent" in errors[0], text[-3000:]
     assert "Traceback" not in text

@@ -92,7 +92,10 @@ class SeaweedS3:
                 "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-master.telemetry=false",
                 # Every bucket is a collection that grows its own volumes: small ones, and enough
                 # of them, or the server refuses writes (InternalError) after a few buckets.
-                "-master.volumeSizeLimitMB=64", "-volume.max=300", "-s3.port.grpc=0"]
+                "-master.volumeSizeLimitMB=64", "-volume.max=300", "-s3.port.grpc=0",
+                # Listeners with fixed default ports (Iceberg's catalog on 8181, Lance's on 9101):
+                # off, or two of these servers at once (pytest-xdist workers) collide on them.
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
