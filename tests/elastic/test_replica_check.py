@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.distributed import _free_port
+import torch.distributed as dist
+
 from tests.elastic.trainer_support import assert_state_equal, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,18 +67,25 @@ SCRIPT = textwrap.dedent('''\
 ''')
 
 
-def _world(tmp: Path, tag: str, world: int, flips: str, **extra: str) -> list[subprocess.Popen[bytes]]:
-    """``world`` worker processes, nodes ``{tag}0..``: a gloo world under plain env:// (no agent)."""
+def _world(tmp: Path, tag: str, world: int, flips: str,
+           stores: list[dist.TCPStore], **extra: str) -> list[subprocess.Popen[bytes]]:
+    """``world`` worker processes, nodes ``{tag}0..``: a gloo world under plain env:// (no agent).
+
+    The world's store is hosted here on a port the kernel picks, read back, and every rank is
+    its client (torch's agent-store mode): a port found free and handed to rank 0 to bind was
+    taken in between once (EADDRINUSE)."""
     out = tmp / tag
     out.mkdir()
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    stores.append(store)  # lives until the test ends
+    port = store.port
     procs = []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "ELASTIC_NODE_NAME": f"{tag}{rank}",
                "OMP_NUM_THREADS": "1", "STEPS": str(STEPS), "EVERY": str(EVERY), "FLIPS": flips,
                "SNAPSHOTS": str(out / "snapshots"), "LEDGER": str(out / "ledger.jsonl"), "OUT": str(out),
-               "PYTHONPATH": str(ROOT), **extra}
+               "PYTHONPATH": str(ROOT), "TORCHELASTIC_USE_AGENT_STORE": "True", **extra}
         env.pop("ELASTIC_HEARTBEAT_DIR", None)
         log = open(out / f"rank{rank}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, str(tmp / "job.py")], env=env, stdout=log,
@@ -115,9 +123,10 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
     # second moment, a registered tensor; 2 replicas: a parameter. References undisturbed.
     three = ('[[9, "c1", "0.weight"], [13, "c2", "3.weight.exp_avg_sq"], [18, "c1", "registered"], '
              '[21, "c2", "kept copy too"]]')
-    runs = {"r": _world(tmp_path, "r", 3, "[]"), "c": _world(tmp_path, "c", 3, three),
-            "p": _world(tmp_path, "p", 2, "[]", LOCAL_STATE="1"),
-            "d": _world(tmp_path, "d", 2, '[[9, "d1", "0.bias"]]', LOCAL_STATE="1")}
+    stores: list[dist.TCPStore] = []
+    runs = {"r": _world(tmp_path, "r", 3, "[]", stores), "c": _world(tmp_path, "c", 3, three, stores),
+            "p": _world(tmp_path, "p", 2, "[]", stores, LOCAL_STATE="1"),
+            "d": _world(tmp_path, "d", 2, '[[9, "d1", "0.bias"]]', stores, LOCAL_STATE="1")}
     for procs in runs.values():
         _wait(procs, tmp_path)
 
