@@ -47,7 +47,7 @@ from .location import S3Location, parse_s3
 from .manifest import FileEntry, Manifest, ManifestError
 from .s3client import PreconditionFailed, S3Objects
 from .s3fence import S3Fence, stale_commit
-from .store import SnapshotInfo, SnapshotStatus, TempDirStatus, _signature_only
+from .store import SnapshotInfo, SnapshotStatus, TempDirStatus, _signature_only, checked_options
 from .tree import check_state
 from .workers import DaemonPool
 
@@ -119,15 +119,7 @@ class S3SnapshotStore:
         spool_dir: str | None = None,
         **_ignored: Any,  # the local store's knobs (recycle, propagate_nice): nothing to do here
     ) -> None:
-        if key is signing.FROM_ENV:
-            key = signing.load_key()[0]
-        elif key is not None:
-            key = signing.checked_key(key)  # type: ignore[arg-type]
-        self._key: bytes | None = key  # type: ignore[assignment]
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        if if_exists not in ("skip", "error"):
-            raise ValueError(f"if_exists must be 'skip' or 'error', got {if_exists!r}")
+        self._key: bytes | None = checked_options(key, keep, if_exists)
         self.loc: S3Location = parse_s3(str(root))
         self.root = ObjectPath(str(self.loc))
         self.keep, self.if_exists, self.stale_temp_grace_s = keep, if_exists, stale_temp_grace_s

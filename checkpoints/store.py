@@ -138,6 +138,19 @@ class TempDirStatus:
 _SIGNATURE_PROBLEMS = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
 
 
+def checked_options(key: bytes | None | signing._FromEnv, keep: int, if_exists: str) -> bytes | None:
+    """The options every snapshot store shares, checked once: the job key it signs with (from
+    the environment by default, None for unsigned), how many to keep, what a second save of a
+    step does. Raises ValueError naming the bad one."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    if if_exists not in ("skip", "error"):
+        raise ValueError(f"if_exists must be 'skip' or 'error', got {if_exists!r}")
+    if key is signing.FROM_ENV:
+        return signing.load_key()[0]
+    return None if key is None else signing.checked_key(key)  # type: ignore[arg-type]
+
+
 def _signature_only(problems: list[str] | tuple[str, ...]) -> bool:
     """Refused for its signature alone (under a key), not for damage: such a snapshot may be
     the job's own from before it had a key, so it is reported once and never deleted for it."""
@@ -185,15 +198,7 @@ class SnapshotStore:
         recycle: bool = True,
         key: bytes | None | signing._FromEnv = signing.FROM_ENV,
     ) -> None:
-        if key is signing.FROM_ENV:
-            key = signing.load_key()[0]
-        elif key is not None:
-            key = signing.checked_key(key)  # type: ignore[arg-type]
-        self._key: bytes | None = key  # type: ignore[assignment]
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        if if_exists not in ("skip", "error"):
-            raise ValueError(f"if_exists must be 'skip' or 'error', got {if_exists!r}")
+        self._key: bytes | None = checked_options(key, keep, if_exists)
         self.root = Path(root)
         self.keep = keep
         self.if_exists = if_exists
