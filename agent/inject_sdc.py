@@ -39,7 +39,7 @@ def main(argv: Sequence[str]) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    nodes = [n.node for n in list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix)]
+    nodes = [n.node for n in list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True)]
     if args.node not in nodes:
         print(f"error: no live node {args.node!r} in run {etcd.run_id!r}; live: {', '.join(nodes) or 'none'}",
               file=sys.stderr)

@@ -67,6 +67,9 @@ def test_a_forged_record_naming_a_bystander_gets_no_signal(
         assert without_key.returncode == 2, without_key.stdout + without_key.stderr
         errors = [line for line in without_key.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "give it the key" in errors[0], without_key.stderr
+        flip = elastic("inject-sdc", "a", *target)  # the other tool that acts: the same rule
+        assert flip.returncode == 2 and "give it the key" in flip.stderr, flip.stdout + flip.stderr
+        assert "asked node" not in flip.stdout
         with_key = elastic("kill", "ghost", *target, "--rdzv-conf", f"hmac_key_file={key}")
         assert with_key.returncode == 2 and "no live node 'ghost'" in with_key.stderr, with_key.stderr
 
