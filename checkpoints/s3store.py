@@ -523,12 +523,7 @@ class S3SnapshotStore:
         found: dict[tuple[int, str], float] = {}
         for step in self._steps():
             objs = self._objects_of(step)
-            named: set[str] = set()
-            if layout.MANIFEST_NAME in objs:
-                try:
-                    named = {f.file for f in self._read_manifest(step, authenticate=False).files}
-                except ManifestError:
-                    named = set()
+            named = self._named_files(step, objs)
             for rel, o in objs.items():
                 if rel == layout.MANIFEST_NAME or rel in named or "/" not in rel:
                     continue
@@ -550,6 +545,16 @@ class S3SnapshotStore:
             out.append(TempDirStatus(self.root / f"{layout.step_dirname(step)}/{w}", step, pid, same_host, stale))  # type: ignore[arg-type]
         return out
 
+    def _named_files(self, step: int, objs: Mapping[str, Any]) -> set[str]:
+        """The files ``step``'s manifest names (none without one, or with one that does not
+        parse): what a writer's leftovers are told apart from."""
+        if layout.MANIFEST_NAME not in objs:
+            return set()
+        try:
+            return {f.file for f in self._read_manifest(step, authenticate=False).files}
+        except ManifestError:
+            return set()
+
     def clean_stale_temps(self) -> list[ObjectPath]:
         """Delete dead writers' unreferenced files and abort their incomplete multipart uploads;
         never a file a manifest names, never a live writer's."""
@@ -564,12 +569,7 @@ class S3SnapshotStore:
         for step, w in sorted(stale):
             sdir = layout.step_dirname(step)
             objs = self._objects_of(step)
-            named: set[str] = set()
-            if layout.MANIFEST_NAME in objs:
-                try:
-                    named = {f.file for f in self._read_manifest(step, authenticate=False).files}
-                except ManifestError:
-                    pass
+            named = self._named_files(step, objs)
             doomed = [f"{sdir}/{rel}" for rel in objs if rel.startswith(w + "/") and rel not in named]
             self.objects.delete(doomed)
             removed.append(self.root / f"{sdir}/{w}")
