@@ -65,6 +65,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Iterator, Sequence
 
+from checkpoints.pids import pid_alive
+
 from .netns_names import (
     DEFAULT_POOL, Names, NetnsNameError, central_addr, node_addr, owner_pid, pick_subnet,
 )
@@ -287,16 +289,6 @@ class NodeNetwork:
 
 
 # -- sweeping and availability ---------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _namespace_names() -> list[str]:
     done = ip("netns", "list", check=False)
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
@@ -326,17 +318,17 @@ def sweep() -> list[str]:
     removed = []
     for name in _link_names():  # veths first (each takes its peer along), then bridges
         pid = owner_pid(name)
-        if pid is not None and not _pid_alive(pid) and not name.endswith("b"):
+        if pid is not None and not pid_alive(pid) and not name.endswith("b"):
             if ip("link", "del", name, check=False).returncode == 0:
                 removed.append(name)
     for name in _link_names():
         pid = owner_pid(name)
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             if ip("link", "del", name, check=False).returncode == 0:
                 removed.append(name)
     for name in _namespace_names():
         pid = owner_pid(name)
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             _kill_inside(name)
             if ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(name)

@@ -12,6 +12,8 @@ import os
 import signal
 from pathlib import Path
 
+from checkpoints.pids import pid_alive
+
 
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
@@ -34,19 +36,11 @@ def process_tree(root: int) -> list[int]:
     order, frontier = [], [root]
     while frontier:
         pid = frontier.pop(0)
-        if not _alive(pid):
+        if not pid_alive(pid):
             continue
         order.append(pid)
         frontier.extend(children.get(pid, []))
     return order
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

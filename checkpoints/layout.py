@@ -18,6 +18,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from .pids import pid_alive  # noqa: F401  (its old home: callers import it from here)
+
 MANIFEST_NAME = "MANIFEST.json"
 STEP_DIGITS = 12
 _MAX_STEP = 10**STEP_DIGITS - 1
@@ -100,22 +102,6 @@ def key_filename(index: int, key: str) -> str:
     """File for one top-level key: index keeps names unique, the sanitised key keeps them readable."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:48].lstrip(".") or "key"
     return f"{index:03d}-{safe}.pt"
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    try:  # a zombie (killed, not reaped yet) answers kill(0) but writes nothing any more
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def fsync_dir(path: Path) -> None:

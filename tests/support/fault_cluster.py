@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from agent.local_node import LocalNode
 from agent.netns import NodeNetwork
+from checkpoints.pids import pid_alive  # noqa: F401  (tests and bench/netns_soak import it from here)
 from elastic.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
 from elastic.etcd.settings import EtcdSettings
 from elastic.ledger import read_ledger
@@ -160,17 +161,3 @@ class KeyWatch:
             except EtcdError:
                 pass
             client.close()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is as dead as a worker gets until its agent reaps it
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
