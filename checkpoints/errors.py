@@ -14,6 +14,7 @@ __all__ = [
     "SnapshotDiskFullError",
     "SnapshotExistsError",
     "SnapshotKeyError",
+    "JobKeyError",
 ]
 
 
@@ -45,5 +46,12 @@ class SnapshotExistsError(SnapshotError):
     """A valid snapshot for this step already exists and the store was told not to skip it."""
 
 
-class SnapshotKeyError(SnapshotError):
-    """The job key (``--key-file``, ``ELASTIC_RDZV_HMAC_KEY_FILE``/``ELASTIC_RDZV_HMAC_KEY``) is unusable."""
+class JobKeyError(SnapshotError, ValueError):
+    """The job key (``--key-file``, ``ELASTIC_RDZV_HMAC_KEY_FILE``/``ELASTIC_RDZV_HMAC_KEY``) is unusable.
+
+    One type for the snapshots and the rendezvous (``elastic.rendezvous.HmacKeyError`` is this
+    class), since both read the same key with one loader (:func:`checkpoints.signing.load_key`);
+    a ``ValueError`` too, as the rendezvous' callers (torchrun's handler factory) expect."""
+
+
+SnapshotKeyError = JobKeyError  # the name the snapshot store's callers know

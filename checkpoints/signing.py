@@ -6,8 +6,8 @@ carries ``"hmac"``, computed over its canonical bytes (everything but ``hmac`` a
 self-checksum), bound to the directory name and step so a signed manifest cannot be replayed
 under another step. A store that has a key refuses a manifest without a valid signature.
 
-The key is the one the rendezvous already uses (``elastic/rendezvous/signing.py``, read here
-independently so that this package does not depend on ``elastic``): the file named by
+The key is the one the rendezvous uses, and this module's :func:`load_key` is the one loader
+both read it with (here, since this package does not depend on ``elastic``): the file named by
 ``ELASTIC_RDZV_HMAC_KEY_FILE``, else the value of ``ELASTIC_RDZV_HMAC_KEY``; surrounding
 whitespace stripped, at least 16 bytes.
 """
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from .errors import SnapshotKeyError
+from .errors import JobKeyError as SnapshotKeyError
 
 KEY_ENV = "ELASTIC_RDZV_HMAC_KEY"
 KEY_FILE_ENV = "ELASTIC_RDZV_HMAC_KEY_FILE"
@@ -76,7 +76,7 @@ def load_key(key_file: str | os.PathLike[str] | None = None,
             raise SnapshotKeyError(f"cannot read job key file {str(path)!r}: {e.strerror or e}") from None
         if not key:
             raise SnapshotKeyError(f"job key file {str(path)!r} is empty")
-        _warn_if_exposed(path)
+        warn_if_exposed(path)
         return checked_key(key, f"job key file {str(path)!r}"), where
     inline = env.get(KEY_ENV)
     if inline:
@@ -87,18 +87,23 @@ def load_key(key_file: str | os.PathLike[str] | None = None,
 _exposed_warned: set[str] = set()
 
 
-def _warn_if_exposed(path: Path) -> None:
-    """One WARNING per key file and process if its group or others may read it (as ssh judges
-    a private key; ``elastic/rendezvous/signing.py`` says the same for the agents)."""
+def exposed_mode(mode: int) -> bool:
+    """True if a key file of this ``st_mode`` is open to its group or others (as ssh judges a
+    private key): whoever can read the job key can write any value the agents will trust."""
+    return bool(mode & 0o077)
+
+
+def warn_if_exposed(path: Path) -> None:
+    """One WARNING per key file and process if its group or others may read it."""
     try:
         mode = path.stat().st_mode
     except OSError:
         return
-    if mode & 0o077 and str(path) not in _exposed_warned:
+    if exposed_mode(mode) and str(path) not in _exposed_warned:
         _exposed_warned.add(str(path))
         logging.getLogger(__name__).warning(
             "job key file %s is open to other users (mode %o): anyone on this host who can read it can forge "
-            "snapshots this job trusts; chmod 600 %s", path, mode & 0o777, path)
+            "every value and snapshot this job trusts; chmod 600 %s", path, mode & 0o777, path)
 
 
 def _message(dirname: str, step: int, body: bytes) -> bytes:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
-from pathlib import Path
 from typing import Mapping
+
+from checkpoints.errors import JobKeyError
+from checkpoints.signing import checked_key, load_key
+# re-exported: their old home, which callers and tests import them from
+from checkpoints.signing import MIN_KEY_BYTES, exposed_mode, warn_if_exposed  # noqa: F401
 
 from .. import contract
 
@@ -23,8 +26,6 @@ log = logging.getLogger(__name__)
 
 HMAC_KEY_ENV = contract.HMAC_KEY_ENV
 HMAC_KEY_FILE_ENV = contract.HMAC_KEY_FILE_ENV
-MIN_KEY_BYTES = 16
-
 _SIGNED = b"EV3S1"
 _UNSIGNED = b"EV3U1"
 _TAG_BYTES = 32
@@ -36,19 +37,15 @@ class SignatureError(ValueError):
     """A value that was not written by a holder of the job key."""
 
 
-class HmacKeyError(ValueError):
-    """The configured job key cannot be used; the message says why."""
+HmacKeyError = JobKeyError  # one type for a bad job key, whoever reads it (checkpoints/errors.py)
 
 
 class StateSigner:
     """Signs and verifies values; ``key=None`` means unsigned mode (warns once)."""
 
     def __init__(self, key: bytes | None) -> None:
-        if key is not None and len(key) < MIN_KEY_BYTES:
-            raise HmacKeyError(
-                f"the rendezvous HMAC key has {len(key)} bytes; use at least {MIN_KEY_BYTES} "
-                "(e.g. head -c 32 /dev/urandom | base64 > job.key)"
-            )
+        if key is not None:
+            checked_key(key, "the rendezvous HMAC key")
         self._key = key
         if key is None:
             _warn_unsigned_once()
@@ -107,42 +104,7 @@ def _warn_unsigned_once() -> None:
         )
 
 
-_exposed_warned: set[str] = set()
-
-
-def exposed_mode(mode: int) -> bool:
-    """True if a key file of this ``st_mode`` is open to its group or others (as ssh judges a
-    private key): whoever can read the job key can write any value the agents will trust."""
-    return bool(mode & 0o077)
-
-
-def warn_if_exposed(path: Path) -> None:
-    """One WARNING per key file and process if it is readable (or writable) by others."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return
-    if exposed_mode(mode) and str(path) not in _exposed_warned:
-        _exposed_warned.add(str(path))
-        log.warning("job key file %s is open to other users (mode %o): anyone on this host who can read it can "
-                    "forge every value this job trusts; chmod 600 %s", path, mode & 0o777, path)
-
-
 def load_hmac_key(key_file: str | None, env: Mapping[str, str] | None = None) -> bytes | None:
-    """The job key from ``hmac_key_file``, ``ELASTIC_RDZV_HMAC_KEY_FILE`` or ``ELASTIC_RDZV_HMAC_KEY``."""
-    env = os.environ if env is None else env
-    path_text = key_file or env.get(HMAC_KEY_FILE_ENV)
-    if path_text:
-        path = Path(path_text).expanduser()
-        try:
-            key = path.read_bytes().strip()
-        except FileNotFoundError:
-            raise HmacKeyError(f"HMAC key file {str(path)!r} does not exist; fix hmac_key_file") from None
-        except OSError as exc:
-            raise HmacKeyError(f"cannot read HMAC key file {str(path)!r}: {exc.strerror}") from None
-        if not key:
-            raise HmacKeyError(f"HMAC key file {str(path)!r} is empty")
-        warn_if_exposed(path)
-        return key
-    inline = env.get(HMAC_KEY_ENV)
-    return inline.strip().encode() if inline else None
+    """The job key from ``hmac_key_file``, ``ELASTIC_RDZV_HMAC_KEY_FILE`` or ``ELASTIC_RDZV_HMAC_KEY``
+    (:func:`checkpoints.signing.load_key`, the one loader); None when none is set."""
+    return load_key(key_file or None, env)[0]

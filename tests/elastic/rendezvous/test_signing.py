@@ -42,3 +42,16 @@ def test_missing_key_file_is_one_clear_line(tmp_path: Path) -> None:
     with pytest.raises(HmacKeyError, match="does not exist") as info:
         load_hmac_key(str(tmp_path / "nope.key"), env={})
     assert "\n" not in str(info.value)
+
+
+def test_one_loader_and_one_error_type_for_the_job_key(tmp_path: Path) -> None:
+    """The rendezvous and the snapshots read the job key with one loader and refuse a bad one
+    with one type, so a tool catches either name (issue 38)."""
+    from checkpoints import SnapshotKeyError
+    from checkpoints.signing import load_key
+    assert HmacKeyError is SnapshotKeyError and issubclass(HmacKeyError, ValueError)
+    short = tmp_path / "short.key"
+    short.write_text("tiny\n")
+    for load in (lambda: load_hmac_key(str(short), env={}), lambda: load_key(short)):
+        with pytest.raises(HmacKeyError, match="at least 16"):
+            load()
