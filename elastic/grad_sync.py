@@ -40,26 +40,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import ddp_buckets
+# CollectiveFailure and is_collective_failure are imported from here too (their old home).
+from .collectives import CollectiveFailure, collective_failures, first_line, is_collective_failure  # noqa: F401
 from .distributed import DistInfo, collective_device
 from .metrics.training import MetricsLike
-
-# What a collective that failed because the world broke raises (gloo and NCCL say so in the message).
-_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-                     "timeout", "socket", "processgroup", "c10d", "peer", "aborted", "reconfigure")
-
-
-class CollectiveFailure(RuntimeError):
-    """A collective of this step failed: the world is broken, the step is abandoned."""
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, (CollectiveFailure, getattr(dist, "DistError", ()))):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(word in text for word in _COLLECTIVE_WORDS)
-
 
 class GradSync:
     def __init__(self, module: nn.Module, metrics: MetricsLike, user_backward: bool = False,
@@ -125,21 +109,13 @@ class GradSync:
 
     def settle_buckets(self) -> None:
         """After a backward the script ran itself: DDP's one-time bucket rebuild, here (see backward)."""
-        try:
+        with collective_failures():
             if not self._buckets_settled and isinstance(self.model, DistributedDataParallel):
                 self._buckets_settled = ddp_buckets.settle(self.model)
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(_first_line(exc)) from exc
-            raise
 
     def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
-        try:
+        with collective_failures():
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(_first_line(exc)) from exc
-            raise
         self.settle_buckets()
 
     def scale_sharded_grads(self, world_size: int) -> None:
@@ -163,7 +139,7 @@ class GradSync:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in self._buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
-        try:
+        with collective_failures():
             for dtype, group in by_dtype.items():
                 flat = torch.cat([b.detach().reshape(-1).to(device) for b in group])
                 dist.broadcast(flat, 0)
@@ -171,29 +147,17 @@ class GradSync:
                 for b in group:
                     b.detach().copy_(flat[offset:offset + b.numel()].view_as(b))
                     offset += b.numel()
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(_first_line(exc)) from exc
-            raise
 
     def start_control(self, value: int) -> tuple[torch.Tensor, Any]:
         assert self._info is not None
         tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(self._info))
-        try:
+        with collective_failures():
             return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(_first_line(exc)) from exc
-            raise
 
     def finish_control(self, control: tuple[torch.Tensor, Any]) -> int:
         tensor, work = control
-        try:
+        with collective_failures():
             work.wait()
-        except RuntimeError as exc:
-            if is_collective_failure(exc):
-                raise CollectiveFailure(_first_line(exc)) from exc
-            raise
         return int(tensor.item())
 
 
@@ -225,14 +189,14 @@ def _recording_hook(inner_state: Any, inner: Any) -> Any:
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            sync.failure = _first_line(exc)
+            sync.failure = first_line(exc)
             return _done(tensor)
 
         def settled(f: Any) -> torch.Tensor:
             try:
                 return f.value()
             except Exception as exc:  # noqa: BLE001 - a future carries any error; recorded, the step is abandoned
-                sync.failure = sync.failure or _first_line(exc)
+                sync.failure = sync.failure or first_line(exc)
                 return tensor
         return fut.then(settled)
     return hook
@@ -242,8 +206,3 @@ def _done(tensor: torch.Tensor) -> Any:
     fut: Any = torch.futures.Future()
     fut.set_result(tensor)
     return fut
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -239,7 +239,7 @@ def told_lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` (out of the script) is a lost peer of a sharded run on the restart path,
     now said in one line (and in torchrun's error file): then no traceback is due."""
     from .fixed_world import exit_for_restart
-    from .grad_sync import is_collective_failure
+    from .collectives import is_collective_failure
     from .log import how_noticed
 
     if _lost_peer_line is None or not is_collective_failure(exc):
@@ -259,15 +259,10 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     (empty elsewhere). A collective over the model's mesh: every rank calls it at once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from .grad_sync import CollectiveFailure, is_collective_failure
+    from .collectives import collective_failures
 
-    try:
+    with collective_failures():  # a peer lost while gathering: the step is abandoned, as in its backward
         return get_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    except RuntimeError as exc:
-        if is_collective_failure(exc):  # a peer lost while gathering: the step is abandoned, as in its backward
-            raise CollectiveFailure(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) \
-                from exc
-        raise
 
 
 def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],

@@ -98,6 +98,7 @@ from .distributed import (
 )
 from .fixed_world import FixedWorld
 from .goodput.recorder import GoodputLog
+from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard, owned
@@ -723,7 +724,7 @@ class ElasticRun:
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self._recover(CollectiveFailure(str(exc).splitlines()[0]))
+            self._recover(CollectiveFailure(first_line(exc)))
             return True
 
     def _returned_to(self, step: int) -> None:
@@ -789,7 +790,7 @@ class ElasticRun:
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self._recover(CollectiveFailure(str(exc).splitlines()[0]))
+            self._recover(CollectiveFailure(first_line(exc)))
             return False
         self._commit_previous()
         try:
@@ -846,7 +847,7 @@ class ElasticRun:
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            leavers, broke = [], (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            leavers, broke = [], first_line(exc)
         said = f"got signal {self._stop_signal}: stopping at step {step}" if leaving else \
             f"rank(s) {leavers or '?'} stop after step {step} (SIGTERM on their node)"
         if broke:  # a peer died as well: ``step`` is not known to be committed, the last one is

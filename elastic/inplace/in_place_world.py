@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistInfo, collective_device, init_distributed, node_name, pick_backend
-from ..grad_sync import CollectiveFailure, is_collective_failure
+from ..collectives import CollectiveFailure, first_line, is_collective_failure
 from ..log import how_noticed, reformed_line
 from ..own_group import own_backend, release_default_group
 from ..worker_env import in_setup_world
@@ -207,7 +207,7 @@ class InPlaceWorld(TrainingWorld):
                 note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
         except RuntimeError as exc:
             if is_collective_failure(exc):
-                raise CollectiveFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+                raise CollectiveFailure(first_line(exc)) from exc
             raise
         run._holds_state()
         return moved, note

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .. import contract
+from ..collectives import first_line
 from ..worker_env import Place, update_env
 from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
 from .fence import SocketFence
@@ -187,7 +188,7 @@ class Membership:
             # Part of forming a world, not news: a newer round came, or a member died as this
             # one formed; the next round leaves it out, and rank 0's line says what happened.
             log.debug("[%s local rank %d] round %d could not be joined (%s); joining the next", self.node,
-                      self.local_rank, offer.round, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                      self.local_rank, offer.round, first_line(exc))
             self._join_clock = None
             return None
         self._join_clock = None

@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..collectives import first_line
+
 SUPPORTED_BACKENDS = ("gloo", "nccl")
 GLOO_RECONFIGURE_TIMEOUT_S = 1.0
 GLOO_CONNECT_WAITS = 5  # gloo lets its connect phase last this many reconfigure timeouts (torch 2.14.1)
@@ -115,7 +117,7 @@ def reconfigure(uuid: int, handles: Sequence[str], timeout: timedelta) -> None:
     try:
         dist._reconfigure(uuid=uuid, handles=list(handles), timeout=timeout).wait()  # type: ignore[attr-defined]
     except RuntimeError as exc:
-        raise ReconfigureError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+        raise ReconfigureError(first_line(exc)) from exc
 
 
 def abort_backend(backend: str) -> bool:

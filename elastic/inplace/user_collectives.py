@@ -11,7 +11,7 @@ constructor until the run is closed):
 
 * the collectives named in :data:`WRAPPED`, called as ``torch.distributed.NAME`` on the
   default group (``group`` left out, None or ``dist.group.WORLD``), that fail the way a
-  lost peer makes them fail (:func:`elastic.grad_sync.is_collective_failure`) **return**
+  lost peer makes them fail (:func:`elastic.collectives.is_collective_failure`) **return**
   instead of raising: their outputs are left as they were, and the failure is recorded;
 * once one failed, the next ones return at once without touching the broken group;
 * the run takes the failure (:meth:`Guard.take`) at its next ``run.step`` or ``next()``
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from ..grad_sync import CollectiveFailure, is_collective_failure
+from ..collectives import CollectiveFailure, first_line, is_collective_failure
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,7 @@ class Guard:
 
     def record(self, name: str, exc: BaseException) -> None:
         if self.failure is None:
-            text = str(exc).strip()
-            first = text.splitlines()[0][:300] if text else type(exc).__name__
-            self.failure = CollectiveFailure(f"{USER_FAILURE_PREFIX}{name} failed: {first}")
+            self.failure = CollectiveFailure(f"{USER_FAILURE_PREFIX}{name} failed: {first_line(exc)}")
             self.where = name
             log.debug("dist.%s failed (recorded; the run abandons the step): %s", name, exc)
 
