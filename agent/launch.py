@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from elastic import contract
+from elastic.atomic_file import write_atomically
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
 from .agent_dir import MARKER, AgentDir, AgentDirError, claim_agent_dir
@@ -416,9 +417,7 @@ def _say_metrics_port(work: Path, url: str) -> None:
     """The port /metrics is bound to, in the agent directory: with ``--metrics-port auto`` the
     kernel picked it (no port chosen ahead can be taken by another process first)."""
     port = url.rsplit(":", 1)[1].split("/", 1)[0]
-    tmp = work / f"{METRICS_PORT_FILE}.tmp"
-    tmp.write_text(port + "\n")
-    os.replace(tmp, work / METRICS_PORT_FILE)
+    write_atomically(work / METRICS_PORT_FILE, (port + "\n").encode())
 
 
 def _close_job(handler: Any, outcome: str, cause: str) -> None:

@@ -27,6 +27,7 @@ from checkpoints.location import uses_object_store
 from checkpoints.stores import open_fence, open_store
 
 from . import contract
+from .atomic_file import write_atomically
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
@@ -45,10 +46,8 @@ def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None
         return
     path = Path(directory) / contract.STALE_FENCE_FILE
     with contextlib.suppress(OSError):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"snapshot_dir": str(root), "run": fence.run, "round": fence.round,
-                                   "group_round": token.round}))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps({"snapshot_dir": str(root), "run": fence.run, "round": fence.round,
+                                           "group_round": token.round}).encode())
 
 
 class FinalSnapshotLost(Exception):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import contract
+from ..atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,7 @@ def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str)
 def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str) -> Path:
     """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (written whole)."""
     path = Path(heartbeat_dir) / contract.SDC_INJECT_FILE.format(local_rank=local_rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"what": what}))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"what": what}).encode())
     return path
 
 
