@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.goodput.account import Account
-from elastic.goodput.report import describe, describe_fault
+from elastic.goodput.report import describe, describe_fault, seconds
 
 Labels = Mapping[str, str]
 DEFAULT_STRAGGLER_RATIO = 1.2
@@ -278,17 +278,7 @@ def build_view(current: Mapping[str, NodeScrape], previous: Mapping[str, NodeScr
 
 # -- formatting: short, fixed-width-friendly, SI -------------------------------------------
 def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 1e-3:
-        return f"{value * 1e6:.0f} µs"
-    if value < 1:
-        return f"{value * 1e3:.1f} ms"
-    if value < 120:
-        return f"{value:.2f} s"
-    if value < 7200:
-        return f"{value / 60:.1f} min"
-    return f"{value / 3600:.1f} h"
+    return "-" if value is None else seconds(value, fine=True)
 
 
 def fmt_rate(value: float | None, unit: str = "/s") -> str:
