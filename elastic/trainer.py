@@ -601,9 +601,7 @@ class ElasticRun:
                 self.sync.backward(loss if scale == 1.0 else loss * scale, self.state.scaler)
                 ready = self._after_backward(pending)
             except CollectiveFailure as exc:
-                abandoned = StepResult(False, self.state.step + 1, self.epoch)
-                self._recover(exc)
-                return abandoned
+                return self._abandon(exc)
         return self._apply(pending, loss, ready)
 
     def _before_user_backward(self) -> None:
@@ -637,9 +635,7 @@ class ElasticRun:
                 self.sync.scale_sharded_grads(self.dist.world_size)
                 ready = self._after_backward(pending)
             except CollectiveFailure as exc:
-                abandoned = StepResult(False, self.state.step + 1, self.epoch)
-                self._recover(exc)
-                return abandoned
+                return self._abandon(exc)
         return self._apply(pending, None, ready)
 
     def _after_backward(self, pending: _Pending) -> int:
@@ -660,10 +656,7 @@ class ElasticRun:
         try:
             self._commit_previous()
         except CollectiveFailure as exc:  # a sharded capture gathers over the mesh: a peer lost there
-            abandoned = StepResult(False, self.state.step + 1, self.epoch)
-            with owned():
-                self._recover(exc)
-            return abandoned
+            return self._abandon(exc)
         self.metrics.commit_took(time.perf_counter() - committing)
         if self.max_grad_norm is not None:
             if self.state.scaler is not None:
@@ -761,6 +754,14 @@ class ElasticRun:
                               self.plan.sampler.cursor, self.state.samples, force=force_snapshot)
 
     # ------------------------------------------------------------------ 3. a collective failed
+
+    def _abandon(self, exc: CollectiveFailure) -> StepResult:
+        """A collective of the step failed: nothing of it is applied, the world re-forms, and
+        the result says the step was not trained (``step`` is the one that would have been)."""
+        abandoned = StepResult(False, self.state.step + 1, self.epoch)
+        with owned():  # re-entrant: the callers in backward already hold it
+            self._recover(exc)
+        return abandoned
 
     def _recover(self, exc: CollectiveFailure) -> None:
         """Abandon the step (nothing of it was applied); the world forms again or ends.
