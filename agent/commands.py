@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +24,7 @@ from elastic.etcd import EtcdClient
 from elastic.rendezvous.registry import run_prefix
 from elastic.rendezvous.signing import SignatureError, StateSigner
 
-from .proctree import kill_tree
+from .proctree import kill_tree, process_tree
 
 if TYPE_CHECKING:
     from elastic.rendezvous.handler import EtcdV3RendezvousHandler
@@ -99,14 +101,76 @@ def send(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str, 
     client.call(lambda c: c.put(key, signer.seal(key.encode(), body)))
 
 
+THAW_MARK = "elastic-thaw"  # in the helper's command line, for ps (and tests)
+
+# The launcher forks the helper, prints its pid and exits; the helper, reparented away
+# from the frozen tree, sleeps and then SIGCONTs every pid it was given.
+_THAW_HELPER = """\
+import os, signal, sys, time
+seconds, pids = float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+pid = os.fork()
+if pid:
+    print(pid, flush=True)
+    os._exit(0)
+os.setsid()
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)  # the launcher's reader waits for the pipe to close
+time.sleep(seconds)
+for p in pids:
+    try:
+        os.kill(p, signal.SIGCONT)
+    except OSError:
+        pass
+os._exit(0)
+"""
+
+
+class ThawError(RuntimeError):
+    """The thaw helper could not be started, so nothing was frozen."""
+
+
+def freeze_for(root: int, seconds: float) -> list[int]:
+    """SIGSTOP ``root``'s process tree for ``seconds``; returns the pids frozen.
+
+    A detached helper SIGCONTs exactly those pids, also when ``root`` is this process
+    (an agent acting on a command from etcd stops itself last). Raises :class:`ThawError`,
+    having frozen nothing, if the helper did not start.
+    """
+    if not valid_freeze(seconds):
+        raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
+    pids = process_tree(root)
+    if not pids:
+        return []
+    helper = _start_thaw_helper(pids, seconds)
+    me = os.getpid()
+    frozen = [p for p in pids if p not in (helper, me)] + ([me] if me in pids else [])
+    for pid in frozen:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    return frozen
+
+
+def _start_thaw_helper(pids: list[int], seconds: float) -> int:
+    """The pid of a running helper that will thaw ``pids`` in ``seconds``; its launcher is
+    reaped here before this returns, so the helper is nobody's child in the frozen tree."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _THAW_HELPER, THAW_MARK, repr(seconds), *map(str, pids)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              start_new_session=True, timeout=30, text=True)
+        return int(done.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        raise ThawError(f"could not start the thaw helper ({exc}); nothing was frozen") from exc
+
+
 def carry_out(command: Command) -> None:
     """What an agent does with a command meant for it: its own tree, itself last."""
     log.warning("chaos command from etcd: %s this node", command.action)
     if command.action == KILL:
         kill_tree(os.getpid(), signal.SIGKILL)
     elif command.action == FREEZE:
-        from .kill import ThawError, freeze_for  # kill.py is the CLI that sends commands
-
         try:
             freeze_for(os.getpid(), command.seconds)
         except ThawError as exc:

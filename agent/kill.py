@@ -19,83 +19,18 @@ same, and nothing is frozen unless it started.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
 import socket
-import subprocess
 import sys
 from typing import Sequence
 
 from elastic.rendezvous.registry import list_nodes
 
-from .commands import FREEZE, KILL, MAX_FREEZE_S, send, valid_freeze
+# freeze_for, ThawError and THAW_MARK live with the command they carry out; imported from here too
+from .commands import FREEZE, KILL, MAX_FREEZE_S, THAW_MARK, ThawError, freeze_for, send, valid_freeze  # noqa: F401
 from .etcd_args import add_etcd_arguments, connect
 from .proc_identity import identify
-from .proctree import kill_tree, process_tree
-
-THAW_MARK = "elastic-thaw"  # in the helper's command line, for ps (and tests)
-
-# The launcher forks the helper, prints its pid and exits; the helper, reparented away
-# from the frozen tree, sleeps and then SIGCONTs every pid it was given.
-_THAW_HELPER = """\
-import os, signal, sys, time
-seconds, pids = float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
-pid = os.fork()
-if pid:
-    print(pid, flush=True)
-    os._exit(0)
-os.setsid()
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)  # the launcher's reader waits for the pipe to close
-time.sleep(seconds)
-for p in pids:
-    try:
-        os.kill(p, signal.SIGCONT)
-    except OSError:
-        pass
-os._exit(0)
-"""
-
-
-class ThawError(RuntimeError):
-    """The thaw helper could not be started, so nothing was frozen."""
-
-
-def freeze_for(root: int, seconds: float) -> list[int]:
-    """SIGSTOP ``root``'s process tree for ``seconds``; returns the pids frozen.
-
-    A detached helper SIGCONTs exactly those pids, also when ``root`` is this process
-    (an agent acting on a command from etcd stops itself last). Raises :class:`ThawError`,
-    having frozen nothing, if the helper did not start.
-    """
-    if not valid_freeze(seconds):
-        raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
-    pids = process_tree(root)
-    if not pids:
-        return []
-    helper = _start_thaw_helper(pids, seconds)
-    me = os.getpid()
-    frozen = [p for p in pids if p not in (helper, me)] + ([me] if me in pids else [])
-    for pid in frozen:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-    return frozen
-
-
-def _start_thaw_helper(pids: list[int], seconds: float) -> int:
-    """The pid of a running helper that will thaw ``pids`` in ``seconds``; its launcher is
-    reaped here before this returns, so the helper is nobody's child in the frozen tree."""
-    try:
-        done = subprocess.run([sys.executable, "-c", _THAW_HELPER, THAW_MARK, repr(seconds), *map(str, pids)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              start_new_session=True, timeout=30, text=True)
-        return int(done.stdout.strip())
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise ThawError(f"could not start the thaw helper ({exc}); nothing was frozen") from exc
+from .proctree import kill_tree
 
 
 def freeze_seconds(text: str) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -20,7 +20,38 @@ from .step_result import StepResult
 from .trainer import UsageExit
 
 if TYPE_CHECKING:
-    from .prepare import Elastic
+    from .trainer import ElasticRun
+
+
+class Elastic(Protocol):
+    """What of :class:`elastic.prepare.Elastic` the wrappers use: prepare.py imports this
+    module, so its class is named here by its shape rather than imported back."""
+
+    @property
+    def run(self) -> ElasticRun: ...
+
+    dataset: Any
+    accumulate: int
+    last_step: StepResult | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def sync_gradients(self) -> bool: ...
+
+    @property
+    def accumulating(self) -> bool: ...
+
+    def _epoch_batches(self) -> Iterator[Any]: ...
+
+    def _optimizer_step(self) -> StepResult: ...
 
 
 class PreparedModel(nn.Module):

@@ -17,16 +17,27 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from etcd3 import etcdrpc
 
-if TYPE_CHECKING:
-    from .client import EtcdClient
+from .settings import EtcdSettings
 
 log = logging.getLogger(__name__)
 
 Version = tuple[int, int, int]
+
+
+class _Client(Protocol):
+    """What of an :class:`~elastic.etcd.client.EtcdClient` the check uses (the client calls
+    this module, so it is named here by its shape rather than imported back)."""
+
+    @property
+    def settings(self) -> EtcdSettings: ...
+
+    def _raw(self) -> Any: ...
+
+    def member_channel(self, host: str, port: int) -> Any: ...
 
 RECOMMENDED: Version = (3, 5, 26)
 RECOMMENDED_TEXT = "etcd 3.5.26 or newer, or 3.6"
@@ -85,7 +96,7 @@ _checked: set[tuple[tuple[str, int], ...]] = set()  # endpoint sets already aske
 _warned = False
 
 
-def warn_if_old(client: "EtcdClient", timeout: float | None = None) -> str | None:
+def warn_if_old(client: _Client, timeout: float | None = None) -> str | None:
     """Ask ``client``'s members for their versions and warn (once per process) if any is old.
 
     Each set of endpoints is asked once per process. Returns the warning it logged, if
@@ -113,7 +124,7 @@ def warn_if_old(client: "EtcdClient", timeout: float | None = None) -> str | Non
     return message
 
 
-def read_versions(client: "EtcdClient", timeout: float = STATUS_TIMEOUT_S) -> dict[str, str]:
+def read_versions(client: _Client, timeout: float = STATUS_TIMEOUT_S) -> dict[str, str]:
     """``host:port -> version`` of every configured endpoint that answered within ``timeout``
     (all asked at once, on channels of their own; one that fails is left out)."""
     raw = client._raw()  # the one that just answered: it holds the auth token, if any

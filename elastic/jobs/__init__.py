@@ -6,26 +6,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
-
-if TYPE_CHECKING:  # the runner parses its flags before paying for ``import torch``
-    import torch
-    from torch import nn
-    from torch.utils.data import Dataset
+from .job import Job
 
 JOBS = ("mlp", "resnet", "resnet50")
-
-
-@dataclass(frozen=True)
-class Job:
-    name: str
-    model: "nn.Module"
-    dataset: "Dataset[Any]"
-    loss: "Callable[[nn.Module, Any], torch.Tensor]"  # (model, batch) -> mean loss over the batch
-    make_optimizer: "Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]"
-    default_lr: float
-    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 def build_job(name: str, *, seed: int, dataset_size: int | None = None, data: str | None = None,

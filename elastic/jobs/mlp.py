@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from . import Job
+from .job import Job
 
 IN_FEATURES, HIDDEN, CLASSES = 16, 64, 4
 DEFAULT_SIZE = 1024

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import Job
+from .job import Job
 
 DEFAULT_SIZE, CLASSES = 2048, 10
 

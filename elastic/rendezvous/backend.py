@@ -25,14 +25,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.etcd.kv import ExpiringLease, transact
 
+from .options import DEFAULT_STATE_TTL, connect
 from .signing import SignatureError, StateSigner
 from .store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DEFAULT_STATE_TTL = 7200
 
 
 def state_key(key_prefix: str, run_id: str) -> str:
@@ -128,8 +127,6 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     us, with our one-line message and the :class:`EtcdError` as its cause: torch's callers
     catch that type. Bad settings raise :class:`EtcdConfigError` / :class:`HmacKeyError`.
     """
-    from .options import connect  # options imports this module
-
     try:
         options, signer, client = connect(params)
     except EtcdError as exc:

@@ -29,9 +29,11 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic import contract
 from elastic.etcd import EtcdClient, EtcdConfigError, EtcdSettings, settings_from_options
 
-from .backend import DEFAULT_STATE_TTL
 from .registry import DEFAULT_LEASE_TTL
 from .signing import StateSigner, load_hmac_key
+
+# How long the rendezvous state outlives its last write (the backend's default TTL, seconds).
+DEFAULT_STATE_TTL = 7200
 
 log = logging.getLogger(__name__)
 
