@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-serial test-fast venv clean
+.PHONY: demo test test-serial test-fast lint venv clean
 
 venv: $(STAMP)
 
@@ -26,13 +26,19 @@ $(STAMP): pyproject.toml
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
-test: $(STAMP)
+test: lint
 	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-serial: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# ruff (bugs: pyflakes, bugbear, ...) and mypy, configured in pyproject.toml; `make test` runs
+# it first. A few seconds once mypy's cache (.mypy_cache) is warm.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --quiet elastic agent checkpoints tests bench deploy
+	$(VENV)/bin/mypy
 
 # Daily work: every pure and single-process test, no etcd, no agents (tests/conftest.py
 # marks the rest slow, and fails a test here that starts a process anyway).

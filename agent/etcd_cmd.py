@@ -119,7 +119,7 @@ def _refuse_taken(parser: argparse.ArgumentParser, host: str, port: int, what: s
         try:
             sock.bind(address)
         except OSError as exc:
-            parser.exit(2, f"error: {what} on {host}: {exc.strerror.lower()} (another etcd, perhaps an "
+            parser.exit(2, f"error: {what} on {host}: {(exc.strerror or str(exc)).lower()} (another etcd, perhaps an "
                            "earlier elastic etcd?); stop it, or pick another --client-port\n")
 
 

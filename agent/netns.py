@@ -372,7 +372,7 @@ class _FileLock:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(self.fd)
-                    raise NetnsError(f"{self.path} stayed locked for 30 s; is another harness stuck?")
+                    raise NetnsError(f"{self.path} stayed locked for 30 s; is another harness stuck?") from None
                 time.sleep(0.01)
 
     def __exit__(self, *exc: object) -> None:

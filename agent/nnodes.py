@@ -87,7 +87,7 @@ def resolve_nnodes(flag: str | None, env: Mapping[str, str]) -> NNodes:
     Empty values count as unset. Only the winner is checked: a value that loses is not
     the job's business, except that a losing ``PET_NNODES`` which says something else is
     worth one warning line."""
-    for source, value in ((FLAG, flag), (OURS, env.get(OURS)), (TORCHRUN, env.get(TORCHRUN))):
+    for source, value in ((FLAG, flag), (OURS, env.get(OURS)), (TORCHRUN, env.get(TORCHRUN))):  # noqa: B007 - read after the loop
         if _given(value):
             assert value is not None
             text = value.strip()

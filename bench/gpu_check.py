@@ -289,7 +289,9 @@ def section_staging(repeats: int) -> None:
         stager = Stager()
         nbytes = 0
 
-        def staged() -> tuple[float, float]:
+        # stager and state bound now (not looked up when called): the loop rebinds them and
+        # deletes state at the end of the iteration
+        def staged(stager: Stager = stager, state: Any = state) -> tuple[float, float]:
             nonlocal nbytes
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -304,7 +306,7 @@ def section_staging(repeats: int) -> None:
         blocking = statistics.median(r[0] for r in runs)
         landed = statistics.median(r[1] for r in runs)
 
-        def to_cpu() -> None:
+        def to_cpu(state: Any = state) -> None:
             torch.cuda.synchronize()
             map_state(state, lambda t, _where: t.cpu())
 
@@ -313,7 +315,7 @@ def section_staging(repeats: int) -> None:
               f"{landed * 1e3:.0f} ms ({nbytes / landed / GB:.1f} GB/s); a synchronous .cpu() of the same state "
               f"{anchor * 1e3:.0f} ms ({nbytes / anchor / GB:.1f} GB/s): blocking {blocking / anchor:.3f}x the anchor")
         stager.release()
-        del state
+        del state, staged, to_cpu  # the closures hold the state too
         torch.cuda.empty_cache()
 
 

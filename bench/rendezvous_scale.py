@@ -420,7 +420,8 @@ def run_formation(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\nformation: N nodes, one process each, min = max = N, lease TTL {args.lease_ttl} s; "
           f"medians of {args.repeats}")
     print(f"{'nodes':>5}  {'etcd-v3 s':>9}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8}  {'keep-alive':>10}  "
-          f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'cpu floor s':>11}  {'tree PSS/RSS GiB':>16}  {'avail GiB':>9}  load 1/5/15")
+          f"{'events/node':>11}  {'looks/node':>10}  {'cpu s/node':>10}  {'cpu floor s':>11}  "
+          f"{'tree PSS/RSS GiB':>16}  {'avail GiB':>9}  load 1/5/15")
     for n in args.nodes:
         ours = _formations(bench, OURS, n, args)
         theirs = _formations(bench, C10D, n, args) if C10D in args.backends and n <= args.c10d_max else []

@@ -13,9 +13,9 @@ Scheduling policy and niceness are per thread on Linux, so every call walks
 from __future__ import annotations
 
 import os
-from typing import Literal, Union
+from typing import Literal
 
-Priority = Union[Literal["idle"], int]  # "idle": SCHED_IDLE; an int: SCHED_OTHER at that nice value
+Priority = Literal["idle"] | int  # "idle": SCHED_IDLE; an int: SCHED_OTHER at that nice value
 
 
 def check_priority(priority: Priority) -> Priority:

@@ -140,7 +140,7 @@ class GradSync:
         for buffer in self._buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
         with collective_failures():
-            for dtype, group in by_dtype.items():
+            for group in by_dtype.values():
                 flat = torch.cat([b.detach().reshape(-1).to(device) for b in group])
                 dist.broadcast(flat, 0)
                 offset = 0

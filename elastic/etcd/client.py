@@ -253,7 +253,7 @@ class EtcdClient:
             if self._client is not None and (failed is None or self._client is failed):
                 try:
                     self._client.close()
-                except Exception:  # closing a broken channel must not mask the real error
+                except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
                     pass
                 self._client = None
 

@@ -150,7 +150,7 @@ class EmbeddedEtcd:
             return self
         binary = find_etcd_binary()
         fresh_ports = self.client_port == 0
-        for attempt in range(3):
+        for _attempt in range(3):
             if fresh_ports:
                 self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
             self.data_dir.mkdir(parents=True, exist_ok=True)

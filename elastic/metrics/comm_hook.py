@@ -24,7 +24,7 @@ hook's annotations with the real ``dist.GradBucket`` and ``Future[Tensor]`` obje
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,8 @@ _MAX_PENDING = 4096  # CUDA event pairs not yet read; beyond this the oldest tim
 class CollectiveTimer:
     """The hook's state: the bound series for (op, backend) and CUDA timings not yet read."""
 
-    def __init__(self, backend: str, process_group: Optional[dist.ProcessGroup] = None,
-                 op: str = OP_ALLREDUCE, fam: Optional[Families] = None, average: bool = True) -> None:
+    def __init__(self, backend: str, process_group: dist.ProcessGroup | None = None,
+                 op: str = OP_ALLREDUCE, fam: Families | None = None, average: bool = True) -> None:
         f = fam or families()
         self.backend, self.op, self.average = backend, op, average
         self.process_group = process_group
@@ -120,7 +120,7 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
 
 
 def register_comm_hook(model: DistributedDataParallel, backend: str,
-                       process_group: Optional[dist.ProcessGroup] = None, average: bool = True) -> CollectiveTimer:
+                       process_group: dist.ProcessGroup | None = None, average: bool = True) -> CollectiveTimer:
     """Install the hook on ``model`` (before its first backward); call ``drain()`` once per step.
 
     ``average=False`` sums the gradients: only for a caller whose loss already carries ``1 / world``.

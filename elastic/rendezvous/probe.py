@@ -36,7 +36,7 @@ def reach(addr: str, timeout: float = 1.0) -> str:
             return OK
     except ConnectionRefusedError:
         return REFUSED
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return UNREACHABLE
     except OSError as exc:
         if exc.errno == errno.ECONNREFUSED:

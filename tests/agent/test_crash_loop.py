@@ -14,7 +14,6 @@ the healthy nodes train on together without it and exit 0 at the last step.
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 from pathlib import Path

@@ -12,7 +12,6 @@ start, and where the recovery's time went.
 
 from __future__ import annotations
 
-import json
 import re
 import textwrap
 import time

@@ -111,7 +111,8 @@ def test_sigterm_to_the_whole_process_group_still_flushes(tmp_path: Path) -> Non
     """torchrun or a Ctrl-C may signal the group: the writer process must not die of it."""
     from ckpt_testutil import HERE, REPO_ROOT, child_env
 
-    proc = subprocess.Popen([sys.executable, str(HERE / "_ckpt_writer_child.py"), str(tmp_path), "--writer-process"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(HERE / "_ckpt_writer_child.py"), str(tmp_path), "--writer-process"],
+                            stdout=subprocess.PIPE,
                             text=True, env=child_env(), cwd=str(REPO_ROOT), start_new_session=True)
     try:
         out = LineReader(proc)

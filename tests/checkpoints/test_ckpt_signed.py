@@ -114,7 +114,8 @@ def test_a_forged_snapshot_is_invalid_skipped_with_one_line_and_never_deleted(
         assert store.verify(300, full=full) == [UNSIGNED]
         assert store.verify(200, full=full) == [MISMATCH]
         assert store.verify(100, full=full) == []
-    with pytest.raises(SnapshotCorruptError, match="^snapshot .*step-000000000300: " + UNSIGNED.replace("(", r"\(").replace(")", r"\)") + "$"):
+    unsigned = UNSIGNED.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(SnapshotCorruptError, match="^snapshot .*step-000000000300: " + unsigned + "$"):
         store.load(300)
     assert [i.step for i in store.list()] == [100]
 

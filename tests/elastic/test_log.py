@@ -205,7 +205,7 @@ def test_building_ddp_for_elastic_run_shows_no_deprecation_warning_but_others_st
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             GradSync(nn.Linear(4, 2), NoMetrics()).build(info)
-            warnings.warn("the user's own", FutureWarning)
+            warnings.warn("the user's own", FutureWarning, stacklevel=1)
         assert [str(w.message) for w in seen] == ["the user's own"]
     finally:
         dist.destroy_process_group()

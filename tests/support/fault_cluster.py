@@ -12,7 +12,6 @@ worker pid), its ``/metrics``, the node registry in etcd, the ledger and the sna
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field

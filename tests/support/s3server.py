@@ -111,7 +111,6 @@ class SeaweedS3:
         return False
 
     def _answers(self) -> bool:
-        import boto3
         import botocore.config
 
         try:

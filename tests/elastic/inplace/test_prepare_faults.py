@@ -179,7 +179,7 @@ def assert_each_sample_once_per_epoch(tmp: Path, names: list[str], incomplete_al
     assert steps and sorted(steps) == list(range(min(steps), max(steps) + 1)), "a gap in the committed steps"
     by_epoch: dict[int, list[int]] = defaultdict(list)
     incomplete: set[int] = set()  # epochs with a step whose row a SIGKILL cut off
-    for step, group in sorted(steps.items()):
+    for _step, group in sorted(steps.items()):
         if len({r["rank"] for r in group}) != group[0]["world_size"]:
             incomplete.add(group[0]["epoch"])
         for r in group:
