@@ -6,9 +6,8 @@ while any other error (a bug, a bad batch) still propagates. Torch types most of
 (``torch.distributed.DistError`` and its subclasses below), and the type decides. It does not
 type them all: with torch 2.14.1 a gloo peer lost mid-collective raises a plain
 ``RuntimeError("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ...")``, from
-``all_reduce`` and from ``work.wait()`` alike, and DDP's reducer re-raises a comm hook's failure
-through autograd the same way. For a plain ``RuntimeError`` only, the message is read
-(:data:`_UNTYPED_WORDS`). tests/elastic/test_collectives.py fails loudly if torch renames the
+``all_reduce`` and from ``work.wait()`` alike. So for a ``RuntimeError`` that torch did not type,
+and only then, the message is read (:data:`_UNTYPED_WORDS`). tests/elastic/test_collectives.py fails loudly if torch renames the
 types or starts typing the gloo failure.
 """
 
