@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.utils import macros
 
 from elastic import contract
-from elastic.inplace.channel import IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
+from elastic.inplace.channel import AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
 from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 from elastic.rendezvous.lease_clock import Verdict
@@ -454,7 +454,7 @@ class NodeAgent(ElasticAgent):
                 starting = True
                 continue
             statuses.append(status)
-        in_place = (bool(statuses) or starting) and all(s.mode == IN_PLACE for s in statuses)
+        in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
         self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
@@ -923,7 +923,7 @@ class NodeAgent(ElasticAgent):
         ready = 0
         for rank, pid in self._prestarted.items():
             status = self.channel.status(rank)
-            ready += status is not None and status.pid == pid and status.state == "joining"
+            ready += status is not None and status.pid == pid and status.state == contract.WorkerState.JOINING
         self.metrics.spare_workers_ready.set(ready)
 
     def _drop_prestarted(self) -> None:

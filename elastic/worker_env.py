@@ -246,6 +246,20 @@ def joins_live_world(peers_in_place: Mapping[str, bool], node: str) -> bool:
     return any(flag for name, flag in peers_in_place.items() if name != node)
 
 
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher (torchrun, ``elastic agent``) placed this process in a world."""
+    return contract.RANK_ENV in (os.environ if environ is None else environ)
+
+
+def be_world_of_one(port: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """A script run without a launcher: rank 0 of a world of one, its store on this host
+    (``port``, unless the user named one)."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault(contract.MASTER_ADDR_ENV, "127.0.0.1")
+    environ.setdefault(contract.MASTER_PORT_ENV, str(port))
+    environ.update({contract.RANK_ENV: "0", contract.WORLD_SIZE_ENV: "1", contract.LOCAL_RANK_ENV: "0"})
+
+
 def in_setup_world(environ: Mapping[str, str] | None = None) -> bool:
     return read(environ).me.setup_world
 
@@ -259,5 +273,5 @@ def update_env(place: Place, environ: MutableMapping[str, str] | None = None) ->
     return changed
 
 
-__all__ = ["NodeEnv", "Place", "RankEnv", "WorkerEnv", "in_setup_world", "joins_live_world", "rank_env", "read",
-           "update_env"]
+__all__ = ["NodeEnv", "Place", "RankEnv", "WorkerEnv", "be_world_of_one", "in_setup_world", "joins_live_world",
+           "rank_env", "read", "under_torchrun", "update_env"]

@@ -21,8 +21,6 @@ from .. import contract
 
 log = logging.getLogger(__name__)
 
-HMAC_KEY_ENV = contract.HMAC_KEY_ENV
-HMAC_KEY_FILE_ENV = contract.HMAC_KEY_FILE_ENV
 MIN_KEY_BYTES = 16
 
 _SIGNED = b"EV3S1"
@@ -80,7 +78,7 @@ class StateSigner:
             if magic == _SIGNED:
                 raise SignatureError(
                     "the value is HMAC-signed but this node has no job key; "
-                    f"give every node the same key ({HMAC_KEY_FILE_ENV} or hmac_key_file=)"
+                    f"give every node the same key ({contract.HMAC_KEY_FILE_ENV} or hmac_key_file=)"
                 )
             raise SignatureError("the value is not in the rendezvous format")
         if magic != _SIGNED:
@@ -103,7 +101,7 @@ def _warn_unsigned_once() -> None:
         log.warning(
             "rendezvous state is NOT signed: anyone who can write to etcd can run code on "
             "every agent. Set %s or --rdzv-conf hmac_key_file=PATH for production.",
-            HMAC_KEY_FILE_ENV,
+            contract.HMAC_KEY_FILE_ENV,
         )
 
 
@@ -131,7 +129,7 @@ def warn_if_exposed(path: Path) -> None:
 def load_hmac_key(key_file: str | None, env: Mapping[str, str] | None = None) -> bytes | None:
     """The job key from ``hmac_key_file``, ``ELASTIC_RDZV_HMAC_KEY_FILE`` or ``ELASTIC_RDZV_HMAC_KEY``."""
     env = os.environ if env is None else env
-    path_text = key_file or env.get(HMAC_KEY_FILE_ENV)
+    path_text = key_file or env.get(contract.HMAC_KEY_FILE_ENV)
     if path_text:
         path = Path(path_text).expanduser()
         try:
@@ -144,5 +142,5 @@ def load_hmac_key(key_file: str | None, env: Mapping[str, str] | None = None) ->
             raise HmacKeyError(f"HMAC key file {str(path)!r} is empty")
         warn_if_exposed(path)
         return key
-    inline = env.get(HMAC_KEY_ENV)
+    inline = env.get(contract.HMAC_KEY_ENV)
     return inline.strip().encode() if inline else None
