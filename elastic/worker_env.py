@@ -5,10 +5,10 @@ worker's (:func:`read`), so each variable of the contract (:mod:`elastic.contrac
 writer and one parser, with the default a worker under plain torchrun gets. Its parts:
 :class:`NodeEnv`, what every worker of a node gets, warm standbys included (they start
 before they know their rank); :class:`RankEnv`, torchrun's per-worker variables and ours.
+Values that change under a running worker (its ranks, in place) are read where used, not
+cached: :func:`read` parses the environment as it is now.
 
-torchrun's rank variables for a worker whose world changes under it.
-
-The agent writes ``RANK``, ``WORLD_SIZE``, ``GROUP_RANK``, ``LOCAL_WORLD_SIZE`` (and their
+**A worker whose world changes under it.** The agent writes ``RANK``, ``WORLD_SIZE``, ``GROUP_RANK``, ``LOCAL_WORLD_SIZE`` (and their
 ``ROLE_``/``GROUP_`` twins) into a worker's environment when it starts it. A worker that
 recovers in place outlives that world: when rank 0's node dies, a survivor becomes rank 0,
 while its environment would still hold its start-up rank, and code that reads the
@@ -27,7 +27,7 @@ and nobody else, with a store of their own. Its script's ``init_process_group()`
 set-up collectives then complete among those workers at once, instead of waiting for
 peers that called theirs long ago (and never will again) or meeting the survivors' step
 collectives; ``ElasticRun`` joins the real world at the loop's first batch
-(:data:`SETUP_WORLD_ENV` tells it so), and :func:`update_env` then writes the real values.
+(``contract.SETUP_WORLD_ENV`` tells it so), and :func:`update_env` then writes the real values.
 """
 
 from __future__ import annotations
