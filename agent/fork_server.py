@@ -33,8 +33,9 @@ import time
 from typing import BinaryIO
 
 from checkpoints.layout import pid_alive
+from elastic import contract
 
-from .fork_template import REPLY_FD_ENV, TEMPLATE_CODE, fork_unsafe_reason, serve_forked
+from .fork_template import TEMPLATE_CODE, fork_unsafe_reason, serve_forked
 from .warm_start import WarmPool
 from .worker_boot import parse_boot_command
 
@@ -282,7 +283,7 @@ class ForkServer:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", TEMPLATE_CODE], stdin=subprocess.PIPE,
-                env={**self.env, REPLY_FD_ENV: str(reply_w)}, pass_fds=(reply_w,), start_new_session=True)
+                env={**self.env, contract.TEMPLATE_REPLY_FD_ENV: str(reply_w)}, pass_fds=(reply_w,), start_new_session=True)
         finally:
             os.close(reply_w)
         if self._reply_fd is not None:

@@ -44,7 +44,6 @@ from elastic import contract
 
 from . import warm_worker, worker_boot
 
-REPLY_FD_ENV = contract.TEMPLATE_REPLY_FD_ENV
 TEMPLATE_CODE = "import sys; sys.path.pop(0); from agent.fork_template import main; main()"
 
 
@@ -68,7 +67,7 @@ def main() -> None:
     """The template started by exec: its environment is the node's already."""
     warm_worker.title_ready()
     worker_boot.die_with_agent()
-    _preload_and_serve(int(os.environ.pop(REPLY_FD_ENV)))
+    _preload_and_serve(int(os.environ.pop(contract.TEMPLATE_REPLY_FD_ENV)))
 
 
 def serve_forked(requests_fd: int, reply_fd: int, agent_pid: int) -> None:

@@ -59,13 +59,12 @@ from elastic.rendezvous.witness import ask
 
 log = logging.getLogger("elastic.agent")
 
-PROBE_ENV = contract.FREEZE_PROBE_ENV
 ANSWER_TIMEOUT_S = 0.3  # a live agent answers in ms, even on a loaded 2-core machine
 OWN_LEASE_FRESH = 0.5  # judge only with a keep-alive confirmed within this fraction of the TTL
 
 
 def probe_enabled(env: Mapping[str, str] | None = None) -> bool:
-    return (os.environ if env is None else env).get(PROBE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return (os.environ if env is None else env).get(contract.FREEZE_PROBE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def frozen_verdict(answered: Mapping[str, bool]) -> list[str]:
@@ -95,7 +94,7 @@ def waiting_level(status: WorkerStatus, round_number: int, participants: Sequenc
     agent's round: how far that join is stalled (a member, the round's store host among
     them, frozen before or during the exchange; :func:`elastic.inplace.stall.join_level`).
     """
-    joins = status.state == "joining" and isinstance(status.extra, dict) and status.extra.get("joining") == round_number
+    joins = status.state == contract.WorkerState.JOINING and isinstance(status.extra, dict) and status.extra.get("joining") == round_number
     return max(status.stalled if joins else 0, _behind_level(status, round_number, participants, worlds))
 
 

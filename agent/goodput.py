@@ -45,8 +45,9 @@ from elastic.etcd import EtcdClient, EtcdError
 from elastic.goodput.account import (DETECTION, FAULT_PHASES, JOIN, LOCAL_REASONS, LOST_CAUSES, PRODUCTIVE,
                                      RECOMPUTE, RENDEZVOUS, UNKNOWN, WORKER_START, Account, Interval, added, extend,
                                      name_faults)
+from elastic import contract
 from elastic.atomic_file import write_atomically
-from elastic.goodput.files import JOB_FILE, WorkerReport, read_report, worker_file
+from elastic.goodput.files import WorkerReport, read_report, worker_file
 from elastic.heartbeat import JOB_STEP, Beat, read_beats
 from elastic.rendezvous.registry import run_prefix
 from elastic.rendezvous.signing import SignatureError, StateSigner
@@ -300,9 +301,9 @@ class GoodputAccountant:
     def _adopt(self, record: Account, revision: int) -> None:
         self.record, self.revision = record, revision
         try:
-            write_atomically(self.directory / JOB_FILE, record.to_json())
+            write_atomically(self.directory / contract.GOODPUT_JOB_FILE, record.to_json())
         except OSError as exc:
-            log.debug("cannot write %s: %s", self.directory / JOB_FILE, exc)
+            log.debug("cannot write %s: %s", self.directory / contract.GOODPUT_JOB_FILE, exc)
         self.metrics.mirror(record)
 
     def _write(self, intervals: list[Interval]) -> bool:

@@ -40,7 +40,6 @@ from .settings import AgentSettings
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
-ENV_PREFIX = contract.ENV_PREFIX
 # Outside 9100-9999, which Prometheus' default-port list has filled (9400 is NVIDIA's DCGM
 # exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
 # 10050-10051 and Ray's 10001.
@@ -150,12 +149,16 @@ class _FromEnv(str):
         return text
 
 
+def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The agent's flags that an ``ELASTIC_<FLAG>`` variable may set (all but ``--help``);
+    ``elastic.contract.AGENT_FLAG_TWINS`` declares each one's twin."""
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
 def _defaults_from_env(parser: argparse.ArgumentParser, env: "os._Environ[str] | dict[str, str]") -> None:
     """``ELASTIC_FOO_BAR`` sets the default of ``--foo-bar`` (a flag given still wins)."""
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help",):
-            continue
-        value = env.get(ENV_PREFIX + action.dest.upper())
+    for action in flag_actions(parser):
+        value = env.get(contract.flag_twin(action.dest))
         if value is None:
             continue
         if action.nargs == 0:  # a switch
@@ -172,7 +175,7 @@ def _name_env_defaults(parser: argparse.ArgumentParser, env: "os._Environ[str] |
     for action in parser._actions:
         if action.type is None or not isinstance(action.default, str):
             continue
-        for variable in (ENV_PREFIX + action.dest.upper(), "PET_" + action.dest.upper()):
+        for variable in (contract.flag_twin(action.dest), "PET_" + action.dest.upper()):
             if env.get(variable) == action.default:
                 parser.set_defaults(**{action.dest: _FromEnv(action.default, variable)})
                 action.type = _naming_variable(parser, action.type)

@@ -35,9 +35,10 @@ from rich.console import Console
 from rich.text import Text
 
 from checkpoints.location import uses_object_store
+from elastic import contract
 from elastic.etcd import EmbeddedEtcd
 from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
-from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
+from elastic.rendezvous.signing import HmacKeyError, StateSigner, load_hmac_key
 
 from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and tests import them from here)
     ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, kill_during_snapshot,
@@ -282,7 +283,7 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     hands its workers the run's snapshot directory (ELASTIC_SNAPSHOT_DIR) and their share of
     the cores (OMP_NUM_THREADS, unless the user set it)."""
     agent_args = ["--lease-ttl", str(args.lease_ttl), "--snapshot-dir", snapshots_of(args, run_dir)]
-    env = {HMAC_KEY_FILE_ENV: str(key)}
+    env = {contract.HMAC_KEY_FILE_ENV: str(key)}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = _worker_threads(args)
     return [ClusterNode(LocalNode(

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from elastic import contract
 from elastic.goodput import Account, describe, newest_account
-from elastic.goodput.files import JOB_FILE
 
 from .local_faults import Cluster, Fault
 from .local_view import say
@@ -15,7 +15,7 @@ from .local_view import say
 
 def job_goodput(cluster: Cluster) -> Account | None:
     """The job's goodput record as the agents last mirrored it (each keeps a copy)."""
-    return newest_account(n.node.agent_dir / "goodput" / JOB_FILE for n in cluster.nodes)
+    return newest_account(n.node.agent_dir / "goodput" / contract.GOODPUT_JOB_FILE for n in cluster.nodes)
 
 
 _STARTED_OVER = ("steps rolled back 'up to N': the script reports no step numbers, so each restart started it over "

@@ -27,7 +27,6 @@ from typing import Mapping
 from elastic import contract
 
 FLAG = "--nnodes"
-OURS = contract.NNODES_ENV
 TORCHRUN = "PET_NNODES"
 DEFAULT = "1:1"  # torchrun's own default
 HOW = "give N or MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4"
@@ -44,7 +43,7 @@ class NNodes:
     """The range the agent runs with, where it came from, and what to warn about."""
 
     value: str  # as torchrun takes it: "N" or "MIN:MAX"
-    source: str  # FLAG, OURS, TORCHRUN or "default"
+    source: str  # FLAG, contract.NNODES_ENV, TORCHRUN or "default"
     low: int
     high: int
     warning: str | None = None
@@ -76,7 +75,7 @@ def _named(source: str, value: str) -> str:
 def environment_nnodes(env: Mapping[str, str]) -> str:
     """What the environment alone asks for (unchecked): ``ELASTIC_NNODES``, else
     ``PET_NNODES``, else ``1:1``. The agent's parser takes it as the flag's default."""
-    for name in (OURS, TORCHRUN):
+    for name in (contract.NNODES_ENV, TORCHRUN):
         if _given(env.get(name)):
             return env[name].strip()
     return DEFAULT
@@ -87,7 +86,7 @@ def resolve_nnodes(flag: str | None, env: Mapping[str, str]) -> NNodes:
     Empty values count as unset. Only the winner is checked: a value that loses is not
     the job's business, except that a losing ``PET_NNODES`` which says something else is
     worth one warning line."""
-    for source, value in ((FLAG, flag), (OURS, env.get(OURS)), (TORCHRUN, env.get(TORCHRUN))):  # noqa: B007 - read after the loop
+    for source, value in ((FLAG, flag), (contract.NNODES_ENV, env.get(contract.NNODES_ENV)), (TORCHRUN, env.get(TORCHRUN))):  # noqa: B007 - read after the loop
         if _given(value):
             assert value is not None
             text = value.strip()
@@ -95,7 +94,7 @@ def resolve_nnodes(flag: str | None, env: Mapping[str, str]) -> NNodes:
     else:
         source, text = "default", DEFAULT
     low, high = parse_nnodes(text, FLAG if source in (FLAG, "default") else source)
-    warning = _pet_warning(source, text, (low, high), env) if source in (FLAG, OURS) else None
+    warning = _pet_warning(source, text, (low, high), env) if source in (FLAG, contract.NNODES_ENV) else None
     return NNodes(value=text, source=source, low=low, high=high, warning=warning)
 
 

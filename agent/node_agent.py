@@ -48,15 +48,12 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.utils import macros
 
 from elastic import contract
-from elastic.goodput.files import GOODPUT_DIR_ENV
-from elastic.goodput.recorder import RECOVERY_ENV
-from elastic.inplace.channel import CONTROL_DIR_ENV, IN_PLACE, AgentChannel, RoundOffer, assign_ranks, make_offer
-from elastic.metrics.export import MULTIPROC_ENV
+from elastic.inplace.channel import AgentChannel, RoundOffer, assign_ranks, make_offer
 from elastic.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
 from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 from elastic.rendezvous.lease_clock import Verdict
 from elastic.rendezvous.rounds import FAILURE, JOIN
-from elastic.worker_env import joins_live_world, setup_world_env
+from elastic.worker_env import NodeEnv, Place, RankEnv, joins_live_world
 
 from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
@@ -84,13 +81,11 @@ from .sdc import SdcWatch
 from .settings import AgentSettings
 from .fork_server import ForkServer, discard_early
 from .watchdog import HangWatch
-from .worker_boot import AGENT_PID_ENV
 from .workers import Launch, LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
 STANDBY_READY_TIMEOUT_S = 120.0
-TERM_GRACE_ENV = contract.TERM_GRACE_ENV  # tells the workers how long they have (elastic.trainer)
 _STACK_DUMP_WAIT_S = 1.0
 _OFFER_TRIES = 5
 _KEEP_OUT_SEEN_S = 5.0  # how long to wait for the rendezvous' mirror to show our keep-out key change
@@ -459,7 +454,7 @@ class NodeAgent(ElasticAgent):
                 starting = True
                 continue
             statuses.append(status)
-        in_place = (bool(statuses) or starting) and all(s.mode == IN_PLACE for s in statuses)
+        in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
         self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
@@ -928,7 +923,7 @@ class NodeAgent(ElasticAgent):
         ready = 0
         for rank, pid in self._prestarted.items():
             status = self.channel.status(rank)
-            ready += status is not None and status.pid == pid and status.state == "joining"
+            ready += status is not None and status.pid == pid and status.state == contract.WorkerState.JOINING
         self.metrics.spare_workers_ready.set(ready)
 
     def _drop_prestarted(self) -> None:
@@ -989,49 +984,31 @@ class NodeAgent(ElasticAgent):
         return tuple(macros.substitute(list(self.spec.command), str(local_rank)))
 
     def _node_env(self) -> dict[str, str]:
-        """What every worker of this node gets, the standbys included (they import
-        prometheus_client before they know their rank, so its directory must be set)."""
-        env = {**self.settings.worker_env,
-               contract.NODE_NAME_ENV: self.node,
-               contract.HEARTBEAT_DIR_ENV: str(self.settings.heartbeat_dir),
-               MULTIPROC_ENV: str(self.settings.metrics_dir),
-               AGENT_PID_ENV: str(os.getpid())}
-        if self.settings.snapshot_dir is not None:
-            env[contract.SNAPSHOT_DIR_ENV] = str(self.settings.snapshot_dir)
-        env[TERM_GRACE_ENV] = f"{self.spec.term_grace:g}"
-        if self.channel is not None:
-            env[CONTROL_DIR_ENV] = str(self.settings.control_dir)
-        if self.goodput.enabled:
-            env[GOODPUT_DIR_ENV] = str(self.settings.goodput_dir)
-        return env
+        """What every worker of this node gets, the standbys included (:class:`NodeEnv`)."""
+        s = self.settings
+        return NodeEnv(node_name=self.node, heartbeat_dir=str(s.heartbeat_dir), metrics_dir=str(s.metrics_dir),
+                       agent_pid=os.getpid(), snapshot_dir=None if s.snapshot_dir is None else str(s.snapshot_dir),
+                       term_grace=self.spec.term_grace,
+                       control_dir=str(s.control_dir) if self.channel is not None else None,
+                       goodput_dir=str(s.goodput_dir) if self.goodput.enabled else None, extra=s.worker_env).to_env()
 
     def _env(self, local_rank: int, joining: Sequence[int] | None = None, setup_port: int = 0) -> dict[str, str]:
-        """torchrun's variables for one local rank, plus ours.
+        """torchrun's variables for one local rank, plus ours (:class:`RankEnv`).
 
         ``joining``: the local ranks started together into a world that already trains in
         place. Their ``init_process_group()`` would wait for peers that called theirs long
         ago, so their start-up world is just them, with a store of their own
-        (:func:`elastic.worker_env.setup_world_env`); ``ElasticRun`` joins the real world
+        (:meth:`RankEnv.in_setup_world`); ``ElasticRun`` joins the real world
         at the loop's first batch."""
-        rank = self.rank_base + local_rank
-        env = self._node_env()
-        env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(self.group_rank),
-            "ROLE_RANK": str(rank), "ROLE_NAME": self.spec.role, "LOCAL_WORLD_SIZE": str(self.spec.nproc),
-            "WORLD_SIZE": str(self.world_size), "GROUP_WORLD_SIZE": str(self.group_world),
-            "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port), "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.spec.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": str(self.handler.use_agent_store),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            contract.ROUND_ENV: str(self.round_number),
-        })
-        if self._recovering:
-            env[RECOVERY_ENV] = "1"
-        if joining:
-            env.update(setup_world_env(local_rank, joining, setup_port))
-        return env
+        place = Place(rank=self.rank_base + local_rank, world_size=self.world_size, group_rank=self.group_rank,
+                      group_world_size=self.group_world, local_world_size=self.spec.nproc, round=self.round_number)
+        me = RankEnv(place, local_rank=local_rank, role=self.spec.role, master_addr=self.master_addr,
+                     master_port=self.master_port, restart_count=self.restart_count,
+                     max_restarts=self.spec.max_restarts, run_id=self.spec.run_id,
+                     use_agent_store=self.handler.use_agent_store,
+                     nccl_async_error_handling=os.environ.get(contract.NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
+                     recovering=self._recovering)
+        return {**self._node_env(), **(me.in_setup_world(joining, setup_port) if joining else me).to_env()}
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)

@@ -34,7 +34,6 @@ from .stragglers import Pace, Straggler, StragglerWatch, eviction
 log = logging.getLogger(__name__)
 
 PERIOD_S = float(os.environ.get(contract.STRAGGLER_PERIOD_ENV, "5"))
-EVICT_ENV = contract.STRAGGLER_EVICT_ENV  # 0: name stragglers, never evict them
 COMPUTE = "elastic_step_compute_seconds"
 
 
@@ -57,7 +56,7 @@ def local_step(heartbeat_dir: Path) -> int | None:
 
 
 def evict_enabled() -> bool:
-    return os.environ.get(EVICT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return os.environ.get(contract.STRAGGLER_EVICT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class PaceMonitor:

@@ -25,7 +25,9 @@ import subprocess
 import sys
 import time
 
-from .warm_worker import READY_FD_ENV, STANDBY_CODE
+from elastic import contract
+
+from .warm_worker import STANDBY_CODE
 from .worker_boot import parse_boot_command
 
 
@@ -38,7 +40,7 @@ class _Standby:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", STANDBY_CODE], stdin=subprocess.PIPE,
-                env={**env, READY_FD_ENV: str(ready_w)}, pass_fds=(ready_w,), start_new_session=True)
+                env={**env, contract.STANDBY_READY_FD_ENV: str(ready_w)}, pass_fds=(ready_w,), start_new_session=True)
         finally:
             os.close(ready_w)
         self._ready_fd: int | None = ready_r

@@ -30,9 +30,6 @@ from elastic import contract
 
 from . import worker_boot
 
-WARM_IMPORTS_ENV = contract.WARM_IMPORTS_ENV
-STARTED_AT_ENV = contract.WORKER_STARTED_AT_ENV  # not elastic.metrics': it would import prometheus_client
-READY_FD_ENV = contract.STANDBY_READY_FD_ENV
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")
 STANDBY_CODE = "import sys; sys.path.pop(0); from agent.warm_worker import main; main()"
@@ -40,7 +37,7 @@ STANDBY_CODE = "import sys; sys.path.pop(0); from agent.warm_worker import main;
 
 def preload_configured() -> None:
     """What ``ELASTIC_WARM_IMPORTS`` names, or :data:`DEFAULT_IMPORTS` (standby and template)."""
-    modules = os.environ.get(WARM_IMPORTS_ENV)
+    modules = os.environ.get(contract.WARM_IMPORTS_ENV)
     preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))
 
 
@@ -61,7 +58,7 @@ def become(spec: dict[str, Any], parent_pid: int | None = None) -> None:
     os.environ.update(spec["env"])
     # What a cold start's process start time means: when the agent gave this standby its
     # rank, even if the standby was still importing then (it reads its rank only after).
-    os.environ[STARTED_AT_ENV] = repr(float(spec.get("given_at") or time.time()))
+    os.environ[contract.WORKER_STARTED_AT_ENV] = repr(float(spec.get("given_at") or time.time()))
     _redirect(0, os.devnull, os.O_RDONLY)
     if spec.get("stdout"):
         _redirect(1, spec["stdout"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
@@ -117,7 +114,7 @@ def main() -> None:
     title_ready()
     worker_boot.die_with_agent()
     preload_configured()
-    ready_fd = os.environ.pop(READY_FD_ENV, "")
+    ready_fd = os.environ.pop(contract.STANDBY_READY_FD_ENV, "")
     if ready_fd.isdigit():  # tell the pool the imports are done (one byte, then EOF)
         with contextlib.suppress(OSError):
             os.write(int(ready_fd), b"r")

@@ -41,12 +41,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from elastic import contract
+from elastic import contract, worker_env
 from elastic.atomic_file import write_atomically
 from elastic.heartbeat import mark_finished
 
 BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker_boot import main; main()"
-AGENT_PID_ENV = contract.AGENT_PID_ENV
 _PR_SET_PDEATHSIG = 1
 
 
@@ -76,17 +75,17 @@ def parse_target(argv: Sequence[str]) -> dict[str, Any] | None:
 
 def die_with_agent(parent_pid: int | None = None) -> None:
     """SIGKILL this process when its parent dies; exit now if it already has. The parent is
-    the agent (``AGENT_PID_ENV``), or for a worker forked by the node's template
+    the agent (``contract.AGENT_PID_ENV``), or for a worker forked by the node's template
     (:mod:`agent.fork_template`) the template, which itself dies with the agent."""
-    expected = str(parent_pid) if parent_pid is not None else os.environ.get(AGENT_PID_ENV, "")
-    if not expected.isdigit():
+    expected = parent_pid if parent_pid is not None else worker_env.read().node.agent_pid
+    if expected is None or expected < 0:
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return  # not Linux: the agent's own clean-up still stops us
-    if os.getppid() != int(expected):
+    if os.getppid() != expected:
         os._exit(contract.EXIT_FAILED)  # the agent died before the signal was armed
 
 
@@ -144,7 +143,7 @@ def record_error(exc: BaseException) -> None:
     so the agent can name why a worker failed (``agent.policy``: a crash loop's cause, a
     peer's broken connection) and torchrun-style reports show it. A file the script's own
     ``@record`` already wrote is left as it is."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    path = worker_env.read().error_file or ""
     if not path or path == os.devnull or os.path.exists(path):
         return
     data = {"message": {"message": f"{type(exc).__name__}: {exc}",

@@ -34,6 +34,8 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Proce
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from elastic import contract, worker_env
+
 from .fork_server import ForkServer
 from .warm_start import WarmPool
 
@@ -165,7 +167,7 @@ class LocalWorkers:
         env = dict(launch.env)
         error_file = self._dest.error_files.get(local_rank)
         if error_file and error_file != os.devnull:
-            env["TORCHELASTIC_ERROR_FILE"] = self._fresh_path(error_file, local_rank)
+            env[contract.ERROR_FILE_ENV] = self._fresh_path(error_file, local_rank)
         self._launches[local_rank] = Launch(launch.args, env)
         self._spawn(local_rank)
         self._retail()
@@ -187,7 +189,7 @@ class LocalWorkers:
         launch = self._launches[local_rank]
         stdout, stderr = self._paths(local_rank)
         env = {**os.environ, **launch.env}
-        error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+        error_file = worker_env.read(env).error_file or ""
         handle: _Handle | None = None
         if self.pool is not None and self.numa_options is None:
             proc = self.pool.take(launch.args, env, stdout or None, stderr or None)

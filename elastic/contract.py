@@ -11,29 +11,35 @@ rename cannot reach one side only. It has three parts:
    finds none of them and must still run (each reader has a default: no heartbeat, no
    in-place channel, round -1...). torchrun's own variables (``RANK``, ``LOCAL_RANK``,
    ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, ``TORCHELASTIC_*``) are set too, exactly as
-   torchrun sets them: that is torch's contract, not ours, and is not repeated here.
-   ``docs/agent.md`` ("The agent/worker contract") shows :func:`markdown_table`, and a test
-   keeps the two equal.
+   torchrun sets them: that is torch's contract, not ours, but their names are spelled here
+   (:data:`TORCHRUN`) so that the ranks are spelled once. :class:`elastic.worker_env.WorkerEnv`
+   builds the whole environment on the agent's side and parses it on the worker's, so each
+   variable has one writer and one reader. ``docs/agent.md`` ("The agent/worker contract")
+   shows :func:`markdown_table`, and a test keeps the two equal.
 2. **Files** in node-local directories the agent creates and names through the
    environment above; which side writes each is said beside its name. Every file is
    written whole and renamed into place (or, for heartbeats, one fixed-size ``pwrite``),
    so either side survives the other dying mid-write.
 3. **Exit codes** a worker ends with, as the agent's restart policy (``agent.policy``)
-   reads them.
+   reads them, and the **states** a worker reports on the in-place channel
+   (:class:`WorkerMode`, :class:`WorkerState`: ``str`` enums, so the JSON stays the same).
 
 :data:`SETTINGS` lists the other ``ELASTIC_*`` variables: knobs a person sets for one
 side (or for both, by inheritance), which no process sets for another. They live here
 too, in their own section, so that every ``ELASTIC_*`` name in the code is declared
 once, in this module (``tests/elastic/test_contract.py`` checks it), and a knob that
 starts to cross the boundary is moved to part 1 on purpose rather than by accident.
+:data:`AGENT_FLAG_TWINS` declares the ``ELASTIC_<FLAG>`` twin of every ``elastic agent``
+flag (a test checks it against the agent's parser, both ways).
 
-This module imports only `dataclasses` and must stay that light: the agent, the worker's first
-boot line and torchrun's handler loading all import it.
+This module imports only `dataclasses` and `enum` and must stay that light: the agent, the
+worker's first boot line and torchrun's handler loading all import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,9 @@ class Crossing:
 
 
 AGENT_TO_WORKER: dict[str, Crossing] = {}
+TORCHRUN: dict[str, str] = {}  # torch's names the agent sets as torchrun does -> what each says
 SETTINGS: dict[str, str] = {}  # name -> what a person sets it for
+AGENT_FLAG_TWINS: dict[str, str] = {}  # ELASTIC_FOO_BAR -> the agent flag's dest (foo_bar) it defaults
 
 
 def _crossing(name: str, set_by: str, read_by: str, meaning: str) -> str:
@@ -57,6 +65,11 @@ def _crossing(name: str, set_by: str, read_by: str, meaning: str) -> str:
 
 def _setting(name: str, meaning: str) -> str:
     SETTINGS[name] = meaning
+    return name
+
+
+def _torchrun(name: str, meaning: str) -> str:
+    TORCHRUN[name] = meaning
     return name
 
 
@@ -93,7 +106,7 @@ GOODPUT_RECOVERY_ENV = _crossing(  # "1" or unset
     "ELASTIC_GOODPUT_RECOVERY", "agent", "`elastic.goodput`",
     "`1`: this worker was started to repair a broken world (its start-up is recovery time)")
 SETUP_WORLD_ENV = _crossing(  # "1" or unset; the worker drops it once it joins the real world
-    "ELASTIC_SETUP_WORLD", "agent (`elastic.worker_env.setup_world_env`)", "`ElasticRun`",
+    "ELASTIC_SETUP_WORLD", "agent (`elastic.worker_env.RankEnv`)", "`ElasticRun`",
     "`1`: the worker joins a live world at its first batch; its start-up world is a private one")
 STANDBY_READY_FD_ENV = _crossing(  # popped by the standby once used
     "ELASTIC_STANDBY_READY_FD", "agent (`agent.warm_start`)", "`agent.warm_worker` (in the standby)",
@@ -107,6 +120,28 @@ WORKER_STARTED_AT_ENV = _crossing(  # a standby starts long before it becomes a 
 HMAC_KEY_FILE_ENV = _crossing(  # also a setting (the rendezvous reads it); checkpoints/ keeps its own copy
     "ELASTIC_RDZV_HMAC_KEY_FILE", "the user, or agent (`--rdzv-conf hmac_key_file`)",
     "the rendezvous, `checkpoints.signing`", "the job key file; workers sign snapshot manifests with it")
+
+
+# torchrun's own variables: the agent sets them exactly as torchrun would (torch's names,
+# spelled here once; elastic.worker_env.WorkerEnv builds and parses them).
+RANK_ENV = _torchrun("RANK", "the worker's global rank")
+LOCAL_RANK_ENV = _torchrun("LOCAL_RANK", "the worker's rank on its node (never changes in place)")
+GROUP_RANK_ENV = _torchrun("GROUP_RANK", "the node's index in the round")
+ROLE_RANK_ENV = _torchrun("ROLE_RANK", "the rank among workers of its role (= RANK: one role)")
+ROLE_NAME_ENV = _torchrun("ROLE_NAME", "the worker group's role")
+LOCAL_WORLD_SIZE_ENV = _torchrun("LOCAL_WORLD_SIZE", "workers on this node")
+WORLD_SIZE_ENV = _torchrun("WORLD_SIZE", "workers in the world")
+GROUP_WORLD_SIZE_ENV = _torchrun("GROUP_WORLD_SIZE", "nodes in the round")
+ROLE_WORLD_SIZE_ENV = _torchrun("ROLE_WORLD_SIZE", "workers of its role (= WORLD_SIZE)")
+MASTER_ADDR_ENV = _torchrun("MASTER_ADDR", "the host of the start-up world's store")
+MASTER_PORT_ENV = _torchrun("MASTER_PORT", "the port of the start-up world's store")
+RESTART_COUNT_ENV = _torchrun("TORCHELASTIC_RESTART_COUNT", "how often this node's group was restarted")
+MAX_RESTARTS_ENV = _torchrun("TORCHELASTIC_MAX_RESTARTS", "the agent's --max-restarts")
+RUN_ID_ENV = _torchrun("TORCHELASTIC_RUN_ID", "the job's run id (--rdzv-id)")
+USE_AGENT_STORE_ENV = _torchrun("TORCHELASTIC_USE_AGENT_STORE", "whether the worker reuses the agent's store")
+ERROR_FILE_ENV = _torchrun("TORCHELASTIC_ERROR_FILE", "where the worker writes its error (torch's logs specs)")
+NCCL_ASYNC_ERROR_HANDLING_ENV = _torchrun("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                          "NCCL's async error handling: the agent's own value, else 1")
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,6 +201,31 @@ def signal_exit(signum: int) -> int:
     return SIGNAL_EXIT_BASE + int(signum)
 
 
+# What a worker reports in its status file ($ELASTIC_CONTROL_DIR/worker-{local_rank}.json):
+# str enums, so the JSON on the wire is the plain value an older build reads and writes.
+
+class WorkerMode(str, Enum):
+    """How a worker survives a change of membership."""
+
+    IN_PLACE = "in_place"  # reconfigures in its own process (ElasticRun under an in-place agent)
+    RESTART = "restart"  # is stopped and started again (a plain script, or in place refused)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WorkerState(str, Enum):
+    """Where an in-place worker is in its round."""
+
+    STARTING = "starting"  # not yet in a world
+    JOINING = "joining"  # forming (or waiting to form) a round's world
+    TRAINING = "training"  # in a formed world, taking steps
+    REFORMING = "reforming"  # a collective failed: it asked for a new round
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # ---------------------------------------------------------------------------------------
 # Settings a person gives, read where they are set (or inherited): not the contract.
 # ---------------------------------------------------------------------------------------
@@ -192,6 +252,36 @@ SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")
+
+
+
+# ---------------------------------------------------------------------------------------
+# The agent's flags: every `elastic agent --foo-bar` defaults to $ELASTIC_FOO_BAR
+# (agent.launch). Declared so that each name the agent may read is in this module; a test
+# checks this list against the agent's parser both ways. Some are also crossings or
+# settings above (--node-name, --snapshot-dir, --term-grace, --nnodes, --rdzv-*, ...).
+# ---------------------------------------------------------------------------------------
+
+def flag_twin(dest: str) -> str:
+    """The variable that defaults the agent flag whose argparse ``dest`` is ``dest``."""
+    return ENV_PREFIX + dest.upper()
+
+
+def _flags(*dests: str) -> None:
+    for dest in dests:
+        AGENT_FLAG_TWINS[flag_twin(dest)] = dest
+
+
+_flags(  # torchrun's flags (torch.distributed.run), which the agent takes as they are
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "standalone",
+    "max_restarts", "monitor_interval", "start_method", "role", "module", "no_python", "run_path", "log_dir",
+    "redirects", "tee", "local_ranks_filter", "node_rank", "master_addr", "master_port", "local_addr",
+    "logs_specs", "log_line_prefix_template", "event_log_handler", "numa_binding", "signals_to_handle",
+    "duplicate_stdout_filters", "duplicate_stderr_filters", "virtual_local_rank", "print_completion",
+    "shutdown_timeout")
+_flags(  # the agent's own (agent.launch)
+    "node_name", "metrics_port", "metrics_addr", "lease_ttl", "hang_timeout", "snapshot_dir", "warm_start",
+    "in_place", "agent_dir", "hang_startup_timeout", "term_grace")
 
 
 def markdown_table() -> str:

@@ -10,7 +10,6 @@ peer should fail the step quickly so torchrun can re-form the world, not after t
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import socket
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import contract
+from . import worker_env
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class DistInfo:
 
 
 def node_name() -> str:
-    return os.environ.get(contract.NODE_NAME_ENV) or socket.gethostname()
+    return worker_env.read().node.node_name or socket.gethostname()
 
 
 def pick_backend(requested: str = "auto") -> str:
@@ -63,15 +62,13 @@ def pick_backend(requested: str = "auto") -> str:
 
 def init_distributed(backend: str = "auto", collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistInfo:
     """Join (or reuse) the default process group; pick the device from LOCAL_RANK."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = worker_env.read().me.local_rank
     if dist.is_initialized():
         chosen = str(dist.get_backend())
     else:
         chosen = pick_backend(backend)
-        if "RANK" not in os.environ:  # not under torchrun: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if not worker_env.under_torchrun():  # a world of one
+            worker_env.be_world_of_one(_free_port())
         if chosen == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(chosen, timeout=timedelta(seconds=collective_timeout))

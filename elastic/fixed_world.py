@@ -8,13 +8,12 @@ code 1, and its agent restarts every worker of the job in a new group.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from . import contract
+from . import worker_env
 from .distributed import DistInfo, ElasticRunError, all_gather_ints, init_distributed
 from .grad_sync import CollectiveFailure
 from .world import TrainingWorld
@@ -37,7 +36,7 @@ class FixedWorld(TrainingWorld):
 
     @property
     def round(self) -> int:
-        return int(os.environ.get(contract.ROUND_ENV, "-1"))
+        return worker_env.read().me.place.round
 
     def connect(self) -> DistInfo:
         return init_distributed(self.backend, self.timeout)

@@ -34,9 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import contract
+from . import contract, worker_env
 
-HEARTBEAT_DIR_ENV = contract.HEARTBEAT_DIR_ENV
 LOCAL_COUNT, JOB_STEP = 0, 1
 _FORMAT = struct.Struct("<qdqqdqd")  # step, unix time, pid, kind, loss (NaN: none), samples, finished (0: no)
 _SAMPLES = struct.Struct("<qdqqdq")  # before finished
@@ -59,10 +58,10 @@ class Beat:
 
 def own_record_path() -> Path | None:
     """This worker's record under the agent (``LOCAL_RANK``'s), or None outside it."""
-    directory = os.environ.get(HEARTBEAT_DIR_ENV)
-    if not directory:
+    env = worker_env.read()
+    if not env.node.heartbeat_dir:
         return None
-    return Path(directory) / contract.heartbeat_file(int(os.environ.get("LOCAL_RANK", "0")))
+    return Path(env.node.heartbeat_dir) / contract.heartbeat_file(env.me.local_rank)
 
 
 class Heartbeat:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Sequence
 
+from . import worker_env
+
 
 class LedgerError(RuntimeError):
     """The ledger file cannot be written; one line."""
@@ -32,7 +34,7 @@ class LedgerError(RuntimeError):
 
 def incarnation_id() -> str:
     """torchrun's restart count plus a per-process random tag: unique per worker start."""
-    return f"r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{secrets.token_hex(4)}"
+    return f"r{worker_env.read().me.restart_count}-{secrets.token_hex(4)}"
 
 
 class Ledger:

@@ -36,7 +36,6 @@ from typing import Mapping, Sequence
 from . import contract
 
 LIBRARY = "elastic"
-LEVEL_ENV = contract.LOG_LEVEL_ENV
 OFF = "OFF"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -83,7 +82,7 @@ def show_library_lines(env: Mapping[str, str] | None = None) -> StandIn | None:
     """Apply the module's rule now; idempotent, so each entry point calls it. Returns the
     stand-in when one is installed."""
     env = os.environ if env is None else env
-    level = parse_level(env.get(LEVEL_ENV, "INFO"))
+    level = parse_level(env.get(contract.LOG_LEVEL_ENV, "INFO"))
     library = logging.getLogger(LIBRARY)
     stand_in = next((h for h in library.handlers if isinstance(h, StandIn)), None)
     if level is None or someone_else_prints(LIBRARY, stand_in):
@@ -159,5 +158,5 @@ def reformed_line(*, lost: Sequence[str], joined: Sequence[str], lost_ranks: Map
             f"{new_world} at step {at_step}{note}, round {round_number}")
 
 
-__all__ = ["BY_THE_AGENTS", "LEVEL_ENV", "StandIn", "how_noticed", "nodes_phrase", "parse_level",
+__all__ = ["BY_THE_AGENTS", "StandIn", "how_noticed", "nodes_phrase", "parse_level",
            "reformed_line", "show_library_lines", "someone_else_prints"]

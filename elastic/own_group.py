@@ -18,7 +18,7 @@ the job back to its last snapshot. Now the run takes both over, and says so in o
   the script, as it left the old one: a final ``destroy_process_group()`` still works.
 
 A *joiner* (started into a world that already trains in place) made its group in the
-set-up world its agent described (:func:`elastic.worker_env.setup_world_env`: itself and
+set-up world its agent described (:meth:`elastic.worker_env.RankEnv.in_setup_world`: itself and
 the workers started with it), so its ``init_process_group()`` returned at once; the run
 takes that group over at the loop's first batch instead, when it joins the real world.
 """

@@ -66,7 +66,6 @@ launcher, a world of one. The wrappers themselves are :mod:`elastic.prepared`.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
@@ -77,7 +76,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from checkpoints.stores import location_of
 
-from . import contract
+from . import worker_env
 from .prepared import (
     _UNPREPARED_SCHEDULER,
     PreparedLoader,
@@ -112,7 +111,7 @@ class Elastic:
     def __init__(self, snapshot_dir: str | Path | None = None, *, epochs: int | None = None,
                  steps: int | None = None, global_batch_size: int | None = None, batch_size: int | None = None,
                  gradient_accumulation_steps: int = 1, **run_kwargs: Any) -> None:
-        snapshot_dir = snapshot_dir or os.environ.get(contract.SNAPSHOT_DIR_ENV)
+        snapshot_dir = snapshot_dir or worker_env.read().node.snapshot_dir
         if not snapshot_dir:
             _usage("give Elastic(snapshot_dir=...) (a directory every node shares), or set ELASTIC_SNAPSHOT_DIR")
         if int(gradient_accumulation_steps) < 1:

@@ -8,13 +8,13 @@ forwards everything it does not change to the object it wraps.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 
+from . import worker_env
 from .sampler import split_sizes
 from .step_result import StepResult
 from .trainer import UsageExit
@@ -223,7 +223,7 @@ def _has_scheduler(optimizer: Any) -> bool:
 
 def _usage(message: str) -> None:
     """One ``error:`` line (rank 0 speaks for every rank) and exit code 2, as ElasticRun's."""
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if worker_env.read().me.place.rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise UsageExit(message)
 

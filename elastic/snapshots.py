@@ -26,7 +26,7 @@ from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, S
 from checkpoints.location import uses_object_store
 from checkpoints.stores import open_fence, open_store
 
-from . import contract
+from . import contract, worker_env
 from .atomic_file import write_atomically
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
 from .ledger import Ledger, LedgerError
@@ -41,7 +41,7 @@ def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None
     """The fence that refused this group, for the agent (its heartbeat directory): an agent
     started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
     holds now means etcd lost the job's state (agent.policy)."""
-    directory = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+    directory = worker_env.read().node.heartbeat_dir
     if not directory or fence is None:
         return
     path = Path(directory) / contract.STALE_FENCE_FILE
@@ -117,7 +117,7 @@ class Snapshots:
     def token(self) -> FenceToken | None:
         """This world's fence token: the job's run id and its rendezvous round (None outside
         ``elastic agent``/torchrun with our rendezvous: nothing to fence against)."""
-        run, round_number = os.environ.get("TORCHELASTIC_RUN_ID"), self.round_of()
+        run, round_number = worker_env.read().me.run_id, self.round_of()
         return FenceToken(run, round_number) if run and round_number >= 0 else None
 
     def _raise_fence(self) -> str:
@@ -306,10 +306,7 @@ class Snapshots:
 
 def _round_from_env() -> int:
     """The round ``elastic agent`` started this worker in (restart path: it never changes)."""
-    try:
-        return int(os.environ.get(contract.ROUND_ENV, "-1"))
-    except ValueError:
-        return -1
+    return worker_env.read().me.place.round
 
 
 def last_ledger_step(path: str | os.PathLike[str]) -> int:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Sequence
 
-from . import contract
+from . import worker_env
 from .jobs import JOBS
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fixed-global (default): same global batch at any world size; fixed-per-rank: "
                         "--per-rank-batch-size per rank, LR scaled by global/--global-batch-size")
     p.add_argument("--per-rank-batch-size", type=_positive_int)
-    p.add_argument("--snapshot-dir", default=os.environ.get(contract.SNAPSHOT_DIR_ENV),
+    p.add_argument("--snapshot-dir", default=worker_env.read().node.snapshot_dir,
                    help="shared directory for snapshots (default: $ELASTIC_SNAPSHOT_DIR)")
     p.add_argument("--snapshot-every-steps", type=_non_negative_int, default=100, help="0 turns it off")
     p.add_argument("--snapshot-every-seconds", type=_positive_float)
@@ -93,7 +93,7 @@ class _Progress:
     def __init__(self, path: str | None, restart: int) -> None:
         self.out: IO[str] | None = _append(path, "--progress") if path else None
         self.restart = restart
-        self.round = int(os.environ.get(contract.ROUND_ENV, "-1"))  # set by elastic agent: the rendezvous round
+        self.round = worker_env.read().me.place.round  # set by elastic agent: the rendezvous round
 
     def __call__(self, info: "StepInfo") -> None:
         if self.out is None:
@@ -135,13 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run_config import DataConfig, SnapshotConfig
     from .trainer import ElasticRun, UsageExit
 
-    rank = int(os.environ.get("RANK", "0"))
+    env = worker_env.read()
+    rank = env.me.place.rank
     try:
         job = build_job(args.job, seed=args.seed, dataset_size=args.dataset_size, data=args.data,
                         image_size=args.image_size)
         optimizer = job.make_optimizer(job.model.parameters(), args.lr or job.default_lr)
-        progress = _Progress(args.progress if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None,
-                             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        progress = _Progress(args.progress if env.me.local_rank == 0 else None, env.me.restart_count)
         run = ElasticRun(
             job.model, optimizer, job.dataset,
             global_batch_size=args.global_batch_size, snapshot_dir=args.snapshot_dir,

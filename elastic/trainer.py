@@ -64,7 +64,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
-import os
 import random
 import signal
 import sys
@@ -84,7 +83,7 @@ from torch.utils.data import Dataset
 from checkpoints import SnapshotMismatchError
 from checkpoints.stores import location_of
 
-from . import contract
+from . import contract, worker_env
 from .consistency.check import ReplicaCheck
 from .consistency.inject import FlipRequests
 from .consistency.report import check_interval, report_mismatch
@@ -122,8 +121,6 @@ _STOP_BIT = 1 << 62
 # A second SIGTERM this soon after the first is the same request: systemd (KillMode=
 # control-group) signals every process of the unit, and the agent passes its own on too.
 _REPEATED_SIGNAL_S = 3.0
-TERM_GRACE_ENV = contract.TERM_GRACE_ENV  # set by elastic agent: seconds from SIGTERM to its SIGKILL
-USAGE_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # would fail again: an agent never restarts it
 
 
 class UsageExit(SystemExit, ElasticRunError):
@@ -132,7 +129,7 @@ class UsageExit(SystemExit, ElasticRunError):
     :class:`ElasticRunError` around the constructor still can."""
 
     def __init__(self, message: str) -> None:
-        SystemExit.__init__(self, USAGE_ERROR_EXIT)
+        SystemExit.__init__(self, contract.USAGE_ERROR_EXIT)
         self.message = message
 
     def __str__(self) -> str:
@@ -927,7 +924,7 @@ class ElasticRun:
     def _usage_error(self, exc: Exception) -> None:
         """One ``error:`` line and exit code 2, which an agent never restarts: the same error
         would come back at every start. Rank 0 speaks for errors every rank hits alike."""
-        rank = self.dist.rank if hasattr(self, "dist") else int(os.environ.get("RANK", "0") or 0)
+        rank = self.dist.rank if hasattr(self, "dist") else worker_env.read().me.place.rank
         if isinstance(exc, _OwnUsageError):
             print(f"error: [{node_name()} rank {rank}] {exc}", file=sys.stderr, flush=True)
         elif rank == 0:
@@ -972,18 +969,15 @@ class _OwnUsageError(ElasticRunError):
 def _local_world_size() -> int:
     """This node's rank count, as torchrun (or elastic agent) says; a world of one without it."""
     try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "") or (dist.get_world_size() if dist.is_initialized() else 1))
+        return worker_env.read().me.place.local_world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     except ValueError:
         return 1
 
 
 def _term_grace() -> float | None:
     """Seconds the agent waits after SIGTERM before its SIGKILL (None: not under elastic agent)."""
-    try:
-        grace = float(os.environ.get(TERM_GRACE_ENV, ""))
-    except ValueError:
-        return None
-    return grace if grace > 0 else None
+    grace = worker_env.read().node.term_grace
+    return grace if grace is not None and grace > 0 else None
 
 
 __all__ = ["ElasticRun", "StepInfo"]

@@ -22,7 +22,7 @@ _run_ids = itertools.count()
 # Agents the tests start run the product's default: warm starts, each worker forked from its
 # node's template (agent/fork_server.py), one torch import per node however many starts. The
 # tests of the cold path pass --no-warm-start.
-WARM_START_ENV = contract.ENV_PREFIX + "WARM_START"
+WARM_START_ENV = contract.flag_twin("warm_start")
 
 # Every simulated node of every test shares this machine's cores, as `elastic local`'s nodes
 # do, so their workers get its rule (agent/local_cluster.py): a share each, here one thread.

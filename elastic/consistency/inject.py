@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import contract
+from .. import contract, worker_env
 from ..atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class FlipRequests:
     and carried out on this rank's live state (a bad request is one line, never a crash)."""
 
     def __init__(self) -> None:
-        where = os.environ.get(contract.HEARTBEAT_DIR_ENV)
-        local_rank = os.environ.get("LOCAL_RANK", "0")
+        env = worker_env.read()
+        where, local_rank = env.node.heartbeat_dir, env.me.local_rank
         self.path = Path(where) / contract.SDC_INJECT_FILE.format(local_rank=local_rank) if where else None
 
     def poll(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, where: str) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import contract
+from .. import contract, worker_env
 from ..distributed import DistInfo, ElasticRunError
 from .check import DEFAULT_EVERY_STEPS, Mismatch, describe
 
@@ -57,7 +57,7 @@ def report_mismatch(m: Mismatch, d: DistInfo, metrics: Any) -> None:
 
 def _tell_agent(role: str, m: Mismatch, d: DistInfo) -> None:
     """One JSON line for this node's agent (under ``elastic agent`` only)."""
-    where = os.environ.get(contract.HEARTBEAT_DIR_ENV)
+    where = worker_env.read().node.heartbeat_dir
     if not where:
         return
     event = {"time": time.time(), "role": role, "step": m.step, "back_to": m.back_to, "rank": d.rank,

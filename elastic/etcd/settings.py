@@ -15,8 +15,6 @@ from typing import Mapping
 from .. import contract
 
 DEFAULT_PORT = 2379
-PASSWORD_ENV = contract.ETCD_PASSWORD_ENV
-PASSWORD_FILE_ENV = contract.ETCD_PASSWORD_FILE_ENV
 
 
 class EtcdConfigError(ValueError):
@@ -102,12 +100,12 @@ def read_password(
 ) -> str | None:
     """The etcd password from ``password_file``, ``ELASTIC_ETCD_PASSWORD(_FILE)``, or none."""
     env = os.environ if env is None else env
-    file_value = password_file or env.get(PASSWORD_FILE_ENV)
+    file_value = password_file or env.get(contract.ETCD_PASSWORD_FILE_ENV)
     if file_value:
         path = _readable_file(file_value, "etcd password", "password_file")
         assert path is not None
         return path.read_text().strip("\r\n")
-    return env.get(PASSWORD_ENV) or None
+    return env.get(contract.ETCD_PASSWORD_ENV) or None
 
 
 def settings_from_options(
@@ -119,7 +117,7 @@ def settings_from_options(
     if "password" in options:
         raise EtcdConfigError(
             "refusing an etcd password on the command line (it shows in ps); "
-            f"set {PASSWORD_ENV} or --rdzv-conf password_file=PATH instead"
+            f"set {contract.ETCD_PASSWORD_ENV} or --rdzv-conf password_file=PATH instead"
         )
     cacert = _readable_file(options.get("cacert"), "etcd CA certificate", "cacert=")
     cert = _readable_file(options.get("cert"), "etcd client certificate", "cert=")
@@ -132,7 +130,7 @@ def settings_from_options(
     password = read_password(options.get("password_file"), env)
     if user and password is None:
         raise EtcdConfigError(
-            f"etcd user {user!r} given without a password; set {PASSWORD_ENV} "
+            f"etcd user {user!r} given without a password; set {contract.ETCD_PASSWORD_ENV} "
             "or --rdzv-conf password_file=PATH"
         )
     if password is not None and not user:

@@ -30,7 +30,7 @@ _EXPORTS = {
     "added": "elastic.goodput.account",
     "name_faults": "elastic.goodput.account",
     "GoodputLog": "elastic.goodput.recorder",
-    "GOODPUT_DIR_ENV": "elastic.goodput.files",
+    "GOODPUT_DIR_ENV": "elastic.contract",
     "read_job_file": "elastic.goodput.files",
     "newest_account": "elastic.goodput.files",
     "describe": "elastic.goodput.report",
@@ -42,7 +42,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .account import (CAUSES, FAULT_PHASES, LOST_CAUSES, Account, Fault, Interval, added, extend,
                           name_faults)
-    from .files import GOODPUT_DIR_ENV, newest_account, read_job_file
+    from ..contract import GOODPUT_DIR_ENV
+    from .files import newest_account, read_job_file
     from .recorder import GoodputLog
     from .report import describe, describe_fault
 

@@ -20,8 +20,6 @@ from typing import Iterable
 from .. import contract
 from .account import Account, Interval
 
-GOODPUT_DIR_ENV = contract.GOODPUT_DIR_ENV
-JOB_FILE = contract.GOODPUT_JOB_FILE
 
 
 def worker_file(directory: Path, local_rank: int) -> Path:

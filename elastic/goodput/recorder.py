@@ -31,11 +31,10 @@ from typing import Callable, Sequence
 
 from .account import (DETECTION, JOIN, PRODUCTIVE, RECOMPUTE, RENDEZVOUS, RESTORE, SNAPSHOT, WORKER_START,
                       Interval)
-from .. import contract
+from .. import contract, worker_env
 from ..atomic_file import write_atomically
-from .files import GOODPUT_DIR_ENV, JOB_FILE, WorkerReport, read_job_file, worker_file
+from .files import WorkerReport, read_job_file, worker_file
 
-RECOVERY_ENV = contract.GOODPUT_RECOVERY_ENV  # "1": the agent started this worker to repair a broken world
 FLUSH_EVERY_S = 0.5
 # Whose each remembered interval is: handed in now, handed in if this process takes rank 0
 # over as a survivor, or never (its own start-up while the job trained on without it).
@@ -66,13 +65,14 @@ class GoodputLog:
 
     @classmethod
     def from_env(cls) -> "GoodputLog":
-        directory = os.environ.get(GOODPUT_DIR_ENV)
+        env = worker_env.read()
+        directory = env.node.goodput_dir
         if not directory:
             return cls(None)
         from elastic.metrics.worker import process_age_seconds  # the process's start, warm starts included
 
-        return cls(Path(directory), int(os.environ.get("LOCAL_RANK", "0")),
-                   started_at=time.time() - process_age_seconds(), recovery=os.environ.get(RECOVERY_ENV) == "1")
+        return cls(Path(directory), env.me.local_rank,
+                   started_at=time.time() - process_age_seconds(), recovery=env.me.recovering)
 
     @property
     def enabled(self) -> bool:
@@ -185,7 +185,7 @@ class GoodputLog:
     def _read_job(self, force: bool = False) -> None:
         if self.directory is None:
             return
-        path = self.directory / JOB_FILE
+        path = self.directory / contract.GOODPUT_JOB_FILE
         try:
             st = os.stat(path)
         except OSError:

@@ -25,14 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .. import contract
+from .. import contract, worker_env
 from ..atomic_file import write_atomically
 
-CONTROL_DIR_ENV = contract.CONTROL_DIR_ENV  # the names live in elastic.contract, which both sides import
-OFFER_FILE = contract.OFFER_FILE
-WAKE_FIFO = contract.WAKE_FIFO
 
-IN_PLACE, RESTART = "in_place", "restart"  # a worker's mode, as it reports it
 
 
 @dataclass(frozen=True)
@@ -97,9 +93,9 @@ class WorkerStatus:
     newer than that one, because a collective failed)."""
 
     pid: int
-    mode: str = RESTART
+    mode: str = contract.WorkerMode.RESTART  # a WorkerMode's value (a newer build's may be unknown here)
     round: int = -1
-    state: str = "starting"  # starting | joining | training | reforming
+    state: str = contract.WorkerState.STARTING  # a WorkerState's value
     step: int = 0
     want_round_after: int | None = None
     reason: str = ""
@@ -122,19 +118,19 @@ class AgentChannel:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        fifo = directory / WAKE_FIFO
+        fifo = directory / contract.WAKE_FIFO
         if not fifo.exists():
             os.mkfifo(fifo, 0o600)
         # read-write and non-blocking: never blocks on open, never sees EOF when writers go
         self.wake_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
 
     def offer(self, offer: RoundOffer) -> None:
-        write_atomically(self.directory / OFFER_FILE, offer.to_json())
+        write_atomically(self.directory / contract.OFFER_FILE, offer.to_json())
 
     def withdraw(self) -> None:
         """No round for the workers: a restart path's new workers must not read an old offer."""
         with contextlib.suppress(FileNotFoundError):
-            (self.directory / OFFER_FILE).unlink()
+            (self.directory / contract.OFFER_FILE).unlink()
 
     def status(self, local_rank: int) -> WorkerStatus | None:
         try:
@@ -167,15 +163,14 @@ class WorkerChannel:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerChannel | None":
-        env = os.environ if env is None else env
-        directory = env.get(CONTROL_DIR_ENV)
-        if not directory:
+        parsed = worker_env.read(env)
+        if not parsed.node.control_dir:
             return None
-        return cls(Path(directory), int(env.get("LOCAL_RANK", "0")))
+        return cls(Path(parsed.node.control_dir), parsed.me.local_rank)
 
     def offer(self) -> RoundOffer | None:
         """The agent's latest offer; re-read only when the file changed (one ``stat``)."""
-        path = self.directory / OFFER_FILE
+        path = self.directory / contract.OFFER_FILE
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -196,7 +191,7 @@ class WorkerChannel:
 
     def wake_agent(self) -> None:
         try:
-            fd = os.open(self.directory / WAKE_FIFO, os.O_WRONLY | os.O_NONBLOCK)
+            fd = os.open(self.directory / contract.WAKE_FIFO, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as exc:  # no reader (the agent is gone) or no FIFO: the agent's tick still comes
             if exc.errno not in (errno.ENXIO, errno.ENOENT):
                 raise

@@ -30,10 +30,11 @@ from ..distributed import DistInfo, collective_device, init_distributed, node_na
 from ..collectives import CollectiveFailure, first_line, is_collective_failure
 from ..log import how_noticed, reformed_line
 from ..own_group import own_backend, release_default_group
-from ..worker_env import in_setup_world
 from ..world import TrainingWorld
+from .. import worker_env
+from ..contract import WorkerMode
 from . import agreement
-from .channel import RESTART, WorkerChannel, WorkerStatus
+from .channel import WorkerChannel, WorkerStatus
 from .membership import Membership, World
 
 if TYPE_CHECKING:
@@ -51,18 +52,18 @@ def in_place_off_reason(channel: WorkerChannel, backend: str) -> tuple[str | Non
     chosen = pick_backend(own_backend(backend))
     why_not = unsupported_reason(chosen)
     if why_not is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if worker_env.read().me.place.rank == 0:
             log.warning("in-place recovery off: %s; a lost or joining node restarts the workers", why_not)
-        channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why_not))
+        channel.report(WorkerStatus(pid=os.getpid(), mode=WorkerMode.RESTART, reason=why_not))
     return why_not, chosen
 
 
 def restart_instead(channel: WorkerChannel, why: str) -> None:
     """This run takes the restart path for a reason of its own (a sharded model): rank 0 says
     so once, and the agent is told, so that a lost or joining node restarts the workers."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if worker_env.read().me.place.rank == 0:
         log.warning("in-place recovery off: %s", why)
-    channel.report(WorkerStatus(pid=os.getpid(), mode=RESTART, reason=why))
+    channel.report(WorkerStatus(pid=os.getpid(), mode=WorkerMode.RESTART, reason=why))
 
 
 class InPlaceWorld(TrainingWorld):
@@ -87,22 +88,24 @@ class InPlaceWorld(TrainingWorld):
 
     def connect(self) -> DistInfo:
         if torch.cuda.is_available():
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", worker_env.read().me.local_rank)
             torch.cuda.set_device(self.device)
-        if in_setup_world():  # a joiner: set-up code runs in its own world; it joins at the first batch
+        if worker_env.in_setup_world():  # a joiner: set-up code runs in its own world; it joins at the first batch
             self.in_setup_world = True
             self.membership.announce()
             return init_distributed(self.backend, self.timeout.total_seconds())
         if dist.is_initialized():  # the script's own init_process_group: make it again, reconfigurable
             self.took_group = release_default_group(self.timeout.total_seconds())
-        self.membership.start(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), self.device)
+        started = worker_env.read().me.place
+        self.membership.start(started.rank, started.world_size, self.device)
         return self.info()
 
     def info(self) -> DistInfo:
         world = self.membership.world
-        rank = world.rank if world else int(os.environ.get("RANK", "0"))
-        size = world.world_size if world else int(os.environ.get("WORLD_SIZE", "1"))
-        return DistInfo(rank, size, int(os.environ.get("LOCAL_RANK", "0")), self.device, self.backend, node_name())
+        me = worker_env.read().me
+        rank = world.rank if world else me.place.rank
+        size = world.world_size if world else me.place.world_size
+        return DistInfo(rank, size, me.local_rank, self.device, self.backend, node_name())
 
     def start(self) -> None:
         if self.in_setup_world:

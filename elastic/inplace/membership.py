@@ -53,8 +53,10 @@ import torch.distributed as dist
 
 from .. import contract
 from ..collectives import first_line
+from .. import worker_env
+from ..contract import WorkerMode, WorkerState
 from ..worker_env import Place, update_env
-from .channel import IN_PLACE, RoundOffer, WorkerChannel, WorkerStatus
+from .channel import RoundOffer, WorkerChannel, WorkerStatus
 from .fence import SocketFence
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure, reconfigure_timeout
 from .round_store import RoundAbandoned, RoundStore
@@ -66,7 +68,6 @@ _POLL_S = 0.005
 _POST_AGAIN_S = 0.1  # a post ahead that failed (its store not up yet) is tried again after this
 _STALL_FLOOR_S = 0.5  # a newer round exists and no step for this long: the collective is stuck
 _STALL_FACTOR = 4.0
-DUPLICATE_HANDLE_EXIT = contract.DUPLICATE_HANDLE_EXIT  # a fresh worker whose handle collides: its agent starts it anew
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _key(rank: int) -> str:
 def _place(offer: RoundOffer, world: World) -> Place:
     """This worker's place in the world it just joined, as torchrun's variables describe it."""
     here = offer.nprocs[offer.node_rank] if offer.node_rank < len(offer.nprocs) else \
-        int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        (worker_env.read().me.place.local_world_size or 1)
     return Place(rank=world.rank, world_size=world.world_size, group_rank=offer.node_rank,
                  group_world_size=len(offer.participants), local_world_size=here, round=offer.round)
 
@@ -122,13 +123,13 @@ class Membership:
     def announce(self) -> None:
         """A joiner in its set-up world: tell the agent now that this worker runs in place (so a
         new round rejoins it rather than restarting it); its group comes at :meth:`start`."""
-        self._report("joining")
+        self._report(WorkerState.JOINING)
 
     def start(self, stable_rank: int, stable_ranks: int, device: torch.device | None = None) -> None:
         init_group(self.backend, self.store, stable_rank, stable_ranks, self.timeout,
                    device if self.backend == "nccl" else None)
         self._handle = handle()
-        self._report("joining")
+        self._report(WorkerState.JOINING)
         self._thread = threading.Thread(target=self._watch, name="elastic-membership", daemon=True)
         self._thread.start()
 
@@ -141,7 +142,7 @@ class Membership:
     def join(self, min_round: int = 0) -> World:
         """Reconfigure into the agent's newest round at or after ``min_round``."""
         self._joining = True
-        self._report("joining")
+        self._report(WorkerState.JOINING)
         try:
             while True:
                 offer = self._await_offer(max(min_round, self.round + 1))
@@ -179,7 +180,7 @@ class Membership:
                     log.error("[%s local rank %d] my process-group handle collides with another new worker's "
                               "in round %d; exiting so that the agent starts me anew", self.node, self.local_rank,
                               offer.round)
-                    os._exit(DUPLICATE_HANDLE_EXIT)
+                    os._exit(contract.DUPLICATE_HANDLE_EXIT)
                 return None
             self.fence.before_connect()
             reconfigure(offer.round, handles, reconfigure_timeout(self.backend, self.timeout))
@@ -202,7 +203,7 @@ class Membership:
         self._last_step = time.monotonic()
         self._steady, self._stalled = False, 0
         update_env(_place(offer, self.world))  # for code that reads RANK and the like late
-        self._report("training")
+        self._report(WorkerState.TRAINING)
         log.debug("[%s rank %d] reconfigured into round %d in %.3f s", self.node, self.world.rank, offer.round,
                   time.monotonic() - started)
         return self.world
@@ -226,7 +227,7 @@ class Membership:
         self._last_step, self.step, self._steady = now, step, True
         if self._stalled:  # it was only slow: say so (rare, so the write costs nothing per step)
             self._stalled = 0
-            self._report("training")
+            self._report(WorkerState.TRAINING)
 
     # ------------------------------------------------------------------ 4. after a failure
 
@@ -236,13 +237,13 @@ class Membership:
         after = self.round if after_round is None else after_round
         self._want_after = max(after, self._want_after if self._want_after is not None else -1)
         self._why = reason
-        self._report("reforming", wake=True)
+        self._report(WorkerState.REFORMING, wake=True)
 
-    def _report(self, state: str, wake: bool = False) -> None:
+    def _report(self, state: WorkerState, wake: bool = False) -> None:
         if self._want_after is not None and self.round > self._want_after:
             self._want_after, self._why = None, ""
         try:
-            self.channel.report(WorkerStatus(pid=os.getpid(), mode=IN_PLACE, round=self.round, state=state,
+            self.channel.report(WorkerStatus(pid=os.getpid(), mode=WorkerMode.IN_PLACE, round=self.round, state=state,
                                              step=self.step, want_round_after=self._want_after, reason=self._why,
                                              stalled=self._stalled, extra=self._stall_extra()),
                                 wake=wake)
@@ -326,7 +327,7 @@ class Membership:
         self._stalled = level
         log.debug("[%s rank %d] step %d has waited %.2f s (limit %.2f s): %s", self.node, world.rank, self.step + 1,
                   waited, self._pace.limit(), "stuck" if level >= STUCK else "slow")
-        self._report("training", wake=True)
+        self._report(WorkerState.TRAINING, wake=True)
 
     def _check_join_stuck(self) -> None:
         """The join of a round with peers waits (a member's handle that does not come, a store
@@ -341,7 +342,7 @@ class Membership:
         self._stalled = level
         log.debug("[%s local rank %d] the join of round %d has waited %.2f s: %s", self.node, self.local_rank,
                   clock[0], time.monotonic() - clock[1], "stuck" if level >= STUCK else "slow")
-        self._report("joining", wake=True)
+        self._report(WorkerState.JOINING, wake=True)
 
     def _post_and_check(self, offer: RoundOffer) -> None:
         """For a round that only adds members: post our handle, and mark the round ready

@@ -25,9 +25,6 @@ from typing import TYPE_CHECKING
 from elastic._lazy import lazy_exports
 
 _EXPORTS = {
-    "MULTIPROC_ENV": "elastic.metrics.export",
-    "PORT_ENV": "elastic.metrics.export",
-    "ADDR_ENV": "elastic.metrics.export",
     "Export": "elastic.metrics.export",
     "MetricsConfigError": "elastic.metrics.export",
     "start_export": "elastic.metrics.export",
@@ -48,7 +45,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .catalogue import families
     from .comm_hook import CollectiveTimer, allreduce_hook, register_comm_hook
-    from .export import ADDR_ENV, MULTIPROC_ENV, PORT_ENV, Export, MetricsConfigError, start_export
+    from .export import Export, MetricsConfigError, start_export
     from .multiprocess import collector_registry, mark_dead, prepare_dir
     from .rank_info import RankInfo
     from .training import TrainingMetrics

@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .. import contract
+from .. import contract, worker_env
 
-MULTIPROC_ENV = contract.METRICS_DIR_ENV
-PORT_ENV = contract.METRICS_PORT_ENV
-ADDR_ENV = contract.METRICS_ADDR_ENV
 DEFAULT_ADDR = "127.0.0.1"
 
 ExportMode = Literal["multiprocess", "port", "none"]
@@ -42,28 +39,28 @@ class Export:
 @functools.cache
 def start_export(local_rank: int) -> Export:
     """Decide the mode from the environment once per process; serve the port in mode 2."""
-    directory = os.environ.get(MULTIPROC_ENV)
+    directory = worker_env.read().node.metrics_dir
     if directory:
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MetricsConfigError(
-                f"{MULTIPROC_ENV}={directory}: cannot create it ({e.strerror or e}); point it at a writable "
+                f"{contract.METRICS_DIR_ENV}={directory}: cannot create it ({e.strerror or e}); point it at a writable "
                 "directory or unset it"
             ) from None
         return Export("multiprocess", str(path))
-    port_text = os.environ.get(PORT_ENV)
+    port_text = os.environ.get(contract.METRICS_PORT_ENV)
     if not port_text:
         return Export("none")
     try:
         base = int(port_text)
     except ValueError:
-        raise MetricsConfigError(f"{PORT_ENV}={port_text!r} is not a port number; set it to e.g. 10400") from None
+        raise MetricsConfigError(f"{contract.METRICS_PORT_ENV}={port_text!r} is not a port number; set it to e.g. 10400") from None
     port = base + local_rank
     if not 0 < port < 65536:
-        raise MetricsConfigError(f"{PORT_ENV}={base} + local rank {local_rank} = {port} is not a valid port")
-    addr = os.environ.get(ADDR_ENV) or DEFAULT_ADDR
+        raise MetricsConfigError(f"{contract.METRICS_PORT_ENV}={base} + local rank {local_rank} = {port} is not a valid port")
+    addr = os.environ.get(contract.METRICS_ADDR_ENV) or DEFAULT_ADDR
     from prometheus_client import start_http_server
 
     from .catalogue import families
@@ -73,6 +70,6 @@ def start_export(local_rank: int) -> Export:
     except OSError as e:
         # Metrics are a side channel: a busy port must not stop training. One clear line instead.
         log.warning("metrics not served: cannot listen on %s:%d (%s); free the port or change %s",
-                    addr, port, e.strerror or e, PORT_ENV)
+                    addr, port, e.strerror or e, contract.METRICS_PORT_ENV)
         return Export("none")
     return Export("port", f"{addr}:{port}")

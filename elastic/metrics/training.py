@@ -62,13 +62,12 @@ def rank_identity(info: DistInfo) -> RankInfo:
     return RankInfo(info.rank, info.local_rank, info.node, dcgm_hostname(), cuda_gpu_uuid(info.device))
 
 
-COLLECTIVE_METRICS_ENV = contract.COLLECTIVE_METRICS_ENV
 
 
 def collective_metrics_enabled() -> bool:
     """Per-bucket all-reduce timing needs a Python DDP comm hook (under 1 % of a small CPU
     step here, docs/BENCHMARKS.md); ``ELASTIC_COLLECTIVE_METRICS=0`` opts out of it."""
-    return os.environ.get(COLLECTIVE_METRICS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return os.environ.get(contract.COLLECTIVE_METRICS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class MetricsLike(Protocol):

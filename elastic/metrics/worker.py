@@ -11,13 +11,12 @@ from typing import Any, Mapping, Protocol
 
 from prometheus_client import values
 
-from .. import contract
+from .. import worker_env
 from .catalogue import RETIRED, Families, families
 from .rank_info import RankInfo, dcgm_hostname
 from .step_split import StepSplit
 
 _IMPORTED_AT = time.monotonic()
-STARTED_AT_ENV = contract.WORKER_STARTED_AT_ENV  # set by a warm-started worker (agent/warm_worker.py)
 
 
 class DurableStats(Protocol):
@@ -37,12 +36,9 @@ def process_age_seconds() -> float:
     A warm-started worker (``agent/warm_worker.py``) counts from when its standby was
     given its rank, which is when a cold worker would have been started.
     """
-    started_at = os.environ.get(STARTED_AT_ENV)
-    if started_at:
-        try:
-            return time.time() - float(started_at)
-        except ValueError:
-            pass
+    started_at = worker_env.read().started_at  # a warm-started worker's (agent/warm_worker.py)
+    if started_at is not None:
+        return time.time() - started_at
     try:
         stat = Path("/proc/self/stat").read_text()
         start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
@@ -63,8 +59,8 @@ def default_identity(rank: int, environ: Mapping[str, str] = os.environ) -> Rank
 
     The node as ``elastic.distributed.node_name`` has it: the agent's name, else the host's.
     """
-    node = environ.get(contract.NODE_NAME_ENV) or socket.gethostname()
-    return RankInfo(rank, int(environ.get("LOCAL_RANK", "0") or 0), node, dcgm_hostname(environ))
+    env = worker_env.read(environ)
+    return RankInfo(rank, env.me.local_rank, env.node.node_name or socket.gethostname(), dcgm_hostname(environ))
 
 
 class WorkerMetrics:
@@ -84,7 +80,7 @@ class WorkerMetrics:
         self._first_step_seen = False
         self._split = StepSplit()
         if restart_count is None:
-            restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            restart_count = worker_env.read().me.restart_count
         f.world_size.set(world_size)
         f.rank.labels(str(rank)).set(rank)
         f.rank_info.labels(*self.identity.labels()).set(1)

@@ -19,7 +19,7 @@ _EXPORTS = {
     "EtcdV3RendezvousHandler": ".handler", "create_handler": ".handler",
     "KNOWN_KEYS": ".options", "TUNED_DEFAULTS": ".options", "RendezvousOptions": ".options",
     "NodeLease": ".registry", "NodeRecord": ".registry", "list_nodes": ".registry",
-    "HMAC_KEY_ENV": ".signing", "HMAC_KEY_FILE_ENV": ".signing", "HmacKeyError": ".signing",
+    "HMAC_KEY_ENV": "elastic.contract", "HMAC_KEY_FILE_ENV": "elastic.contract", "HmacKeyError": ".signing",
     "SignatureError": ".signing", "StateSigner": ".signing", "load_hmac_key": ".signing",
     "EtcdV3Store": ".store",
 }
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .handler import EtcdV3RendezvousHandler, create_handler
     from .options import KNOWN_KEYS, TUNED_DEFAULTS, RendezvousOptions
     from .registry import NodeLease, NodeRecord, list_nodes
-    from .signing import HMAC_KEY_ENV, HMAC_KEY_FILE_ENV, HmacKeyError, SignatureError, StateSigner, load_hmac_key
+    from ..contract import HMAC_KEY_ENV, HMAC_KEY_FILE_ENV
+    from .signing import HmacKeyError, SignatureError, StateSigner, load_hmac_key
     from .store import EtcdV3Store
 
 

@@ -26,7 +26,7 @@ from elastic.etcd.keepalive import KeepAlive
 from elastic.etcd.kv import is_lease_not_found, transact
 
 from .lease_clock import LeaseClock
-from .signing import HMAC_KEY_FILE_ENV, HmacKeyError, SignatureError, StateSigner
+from .signing import HmacKeyError, SignatureError, StateSigner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,7 +130,7 @@ def list_nodes(client: EtcdClient, run_id: str, signer: StateSigner, key_prefix:
     if strict and any(signer.lacks_key_for(value) for value, _ in rows):
         raise HmacKeyError(
             f"run {run_id!r}'s registry is signed with a job key this tool does not have, so it cannot tell a "
-            f"forged record from a real one and does nothing: give it the key ({HMAC_KEY_FILE_ENV}=PATH or "
+            f"forged record from a real one and does nothing: give it the key ({contract.HMAC_KEY_FILE_ENV}=PATH or "
             "--rdzv-conf hmac_key_file=PATH)"
         )
     records = []

@@ -24,8 +24,6 @@ from .. import contract
 
 log = logging.getLogger(__name__)
 
-HMAC_KEY_ENV = contract.HMAC_KEY_ENV
-HMAC_KEY_FILE_ENV = contract.HMAC_KEY_FILE_ENV
 _SIGNED = b"EV3S1"
 _UNSIGNED = b"EV3U1"
 _TAG_BYTES = 32
@@ -77,7 +75,7 @@ class StateSigner:
             if magic == _SIGNED:
                 raise SignatureError(
                     "the value is HMAC-signed but this node has no job key; "
-                    f"give every node the same key ({HMAC_KEY_FILE_ENV} or hmac_key_file=)"
+                    f"give every node the same key ({contract.HMAC_KEY_FILE_ENV} or hmac_key_file=)"
                 )
             raise SignatureError("the value is not in the rendezvous format")
         if magic != _SIGNED:
@@ -100,7 +98,7 @@ def _warn_unsigned_once() -> None:
         log.warning(
             "rendezvous state is NOT signed: anyone who can write to etcd can run code on "
             "every agent. Set %s or --rdzv-conf hmac_key_file=PATH for production.",
-            HMAC_KEY_FILE_ENV,
+            contract.HMAC_KEY_FILE_ENV,
         )
 
 

@@ -19,11 +19,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.goodput import GoodputAccountant, beat_cause, fault_nodes, read_account
+from elastic import contract
 from elastic.etcd import EtcdClient
 from elastic.etcd.mirror import PrefixMirror
 from elastic.goodput.account import Interval
 from elastic.atomic_file import write_atomically
-from elastic.goodput.files import JOB_FILE, WorkerReport, read_job_file, worker_file
+from elastic.goodput.files import WorkerReport, read_job_file, worker_file
 from elastic.heartbeat import JOB_STEP, LOCAL_COUNT, Beat, Heartbeat
 from elastic.rendezvous.signing import StateSigner
 from tests.support.waiting import wait_until
@@ -91,7 +92,7 @@ def test_rank_0s_report_becomes_the_signed_record_and_the_counters(handler: Hand
     assert (record.started_at, record.to, record.productive, record.lost["snapshot"]) == (100, 111, 10, 1)
     assert record.high_water == 40
     assert exported(acc) == (10, {**{c: 0.0 for c in record.lost}, "snapshot": 1.0})
-    job = read_job_file(acc.directory / JOB_FILE)  # what the workers and `elastic local` read
+    job = read_job_file(acc.directory / contract.GOODPUT_JOB_FILE)  # what the workers and `elastic local` read
     assert job == record
     other_key = StateSigner(b"another-key-of-32-bytes-long!!!!")  # signed: a reader with another key refuses it
     assert read_account(handler.client, other_key, "/elastic", handler.run_id) is None
@@ -224,4 +225,4 @@ def test_without_etcd_v3_the_accountant_does_nothing(tmp_path: Path) -> None:
     acc = GoodputAccountant("a", tmp_path / "g", tmp_path / "h", CollectorRegistry(), None)
     acc.restarted("peer_lost", ("b",), 1.0, 2.0)
     acc.tick({0: 1}, rank_base=0, force=True)
-    assert not acc.enabled and not (tmp_path / "g" / JOB_FILE).exists()
+    assert not acc.enabled and not (tmp_path / "g" / contract.GOODPUT_JOB_FILE).exists()

@@ -84,10 +84,9 @@ def flag_env_names() -> dict[str, str]:
 
 
 def library_env_names() -> set[str]:
-    from elastic.etcd.settings import PASSWORD_ENV, PASSWORD_FILE_ENV
-    from elastic.rendezvous.signing import HMAC_KEY_ENV, HMAC_KEY_FILE_ENV
+    from elastic.contract import ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, HMAC_KEY_ENV, HMAC_KEY_FILE_ENV
 
-    return {PASSWORD_ENV, PASSWORD_FILE_ENV, HMAC_KEY_ENV, HMAC_KEY_FILE_ENV}
+    return {ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, HMAC_KEY_ENV, HMAC_KEY_FILE_ENV}
 
 
 # --- where the agent is started --------------------------------------------------------

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic import contract
 from elastic.distributed import DistInfo
 from elastic.fixed_world import exit_for_restart
 from elastic.grad_sync import GradSync
 from elastic.log import (
     BY_THE_AGENTS,
-    LEVEL_ENV,
     StandIn,
     how_noticed,
     parse_level,
@@ -124,7 +124,7 @@ def test_the_stand_in_is_installed_once_however_often_it_is_asked_for(monkeypatc
 @pytest.mark.parametrize("value, shown, hidden", [("WARNING", "a warning", "an info"), ("debug", "a debug", "")])
 def test_the_environment_turns_the_stand_in_up_or_down(monkeypatch: pytest.MonkeyPatch, value: str, shown: str,
                                                        hidden: str) -> None:
-    monkeypatch.setenv(LEVEL_ENV, value)
+    monkeypatch.setenv(contract.LOG_LEVEL_ENV, value)
     with bare_script(monkeypatch) as stderr:
         show_library_lines()
         log = logging.getLogger("elastic.trainer")
@@ -136,7 +136,7 @@ def test_the_environment_turns_the_stand_in_up_or_down(monkeypatch: pytest.Monke
 
 
 def test_off_means_no_stand_in_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(LEVEL_ENV, "off")
+    monkeypatch.setenv(contract.LOG_LEVEL_ENV, "off")
     with bare_script(monkeypatch):
         assert show_library_lines() is None
         assert logging.getLogger("elastic").handlers == [] and logging.getLogger("elastic").level == logging.NOTSET

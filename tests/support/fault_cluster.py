@@ -21,12 +21,13 @@ from typing import Any, Iterable, Sequence
 from agent.local_node import LocalNode
 from agent.netns import NodeNetwork
 from checkpoints.pids import pid_alive  # noqa: F401  (tests and bench/netns_soak import it from here)
+from elastic import contract
 from elastic.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
 from elastic.etcd.settings import EtcdSettings
 from elastic.ledger import read_ledger
 from elastic.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
 from elastic.rendezvous.rounds import RoundRecord
-from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, StateSigner
+from elastic.rendezvous.signing import StateSigner
 from tests.elastic.metrics.scrape import fetch
 
 DATASET = 512  # 16 steps per epoch at the default global batch of 32
@@ -59,7 +60,7 @@ class FaultCluster:
             key_file = self.workdir / "job.key"
             key_file.write_bytes(self.hmac_key)
             key_file.chmod(0o600)
-            env[HMAC_KEY_FILE_ENV] = str(key_file)
+            env[contract.HMAC_KEY_FILE_ENV] = str(key_file)
         for name in self.names:
             self.nodes[name] = LocalNode(
                 name=name, endpoint=self.endpoint, run_id=self.run_id, workdir=self.workdir, module="elastic.train",

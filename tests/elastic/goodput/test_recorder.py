@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic import contract
 from elastic.goodput.account import Account, Interval, extend
 from elastic.atomic_file import write_atomically
-from elastic.goodput.files import JOB_FILE, read_report, worker_file
+from elastic.goodput.files import read_report, worker_file
 from elastic.goodput.recorder import GoodputLog
 
 
@@ -53,7 +54,7 @@ def test_a_start_then_steps_with_a_snapshot_stall(tmp_path: Path) -> None:
 
 def test_steps_the_job_had_completed_before_are_recomputation(tmp_path: Path) -> None:
     clock = Clock()
-    write_atomically(tmp_path / JOB_FILE, extend(Account(), [Interval(start=0, end=50, cause="productive",
+    write_atomically(tmp_path / contract.GOODPUT_JOB_FILE, extend(Account(), [Interval(start=0, end=50, cause="productive",
                                                                       step=12)]).to_json())
     log = log_at(tmp_path, clock)
     log.forming("start")
@@ -114,7 +115,7 @@ def test_only_rank_0_hands_in_its_marks_and_every_rank_forgets_what_is_counted(t
     report = read_report(worker_file(tmp_path, 0))
     assert report is not None and report.rank == 1 and report.intervals == ()  # an ElasticRun, not rank 0
     # rank 0's agent counted up to 103.5; then rank 0's node died and this worker became rank 0
-    write_atomically(tmp_path / JOB_FILE, extend(Account(), [Interval(start=100, end=103.5, cause="productive",
+    write_atomically(tmp_path / contract.GOODPUT_JOB_FILE, extend(Account(), [Interval(start=100, end=103.5, cause="productive",
                                                                       step=3)]).to_json())
     clock.tick(0.5)
     log.failed()

@@ -21,7 +21,8 @@ from typing import Any, Callable
 import pytest
 
 from elastic.etcd import EmbeddedEtcd, free_port
-from elastic.worker_env import SETUP_WORLD_ENV, Place, in_setup_world, joins_live_world, setup_world_env, update_env
+from elastic.contract import SETUP_WORLD_ENV
+from elastic.worker_env import Place, RankEnv, in_setup_world, joins_live_world, update_env
 from tests.elastic.inplace.support import at_world, metric, read_rows, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, no_tracebacks, write_script
 from tests.support.nodes import TorchrunNode as Node
@@ -267,7 +268,9 @@ def test_workers_join_a_live_world_only_when_another_member_trains_in_place() ->
 
 
 def test_a_joiners_set_up_world_is_the_ranks_started_with_it_and_the_real_world_replaces_it() -> None:
-    env = setup_world_env(3, [3, 1], 4711)
+    started = RankEnv(Place(rank=7, world_size=8, group_rank=3, group_world_size=4, local_world_size=4, round=9),
+                      local_rank=3, master_addr="live-store", master_port=1)
+    env = started.in_setup_world([3, 1], 4711).to_env()
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"], env["MASTER_ADDR"]) == ("1", "2", "4711", "127.0.0.1")
     assert env["GROUP_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "2" and in_setup_world(env)
     place = Place(rank=5, world_size=6, group_rank=2, group_world_size=3, local_world_size=2, round=9)
