@@ -60,7 +60,7 @@ from elastic.worker_env import joins_live_world, setup_world_env
 
 from .commands import CommandWatch
 from .goodput import GoodputAccountant, fault_nodes
-from .launch import DEFAULT_TERM_GRACE_S
+from .states import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
 from .oom import killed_by, oom_kills
 from .freeze import FreezeWatch
