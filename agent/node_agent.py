@@ -280,6 +280,8 @@ class NodeAgent(ElasticAgent):
         started = time.monotonic()
         try:
             self.round = self.rdzv.next_round(cause, self.round, offered=offered)
+        except JobFinishedError:
+            raise  # no round was asked for: the job had ended
         except Exception as exc:
             self.metrics.rendezvous.labels(outcome=_outcome(exc)).observe(time.monotonic() - started)
             raise

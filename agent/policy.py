@@ -26,6 +26,12 @@ stop standing still for it and train on; it comes back afterwards as a newcomer,
 kept out again, for twice as long, at its next such failure. The job fails for it only
 when the others cannot go on without it (fewer than ``--nnodes MIN``).
 
+**Every decision is made here.** The straggler watch (:mod:`agent.pace`), the SDC watch
+(:mod:`agent.sdc`), the freeze watch (:mod:`agent.freeze`) and the agent's own acts (a
+rejoin that got no round its in-place workers can take) only feed fields of the
+:class:`Observation`; :func:`decide` weighs them against the workers and the round, and
+the agent's act step carries out what it returns, nothing else.
+
 **The same failure on every node is the script's.** Keep-out is for a node that fails
 where the others do not. A node whose own workers fail right after their start says so,
 with the error's last line, in its registry record (:func:`crash_report`); a node that
