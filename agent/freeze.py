@@ -168,10 +168,12 @@ def written_off_later(node: str, round_number: int,
 
 @dataclass(frozen=True)
 class Frozen:
-    """Peers written off as frozen, and what the log line says about it."""
+    """Peers found frozen (to write off: :meth:`FreezeWatch.write_off`), and what the log says about it."""
 
     nodes: tuple[str, ...]
     detail: str
+    round: int = -1  # the round they are written off in
+    said: str = ""  # the log line once they are
 
 
 class FreezeWatch:
@@ -241,12 +243,19 @@ class FreezeWatch:
         if not frozen:
             log.debug("[%s] %s, but every peer's agent answered", self.node, while_)
             return None
-        if not self.handler.reachability.record(ReachReport(self.node, round_number, tuple(frozen), tuple(frozen))):
-            return None
-        log.info("[%s] %s %s: %s agent did not answer within %g s while %s (asked %.2f s before); written off in "
-                 "round %d, not waiting for %s etcd lease", self.node, ", ".join(frozen), what, its, self.timeout,
-                 while_, time.monotonic() - asked, round_number, its)
-        return Frozen(tuple(frozen), f"{', '.join(frozen)} {what} ({its} agent did not answer)")
+        said = (f"{', '.join(frozen)} {what}: {its} agent did not answer within {self.timeout:g} s while {while_} "
+                f"(asked {time.monotonic() - asked:.2f} s before); written off in round {round_number}, not waiting "
+                f"for {its} etcd lease")
+        return Frozen(tuple(frozen), f"{', '.join(frozen)} {what} ({its} agent did not answer)", round_number, said)
+
+    def write_off(self, frozen: Frozen) -> bool:
+        """Write off the peers :meth:`look` found frozen: a report for its round names them, so
+        that every closer of the next round leaves them out. False if etcd refused it (nothing
+        written off: the next look judges again)."""
+        if not self.handler.reachability.record(ReachReport(self.node, frozen.round, frozen.nodes, frozen.nodes)):
+            return False
+        log.info("[%s] %s", self.node, frozen.said)
+        return True
 
     def _holds_lease(self) -> bool:
         lease = self.handler.lease

@@ -36,6 +36,7 @@ from .etcd_args import DEFAULT_ENDPOINT
 from .nnodes import apply_nnodes, environment_nnodes
 from .preflight import target_problem
 from .settings import AgentSettings
+from .states import DEFAULT_TERM_GRACE_S
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -47,9 +48,6 @@ DEFAULT_METRICS_PORT = 10400
 AUTO_PORT = -1  # --metrics-port auto: bind port 0 and say the port the kernel picked
 METRICS_PORT_FILE = "metrics.port"  # in --agent-dir: the port /metrics is bound to
 DEFAULT_MAX_RESTARTS = 3
-# SIGTERM -> SIGKILL of the workers when the agent itself is stopped (a pre-emption): inside
-# Kubernetes' default terminationGracePeriodSeconds (30 s), with time left to leave the job.
-DEFAULT_TERM_GRACE_S = 25.0
 # A run id becomes an etcd key segment and a directory name (snapshots, logs), so no '/',
 # no '..', nothing a shell or a path would read differently.
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")

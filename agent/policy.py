@@ -26,6 +26,12 @@ stop standing still for it and train on; it comes back afterwards as a newcomer,
 kept out again, for twice as long, at its next such failure. The job fails for it only
 when the others cannot go on without it (fewer than ``--nnodes MIN``).
 
+**Every decision is made here.** The straggler watch (:mod:`agent.pace`), the SDC watch
+(:mod:`agent.sdc`), the freeze watch (:mod:`agent.freeze`) and the agent's own acts (a
+rejoin that got no round its in-place workers can take) only feed fields of the
+:class:`Observation`; :func:`decide` weighs them against the workers and the round, and
+the agent's act step carries out what it returns, nothing else.
+
 **The same failure on every node is the script's.** Keep-out is for a node that fails
 where the others do not. A node whose own workers fail right after their start says so,
 with the error's last line, in its registry record (:func:`crash_report`); a node that
@@ -194,6 +200,13 @@ class Observation:
     min_nodes: int = 1
     peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
     etcd_lost: str = ""  # :func:`etcd_lost`'s line: every group of this job would be refused
+    # The watches that feed the decision (each '' or () while it has nothing to say):
+    straggler: str = ""  # agent.pace: this node is the straggler and may go; why
+    sdc_suspect: str = ""  # agent.sdc: replica votes named this node the outlier often enough; why
+    written_off: str = ""  # agent.freeze, thawed side: its peers wrote this node off as frozen; why
+    frozen: tuple[str, ...] = ()  # agent.freeze, survivor side: peers whose agents did not answer
+    frozen_detail: str = ""  # ... and what the log line says about them
+    unusable_round: Reason | None = None  # the last rejoin or replace (for this reason) got no round to hand over
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,8 @@ class Decision:
     dump_stacks: bool = False  # a hang: SIGUSR1 first, so the log shows where it hung
     detail: str = ""
     failed: Mapping[int, int] = field(default_factory=dict)  # local rank -> exit code, for FAIL's report
+    nodes: tuple[str, ...] = ()  # REJOIN for FROZEN: the peers to write off
+    unheeded: str = ""  # a finding not acted on (an SDC suspect the job cannot spare): log it, drop its strikes
 
     @property
     def counted(self) -> bool:
@@ -226,13 +241,47 @@ CONTINUE = Decision(Action.CONTINUE)
 
 
 def decide(obs: Observation) -> Decision:
-    """The agent's next step; the rules, in order of precedence, are the module's contract."""
+    """The agent's next step: every decision the agent takes is made here.
+
+    The rules about the workers and the round come first (:func:`_workers_and_round`, in
+    order of precedence); then, while they say continue, a straggler and an SDC suspect go
+    out (keep-out); last the freeze watch: a node its peers wrote off as frozen stops its
+    stale workers (as after a lost lease) whatever else was decided, short of the end of the
+    job; a survivor whose worker waits on silent peers writes them off and rejoins."""
+    decision = _workers_and_round(obs)
+    if decision.action is Action.CONTINUE and obs.straggler:
+        decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=obs.straggler)
+    if decision.action is Action.CONTINUE and obs.sdc_suspect and obs.nodes_without_us is not None:
+        if obs.nodes_without_us < obs.min_nodes:
+            decision = Decision(Action.CONTINUE, unheeded=(
+                f"{obs.sdc_suspect}; not kept out: without it {obs.nodes_without_us} node(s) would remain, fewer "
+                f"than the {obs.min_nodes} the job needs"))
+        else:
+            decision = Decision(Action.KEEP_OUT, Reason.SDC, detail=obs.sdc_suspect)
+    if decision.action in (Action.SUCCEED, Action.FAIL) or decision.reason is Reason.LEASE_LOST:
+        return decision
+    if obs.written_off:
+        return Decision(Action.RESTART, Reason.LEASE_LOST, detail=obs.written_off, unheeded=decision.unheeded)
+    if decision.action is Action.CONTINUE and obs.frozen:
+        return Decision(Action.REJOIN, Reason.FROZEN, detail=obs.frozen_detail, nodes=obs.frozen,
+                        unheeded=decision.unheeded)
+    return decision
+
+
+def _workers_and_round(obs: Observation) -> Decision:
+    """The rules about the workers and the round, in order of precedence."""
     failed = {rank: code for rank, code in obs.exits.items() if code not in (None, 0)}
 
     # 1. Our own lease is gone: the world moved on without us. Whatever our workers hold
     #    belongs to an old round, in either mode; they must die before they act.
     if obs.membership is Reason.LEASE_LOST:
         return Decision(Action.RESTART, Reason.LEASE_LOST, detail="this node's etcd lease was lost")
+
+    # 1b. The round the last rejoin or replace took part in cannot be handed to in-place
+    #     workers (no offer came): they cannot follow it, so they start again in it.
+    if obs.unusable_round is not None:
+        return Decision(Action.RESTART, obs.unusable_round, detail="no usable round for in-place workers; restarting "
+                                                                   "them")
 
     # 2. A usage error: a worker exited with 2, and retrying cannot fix it. Its siblings
     #    may have failed with it (their collective with it broke: an ordinary exit code), and

@@ -326,3 +326,66 @@ def test_a_stale_group_on_every_node_is_no_script_error() -> None:
 
     stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
     assert crash_report({0: stale}) == ""
+
+
+# ---------------------------------------------------------------- the watches that feed the decision
+
+def test_a_straggler_that_may_go_is_kept_out() -> None:
+    decision = decide(obs(straggler="b trains 40% slower; evicted: a spare waits"))
+    assert decision == Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail="b trains 40% slower; evicted: a spare waits")
+
+
+def test_a_straggler_yields_to_anything_the_workers_or_the_round_say() -> None:
+    assert decide(obs(straggler="slow", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
+    assert decide(obs(straggler="slow", exits={0: 1, 1: None})).reason is Reason.WORKER_FAILED
+
+
+def test_an_sdc_suspect_is_kept_out_when_the_others_can_train_on() -> None:
+    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=2, min_nodes=2))
+    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+
+
+def test_an_sdc_suspect_the_job_cannot_spare_trains_on_and_is_said_once() -> None:
+    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2))
+    assert decision.action is Action.CONTINUE and decision.reason is None
+    assert decision.unheeded.startswith("suspect hardware; not kept out: without it 1 node(s)")
+
+
+def test_an_sdc_suspect_without_a_rendezvous_that_keeps_out_changes_nothing() -> None:
+    assert decide(obs(sdc_suspect="suspect hardware")) == Decision(Action.CONTINUE)
+
+
+def test_a_straggler_goes_before_an_sdc_suspect_is_looked_at() -> None:
+    decision = decide(obs(straggler="slow", sdc_suspect="suspect", nodes_without_us=2, min_nodes=1))
+    assert decision.reason is Reason.STRAGGLER
+
+
+def test_a_node_written_off_as_frozen_stops_its_stale_workers_whatever_else_was_decided() -> None:
+    for seen in (obs(), obs(membership=Reason.PEER_LOST, in_place=True), obs(exits={0: 1, 1: None})):
+        decision = decide(Observation(**{**seen.__dict__, "written_off": "its peers wrote it off"}))
+        assert decision == Decision(Action.RESTART, Reason.LEASE_LOST, detail="its peers wrote it off")
+
+
+def test_the_end_of_the_job_and_a_lost_lease_outrank_a_write_off() -> None:
+    assert decide(obs(exits={0: 0, 1: 0}, written_off="w")).action is Action.SUCCEED
+    assert decide(obs(exits={0: 2, 1: None}, written_off="w")).action is Action.FAIL
+    assert decide(obs(membership=Reason.LEASE_LOST, written_off="w")).detail == "this node's etcd lease was lost"
+
+
+def test_frozen_peers_are_written_off_and_the_round_formed_again_only_when_all_else_is_well() -> None:
+    decision = decide(obs(frozen=("b",), frozen_detail="b frozen"))
+    assert decision == Decision(Action.REJOIN, Reason.FROZEN, detail="b frozen", nodes=("b",))
+    assert decide(obs(frozen=("b",), frozen_detail="b frozen", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
+    assert decide(obs(frozen=("b",), straggler="slow")).reason is Reason.STRAGGLER
+
+
+def test_an_unheeded_sdc_suspect_is_still_said_when_a_freeze_decides() -> None:
+    decision = decide(obs(sdc_suspect="s", nodes_without_us=0, min_nodes=1, frozen=("b",), frozen_detail="b"))
+    assert decision.reason is Reason.FROZEN and decision.unheeded.startswith("s; not kept out")
+
+
+def test_a_round_in_place_workers_cannot_take_restarts_them_counted_as_the_act_that_found_it() -> None:
+    decision = decide(obs(unusable_round=Reason.PEER_LOST, in_place=True))
+    assert decision.action is Action.RESTART and decision.reason is Reason.PEER_LOST and not decision.counted
+    assert decide(obs(unusable_round=Reason.WORKER_FAILED, in_place=True)).counted
+    assert decide(obs(unusable_round=Reason.PEER_LOST, membership=Reason.LEASE_LOST)).reason is Reason.LEASE_LOST

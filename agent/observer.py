@@ -1,0 +1,123 @@
+"""The observe step of the node agent's loop: one :class:`agent.policy.Observation` per look.
+
+Contract: :meth:`Observer.look` once per loop turn, after the agent's wait and before
+:func:`agent.policy.decide`. It reads the workers (exits, failures in detail, in-place
+statuses), the rendezvous (membership news, the peers' crash reports, a lost etcd), the
+hang watchdog and the straggler, SDC and freeze watches, and feeds each into a field of
+the observation; it decides nothing. What it says about this node on the way (whether its
+workers hold state in place, what they failed with) goes into its registry record, each
+written only on a change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from elastic import contract
+
+from .oom import killed_by, oom_kills
+from .policy import Failure, Observation, crash_report, next_streak
+
+if TYPE_CHECKING:
+    from .node_agent import NodeAgent
+
+log = logging.getLogger("elastic.agent")
+
+
+class Observer:
+    def __init__(self, agent: "NodeAgent") -> None:
+        self.agent = agent
+        self.kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
+        self.seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
+        self.reform_why = ""  # what the worker asking for a new round said
+        self.frozen: Any = None  # the freeze watch's last finding (agent.freeze.Frozen), for the act
+        self._holds_state = False  # what this node's registry record says: its workers train in place
+        self._said_in_place = False
+        self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.oom)
+        self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
+
+    def look(self) -> Observation:
+        a = self.agent
+        exits = a.workers.exits()
+        membership, self.kept_out_peers = a.rdzv.membership(a.round)
+        stalled = a.watch.stalled() if all(code is None for code in exits.values()) else None
+        in_place, reform = self._in_place_statuses()
+        a.rdzv.publish(in_place=self._holds_state)
+        failures = self.seen_failures = self._failures(exits)
+        report = crash_report(failures)
+        if report:  # tell the other nodes what this node's workers failed with right after their start
+            a.rdzv.publish(crash=report)
+        failed = any(code not in (None, 0) for code in exits.values())
+        fresh = failed or membership is not None or reform or stalled is not None
+        self.frozen = a.freeze.look(a.workers.pids(), a.round_number, a.participants)
+        unusable, a.unusable_round = a.unusable_round, None
+        return Observation(
+            exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
+            restarts_left=a.remaining_restarts, failures=failures,
+            crash_streak=next_streak(a.crash_streak, failures.values()),
+            nodes_without_us=len(a.round.others(a.node)) if a.rdzv.can_keep_out else None,
+            peer_crashes=a.rdzv.peer_crashes(a.round),
+            etcd_lost=a.rdzv.etcd_lost(self._stale_fence(), a.spec.run_id) if failures else "",
+            min_nodes=a.rdzv.min_nodes,
+            straggler=a.pace.look(a.participants, a.rdzv.min_nodes) or "",
+            sdc_suspect=a.sdc.look() or "",
+            written_off=a.freeze.written_off(a.round_number, a.participants, fresh=fresh) or "",
+            frozen=self.frozen.nodes if self.frozen is not None else (),
+            frozen_detail=self.frozen.detail if self.frozen is not None else "",
+            unusable_round=unusable)
+
+    def _stale_fence(self) -> dict[str, Any] | None:
+        """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""
+        try:
+            data = json.loads((self.agent.settings.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _failures(self, exits: dict[int, int | None]) -> dict[int, Failure]:
+        """The failed local workers in detail: how long each ran and its last words."""
+        out = {}
+        for rank, code in exits.items():
+            worker = self.agent.workers.workers.get(rank)
+            if code in (None, 0) or worker is None:
+                continue
+            message = worker.error_line()
+            if not message and code < 0:
+                message = self._kill_words.get(worker.pid, "")
+                if not message:
+                    now = oom_kills()
+                    message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
+                    self._oom_seen = now
+            out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
+                                progressed=self.agent.watch.progressed_since_start(rank))
+        return out
+
+    def _in_place_statuses(self) -> tuple[bool, bool]:
+        """(every running local worker runs in place, one asked for a new round)."""
+        a = self.agent
+        self._holds_state = False
+        statuses, starting = [], False
+        for rank, pid in a.workers.pids().items():
+            status = a.channel.status(rank)
+            if status is None or status.pid != pid:
+                if pid not in a.joiner_pids:
+                    return False, False
+                # Started into a world that trains in place, and not heard from yet: it takes
+                # the newest offer at its first batch, so a round that comes meanwhile is
+                # offered to it (restarting it would throw its start-up away, standby and all).
+                starting = True
+                continue
+            statuses.append(status)
+        in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
+        self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
+        if in_place and not self._said_in_place:
+            self._said_in_place = True
+            log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", a.node)
+        asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= a.round_number]
+        self.reform_why = asking[0].reason if asking else ""
+        return in_place, bool(asking)
+
+
+__all__ = ["Observer"]
