@@ -106,7 +106,7 @@ from . import sharded
 from .own_group import taken_over_line, unwrap_ddp
 from .plan import DataPlan
 from .progress import take_over as take_over_progress
-from .run_config import DataConfig, SnapshotConfig, from_flat_keywords
+from .run_config import DataConfig, SnapshotConfig, checked, refuse_flat_keywords
 from .sampler import epoch_seed
 from .snapshots import FinalSnapshotLost, Snapshots, StaleGroupError
 from .step_result import StepResult
@@ -205,8 +205,8 @@ class ElasticRun:
     the learning rate linearly with the resulting global batch (``lr * per_rank * world /
     global_batch_size``); ``DataConfig`` also holds the loader's ``num_workers`` and
     ``collate_fn``. ``snapshots=SnapshotConfig(...)`` says when rank 0 snapshots, how many
-    it keeps, and its ledger (:mod:`elastic.run_config`; the flat keywords of earlier
-    releases, ``snapshot_every_steps=`` and the like, still work).
+    it keeps, and its ledger (:mod:`elastic.run_config`; a flat keyword of earlier releases,
+    ``snapshot_every_steps=`` and the like, is a ``TypeError`` naming its grouped form).
 
     ``run.model`` is the DDP-wrapped model of the current world; use it each step (it is
     built again when the world changes in place). BatchNorm buffers are rank 0's, as with
@@ -251,6 +251,7 @@ class ElasticRun:
         check_every_steps: int | None = None,
         **flat_keywords: Any,
     ) -> None:
+        refuse_flat_keywords(flat_keywords)  # before anything starts: the grouped form is the one way (0.1.0)
         show_library_lines()  # the lines below reach the user even if their script set up no logging
         self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
         self._stop_since = 0.0
@@ -276,7 +277,7 @@ class ElasticRun:
                 raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
             if global_batch_size < 1:
                 raise ElasticRunError(f"global batch size must be >= 1, got {global_batch_size}")
-            snapshot_config, data_config = from_flat_keywords(snapshots, data, flat_keywords)
+            snapshot_config, data_config = checked(snapshots, data)
             self.steps_target, self.epochs_target = steps, epochs
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens

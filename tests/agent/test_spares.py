@@ -40,8 +40,9 @@ SCRIPT = textwrap.dedent('''\
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"],
+                             snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
     with open(os.environ["PROGRESS"] + ".setup", "a") as f:  # the script's start-up is done: model, data, run
         f.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\\n")
     rows = open(os.environ["PROGRESS"], "a")

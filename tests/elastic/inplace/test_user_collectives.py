@@ -57,7 +57,8 @@ USER_SCRIPT = textwrap.dedent('''\
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
                              steps=int(os.environ.get("STEPS", "100000")), snapshot_dir=os.environ["SNAPSHOTS"],
-                             snapshot_every_steps=10, ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+                             snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
 
     # Set-up collectives right after building the run, as the scripts users brought us do.
     dist.barrier()
