@@ -61,8 +61,10 @@ epoch's tail) trains on one stand-in sample with its loss scaled by zero.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
+import gc
 import logging
 import os
 import random
@@ -70,6 +72,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,9 +97,11 @@ from .distributed import (
     ElasticRunError,
     all_gather_ints,
     broadcast_int,
+    collective_device,
     node_name,
 )
 from .fixed_world import FixedWorld
+from .formation import Holding, Source, heal
 from .goodput.recorder import GoodputLog
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
@@ -262,7 +267,7 @@ class ElasticRun:
         self._device = torch.device(device) if device is not None else None
         owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
         # Until a world is chosen, closing the run is closing torchrun's (a usage error on the way in).
-        self.world: TrainingWorld = FixedWorld(self, backend, collective_timeout, owns_group)
+        self.world: TrainingWorld = FixedWorld(backend, collective_timeout, owns_group)
         self._batch_epoch: int | None = None  # the epoch of the batch the loop holds (run.epoch)
         self._between_steps: Callable[[], None] | None = None  # agreed in run.step, done after the loop's code
         self._agree_stop = False  # a stop is agreed through the control all-reduce (off: handle_sigterm=False)
@@ -296,7 +301,7 @@ class ElasticRun:
             self.state.sharded = self.mesh is not None
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
-            self.world = choose_world(self, backend, collective_timeout, in_place, owns_group,
+            self.world = choose_world(backend, collective_timeout, in_place, owns_group,
                                       off_reason=sharded.RESTART_REASON if self.mesh is not None else None)
             self.dist = self.world.connect()
             if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
@@ -317,7 +322,10 @@ class ElasticRun:
             self.goodput = GoodputLog.from_env()  # where this process's time went, for the job's goodput
             if self._heartbeat is not None and threading.current_thread() is threading.main_thread():
                 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
-            self.world.start()
+            if self.world.in_setup_world:  # a joiner: run.model for set-up code; built again when it joins
+                self.sync.build(self.dist)
+            else:
+                self._form("start")
             self._guard.install()
             if self.mesh is not None and user_backward and self.world.restarts_from_disk:
                 # kept to the process's end: the failure surfaces after the loop's generator is gone
@@ -445,6 +453,82 @@ class ElasticRun:
         except MetricsConfigError as e:
             raise _OwnUsageError(str(e)) from None
 
+    def _form(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
+        """Form a world (:mod:`elastic.formation`): join its group, stand every rank on one
+        step (:meth:`_take_state`), build DDP. A member lost meanwhile: the world forms
+        again from a newer round (in place) or the worker ends (torchrun's world)."""
+        started = since if since is not None else time.perf_counter()
+        self.goodput.forming(reason)
+        while True:
+            with self._between_worlds():
+                joined = self.world.join(min_round)
+            self.dist = joined.dist
+            if joined.rendezvous:
+                self.goodput.joined()
+            try:
+                moved, note, init_sync = self._take_state()
+                self.sync.build(self.dist, init_sync=init_sync)
+            except CollectiveFailure as exc:
+                log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
+                          joined.round, exc)
+                min_round = self.world.incomplete(how_noticed(str(exc)))
+                continue
+            break
+        self._new_world()
+        if joined.rendezvous:  # a world of the agent's rounds: its rank and its heal, in the metrics
+            self.metrics.world_changed(self.dist.rank, self.dist.world_size)
+            self.metrics.healed(time.perf_counter() - started, moved)
+        self.goodput.formed(joined.participants, self.dist.rank)
+        self.world.formed(joined, reason, self._where, self.state.step, time.perf_counter() - started, note,
+                          self.dist.is_main)
+
+    def _take_state(self) -> tuple[int, str, bool]:
+        """The one restore sequence, whichever world: the world's plan says whether this rank
+        restores from disk, is healed from a peer, or starts fresh; this carries it out.
+        Returns (bytes moved, a few words on how for the log, whether DDP aligns the ranks)."""
+        try:
+            self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
+            plan = self.world.plan(Holding(self.dist.rank, self._has_state, self.state.step), self.dist)
+            note = ""
+            if plan.source is Source.DISK:
+                t0 = time.perf_counter()
+                step, written_at = self._restore_newest()
+                self.metrics.restored(time.perf_counter() - t0, written_at)
+                if plan.check_same_step:
+                    self._check_same_step()
+                if step < 0:
+                    plan, note = plan.fresh(self.dist.world_size), ", from rank 0's fresh state"
+                    self.metrics.state_from(Source.FRESH.value)
+                else:
+                    note = f", from snapshot step {step} (no replica held state)"
+                    self.metrics.state_from(Source.DISK.value)
+            elif plan.sources and self.dist.is_main:  # says why the world stands still during a long transfer
+                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where, self.world.round,
+                         plan.healed, plan.senders(), plan.step)
+            t_heal = time.perf_counter()
+            moved = heal(plan, self.dist, collective_device(self.dist), self.state.capture, self.state.load,
+                         self.plan.recent_state, self.plan.load_recent) if plan.sources else 0
+            t_heal = time.perf_counter() - t_heal
+            if self.dist.rank in plan.sources:
+                self.metrics.state_from(Source.REPLICA.value)
+                self.goodput.healed_from_replica()
+            if plan.sources and plan.source is Source.REPLICA:
+                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+            raise
+        self._holds_state()
+        return moved, note, plan.init_sync
+
+    def _check_same_step(self) -> None:
+        steps = all_gather_ints(self.state.step, self.dist)
+        if len(set(steps)) != 1:
+            raise ElasticRunError(
+                f"ranks restored different steps {steps}; the snapshot directory changed under the job - "
+                "make sure only this job writes to it"
+            )
+
     def _restore_newest(self) -> tuple[int, float | None]:
         """Every rank loads the newest snapshot, if any: (its step or -1, when it was written)."""
         step, state, written_at = self.snapshots.load_newest(self.dist)
@@ -511,7 +595,9 @@ class ElasticRun:
     def __iter__(self) -> Iterator[Any]:
         try:
             with owned():
-                self.world.enter_loop()
+                if self.world.enter_loop(self.dist.local_rank, self._between_worlds):  # a joiner's set-up is done
+                    self._guard.take()  # a failure in the set-up world was that world's
+                    self._form("join")
             self._t0 = time.perf_counter()
             while True:
                 while not self.done:
@@ -558,7 +644,7 @@ class ElasticRun:
         # What the world agrees on each step (the newest round every rank could switch to) and
         # whether this rank was told to stop: one tiny all-reduce (MAX) that overlaps forward
         # and backward. None: nothing to agree on.
-        value = self.world.control_value(self._agree_stop)
+        value = self.world.control_value(self._agree_stop, self.dist.world_size)
         if value is None:
             return
         if self._stop_signal is not None:
@@ -697,7 +783,7 @@ class ElasticRun:
         if stop and not self.done:  # the last step ends the run as usual, signal or not
             self._between_steps = self._stop_after_step
         elif self.world.offers(ready) and not self.done:
-            self._between_steps = lambda: self.world.switch(ready)
+            self._between_steps = lambda: self._form("join", min_round=ready)  # every rank saw it
         return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
 
     def _at_step_boundary(self) -> None:
@@ -773,7 +859,10 @@ class ElasticRun:
         log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
         noticed = how_noticed(str(exc), self.world.replaced_by() is not None)
         user_collective = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""
-        self.world.lost_peer(step, noticed, user_collective)
+        started = time.perf_counter()
+        min_round = self.world.lost_peer(step, noticed, user_collective, self._where)  # torchrun's: exits
+        self.goodput.failed()
+        self._form("failure", min_round=min_round, since=started)
 
     # ------------------------------------------------------------------ 5. the end
 
@@ -866,7 +955,11 @@ class ElasticRun:
         if leaving:
             self._leaving = True
             return
-        self.world.peers_stopped(step, said, leavers, broke)
+        started = time.perf_counter()
+        min_round = self.world.peers_stopped(step, said, leavers, broke, self._where, self.dist.is_main, self.close,
+                                             lambda: self._stop_signal)  # torchrun's world: exits
+        self.goodput.failed()
+        self._form("failure", min_round=min_round, since=started)
 
     def _snapshot_before_stopping(self, step: int, said: str) -> None:
         """Rank 0: a snapshot of the committed ``step``, durable before this call returns."""
@@ -950,6 +1043,8 @@ class ElasticRun:
                 self.snapshots.close()
         finally:
             self.world.close()
+            if self.world.keeps_group_until_exit:  # left at exit: this run's DDP must go first
+                atexit.register(_release_ddp_at_exit, weakref.ref(self))
 
     def __enter__(self) -> "ElasticRun":
         return self
@@ -974,6 +1069,17 @@ def _local_world_size() -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", "") or (dist.get_world_size() if dist.is_initialized() else 1))
     except ValueError:
         return 1
+
+
+def _release_ddp_at_exit(ref: "weakref.ref[ElasticRun]") -> None:
+    """Drop the run's DDP before the process group is left at exit: a DDP that outlives its
+    destroyed group frees it in C++ teardown, where gloo aborts the process (SIGABRT,
+    "terminate called without an active exception"; 2 to 3 exits in 12 of a 2-process
+    script, 0 in 14 with this), and the agent would take a finished worker for a failed one."""
+    run = ref()
+    if run is not None and getattr(run, "sync", None) is not None:
+        run.sync.model = None
+    gc.collect()
 
 
 def _term_grace() -> float | None:
