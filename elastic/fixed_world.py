@@ -51,6 +51,11 @@ class FixedWorld(TrainingWorld):
         state from the seed, and DDP's first broadcast aligns it."""
         return StatePlan(Source.DISK, check_same_step=True, init_sync=True)
 
+    def incomplete(self, noticed: str) -> int:
+        """torchrun's world forms once per process: a peer lost meanwhile ends the worker, as
+        any failed collective of its start always did (its agent restarts it)."""
+        raise CollectiveFailure(f"a peer was lost while torchrun's world formed ({noticed})")
+
     def control_value(self, agree_stop: bool, world_size: int) -> int | None:
         # No rounds to agree on: only a stop, and a world of one decides that alone.
         return 0 if agree_stop and world_size > 1 else None
