@@ -97,3 +97,14 @@ def test_a_bad_setting_ends_the_run_with_one_error_line_and_exit_2_before_touchi
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "keep must be >= 1 snapshot, got 0" in err and "Traceback" not in err
     assert not (tmp_path / "snap").exists()
+
+
+def test_the_prepare_api_refuses_a_flat_keyword_the_same_way_and_keeps_the_loaders_own_settings(
+        tmp_path: Path) -> None:
+    import elastic
+
+    with pytest.raises(TypeError, match=r"Elastic\(ledger=\) is gone since 0.1.0: give snapshots=SnapshotConfig"):
+        elastic.Elastic(snapshot_dir=tmp_path, ledger=tmp_path / "l.jsonl")
+    with pytest.raises(TypeError, match=r"Elastic\(num_workers=\) is gone since 0.1.0: the DataLoader's is kept"):
+        elastic.Elastic(snapshot_dir=tmp_path, num_workers=2)
+    elastic.Elastic(snapshot_dir=tmp_path, snapshots=SnapshotConfig(every_steps=5))  # the grouped form is taken
