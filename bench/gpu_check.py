@@ -111,7 +111,7 @@ g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(256, 32, generator=g), torch.randint(0, 10, (256,), generator=g))
 sampler = DistributedSampler(data)
 loader = DataLoader(data, batch_size=32, sampler=sampler)
-ft = elastic.Elastic(snapshot_dir=snapshots, snapshot_every_steps=10, seed=0)
+ft = elastic.Elastic(snapshot_dir=snapshots, snapshots=elastic.SnapshotConfig(every_steps=10), seed=0)
 model, optimizer, loader, scheduler, scaler = ft.prepare(model, optimizer, loader, scheduler, scaler)
 for epoch in ft.epochs(epochs):
     sampler.set_epoch(epoch)
@@ -193,7 +193,8 @@ def loop(model, optimizer, sampler, loader, epochs):
 model, optimizer, sampler, loader = build()
 loops = {"plain": loop(model, optimizer, sampler, loader, itertools.count())}
 model, optimizer, sampler, loader = build()
-ft = elastic.Elastic(snapshot_dir=snapshots, snapshot_every_steps=every, handle_sigterm=False)  # added
+ft = elastic.Elastic(snapshot_dir=snapshots, snapshots=elastic.SnapshotConfig(every_steps=every),  # added
+                     handle_sigterm=False)  # added
 model, optimizer, loader = ft.prepare(model, optimizer, loader)                                  # added
 loops["prepared"] = loop(model, optimizer, sampler, loader, ft.epochs(10**6))                   # changed
 

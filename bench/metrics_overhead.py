@@ -43,6 +43,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
+from elastic.run_config import DataConfig, SnapshotConfig  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
 from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks  # noqa: E402
 
@@ -53,8 +54,8 @@ def make_run(dataset: SyntheticClassification, args: argparse.Namespace, snap_di
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return ElasticRun(model, optimizer, dataset, global_batch_size=args.global_batch_size, steps=args.steps,
-                      snapshot_dir=snap_dir, snapshot_every_steps=args.snapshot_every or None,
-                      collate_fn=as_batch, handle_sigterm=False, metrics=metrics)
+                      snapshot_dir=snap_dir, snapshots=SnapshotConfig(every_steps=args.snapshot_every or None),
+                      data=DataConfig(collate_fn=as_batch), handle_sigterm=False, metrics=metrics)
 
 
 def block(run: ElasticRun, batches: Iterator[Any], n: int) -> tuple[float, float]:

@@ -56,8 +56,8 @@ def main() -> None:
     data = Samples(args.dataset_size, args.seed)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    ft = elastic.Elastic(snapshot_dir=args.snapshot_dir, ledger=args.ledger,  # added
-                         snapshot_every_steps=args.snapshot_every_steps, seed=args.seed)
+    ft = elastic.Elastic(snapshot_dir=args.snapshot_dir, seed=args.seed, snapshots=elastic.SnapshotConfig(  # added
+        every_steps=args.snapshot_every_steps, ledger=args.ledger))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)  # added
     progress = open(args.progress, "a")  # soak
 

@@ -40,6 +40,7 @@ import two_ranks  # noqa: E402
 from elastic.consistency.check import DEFAULT_EVERY_STEPS  # noqa: E402
 from elastic.consistency.inject import flip_bit  # noqa: E402
 from elastic.jobs.mlp import SyntheticClassification, as_batch  # noqa: E402
+from elastic.run_config import DataConfig, SnapshotConfig  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
 
 GOAL = 0.005
@@ -50,7 +51,8 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     run = ElasticRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                      SyntheticClassification(args.dataset_size, seed=0), device="cpu",
                      global_batch_size=args.global_batch_size, steps=10**9, snapshot_dir=os.path.join(tmp, "snap"),
-                     snapshot_every_steps=0, collate_fn=as_batch, handle_sigterm=False, metrics=False,
+                     snapshots=SnapshotConfig(every_steps=0), data=DataConfig(collate_fn=as_batch),
+                     handle_sigterm=False, metrics=False,
                      check_every_steps=0)
     run._check.every_steps = args.every  # driven by hand below, so that each call is timed alone
     run.register("ema", torch.zeros(4))

@@ -55,7 +55,8 @@ JOB = textwrap.dedent('''\
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                              SyntheticClassification(4096, seed=1), global_batch_size=48, steps=10**9,
-                             snapshot_dir=snapshots, snapshot_every_steps=50, collate_fn=as_batch, seed=3)
+                             snapshot_dir=snapshots, snapshots=elastic.SnapshotConfig(every_steps=50),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
     rows = open(progress, "a")
     for x, y in run:
         loss = F.cross_entropy(run.model(x), y)

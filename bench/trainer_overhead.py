@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch  # noqa: E402
+from elastic.run_config import DataConfig, SnapshotConfig  # noqa: E402
 from elastic.trainer import ElasticRun  # noqa: E402
 from two_ranks import HIDDEN, WORLD, make_model, pair_verdict, run_two_ranks, steady_allocator  # noqa: E402
 
@@ -82,8 +83,8 @@ def prepared_steps(dataset: SyntheticClassification, global_batch: int, snapshot
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(dataset, seed=0)
     loader = DataLoader(dataset, batch_size=global_batch // WORLD, sampler=sampler, collate_fn=as_batch)
-    ft = elastic.Elastic(snapshot_dir=snapshot_dir, snapshot_every_steps=args.snapshot_every or None,  # added
-                         handle_sigterm=False, snapshot_writer=args.writer)
+    ft = elastic.Elastic(snapshot_dir=snapshot_dir, handle_sigterm=False, snapshots=elastic.SnapshotConfig(  # added
+        every_steps=args.snapshot_every or None, writer=args.writer))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)                                  # added
     for epoch in ft.epochs(10**6):                                                                   # changed
         sampler.set_epoch(epoch)
@@ -117,8 +118,8 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]
         run = ElasticRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dataset, device="cpu",
                          global_batch_size=args.global_batch_size, steps=10**9,
                          snapshot_dir=os.path.join(tmp, f"snap-{repeat}"),
-                         snapshot_every_steps=args.snapshot_every or None, collate_fn=as_batch,
-                         handle_sigterm=False, snapshot_writer=args.writer)
+                         snapshots=SnapshotConfig(every_steps=args.snapshot_every or None, writer=args.writer),
+                         data=DataConfig(collate_fn=as_batch), handle_sigterm=False)
         loops = {"plain": plain_steps(dataset, args.global_batch_size), "elastic": elastic_steps(run),
                  "prepared": prepared_steps(dataset, args.global_batch_size, os.path.join(tmp, f"prep-{repeat}"),
                                             args)}

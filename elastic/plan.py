@@ -122,4 +122,4 @@ def _pinned_or_why(loader: DataLoader[Any], pin: bool) -> Iterator[Any]:
             raise
         raise ElasticRunError("the dataset yields tensors that are already on the GPU, which cannot be pinned: "
                               "give DataLoader(pin_memory=False) (the prepare API keeps it) or "
-                              "ElasticRun(pin_memory=False)") from exc
+                              "ElasticRun(data=DataConfig(pin_memory=False))") from exc

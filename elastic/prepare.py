@@ -87,7 +87,7 @@ from .prepared import (
     _has_scheduler,
     _usage,
 )
-from .run_config import DataConfig
+from .run_config import FLAT_KEYWORDS, DataConfig, refuse_flat_keywords
 from .step_result import StepResult
 from .trainer import ElasticRun
 
@@ -104,7 +104,7 @@ class Elastic:
     switches from a fixed per-rank batch (the DataLoader's) to a fixed global one;
     ``gradient_accumulation_steps=K`` makes a step K of the loader's batches (see the
     module's docstring). Any
-    other keyword goes to :class:`ElasticRun` (``seed``, ``ledger``, ``snapshot_every_steps``,
+    other keyword goes to :class:`ElasticRun` (``seed``, ``snapshots=SnapshotConfig(...)``,
     ``collective_timeout``, ...).
     """
 
@@ -128,6 +128,11 @@ class Elastic:
             if taken in run_kwargs:
                 _usage(f"Elastic(..., {taken}=) is not an option of the prepare API: "
                        + _TAKEN.get(taken, "it is decided by prepare()"))
+        for loader_setting in ("num_workers", "collate_fn", "pin_memory"):
+            if loader_setting in run_kwargs:
+                raise TypeError(f"Elastic({loader_setting}=) is gone since 0.1.0: the DataLoader's is kept, give "
+                                f"DataLoader({loader_setting}=...)")
+        refuse_flat_keywords({k: v for k, v in run_kwargs.items() if k in FLAT_KEYWORDS}, caller="Elastic")
         self.snapshot_dir, self.epochs_target, self.steps_target = location_of(snapshot_dir), epochs, steps
         self.global_batch_size, self.batch_size, self.run_kwargs = global_batch_size, batch_size, run_kwargs
         self._run: ElasticRun | None = None
@@ -169,9 +174,6 @@ class Elastic:
         self.dataset = dataset
         if self.accumulate > 1:
             dataset, collate_fn = MicroBatches(dataset, collate_fn or default_collate, per_rank), _as_is
-        num_workers = kwargs.pop("num_workers", num_workers)
-        collate_fn = kwargs.pop("collate_fn", collate_fn)
-        pin = kwargs.pop("pin_memory", pin)
         if self.global_batch_size is not None:
             kwargs.update(global_batch_size=self.global_batch_size,
                           data=DataConfig(num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin))

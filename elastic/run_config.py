@@ -6,14 +6,15 @@
                      data=DataConfig(num_workers=4, collate_fn=pad))
 
 The run checks each object's values before any process group or snapshot directory is
-touched, so a wrong one is a usage error with one line (exit code 2), as any other. The flat keywords of earlier
-releases (``snapshot_every_steps=``, ``keep_snapshots=``, ``num_workers=``...) still work:
-:func:`from_flat_keywords` groups them into these objects, and refuses one given both ways.
+touched, so a wrong one is a usage error with one line (exit code 2), as any other. These
+objects are the one way to give these settings (0.1.0): a flat keyword of earlier releases
+(``snapshot_every_steps=``, ``keep_snapshots=``, ``num_workers=``...) is a ``TypeError``
+naming the field it moved to (:func:`refuse_flat_keywords`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -77,7 +78,8 @@ class DataConfig:
             raise ElasticRunError(f"num_workers must be >= 0, got {self.num_workers}")
 
 
-# The flat keywords of earlier releases: name -> (which object, its field).
+# The flat keywords of earlier releases: name -> (which object, its field), for the message
+# that says where each one went.
 FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "snapshot_every_steps": ("snapshots", "every_steps"),
     "snapshot_every_seconds": ("snapshots", "every_seconds"),
@@ -91,29 +93,37 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "collate_fn": ("data", "collate_fn"),
     "pin_memory": ("data", "pin_memory"),
 }
+_CLASS = {"snapshots": "SnapshotConfig", "data": "DataConfig"}
 
 
-def from_flat_keywords(snapshots: SnapshotConfig | None, data: DataConfig | None,
-                       flat: dict[str, Any]) -> tuple[SnapshotConfig, DataConfig]:
-    """The two objects, with the flat keywords folded in. An unknown keyword is a
-    ``TypeError``, as Python's own; a setting given both ways is a usage error."""
-    unknown = sorted(set(flat) - set(FLAT_KEYWORDS))
-    if unknown:
-        raise TypeError(f"ElasticRun() got an unexpected keyword argument {unknown[0]!r}")
-    grouped: dict[str, dict[str, Any]] = {"snapshots": {}, "data": {}}
-    for name, value in flat.items():
-        which, attribute = FLAT_KEYWORDS[name]
-        given = snapshots if which == "snapshots" else data
-        if given is not None:
-            raise ElasticRunError(f"give {name}= or {which}={type(given).__name__}({attribute}=...), not both")
-        grouped[which][attribute] = value
-    if grouped["snapshots"].get("meta", {}) is None:
-        grouped["snapshots"]["meta"] = {}
-    snapshot_config = replace(snapshots or SnapshotConfig(), **grouped["snapshots"])
-    data_config = replace(data or DataConfig(), **grouped["data"])
+def grouped_form(name: str) -> str | None:
+    """Where flat keyword ``name`` went, as code (``snapshots=SnapshotConfig(keep=...)``); None: not one."""
+    if name not in FLAT_KEYWORDS:
+        return None
+    which, attribute = FLAT_KEYWORDS[name]
+    return f"{which}={_CLASS[which]}({attribute}=...)"
+
+
+def refuse_flat_keywords(flat: dict[str, Any], caller: str = "ElasticRun") -> None:
+    """A keyword ``caller`` does not take: one ``TypeError`` line that says how to fix it (a
+    flat keyword of earlier releases: the grouped form it moved to)."""
+    if not flat:
+        return
+    name = sorted(flat)[0]
+    form = grouped_form(name)
+    if form is None:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    cls = _CLASS[FLAT_KEYWORDS[name][0]]
+    raise TypeError(f"{caller}({name}=) is gone since 0.1.0: give {form} (from elastic import {cls})")
+
+
+def checked(snapshots: SnapshotConfig | None, data: DataConfig | None) -> tuple[SnapshotConfig, DataConfig]:
+    """The two objects (the defaults for one not given), each value checked (a usage error)."""
+    snapshot_config, data_config = snapshots or SnapshotConfig(), data or DataConfig()
     snapshot_config.check()
     data_config.check()
     return snapshot_config, data_config
 
 
-__all__ = ["BatchPolicy", "DataConfig", "FLAT_KEYWORDS", "SnapshotConfig", "WriterMode", "from_flat_keywords"]
+__all__ = ["BatchPolicy", "DataConfig", "FLAT_KEYWORDS", "SnapshotConfig", "WriterMode", "checked", "grouped_form",
+           "refuse_flat_keywords"]

@@ -29,10 +29,6 @@ KNOWN_CYCLES: tuple[frozenset[str], ...] = (
     # replaced by the state they share, passed in (issue 38)
     frozenset({"agent.acts", "agent.node_agent", "agent.observer", "agent.preemption", "agent.reporting",
                "agent.spare_ahead"}),
-    # being removed by the issue-38 split (the worlds helper): the worlds import the trainer
-    # back; sharded and train_state sit on the loop only through fixed_world -> trainer
-    frozenset({"elastic.trainer", "elastic.world", "elastic.fixed_world", "elastic.inplace.in_place_world",
-               "elastic.sharded", "elastic.train_state"}),
 )
 
 

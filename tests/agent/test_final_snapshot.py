@@ -49,7 +49,8 @@ SCRIPT = textwrap.dedent('''\
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data = TensorDataset(torch.randn(1024, 8), torch.randint(0, 2, (1024,)))
     run = elastic.ElasticRun(model, optimizer, data, global_batch_size=16, steps=steps,
-                             snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=int(os.environ["EVERY"]),
+                             snapshot_dir=os.environ["SNAPSHOTS"],
+                             snapshots=elastic.SnapshotConfig(every_steps=int(os.environ["EVERY"])),
                              on_step_end=slow)
     for x, y in run:
         run.step(F.cross_entropy(run.model(x), y))

@@ -20,7 +20,6 @@ figure with a warm joiner is ``bench/recovery.py --configs ours-kill-joining``.)
 from __future__ import annotations
 
 import re
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,54 +30,20 @@ from elastic.etcd import EmbeddedEtcd, free_port
 from tests.elastic.inplace.support import at_world, logs, metric, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
 from tests.support.nodes import TorchrunNode as Node
+from tests.support import agent_job
 from tests.support.waiting import wait_until
 
 LEASE_TTL = 3
 BOUND_S = 1.5  # the goal is 1.0 s (a median in the benchmark); this leaves margin for a loaded machine
 WRITTEN_OFF = "frozen: its agent did not answer"
 
-SCRIPT = textwrap.dedent('''\
-    import hashlib, json, logging, os, time
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-    import elastic
-    from elastic.jobs.mlp import SyntheticClassification, as_batch
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                             SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
-    rows = open(os.environ["PROGRESS"], "a")
-    pause = os.environ.get("PAUSE_MARKER", "")
-    if os.path.exists(os.environ.get("SLOW_SETUP", "/nonexistent")):
-        time.sleep(2)  # a joiner's slow set-up (loading its data): the survivors train on meanwhile
-    for x, y in run:
-        if run.step_count < 3:
-            time.sleep(0.4)  # slow first steps: no history yet, nobody may be written off
-        loss = F.cross_entropy(run.model(x), y)
-        if run.step(loss):
-            digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-            rows.write(json.dumps({"step": run.step_count, "rank": run.rank, "world_size": run.world_size,
-                                   "round": run.round, "pid": os.getpid(), "time": time.time(),
-                                   "params": digest[:16]}) + "\\n")
-            rows.flush()
-            if (pause and run.step_count >= 40 and os.environ.get("ELASTIC_NODE_NAME") == "b"
-                    and not os.path.exists(pause)):
-                open(pause, "w").close()
-                time.sleep(0.3)  # a GC pause: the others wait 0.3 s in the next step's all-reduce
-        time.sleep(0.03)
-''')
 
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path,
           lease_ttl: int = LEASE_TTL) -> Node:
     env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
            "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
-           "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup")}
+           "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup"), "JOB_FIRST_STEPS_SLEEP": "0.4"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:3",
                  metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(lease_ttl)])
 
@@ -87,8 +52,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
 def test_a_frozen_node_is_left_out_within_a_second_and_comes_back_healed_once_thawed(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "freeze.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "freeze.py")
     group = [start(nodes, name, etcd_server, run_id, tmp_path, script) for name in ("a", "b", "c")]
     train_together(group, tmp_path, 3, steps=8)
     wait_until(lambda: (tmp_path / "paused").exists() and all(len(at_world(n, tmp_path, 3)) >= 60 for n in group),
@@ -141,8 +105,7 @@ JOIN_BOUND_S = 3.0
 def test_a_member_killed_while_a_join_is_pending_is_left_out_without_waiting_for_its_lease(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "join_kill.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "join_kill.py")
     group = [start(nodes, name, etcd_server, run_id, tmp_path, script, JOIN_LEASE_TTL) for name in ("a", "b", "c")]
     train_together(group, tmp_path, 3, steps=8)
     by_rank = {rows(n, tmp_path)[-1]["rank"]: n for n in group}

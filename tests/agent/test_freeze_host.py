@@ -32,10 +32,10 @@ from typing import Callable
 import pytest
 
 from elastic.etcd import EmbeddedEtcd, free_port
-from tests.agent.test_freeze_fast import SCRIPT
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import at_world, logs, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once
+from tests.support import agent_job
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -47,7 +47,8 @@ _CLOSED = re.compile(r"round (\d+) closed in [0-9.]+ s: rank \d+ of (\d+) \(([^)
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path,
           nnodes: str) -> Node:
     env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
-           "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET)}
+           "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
+           "JOB_FIRST_STEPS_SLEEP": "0.4"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
                  metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
@@ -94,8 +95,7 @@ def assert_replicas_equal(group: list[Node], tmp: Path, world: int, after: float
 def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "freeze_host.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "freeze_host.py")
     group = [start(nodes, name, etcd_server, run_id, tmp_path, script, "1:3") for name in ("a", "b", "c")]
     train_together(group, tmp_path, 3, steps=8)
     joiner = group[2]
@@ -170,8 +170,7 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
 def test_the_current_rounds_host_frozen_mid_training_at_a_fixed_size_gives_its_place_to_the_spare(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "freeze_host.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "freeze_host.py")
     group = [start(nodes, name, etcd_server, run_id, tmp_path, script, "2:2") for name in ("a", "b", "c")]
     wait_until(lambda: sum(len(rows(n, tmp_path)) >= 40 for n in group) == 2 and any(is_spare(n) for n in group),
                150, "two nodes to train 40 steps (the stall rule has their pace) beside a spare",

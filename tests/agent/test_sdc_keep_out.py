@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,31 +24,9 @@ from tests.agent.test_spares import DATASET
 from tests.elastic.inplace.support import rows, start_script, train_together
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
+from tests.support import agent_job
 from tests.support.waiting import wait_until
 
-SCRIPT = textwrap.dedent('''\
-    import json, logging, os, time
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-    import elastic
-    from elastic.jobs.mlp import SyntheticClassification, as_batch
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                             SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=18,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3, check_every_steps=5)
-    rows = open(os.environ["PROGRESS"], "a")
-    for x, y in run:
-        if run.step(F.cross_entropy(run.model(x), y)):
-            rows.write(json.dumps({"step": run.step_count, "rank": run.rank, "world_size": run.world_size,
-                                   "pid": os.getpid(), "time": time.time()}) + "\\n")
-            rows.flush()
-        time.sleep(0.02)
-''')
 
 
 def _inject(etcd: EmbeddedEtcd, run_id: str, node: str) -> None:
@@ -63,10 +40,10 @@ def _inject(etcd: EmbeddedEtcd, run_id: str, node: str) -> None:
 def test_a_node_corrupted_twice_is_named_rolled_back_and_kept_out(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "sdc.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "sdc.py")
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:3",
-                          env={"DATASET": str(DATASET)}) for name in ("a", "b", "c")]
+                          env={"DATASET": str(DATASET), "JOB_GLOBAL_BATCH": "18", "JOB_CHECK_EVERY": "5",
+                               "JOB_STEP_SLEEP": "0.02"}) for name in ("a", "b", "c")]
     train_together(group, tmp_path, 3, steps=8)
     victim = next(n for n in group if rows(n, tmp_path)[-1]["rank"] != 0)
     others = [n for n in group if n is not victim]

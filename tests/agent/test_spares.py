@@ -12,7 +12,6 @@ killed first comes back and becomes the next spare.
 from __future__ import annotations
 
 import json
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,38 +22,11 @@ from elastic.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import at_world, metric, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import assert_trained_once, assert_went_on_from_where_it_stood
 from tests.support.nodes import TorchrunNode as Node
+from tests.support import agent_job
 from tests.support.waiting import wait_until
 
 DATASET = 64  # four steps an epoch, so the heals fall among epoch ends (tests.elastic.inplace.test_user_code)
 
-SCRIPT = textwrap.dedent('''\
-    import hashlib, json, logging, os, time
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-    import elastic
-    from elastic.jobs.mlp import SyntheticClassification, as_batch
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                             SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
-    with open(os.environ["PROGRESS"] + ".setup", "a") as f:  # the script's start-up is done: model, data, run
-        f.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\\n")
-    rows = open(os.environ["PROGRESS"], "a")
-    for x, y in run:
-        loss = F.cross_entropy(run.model(x), y)
-        if run.step(loss):
-            digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-            rows.write(json.dumps({"step": run.step_count, "rank": run.rank, "world_size": run.world_size,
-                                   "round": run.round, "pid": os.getpid(), "time": time.time(),
-                                   "params": digest[:16]}) + "\\n")
-            rows.flush()
-        time.sleep(0.03)
-''')
 
 
 def is_spare(node: Node) -> bool:
@@ -102,8 +74,7 @@ def replace_with_spare(victim: Node, survivor: Node, spare: Node, tmp: Path) -> 
 def test_a_spare_takes_a_lost_nodes_place_twice_and_a_node_back_becomes_the_next_spare(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "spares.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "spares.py")
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:2",
                           env={"DATASET": str(DATASET)}, agent_args=["--warm-start"]) for name in ("a", "b", "c")]
     wait_until(lambda: sum(bool(rows(n, tmp_path)) for n in group) == 2 and any(is_spare(n) for n in group), 150,

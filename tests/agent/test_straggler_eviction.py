@@ -10,7 +10,6 @@ its back-off, as the next spare.
 
 from __future__ import annotations
 
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,36 +21,11 @@ from tests.agent.test_spares import DATASET, is_spare
 from tests.elastic.inplace.support import at_world, metric, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import assert_trained_once
 from tests.support.nodes import TorchrunNode as Node
+from tests.support import agent_job
 from tests.support.waiting import wait_until
 
 EXTRA_S = 0.15
 
-SCRIPT = textwrap.dedent(f'''\
-    import json, logging, os, time
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-    import elastic
-    from elastic.jobs.mlp import SyntheticClassification, as_batch
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                             SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
-    rows = open(os.environ["PROGRESS"], "a")
-    for x, y in run:
-        loss = F.cross_entropy(run.model(x), y)
-        if os.path.exists(os.environ["SLOW_FLAG"]):
-            time.sleep({EXTRA_S})  # a throttled GPU: this rank's own work takes longer
-        if run.step(loss):
-            rows.write(json.dumps({{"step": run.step_count, "rank": run.rank, "world_size": run.world_size,
-                                   "pid": os.getpid(), "time": time.time()}}) + "\\n")
-            rows.flush()
-        time.sleep(0.02)
-''')
 
 
 def step_rate(node: Node, tmp: Path, start: float, end: float) -> float:
@@ -64,11 +38,11 @@ def step_rate(node: Node, tmp: Path, start: float, end: float) -> float:
 def test_a_straggler_is_evicted_and_a_spare_takes_its_place(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
-    script = tmp_path / "straggler.py"
-    script.write_text(SCRIPT)
+    script = agent_job.write_to(tmp_path / "straggler.py")
     flags = {name: tmp_path / f"{name}.slow" for name in ("a", "b", "c")}
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:2",
-                          env={"DATASET": str(DATASET), "SLOW_FLAG": str(flags[name]),
+                          env={"DATASET": str(DATASET), "SLOW_FLAG": str(flags[name]), "JOB_SLOW_S": str(EXTRA_S),
+                               "JOB_STEP_SLEEP": "0.02",
                                "ELASTIC_STRAGGLER_PERIOD_S": "0.5"}, agent_args=["--warm-start"]) for name in ("a", "b", "c")]
     wait_until(lambda: sum(bool(rows(n, tmp_path)) for n in group) == 2 and any(is_spare(n) for n in group), 150,
                "two nodes to train and the third to wait as a spare", on_timeout=lambda: group[2].log_tail(60))

@@ -5,6 +5,7 @@ The comm hook that records a lost peer instead of raising is tested on its own."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ from elastic.grad_sync import GradSync, _recording_hook
 from elastic.ledger import check_ledger
 
 N = 40
-RUN = {"metrics": False, "snapshot_writer": "thread", "handle_sigterm": False, "snapshot_every_steps": 4}
+SNAPSHOTS = elastic.SnapshotConfig(every_steps=4, writer="thread")
+RUN = {"metrics": False, "handle_sigterm": False, "snapshots": SNAPSHOTS}
+
+
+def _with_ledger(path: Path) -> dict[str, Any]:
+    return {**RUN, "snapshots": replace(SNAPSHOTS, ledger=path)}
 
 
 def _parts(batch: int = 8, scheduler: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[Any], Any]:
@@ -34,7 +40,7 @@ def _parts(batch: int = 8, scheduler: bool = False) -> tuple[nn.Module, torch.op
 
 def _plain_loop(tmp: Path, epochs: int, seen: list[tuple[int, int]] | None = None) -> tuple[nn.Module, Any]:
     model, optimizer, loader, scheduler = _parts(scheduler=True)
-    ft = elastic.Elastic(snapshot_dir=tmp, ledger=tmp / "ledger.jsonl", **RUN)                   # added
+    ft = elastic.Elastic(snapshot_dir=tmp, **_with_ledger(tmp / "ledger.jsonl"))                # added
     model, optimizer, loader, scheduler = ft.prepare(model, optimizer, loader, scheduler)       # added
     for epoch in ft.epochs(epochs):                                                             # changed
         for x, y in loader:
@@ -196,8 +202,8 @@ def _accumulating_loop(tmp: Path, epochs: int, accumulate: int, inputs: list[lis
                        scheduler_lrs: list[float] | None = None) -> nn.Module:
     """The plain loop of ``_plain_loop`` with accumulation: every line runs per micro-batch."""
     model, optimizer, loader, scheduler = _parts(batch=3, scheduler=True)
-    ft = elastic.Elastic(snapshot_dir=tmp, ledger=tmp / "ledger.jsonl", gradient_accumulation_steps=accumulate,
-                         **RUN)
+    ft = elastic.Elastic(snapshot_dir=tmp, gradient_accumulation_steps=accumulate,
+                         **_with_ledger(tmp / "ledger.jsonl"))
     model, optimizer, loader, scheduler = ft.prepare(model, optimizer, loader, scheduler)
     for _ in ft.epochs(epochs):
         for x, y in loader:
@@ -311,7 +317,8 @@ def _spawned(rank: int, tmp: str) -> None:
         model = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = DataLoader(SyntheticClassification(SIZE, seed=1), batch_size=3, collate_fn=as_batch)
-        ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap-{world}", steps=2, snapshot_every_steps=None,
+        ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap-{world}", steps=2,
+                             snapshots=elastic.SnapshotConfig(every_steps=None),
                              handle_sigterm=False, **kwargs)
         model, optimizer, loader = ft.prepare(model, optimizer, loader)
         params = []
@@ -359,7 +366,7 @@ def _accumulating_ranks(rank: int, tmp: str) -> None:
     model, optimizer = _model(), None
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", epochs=1, gradient_accumulation_steps=2,
-                         snapshot_every_steps=None, handle_sigterm=False, metrics=False)
+                         snapshots=elastic.SnapshotConfig(every_steps=None), handle_sigterm=False, metrics=False)
     model, optimizer, loader = ft.prepare(model, optimizer, DataLoader(data, batch_size=3, collate_fn=as_batch))
     micro: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
     mine = []
@@ -417,7 +424,8 @@ def _peer_dies(rank: int, tmp: str, accumulate: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 2), rank=rank, world_size=2)
     model, optimizer, loader, _ = _parts()
-    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", handle_sigterm=False, metrics=False, snapshot_every_steps=1,
+    ft = elastic.Elastic(snapshot_dir=f"{tmp}/snap", handle_sigterm=False, metrics=False,
+                         snapshots=elastic.SnapshotConfig(every_steps=1),
                          gradient_accumulation_steps=accumulate)
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     for _ in ft.epochs(3):

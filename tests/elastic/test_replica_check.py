@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''\
     import torch
     from torch import nn
     from torch.nn import functional as F
-    from elastic import ElasticRun
+    from elastic import DataConfig, ElasticRun, SnapshotConfig
     from elastic.consistency.inject import flip_bit, target
     from elastic.jobs.mlp import SyntheticClassification, as_batch
 
@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent('''\
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
     run = ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2), SyntheticClassification(96, seed=1),
                      global_batch_size=12, steps=int(os.environ["STEPS"]), snapshot_dir=os.environ["SNAPSHOTS"],
-                     snapshot_every_steps=0, ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3,
+                     snapshots=SnapshotConfig(every_steps=0, ledger=os.environ["LEDGER"]),
+                     data=DataConfig(collate_fn=as_batch), seed=3,
                      check_every_steps=int(os.environ["EVERY"]))
     ema = run.register("ema", torch.zeros(4))
     if os.environ.get("LOCAL_STATE"):  # rank-local by design: found so once, then no longer compared

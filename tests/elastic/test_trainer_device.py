@@ -14,7 +14,7 @@ import elastic
 from elastic.distributed import DistInfo, ElasticRunError
 from elastic.trainer import ElasticRun
 
-RUN = {"metrics": False, "snapshot_writer": "thread", "handle_sigterm": False}
+RUN = {"metrics": False, "snapshots": elastic.SnapshotConfig(writer="thread"), "handle_sigterm": False}
 
 
 def _bare_run(device: str | None) -> ElasticRun:

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from elastic.jobs.mlp import SyntheticClassification, as_batch
 from elastic.distributed import ElasticRunError
+from elastic.run_config import DataConfig, SnapshotConfig
 from elastic.trainer import ElasticRun, StepInfo
 
 DATASET, GLOBAL_BATCH = 11, 10  # step 1: 10 samples (4/3/3 over 3 ranks); step 2: the 1-sample tail
@@ -52,9 +53,10 @@ def _train_one(rank: int, world: int, tmp: str, policy: str, metrics: bool) -> N
 
     run = ElasticRun(
         model, optimizer, SyntheticClassification(DATASET, seed=1), global_batch_size=GLOBAL_BATCH,
-        steps=2, snapshot_dir=f"{tmp}/snap-{tag}", snapshot_every_steps=None, metrics=metrics,
-        on_step_end=keep, handle_sigterm=False, collate_fn=as_batch, batch_policy=policy,  # type: ignore[arg-type]
-        per_rank_batch_size=PER_RANK if policy == "fixed-per-rank" else None,
+        steps=2, snapshot_dir=f"{tmp}/snap-{tag}", snapshots=SnapshotConfig(every_steps=None), metrics=metrics,
+        on_step_end=keep, handle_sigterm=False,
+        data=DataConfig(collate_fn=as_batch, batch_policy=policy,  # type: ignore[arg-type]
+                        per_rank_batch_size=PER_RANK if policy == "fixed-per-rank" else None),
     )
     for x, y in run:
         run.step(F.cross_entropy(run.model(x), y))

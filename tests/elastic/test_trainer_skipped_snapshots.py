@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch
+from elastic.run_config import DataConfig, SnapshotConfig
 from elastic.trainer import ElasticRun
 
 STEPS = 20
@@ -33,8 +34,9 @@ def _train(rank: int, tmp: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN_FEATURES, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4))
     run = ElasticRun(model, torch.optim.SGD(model.parameters(), lr=1e-3), SyntheticClassification(64, seed=0),
-                     global_batch_size=1, steps=STEPS, snapshot_dir=f"{tmp}/snap", snapshot_every_steps=1,
-                     collate_fn=as_batch, handle_sigterm=False)
+                     global_batch_size=1, steps=STEPS, snapshot_dir=f"{tmp}/snap",
+                     snapshots=SnapshotConfig(every_steps=1), data=DataConfig(collate_fn=as_batch),
+                     handle_sigterm=False)
     for x, y in run:
         run.step(F.cross_entropy(run.model(x), y))
     assert run.writer is not None

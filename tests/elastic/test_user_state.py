@@ -205,13 +205,15 @@ def test_the_step_result_is_true_only_when_the_batch_was_trained() -> None:
 
 
 def _run(tmp: Path, model: nn.Module, steps: int) -> Any:
+    from elastic.run_config import DataConfig, SnapshotConfig
     from elastic.trainer import ElasticRun
 
     torch.manual_seed(0)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return ElasticRun(model, torch.optim.SGD(inner.parameters(), lr=0.1), SyntheticClassification(40, seed=1),
-                      global_batch_size=8, steps=steps, snapshot_dir=tmp / "snap", snapshot_every_steps=3,
-                      snapshot_writer="thread", metrics=False, collate_fn=as_batch, handle_sigterm=False)
+                      global_batch_size=8, steps=steps, snapshot_dir=tmp / "snap",
+                      snapshots=SnapshotConfig(every_steps=3, writer="thread"), metrics=False,
+                      data=DataConfig(collate_fn=as_batch), handle_sigterm=False)
 
 
 def _loop(run: Any, counters: dict[str, Any], results: list[StepResult]) -> None:

@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent('''\
     model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 4))
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-3),
                              SyntheticClassification(256, seed=1), global_batch_size=16, steps=4,
-                             snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=2, collate_fn=as_batch)
+                             snapshot_dir=os.environ["SNAPSHOTS"], snapshots=elastic.SnapshotConfig(every_steps=2),
+                             data=elastic.DataConfig(collate_fn=as_batch))
     for x, y in run:
         run.step(F.cross_entropy(run.model(x), y))
 ''')

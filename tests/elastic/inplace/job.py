@@ -75,8 +75,9 @@ def report(info: elastic.StepInfo) -> None:
 run = elastic.ElasticRun(
     model, optimizer, SyntheticClassification(int(os.environ.get("DATASET", "512")), seed=1),
     global_batch_size=16, steps=int(os.environ.get("STEPS", "100000")), snapshot_dir=os.environ["SNAPSHOTS"],
-    snapshot_every_steps=int(os.environ.get("SNAPSHOT_EVERY", "10")), ledger=os.environ.get("LEDGER"),
-    on_step_end=report, collate_fn=as_batch, seed=3,
+    snapshots=elastic.SnapshotConfig(every_steps=int(os.environ.get("SNAPSHOT_EVERY", "10")),
+                                     ledger=os.environ.get("LEDGER")),
+    on_step_end=report, data=elastic.DataConfig(collate_fn=as_batch), seed=3,
 )
 for x, y in run:
     run.step(F.cross_entropy(run.model(x), y))

@@ -76,8 +76,8 @@ PLAIN_LOOP = textwrap.dedent('''\
     data = Numbered(int(os.environ["DATASET"]), seed=1)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
-    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], ledger=os.environ["LEDGER"],  # added
-                         snapshot_every_steps=2, seed=3)
+    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], seed=3,  # added
+                         snapshots=elastic.SnapshotConfig(every_steps=2, ledger=os.environ["LEDGER"]))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)                   # added
     progress = open(os.environ["PROGRESS"], "a")  # eyes
 
@@ -125,8 +125,8 @@ AMP_LOOP = textwrap.dedent('''\
     data = Numbered(int(os.environ["DATASET"]), seed=1)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
-    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], ledger=os.environ["LEDGER"],  # added
-                         snapshot_every_steps=4, seed=3, gradient_accumulation_steps=ACCUMULATE)
+    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], seed=3, gradient_accumulation_steps=ACCUMULATE,  # added
+                         snapshots=elastic.SnapshotConfig(every_steps=4, ledger=os.environ["LEDGER"]))
     model, optimizer, loader, scheduler, scaler = ft.prepare(model, optimizer, loader, scheduler, scaler)  # added
     progress, in_step = open(os.environ["PROGRESS"], "a"), []  # eyes
 

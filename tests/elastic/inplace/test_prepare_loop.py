@@ -48,8 +48,8 @@ PLAIN_DDP_LOOP = textwrap.dedent('''\
     data = SyntheticClassification(int(os.environ["DATASET"]), seed=1)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=8, sampler=sampler, collate_fn=as_batch)
-    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], ledger=os.environ["LEDGER"],  # added
-                         snapshot_every_steps=10, seed=3)
+    ft = elastic.Elastic(snapshot_dir=os.environ["SNAPSHOTS"], seed=3,  # added
+                         snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)                   # added
     progress, main = open(os.environ["PROGRESS"], "a"), open(os.environ["MAIN"], "a")
 

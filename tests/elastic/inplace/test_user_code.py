@@ -44,8 +44,9 @@ PORTED_TUTORIAL = textwrap.dedent('''\
     data = SyntheticClassification(int(os.environ["DATASET"]), seed=1)
     x_val, y_val = data.x[:32], data.y[:32]
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2), data, global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"],
+                             snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
     counters = run.register("counters", {"epoch": 0, "steps": 0, "steps_in_epoch": 0, "val_sum": 0.0})
     best = run.register("best", {"loss": float("inf"), "step": 0})
     rows, main = open(os.environ["PROGRESS"], "a"), open(os.environ["MAIN"], "a")
@@ -94,8 +95,9 @@ OWN_GROUP_AND_DDP = textwrap.dedent('''\
     ddp_model = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
     run = elastic.ElasticRun(ddp_model, torch.optim.Adam(ddp_model.parameters(), lr=1e-3),
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=10,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"],
+                             snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
     rows = open(os.environ["PROGRESS"], "a")
     for x, y in run:
         loss = F.cross_entropy(ddp_model(x), y)

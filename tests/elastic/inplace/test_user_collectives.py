@@ -58,7 +58,8 @@ USER_SCRIPT = textwrap.dedent('''\
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=16,
                              steps=int(os.environ.get("STEPS", "100000")), snapshot_dir=os.environ["SNAPSHOTS"],
-                             snapshot_every_steps=10, ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3)
+                             snapshots=elastic.SnapshotConfig(every_steps=10, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3)
 
     # Set-up collectives right after building the run, as the scripts users brought us do.
     dist.barrier()
@@ -280,16 +281,13 @@ def test_a_joiners_set_up_world_is_the_ranks_started_with_it_and_the_real_world_
 
 def test_a_users_collective_failing_with_every_node_still_there_is_named_once_with_its_fix(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    import types
-
     from elastic.inplace.channel import WorkerChannel
     from elastic.inplace.in_place_world import InPlaceWorld
 
-    run = types.SimpleNamespace(_where="[a rank 1]")
-    world = InPlaceWorld(run, WorkerChannel(tmp_path, 0), "gloo", 30.0, owns_group=True)  # type: ignore[arg-type]
+    world = InPlaceWorld(WorkerChannel(tmp_path, 0), "gloo", 30.0, owns_group=True)
     with caplog.at_level("WARNING", logger="elastic.trainer"):
-        world._say_misaligned("all_reduce", 41)
-        world._say_misaligned("all_reduce", 61)
+        world._say_misaligned("all_reduce", 41, "[a rank 1]")
+        world._say_misaligned("all_reduce", 61, "[a rank 1]")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("[a rank 1] step 41 failed in your dist.all_reduce with every "
                                                    "node still in the world"), lines

@@ -1,0 +1,173 @@
+"""The run's side of forming a world: one restore sequence, whichever world it trains in.
+
+A world (:mod:`elastic.formation`) says which group this rank joined and how every rank of
+it comes to stand on one step (restore from disk, heal from a peer, or start fresh).
+:class:`FormsWorlds`, a part of :class:`~elastic.trainer.ElasticRun`, carries that out the
+same way for both worlds (:meth:`~FormsWorlds._take_state`), at the first formation, after
+a lost peer (:meth:`~FormsWorlds._recover`) and for a join. A mixin, so that the trainer's
+module keeps to the loop; every attribute it reads is the run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, ContextManager
+
+from .distributed import ElasticRunError, all_gather_ints, collective_device
+from .formation import Holding, Source, TrainingWorld, heal
+from .collectives import first_line
+from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
+from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard
+from .log import how_noticed
+
+if TYPE_CHECKING:
+    from .distributed import DistInfo
+    from .goodput.recorder import GoodputLog
+    from .plan import DataPlan
+    from .snapshots import Snapshots
+    from .train_state import TrainState
+
+log = logging.getLogger("elastic.trainer")  # the run's lines
+
+
+class FormsWorlds:
+    """Forming a world (1. of the run's state machine) and losing one (3.)."""
+
+    if TYPE_CHECKING:  # the run's, for type checkers
+        world: TrainingWorld
+        dist: DistInfo
+        state: TrainState
+        plan: DataPlan
+        snapshots: Snapshots
+        sync: GradSync
+        goodput: GoodputLog
+        metrics: Any
+        resumed_from: int
+        _has_state: bool
+        _committed: int
+        _guard: Guard
+
+        @property
+        def _where(self) -> str: ...
+        def _between_worlds(self) -> ContextManager[None]: ...
+        def _new_world(self) -> None: ...
+
+    def _form(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
+        """Form a world (:mod:`elastic.formation`): join its group, stand every rank on one
+        step (:meth:`_take_state`), build DDP. A member lost meanwhile: the world forms
+        again from a newer round (in place) or the worker ends (torchrun's world)."""
+        started = since if since is not None else time.perf_counter()
+        self.goodput.forming(reason)
+        while True:
+            with self._between_worlds():
+                joined = self.world.join(min_round)
+            self.dist = joined.dist
+            if joined.rendezvous:
+                self.goodput.joined()
+            try:
+                moved, note, init_sync = self._take_state()
+                self.sync.build(self.dist, init_sync=init_sync)
+            except CollectiveFailure as exc:
+                log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
+                          joined.round, exc)
+                min_round = self.world.incomplete(how_noticed(str(exc)))
+                continue
+            break
+        self._new_world()
+        if joined.rendezvous:  # a world of the agent's rounds: its rank and its heal, in the metrics
+            self.metrics.world_changed(self.dist.rank, self.dist.world_size)
+            self.metrics.healed(time.perf_counter() - started, moved)
+        self.goodput.formed(joined.participants, self.dist.rank)
+        self.world.formed(joined, reason, self._where, self.state.step, time.perf_counter() - started, note,
+                          self.dist.is_main)
+
+    def _take_state(self) -> tuple[int, str, bool]:
+        """The one restore sequence, whichever world: the world's plan says whether this rank
+        restores from disk, is healed from a peer, or starts fresh; this carries it out.
+        Returns (bytes moved, a few words on how for the log, whether DDP aligns the ranks)."""
+        try:
+            self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
+            plan = self.world.plan(Holding(self.dist.rank, self._has_state, self.state.step), self.dist)
+            note = ""
+            if plan.source is Source.DISK:
+                t0 = time.perf_counter()
+                step, written_at = self._restore_newest()
+                self.metrics.restored(time.perf_counter() - t0, written_at)
+                if plan.check_same_step:
+                    self._check_same_step()
+                if step < 0:
+                    plan, note = plan.fresh(self.dist.world_size), ", from rank 0's fresh state"
+                    self.metrics.state_from(Source.FRESH.value)
+                else:
+                    note = f", from snapshot step {step} (no replica held state)"
+                    self.metrics.state_from(Source.DISK.value)
+            elif plan.sources and self.dist.is_main:  # says why the world stands still during a long transfer
+                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where, self.world.round,
+                         plan.healed, plan.senders(), plan.step)
+            t_heal = time.perf_counter()
+            moved = heal(plan, self.dist, collective_device(self.dist), self.state.capture, self.state.load,
+                         self.plan.recent_state, self.plan.load_recent) if plan.sources else 0
+            t_heal = time.perf_counter() - t_heal
+            if self.dist.rank in plan.sources:
+                self.metrics.state_from(Source.REPLICA.value)
+                self.goodput.healed_from_replica()
+            if plan.sources and plan.source is Source.REPLICA:
+                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
+        except RuntimeError as exc:
+            if is_collective_failure(exc):
+                raise CollectiveFailure(first_line(exc)) from exc
+            raise
+        self._holds_state()
+        return moved, note, plan.init_sync
+
+    def _check_same_step(self) -> None:
+        steps = all_gather_ints(self.state.step, self.dist)
+        if len(set(steps)) != 1:
+            raise ElasticRunError(
+                f"ranks restored different steps {steps}; the snapshot directory changed under the job - "
+                "make sure only this job writes to it"
+            )
+
+    def _restore_newest(self) -> tuple[int, float | None]:
+        """Every rank loads the newest snapshot, if any: (its step or -1, when it was written)."""
+        step, state, written_at = self.snapshots.load_newest(self.dist)
+        self._describe_restore(step, state)
+        return step, written_at
+
+    def _holds_state(self) -> None:
+        """This rank holds the world's state at ``state.step`` (restored, healed or agreed on)."""
+        self._has_state = True
+        self._committed = self.resumed_from = self.state.step
+        self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
+
+    def _describe_restore(self, step: int, state: dict[str, Any] | None) -> None:
+        d = self.dist
+        if step >= 0 and state is not None:
+            self.state.load(state)
+            if d.is_main:
+                log.info("%s world %d (%s, %s): resumed from snapshot step %d (epoch %d, %d samples into it)",
+                         self._where, d.world_size, d.backend, d.device.type, step, self.plan.sampler.epoch,
+                         self.plan.sampler.cursor)
+        elif d.is_main:
+            log.info("%s world %d (%s, %s): no snapshot in %s, starting from scratch",
+                     self._where, d.world_size, d.backend, d.device.type, self.snapshots.root)
+
+    def _recover(self, exc: CollectiveFailure) -> None:
+        """Abandon the step (nothing of it was applied); the world forms again or ends.
+
+        A peer's loss is not this rank's bug: no traceback and no raw gloo message (DEBUG
+        keeps it). In place, rank 0 says what happened once the world formed again; on the
+        restart path each rank says in one line that its agent restarts it, and exits 1."""
+        self.state.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
+        noticed = how_noticed(str(exc), self.world.replaced_by() is not None)
+        user_collective = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""
+        started = time.perf_counter()
+        min_round = self.world.lost_peer(step, noticed, user_collective, self._where)  # torchrun's: exits
+        self.goodput.failed()
+        self._form("failure", min_round=min_round, since=started)
+
+
+__all__ = ["FormsWorlds"]
