@@ -234,6 +234,8 @@ class S3SnapshotStore:
         try:
             etag = self.objects.put(mkey, data, if_none_match=True)
         except PreconditionFailed:  # another writer committed this step first: never overwritten
+            etag = self._own_commit(mkey, data)
+        if etag is None:
             self._delete_quietly([f"{sdir}/{writer}/"])
             existing = self._handle_existing(step)
             if existing is None:
@@ -248,6 +250,21 @@ class S3SnapshotStore:
         with self._lock:
             self._own[step] = etag
         return _info(self.root / sdir, manifest)
+
+    def _own_commit(self, mkey: str, data: bytes) -> str | None:
+        """The ETag of the manifest at ``mkey`` if it holds exactly ``data``, else None.
+
+        A PUT the server applied but answered with a 5xx (or whose answer was lost) is
+        retried, and the retry's If-None-Match then meets our own manifest: the same bytes
+        (the signature and ``written_at`` make them this save's alone) mean the commit landed."""
+        try:
+            stored, etag = self.objects.get(mkey)
+        except FileNotFoundError:
+            return None
+        if stored != data:
+            return None
+        log.info("%s: the commit landed although its answer was lost; it is this save's", self.root / mkey)
+        return etag
 
     def _handle_existing(self, step: int) -> SnapshotInfo | None:
         """As the local store: keep a valid step (or refuse), set an invalid manifest aside."""
