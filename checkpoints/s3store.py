@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
@@ -173,7 +173,24 @@ class S3SnapshotStore:
         """Upload ``state`` as snapshot ``step``; committed (its manifest stored) on return."""
         layout.check_step(step)
         check_state(state)
-        extra_meta = dict(extra_meta or {})
+        return self._save(step, world_size, dict(extra_meta or {}), housekeeping,
+                          lambda spool, where: self._upload_files(state, spool, where))
+
+    def save_files(self, step: int, src: Path, manifest: Manifest, *, housekeeping: bool = True) -> SnapshotInfo:
+        """Upload a committed local snapshot (``src``, its ``manifest``) as snapshot ``step``,
+        without serialising anything again: the two-tier save's second tier. Each file's size
+        and sha256 are checked against the manifest before it is uploaded, so only bytes the
+        local tier verified go up (SnapshotCorruptError otherwise, nothing committed)."""
+        layout.check_step(step)
+        if manifest.step != step:
+            raise ValueError(f"manifest of step {manifest.step} given for step {step}")
+        return self._save(step, manifest.world_size, dict(manifest.extra_meta), housekeeping,
+                          lambda _spool, where: self._upload_copies(src, manifest.files, where))
+
+    def _save(self, step: int, world_size: int, extra_meta: dict[str, Any], housekeeping: bool,
+              upload: Callable[[Path, str], list[FileEntry]]) -> SnapshotInfo:
+        """The commit protocol around ``upload(spool, "<step dir>/<writer>")``, which puts the
+        files under the writer's own name and returns their manifest entries."""
         sdir = layout.step_dirname(step)
         existing = self._handle_existing(step)
         if existing is not None:
@@ -183,7 +200,7 @@ class S3SnapshotStore:
             self._writing.add(writer)
         spool = Path(tempfile.mkdtemp(prefix=".snapshot-spool-", dir=self.spool_dir))
         try:
-            entries = self._upload_files(state, spool, f"{sdir}/{writer}")
+            entries = upload(spool, f"{sdir}/{writer}")
             manifest = Manifest(step=step, world_size=int(world_size), written_at=time.time(),
                                 torch_version=torch.__version__, files=tuple(entries), extra_meta=extra_meta)
             key = self._key
@@ -200,6 +217,21 @@ class S3SnapshotStore:
             self.housekeep()
         return info
 
+    def _upload_copies(self, src: Path, entries: tuple[FileEntry, ...], where: str) -> list[FileEntry]:
+        pool, _ = self._pools()
+        rel = where.split("/", 1)[1]
+
+        def one(entry: FileEntry) -> FileEntry:
+            path = src / entry.file
+            size, sha = _file_digest(path)
+            if size != entry.size or sha != entry.sha256:
+                raise SnapshotCorruptError(f"{path}: not the bytes its manifest names (size {size}, manifest says "
+                                           f"{entry.size}; sha256 {'ok' if sha == entry.sha256 else 'mismatch'})")
+            self.objects.upload_file(f"{where}/{entry.file}", str(path))
+            return FileEntry(key=entry.key, file=f"{rel}/{entry.file}", size=entry.size, sha256=entry.sha256)
+
+        return _all_of([pool.submit(one, e) for e in entries])
+
     def _upload_files(self, state: Mapping[str, Any], spool: Path, where: str) -> list[FileEntry]:
         pool, hash_pool = self._pools()
 
@@ -211,15 +243,7 @@ class S3SnapshotStore:
             return size, sha
 
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
-        futures = [pool.submit(one, n, v) for n, v in zip(names, state.values())]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
-                first_error = first_error or e
-        if first_error is not None:
-            raise first_error
+        results = _all_of([pool.submit(one, n, v) for n, v in zip(names, state.values())])
         rel = where.split("/", 1)[1]
         return [FileEntry(key=k, file=f"{rel}/{n}", size=size, sha256=sha)
                 for k, n, (size, sha) in zip(state.keys(), names, results)]
@@ -640,6 +664,31 @@ class _Problem(Exception):
 def _info(path: Any, m: Manifest) -> SnapshotInfo:
     return SnapshotInfo(step=m.step, path=path, world_size=m.world_size, written_at=m.written_at,
                         size_bytes=m.size_bytes, torch_version=m.torch_version, extra_meta=m.extra_meta)
+
+
+def _all_of(futures: list[Any]) -> list[Any]:
+    """Every future's result, in order; the first error re-raised after all have finished."""
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return results
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read once in 8 MB blocks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
 
 
 def _spool_file(path: Path, obj: Any, hash_pool: DaemonPool) -> tuple[int, str]:

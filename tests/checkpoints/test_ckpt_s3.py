@@ -220,3 +220,39 @@ def test_two_tiers_resume_from_the_newest_valid_of_both(s3: str, tmp_path: Path)
         writer.submit(6, _state(6), world_size=1)
         writer.flush(60)
     assert store.local.newest_valid().step == 6 and store.remote.newest_valid().step == 6
+
+
+def test_two_tier_save_serialises_once_and_uploads_the_verified_local_files(
+        s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.save call is counted: the local tier serialises each file once, and the
+    object store gets those bytes; a local file changed before its upload is never sent."""
+    store = open_store(f"{tmp_path / 'node'},{s3}", keep=5, key=KEY)
+    calls: list[object] = []
+    real_save = torch.save
+
+    def counting_save(obj: object, f: object, *a: object, **kw: object) -> None:
+        calls.append(obj)
+        real_save(obj, f, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    store.save(1, _state(1), world_size=1)
+    assert len(calls) == 2  # "model" and "step": once each, not once per tier
+    assert store.remote.check(1) == [] and store.remote.load(1)["step"] == 1
+    remote_files = {f.file.split("/")[-1]: f.sha256 for f in store.remote._read_manifest(1).files}
+    local_files = {f.file: f.sha256 for f in store.local._read_manifest(tmp_path / "node" / "step-000000000001").files}
+    assert remote_files == local_files  # the very bytes the local tier wrote and hashed
+    # a local copy changed between its write and its upload: refused, serialised again
+    real_upload = store.remote._upload_copies
+
+    def tamper_then_upload(src: Path, entries: tuple, where: str) -> list:
+        f = next(src.glob("*model.pt"))
+        data = bytearray(f.read_bytes())
+        data[-20] ^= 0xFF
+        f.write_bytes(bytes(data))
+        return real_upload(src, entries, where)
+
+    monkeypatch.setattr(store.remote, "_upload_copies", tamper_then_upload)
+    calls.clear()
+    store.save(2, _state(2), world_size=1)
+    assert len(calls) == 4  # the fallback serialised it again for the object store
+    assert store.remote.check(2) == [] and store.remote.load(2)["step"] == 2
