@@ -47,7 +47,10 @@ from .location import S3Location, parse_s3
 from .manifest import FileEntry, Manifest, ManifestError
 from .s3client import PreconditionFailed, S3Objects
 from .s3fence import S3Fence, stale_commit
-from .store import SnapshotInfo, SnapshotStatus, TempDirStatus, _signature_only, checked_options
+from .reading import FileProblem, SnapshotInfo, SnapshotReader, checked_load
+from .reading import info_of as _info
+from .reading import signature_only as _signature_only
+from .store import TempDirStatus, checked_options
 from .tree import check_state
 from .workers import DaemonPool
 
@@ -89,7 +92,7 @@ def _age(when: dt.datetime | None) -> float:
     return max(0.0, time.time() - when.timestamp())
 
 
-class S3SnapshotStore:
+class S3SnapshotStore(SnapshotReader):
     """The snapshot store (same interface as :class:`.store.SnapshotStore`) in an object store.
 
     ``create`` (the writer's side) checks at once that the bucket exists, the credentials are
@@ -179,8 +182,9 @@ class S3SnapshotStore:
     def save_files(self, step: int, src: Path, manifest: Manifest, *, housekeeping: bool = True) -> SnapshotInfo:
         """Upload a committed local snapshot (``src``, its ``manifest``) as snapshot ``step``,
         without serialising anything again: the two-tier save's second tier. Each file's size
-        and sha256 are checked against the manifest before it is uploaded, so only bytes the
-        local tier verified go up (SnapshotCorruptError otherwise, nothing committed)."""
+        and sha256 are checked against the manifest (hashed as it uploads) before the manifest
+        commits it, so only bytes the local tier verified become a snapshot
+        (SnapshotCorruptError otherwise, nothing committed)."""
         layout.check_step(step)
         if manifest.step != step:
             raise ValueError(f"manifest of step {manifest.step} given for step {step}")
@@ -218,16 +222,22 @@ class S3SnapshotStore:
         return info
 
     def _upload_copies(self, src: Path, entries: tuple[FileEntry, ...], where: str) -> list[FileEntry]:
-        pool, _ = self._pools()
+        pool, hash_pool = self._pools()
         rel = where.split("/", 1)[1]
 
         def one(entry: FileEntry) -> FileEntry:
+            # hashed while it uploads (both read the page cache), checked before the manifest
+            # commits it: the time is max(hash, upload), not the sum. A file changed in between
+            # makes at worst a snapshot that fails its readers' sha256 check, never a wrong load.
             path = src / entry.file
-            size, sha = _file_digest(path)
+            digest = hash_pool.submit(_file_digest, path)
+            try:
+                self.objects.upload_file(f"{where}/{entry.file}", str(path))
+            finally:
+                size, sha = digest.result()
             if size != entry.size or sha != entry.sha256:
                 raise SnapshotCorruptError(f"{path}: not the bytes its manifest names (size {size}, manifest says "
                                            f"{entry.size}; sha256 {'ok' if sha == entry.sha256 else 'mismatch'})")
-            self.objects.upload_file(f"{where}/{entry.file}", str(path))
             return FileEntry(key=entry.key, file=f"{rel}/{entry.file}", size=entry.size, sha256=entry.sha256)
 
         return _all_of([pool.submit(one, e) for e in entries])
@@ -367,9 +377,10 @@ class S3SnapshotStore:
         return m
 
     def _info_of(self, step: int) -> SnapshotInfo:
-        return _info(self.root / layout.step_dirname(step), self._read_manifest(step))
+        return self._info_at(step)
 
-    def _quick_check(self, step: int, fence: tuple[Any, Any] | None = None) -> tuple[Manifest | None, list[str]]:
+    def _quick_check(self, step: int, scan: Any = None) -> tuple[Manifest | None, list[str]]:
+        fence: tuple[Any, Any] | None = scan
         objs = self._objects_of(step)
         if layout.MANIFEST_NAME not in objs:
             return None, [f"{layout.step_dirname(step)}: no such snapshot"] if not objs else [
@@ -398,118 +409,27 @@ class S3SnapshotStore:
         try:
             self.objects.download(f"{layout.step_dirname(step)}/{entry.file}", buf)
         except FileNotFoundError:
-            raise _Problem(f"{entry.file}: missing") from None
-        data = buf.getbuffer()
-        if len(data) != entry.size:
-            raise _Problem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
-        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise _Problem(f"{entry.file}: sha256 mismatch (corrupted or forged)")
-        try:
-            return files.load_bytes(bytes(data), map_location)
-        except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise _Problem(f"{entry.file} does not load ({first})") from None
+            raise FileProblem(f"{entry.file}: missing") from None
+        return checked_load(buf.getbuffer(), entry, map_location=map_location, verify=verify,
+                            corrupted="corrupted or forged")
 
-    def verify(self, step: int, *, full: bool = True) -> list[str]:
-        return self.check(step) if full else self._quick_check(step)[1]
+    # the read side (:class:`.reading.SnapshotReader`) over the object store
 
-    def check(self, step: int) -> list[str]:
-        m, problems = self._quick_check(step)
-        if m is None or problems:
-            return problems
-        for entry in m.files:
-            try:
-                self._read_entry(step, entry, map_location="cpu", verify=True)
-            except _Problem as e:
-                problems.append(str(e))
-        return problems
+    _read_file = _read_entry
 
-    def status(self, *, full: bool = False) -> list[SnapshotStatus]:
-        out, found_valid = [], False
-        for step in reversed(self._steps()):
-            problems = tuple(self.verify(step, full=full or not found_valid))
-            if problems and problems[0].endswith("no such snapshot"):
-                continue
-            if problems and problems[0].startswith(f"{layout.MANIFEST_NAME}: missing"):
-                continue  # a write in progress or an orphan: temp_dirs() shows it
-            found_valid = found_valid or not problems
-            try:
-                m: Manifest | None = self._read_manifest(step, authenticate=False)
-            except ManifestError:
-                m = None
-            path = self.root / layout.step_dirname(step)
-            out.append(SnapshotStatus(step=step, path=path, info=None if m is None else _info(path, m),  # type: ignore[arg-type]
-                                      problems=problems, signed=None if m is None else m.signature is not None))
-        return out[::-1]
+    def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
+        return self._read_manifest(step, authenticate=authenticate)
 
-    def list(self) -> list[SnapshotInfo]:
-        out = []
-        for step in self._steps():
-            try:
-                out.append(self._info_of(step))
-            except ManifestError:
-                continue
-        return out
+    def _scan(self) -> tuple[Any, Any]:
+        return self.fence.stamped()  # read once for a walk over all steps
 
-    def newest_valid(self, *, full: bool = True) -> SnapshotInfo | None:
-        for step in reversed(self._steps()):
-            problems = self.verify(step, full=full)
-            if not problems:
-                return self._info_of(step)
-            self._log_skip(step, problems)
-        return None
+    def _quiet_skip(self, problems: list[str] | tuple[str, ...]) -> bool:
+        # a write in progress, a dead writer's leftovers, a pruned step: never a snapshot
+        return bool(problems) and (problems[0].startswith(f"{layout.MANIFEST_NAME}: missing")
+                                   or problems[0].endswith("no such snapshot"))
 
-    def _log_skip(self, step: int, problems: list[str] | tuple[str, ...]) -> None:
-        if problems and (problems[0].startswith(f"{layout.MANIFEST_NAME}: missing")
-                         or problems[0].endswith("no such snapshot")):
-            return  # a write in progress, a dead writer's leftovers, a pruned step: never a snapshot
-        more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-        log.warning("skipping invalid snapshot %s: %s%s; falling back to an older one",
-                    self.root / layout.step_dirname(step), problems[0], more)
-
-    def load(self, info_or_step: SnapshotInfo | int, *, map_location: Any = "cpu",
-             verify: bool = True) -> dict[str, Any]:
-        step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
-        path = self.root / layout.step_dirname(step)
-        try:
-            m = self._read_manifest(step)
-        except ManifestError as e:
-            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        out: dict[str, Any] = {}
-        for entry in m.files:
-            try:
-                out[entry.key] = self._read_entry(step, entry, map_location=map_location, verify=verify)
-            except _Problem as e:
-                raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        return out
-
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
-        """Newest snapshot that loads with full verification (each file fetched and hashed once)."""
-        unsigned = 0
-        fence = self.fence.stamped()
-        for step in reversed(self._steps()):
-            m, problems = self._quick_check(step, fence)
-            if problems:
-                if _signature_only(problems):
-                    unsigned += 1
-                else:
-                    self._log_skip(step, problems)
-                continue
-            try:
-                state = self.load(step, map_location=map_location, verify=True)
-            except SnapshotCorruptError as e:
-                log.warning("skipping invalid %s; falling back to an older one", str(e))
-                continue
-            if unsigned:
-                log.warning("%d snapshot(s) in %s are not signed with the job key and are never resumed from; "
-                            "resuming from step %d (sign them with 'python -m checkpoints sign %s' if they are "
-                            "this job's own)", unsigned, self.root, step, self.root)
-            assert m is not None
-            return _info(self.root / layout.step_dirname(step), m), state
-        if unsigned:
-            log.warning("%d snapshot(s) in %s are not signed with the job key and are never resumed from; "
-                        "starting from scratch", unsigned, self.root)
-        return None
+    def _status_skip(self, step: int, problems: tuple[str, ...]) -> bool:
+        return self._quiet_skip(problems)  # a write in progress or an orphan: temp_dirs() shows it
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -649,21 +569,12 @@ class S3SnapshotStore:
         for entry in m.files:
             try:
                 self._read_entry(step, entry, map_location="cpu", verify=True)
-            except _Problem as e:
+            except FileProblem as e:
                 raise SnapshotCorruptError(f"snapshot {path}: {e}; not signed") from None
         data = m.to_bytes(lambda body: signing.sign(key, sdir, m.step, body))
         self.objects.put(f"{sdir}/{layout.MANIFEST_NAME}", data, if_match=etag)
         log.info("signed snapshot %s with the job key", path)
         return True
-
-
-class _Problem(Exception):
-    pass
-
-
-def _info(path: Any, m: Manifest) -> SnapshotInfo:
-    return SnapshotInfo(step=m.step, path=path, world_size=m.world_size, written_at=m.written_at,
-                        size_bytes=m.size_bytes, torch_version=m.torch_version, extra_meta=m.extra_meta)
 
 
 def _all_of(futures: list[Any]) -> list[Any]:
