@@ -130,7 +130,7 @@ class S3SnapshotStore(SnapshotReader):
         self.retry_for_s = retry_for_s
         self.spool_dir = spool_dir
         self.objects = S3Objects(self.loc, retry_for_s=retry_for_s, timeout_s=timeout_s, multipart_chunk=multipart_chunk)
-        self.fence = S3Fence(self.objects)
+        self.fence = S3Fence(self.objects, key=self._key)
         self._pool: DaemonPool | None = None
         self._hash_pool: DaemonPool | None = None
         self._pools_lock = threading.Lock()

@@ -256,3 +256,27 @@ def test_two_tier_save_serialises_once_and_uploads_the_verified_local_files(
     store.save(2, _state(2), world_size=1)
     assert len(calls) == 4  # the fallback serialised it again for the object store
     assert store.remote.check(2) == [] and store.remote.load(2)["step"] == 2
+
+
+def test_a_forged_fence_object_is_refused_with_one_line(s3: str, s3_server: SeaweedS3,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """In a signed job the fence object is signed like the manifests: one written by whoever
+    can write the bucket but lacks the key (here: round 99, unsigned) stops nothing."""
+    import json
+
+    caplog.set_level(logging.WARNING)
+    store = open_store(s3, keep=5, key=KEY)
+    store.fence.raise_to(FenceToken("run", 1))
+    assert "hmac" in json.loads(store.objects.get(".fence")[0])
+    bucket, prefix = s3.split("/")[2], s3.split("/")[3]
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/.fence", Body=json.dumps({"run": "run", "round": 99}))
+    meta = {"fence": {"run": "run", "round": 1}}
+    store.save(1, _state(1), world_size=1, extra_meta=meta)
+    store.save(2, _state(2), world_size=1, extra_meta=meta)
+    assert store.load_latest()[0].step == 2
+    lines = [r.getMessage() for r in caplog.records if "ignoring the snapshot fence" in r.getMessage()]
+    assert len(lines) == 1 and ".fence" in lines[0] and "not signed with the job key" in lines[0]
+    store.fence.raise_to(FenceToken("run", 2))  # the next round replaces it
+    assert store.fence.current() == FenceToken("run", 2)
+    with pytest.raises(SnapshotFencedError):
+        store.save(3, _state(3), world_size=1, extra_meta=meta)
