@@ -93,7 +93,7 @@ class TieredStore:
                 except SnapshotCorruptError as e:
                     log.warning("skipping invalid %s; trying the other tier or an older one", e)
                     continue
-                info = tier._info_of(tier.root / f"step-{step:012d}") if tier is self.local else tier._info_of(step)
+                info = tier._info_at(step)  # the shared read side (.reading)
                 log.info("resuming from snapshot step %d in %s (the newest valid of both tiers)", step,
                          "the local tier" if tier is self.local else "the object store")
                 return info, state
