@@ -13,25 +13,31 @@ object store has no lock:
   there, readers still refuse its snapshot: a manifest whose token is of an older round of
   the fence's run and that the server stamped after the fence itself is never read
   (:func:`stale_commit`).
+* With a job key the fence object is signed as a directory's fence is (``"hmac"`` over run
+  and round, :mod:`.fence`): one that does not verify (forged, edited, written without the
+  key) is ignored with one WARNING naming it, as if absent, and the next raise replaces it;
+  so whoever can write the bucket but lacks the key cannot stop a signed job's snapshots.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hmac
 import json
 import logging
 from typing import Any, Iterator
 
-from .fence import FENCE_NAME, FenceToken, _fenced
+from .fence import FENCE_NAME, FenceToken, _fenced, _tag, _warned
 from .s3client import PreconditionFailed, S3Objects
 
 log = logging.getLogger(__name__)
 
 
 class S3Fence:
-    def __init__(self, objects: S3Objects) -> None:
+    def __init__(self, objects: S3Objects, key: bytes | None = None) -> None:
         self.objects = objects
+        self._key = key
         self.root = str(objects.loc)
         self.path = f"{self.root.rstrip('/')}/{FENCE_NAME}"  # named in lines, as a directory's fence file is
 
@@ -41,9 +47,22 @@ class S3Fence:
         except FileNotFoundError:
             return None, None
         try:
-            return FenceToken.from_meta(json.loads(data)), etag
+            meta = json.loads(data)
         except ValueError:
             return None, etag
+        token = FenceToken.from_meta(meta)
+        if token is None or self._key is None:
+            return token, etag
+        tag = meta.get("hmac") if isinstance(meta, dict) else None
+        if isinstance(tag, str) and hmac.compare_digest(tag, _tag(self._key, token)):
+            return token, etag
+        if (self.path, data) not in _warned:
+            _warned.add((self.path, data))
+            log.warning("ignoring the snapshot fence %s (round %d of run %r): it is %s, so it stops nothing; the "
+                        "next group of this job replaces it", self.path, token.round, token.run,
+                        "not signed with the job key (edited, or written without the key)" if tag is None
+                        else "signed with another key, or edited")
+        return None, etag  # as if absent; the ETag lets the next raise replace it
 
     def current(self) -> FenceToken | None:
         return self._read()[0]
@@ -67,7 +86,8 @@ class S3Fence:
             if current is not None and current.run != token.run:
                 log.warning("snapshot location %s: run %r takes it over from run %r", self.root, token.run,
                             current.run)
-            body = json.dumps(token.to_meta()).encode()
+            meta = token.to_meta() if self._key is None else {**token.to_meta(), "hmac": _tag(self._key, token)}
+            body = json.dumps(meta).encode()
             try:
                 if etag is None:
                     self.objects.put(FENCE_NAME, body, if_none_match=True)

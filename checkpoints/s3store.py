@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
@@ -47,7 +47,10 @@ from .location import S3Location, parse_s3
 from .manifest import FileEntry, Manifest, ManifestError
 from .s3client import PreconditionFailed, S3Objects
 from .s3fence import S3Fence, stale_commit
-from .store import SnapshotInfo, SnapshotStatus, TempDirStatus, _signature_only, checked_options
+from .reading import FileProblem, SnapshotInfo, SnapshotReader, checked_load
+from .reading import info_of as _info
+from .reading import signature_only as _signature_only
+from .store import TempDirStatus, checked_options
 from .tree import check_state
 from .workers import DaemonPool
 
@@ -89,7 +92,7 @@ def _age(when: dt.datetime | None) -> float:
     return max(0.0, time.time() - when.timestamp())
 
 
-class S3SnapshotStore:
+class S3SnapshotStore(SnapshotReader):
     """The snapshot store (same interface as :class:`.store.SnapshotStore`) in an object store.
 
     ``create`` (the writer's side) checks at once that the bucket exists, the credentials are
@@ -127,7 +130,7 @@ class S3SnapshotStore:
         self.retry_for_s = retry_for_s
         self.spool_dir = spool_dir
         self.objects = S3Objects(self.loc, retry_for_s=retry_for_s, timeout_s=timeout_s, multipart_chunk=multipart_chunk)
-        self.fence = S3Fence(self.objects)
+        self.fence = S3Fence(self.objects, key=self._key)
         self._pool: DaemonPool | None = None
         self._hash_pool: DaemonPool | None = None
         self._pools_lock = threading.Lock()
@@ -173,7 +176,25 @@ class S3SnapshotStore:
         """Upload ``state`` as snapshot ``step``; committed (its manifest stored) on return."""
         layout.check_step(step)
         check_state(state)
-        extra_meta = dict(extra_meta or {})
+        return self._save(step, world_size, dict(extra_meta or {}), housekeeping,
+                          lambda spool, where: self._upload_files(state, spool, where))
+
+    def save_files(self, step: int, src: Path, manifest: Manifest, *, housekeeping: bool = True) -> SnapshotInfo:
+        """Upload a committed local snapshot (``src``, its ``manifest``) as snapshot ``step``,
+        without serialising anything again: the two-tier save's second tier. Each file's size
+        and sha256 are checked against the manifest (hashed as it uploads) before the manifest
+        commits it, so only bytes the local tier verified become a snapshot
+        (SnapshotCorruptError otherwise, nothing committed)."""
+        layout.check_step(step)
+        if manifest.step != step:
+            raise ValueError(f"manifest of step {manifest.step} given for step {step}")
+        return self._save(step, manifest.world_size, dict(manifest.extra_meta), housekeeping,
+                          lambda _spool, where: self._upload_copies(src, manifest.files, where))
+
+    def _save(self, step: int, world_size: int, extra_meta: dict[str, Any], housekeeping: bool,
+              upload: Callable[[Path, str], list[FileEntry]]) -> SnapshotInfo:
+        """The commit protocol around ``upload(spool, "<step dir>/<writer>")``, which puts the
+        files under the writer's own name and returns their manifest entries."""
         sdir = layout.step_dirname(step)
         existing = self._handle_existing(step)
         if existing is not None:
@@ -183,7 +204,7 @@ class S3SnapshotStore:
             self._writing.add(writer)
         spool = Path(tempfile.mkdtemp(prefix=".snapshot-spool-", dir=self.spool_dir))
         try:
-            entries = self._upload_files(state, spool, f"{sdir}/{writer}")
+            entries = upload(spool, f"{sdir}/{writer}")
             manifest = Manifest(step=step, world_size=int(world_size), written_at=time.time(),
                                 torch_version=torch.__version__, files=tuple(entries), extra_meta=extra_meta)
             key = self._key
@@ -200,6 +221,27 @@ class S3SnapshotStore:
             self.housekeep()
         return info
 
+    def _upload_copies(self, src: Path, entries: tuple[FileEntry, ...], where: str) -> list[FileEntry]:
+        pool, hash_pool = self._pools()
+        rel = where.split("/", 1)[1]
+
+        def one(entry: FileEntry) -> FileEntry:
+            # hashed while it uploads (both read the page cache), checked before the manifest
+            # commits it: the time is max(hash, upload), not the sum. A file changed in between
+            # makes at worst a snapshot that fails its readers' sha256 check, never a wrong load.
+            path = src / entry.file
+            digest = hash_pool.submit(_file_digest, path)
+            try:
+                self.objects.upload_file(f"{where}/{entry.file}", str(path))
+            finally:
+                size, sha = digest.result()
+            if size != entry.size or sha != entry.sha256:
+                raise SnapshotCorruptError(f"{path}: not the bytes its manifest names (size {size}, manifest says "
+                                           f"{entry.size}; sha256 {'ok' if sha == entry.sha256 else 'mismatch'})")
+            return FileEntry(key=entry.key, file=f"{rel}/{entry.file}", size=entry.size, sha256=entry.sha256)
+
+        return _all_of([pool.submit(one, e) for e in entries])
+
     def _upload_files(self, state: Mapping[str, Any], spool: Path, where: str) -> list[FileEntry]:
         pool, hash_pool = self._pools()
 
@@ -211,15 +253,7 @@ class S3SnapshotStore:
             return size, sha
 
         names = [layout.key_filename(i, k) for i, k in enumerate(state)]
-        futures = [pool.submit(one, n, v) for n, v in zip(names, state.values())]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
-                first_error = first_error or e
-        if first_error is not None:
-            raise first_error
+        results = _all_of([pool.submit(one, n, v) for n, v in zip(names, state.values())])
         rel = where.split("/", 1)[1]
         return [FileEntry(key=k, file=f"{rel}/{n}", size=size, sha256=sha)
                 for k, n, (size, sha) in zip(state.keys(), names, results)]
@@ -234,6 +268,8 @@ class S3SnapshotStore:
         try:
             etag = self.objects.put(mkey, data, if_none_match=True)
         except PreconditionFailed:  # another writer committed this step first: never overwritten
+            etag = self._own_commit(mkey, data)
+        if etag is None:
             self._delete_quietly([f"{sdir}/{writer}/"])
             existing = self._handle_existing(step)
             if existing is None:
@@ -248,6 +284,21 @@ class S3SnapshotStore:
         with self._lock:
             self._own[step] = etag
         return _info(self.root / sdir, manifest)
+
+    def _own_commit(self, mkey: str, data: bytes) -> str | None:
+        """The ETag of the manifest at ``mkey`` if it holds exactly ``data``, else None.
+
+        A PUT the server applied but answered with a 5xx (or whose answer was lost) is
+        retried, and the retry's If-None-Match then meets our own manifest: the same bytes
+        (the signature and ``written_at`` make them this save's alone) mean the commit landed."""
+        try:
+            stored, etag = self.objects.get(mkey)
+        except FileNotFoundError:
+            return None
+        if stored != data:
+            return None
+        log.info("%s: the commit landed although its answer was lost; it is this save's", self.root / mkey)
+        return etag
 
     def _handle_existing(self, step: int) -> SnapshotInfo | None:
         """As the local store: keep a valid step (or refuse), set an invalid manifest aside."""
@@ -326,9 +377,10 @@ class S3SnapshotStore:
         return m
 
     def _info_of(self, step: int) -> SnapshotInfo:
-        return _info(self.root / layout.step_dirname(step), self._read_manifest(step))
+        return self._info_at(step)
 
-    def _quick_check(self, step: int, fence: tuple[Any, Any] | None = None) -> tuple[Manifest | None, list[str]]:
+    def _quick_check(self, step: int, scan: Any = None) -> tuple[Manifest | None, list[str]]:
+        fence: tuple[Any, Any] | None = scan
         objs = self._objects_of(step)
         if layout.MANIFEST_NAME not in objs:
             return None, [f"{layout.step_dirname(step)}: no such snapshot"] if not objs else [
@@ -357,118 +409,27 @@ class S3SnapshotStore:
         try:
             self.objects.download(f"{layout.step_dirname(step)}/{entry.file}", buf)
         except FileNotFoundError:
-            raise _Problem(f"{entry.file}: missing") from None
-        data = buf.getbuffer()
-        if len(data) != entry.size:
-            raise _Problem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
-        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise _Problem(f"{entry.file}: sha256 mismatch (corrupted or forged)")
-        try:
-            return files.load_bytes(bytes(data), map_location)
-        except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise _Problem(f"{entry.file} does not load ({first})") from None
+            raise FileProblem(f"{entry.file}: missing") from None
+        return checked_load(buf.getbuffer(), entry, map_location=map_location, verify=verify,
+                            corrupted="corrupted or forged")
 
-    def verify(self, step: int, *, full: bool = True) -> list[str]:
-        return self.check(step) if full else self._quick_check(step)[1]
+    # the read side (:class:`.reading.SnapshotReader`) over the object store
 
-    def check(self, step: int) -> list[str]:
-        m, problems = self._quick_check(step)
-        if m is None or problems:
-            return problems
-        for entry in m.files:
-            try:
-                self._read_entry(step, entry, map_location="cpu", verify=True)
-            except _Problem as e:
-                problems.append(str(e))
-        return problems
+    _read_file = _read_entry
 
-    def status(self, *, full: bool = False) -> list[SnapshotStatus]:
-        out, found_valid = [], False
-        for step in reversed(self._steps()):
-            problems = tuple(self.verify(step, full=full or not found_valid))
-            if problems and problems[0].endswith("no such snapshot"):
-                continue
-            if problems and problems[0].startswith(f"{layout.MANIFEST_NAME}: missing"):
-                continue  # a write in progress or an orphan: temp_dirs() shows it
-            found_valid = found_valid or not problems
-            try:
-                m: Manifest | None = self._read_manifest(step, authenticate=False)
-            except ManifestError:
-                m = None
-            path = self.root / layout.step_dirname(step)
-            out.append(SnapshotStatus(step=step, path=path, info=None if m is None else _info(path, m),  # type: ignore[arg-type]
-                                      problems=problems, signed=None if m is None else m.signature is not None))
-        return out[::-1]
+    def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
+        return self._read_manifest(step, authenticate=authenticate)
 
-    def list(self) -> list[SnapshotInfo]:
-        out = []
-        for step in self._steps():
-            try:
-                out.append(self._info_of(step))
-            except ManifestError:
-                continue
-        return out
+    def _scan(self) -> tuple[Any, Any]:
+        return self.fence.stamped()  # read once for a walk over all steps
 
-    def newest_valid(self, *, full: bool = True) -> SnapshotInfo | None:
-        for step in reversed(self._steps()):
-            problems = self.verify(step, full=full)
-            if not problems:
-                return self._info_of(step)
-            self._log_skip(step, problems)
-        return None
+    def _quiet_skip(self, problems: list[str] | tuple[str, ...]) -> bool:
+        # a write in progress, a dead writer's leftovers, a pruned step: never a snapshot
+        return bool(problems) and (problems[0].startswith(f"{layout.MANIFEST_NAME}: missing")
+                                   or problems[0].endswith("no such snapshot"))
 
-    def _log_skip(self, step: int, problems: list[str] | tuple[str, ...]) -> None:
-        if problems and (problems[0].startswith(f"{layout.MANIFEST_NAME}: missing")
-                         or problems[0].endswith("no such snapshot")):
-            return  # a write in progress, a dead writer's leftovers, a pruned step: never a snapshot
-        more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-        log.warning("skipping invalid snapshot %s: %s%s; falling back to an older one",
-                    self.root / layout.step_dirname(step), problems[0], more)
-
-    def load(self, info_or_step: SnapshotInfo | int, *, map_location: Any = "cpu",
-             verify: bool = True) -> dict[str, Any]:
-        step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
-        path = self.root / layout.step_dirname(step)
-        try:
-            m = self._read_manifest(step)
-        except ManifestError as e:
-            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        out: dict[str, Any] = {}
-        for entry in m.files:
-            try:
-                out[entry.key] = self._read_entry(step, entry, map_location=map_location, verify=verify)
-            except _Problem as e:
-                raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        return out
-
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
-        """Newest snapshot that loads with full verification (each file fetched and hashed once)."""
-        unsigned = 0
-        fence = self.fence.stamped()
-        for step in reversed(self._steps()):
-            m, problems = self._quick_check(step, fence)
-            if problems:
-                if _signature_only(problems):
-                    unsigned += 1
-                else:
-                    self._log_skip(step, problems)
-                continue
-            try:
-                state = self.load(step, map_location=map_location, verify=True)
-            except SnapshotCorruptError as e:
-                log.warning("skipping invalid %s; falling back to an older one", str(e))
-                continue
-            if unsigned:
-                log.warning("%d snapshot(s) in %s are not signed with the job key and are never resumed from; "
-                            "resuming from step %d (sign them with 'python -m checkpoints sign %s' if they are "
-                            "this job's own)", unsigned, self.root, step, self.root)
-            assert m is not None
-            return _info(self.root / layout.step_dirname(step), m), state
-        if unsigned:
-            log.warning("%d snapshot(s) in %s are not signed with the job key and are never resumed from; "
-                        "starting from scratch", unsigned, self.root)
-        return None
+    def _status_skip(self, step: int, problems: tuple[str, ...]) -> bool:
+        return self._quiet_skip(problems)  # a write in progress or an orphan: temp_dirs() shows it
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -608,7 +569,7 @@ class S3SnapshotStore:
         for entry in m.files:
             try:
                 self._read_entry(step, entry, map_location="cpu", verify=True)
-            except _Problem as e:
+            except FileProblem as e:
                 raise SnapshotCorruptError(f"snapshot {path}: {e}; not signed") from None
         data = m.to_bytes(lambda body: signing.sign(key, sdir, m.step, body))
         self.objects.put(f"{sdir}/{layout.MANIFEST_NAME}", data, if_match=etag)
@@ -616,13 +577,29 @@ class S3SnapshotStore:
         return True
 
 
-class _Problem(Exception):
-    pass
+def _all_of(futures: list[Any]) -> list[Any]:
+    """Every future's result, in order; the first error re-raised after all have finished."""
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return results
 
 
-def _info(path: Any, m: Manifest) -> SnapshotInfo:
-    return SnapshotInfo(step=m.step, path=path, world_size=m.world_size, written_at=m.written_at,
-                        size_bytes=m.size_bytes, torch_version=m.torch_version, extra_meta=m.extra_meta)
+def _file_digest(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read once in 8 MB blocks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
 
 
 def _spool_file(path: Path, obj: Any, hash_pool: DaemonPool) -> tuple[int, str]:

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -56,6 +55,15 @@ from .errors import (
 )
 from .fence import Fence, FenceToken
 from .manifest import FileEntry, Manifest, ManifestError
+from .reading import (  # noqa: F401  (SnapshotInfo, SnapshotStatus: their public import path)
+    FileProblem,
+    SnapshotInfo,
+    SnapshotReader,
+    SnapshotStatus,
+    checked_load,
+    info_of as _info,
+    signature_only as _signature_only,
+)
 from .tree import check_state
 
 log = logging.getLogger(__name__)
@@ -70,10 +78,6 @@ _ACTIVE_LOCK = threading.Lock()
 _Stamp = tuple[int, int, int]
 
 
-class _FileProblem(Exception):
-    """One file is not what its manifest says or does not load; ``str()`` is the one-line reason."""
-
-
 def _write_durably(fd: int, data: bytes) -> None:
     """All of ``data`` (os.write may write less than asked), then fsync."""
     off = 0
@@ -83,47 +87,12 @@ def _write_durably(fd: int, data: bytes) -> None:
 
 
 def _read_entry(path: Path, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
-    """Read one snapshot file once, check those very bytes (size; sha256 with ``verify``) and
-    deserialise them with the resume loader, so a check and a load cannot judge different bytes."""
+    """Read one snapshot file once, then check and load those very bytes (:func:`.reading.checked_load`)."""
     try:
         data = files.read_bytes(path / entry.file)
     except FileNotFoundError:
-        raise _FileProblem(f"{entry.file}: missing") from None
-    if len(data) != entry.size:
-        raise _FileProblem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
-    if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise _FileProblem(f"{entry.file}: sha256 mismatch (corrupted on disk)")
-    try:
-        return files.load_bytes(data, map_location)
-    except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise _FileProblem(f"{entry.file} does not load ({first})") from None
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    step: int
-    path: Path
-    world_size: int
-    written_at: float
-    size_bytes: int
-    torch_version: str = field(default="", compare=False)
-    extra_meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-
-
-@dataclass(frozen=True)
-class SnapshotStatus:
-    """One ``step-*`` dir as found on disk, valid or not (what ``ls``/``verify`` show)."""
-
-    step: int
-    path: Path
-    info: SnapshotInfo | None
-    problems: tuple[str, ...]
-    signed: bool | None = None  # the manifest carries a signature (None: no readable manifest)
-
-    @property
-    def valid(self) -> bool:
-        return not self.problems
+        raise FileProblem(f"{entry.file}: missing") from None
+    return checked_load(data, entry, map_location=map_location, verify=verify, corrupted="corrupted on disk")
 
 
 @dataclass(frozen=True)
@@ -133,9 +102,6 @@ class TempDirStatus:
     pid: int
     same_host: bool
     stale: bool
-
-
-_SIGNATURE_PROBLEMS = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
 
 
 def checked_options(key: bytes | None | signing._FromEnv, keep: int, if_exists: str) -> bytes | None:
@@ -151,25 +117,7 @@ def checked_options(key: bytes | None | signing._FromEnv, keep: int, if_exists: 
     return None if key is None else signing.checked_key(key)  # type: ignore[arg-type]
 
 
-def _signature_only(problems: list[str] | tuple[str, ...]) -> bool:
-    """Refused for its signature alone (under a key), not for damage: such a snapshot may be
-    the job's own from before it had a key, so it is reported once and never deleted for it."""
-    return len(problems) == 1 and problems[0] in _SIGNATURE_PROBLEMS
-
-
-def _info(path: Path, m: Manifest) -> SnapshotInfo:
-    return SnapshotInfo(
-        step=m.step,
-        path=path,
-        world_size=m.world_size,
-        written_at=m.written_at,
-        size_bytes=m.size_bytes,
-        torch_version=m.torch_version,
-        extra_meta=m.extra_meta,
-    )
-
-
-class SnapshotStore:
+class SnapshotStore(SnapshotReader):
     """Snapshots under ``root``; safe against crashes, torn writes, bit rot and full disks.
 
     ``if_exists`` decides what ``save`` does when ``step-<step>/`` already holds a valid
@@ -483,32 +431,16 @@ class SnapshotStore:
     def _info_of(self, path: Path) -> SnapshotInfo:
         return _info(path, self._read_manifest(path))
 
-    def verify(self, step: int, *, full: bool = True) -> list[str]:
-        """Problems with snapshot ``step``; empty means valid. ``full`` is :meth:`check`; quick
-        checks the manifest and file sizes only (a few ``stat``s, for hot paths)."""
-        return self.check(step) if full else self._quick_check(step)[1]
+    # the read side (:class:`.reading.SnapshotReader`) over this directory
 
-    def check(self, step: int) -> list[str]:
-        """Problems with snapshot ``step`` as resume would meet them; empty means valid.
+    def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
+        return self._read_manifest(self._path(step), authenticate=authenticate)
 
-        The one definition of valid: quick checks pass, then every file is read once, its
-        sha256 compared and its bytes deserialised with the loader resume uses (on the CPU),
-        exactly as :meth:`load` does. Hashes that match but bytes that do not load are invalid.
-        """
-        m, problems = self._quick_check(step)
-        if m is None or problems:
-            return problems
-        path = self.root / layout.step_dirname(step)
-        for entry in m.files:
-            try:
-                _read_entry(path, entry, map_location="cpu", verify=True)
-            except _FileProblem as e:
-                problems.append(str(e))
-        return problems
+    def _read_file(self, step: int, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
+        return _read_entry(self._path(step), entry, map_location=map_location, verify=verify)
 
-    def _quick_check(self, step: int) -> tuple[Manifest | None, list[str]]:
-        """The trusted manifest (None if there is none) and what its sizes say is wrong."""
-        path = self.root / layout.step_dirname(step)
+    def _quick_check(self, step: int, scan: Any = None) -> tuple[Manifest | None, list[str]]:
+        path = self._path(step)
         if not path.is_dir():
             return None, [f"{path.name}: no such snapshot"]
         try:
@@ -526,123 +458,19 @@ class SnapshotStore:
                 problems.append(f"{entry.file}: size {size} bytes, manifest says {entry.size} (truncated or overwritten)")
         return m, problems
 
-    def status(self, *, full: bool = False) -> list[SnapshotStatus]:
-        """Every ``step-*`` dir, valid or not, oldest first.
-
-        Without ``full`` each is judged the way resume meets it: fully checked from the newest
-        down until one passes (the one :meth:`load_latest` returns), older ones quick-checked
-        only, so the newest valid row is always the snapshot a restart uses. ``full`` checks all.
-        """
-        out = []
-        found_valid = False
-        for step in reversed(self._steps()):
-            problems = tuple(self.verify(step, full=full or not found_valid))
-            if problems and not (self.root / layout.step_dirname(step)).is_dir():
-                continue  # pruned by a live job while we read it: gone, not invalid
-            found_valid = found_valid or not problems
-            out.append(self._status_of(step, problems))
-        return out[::-1]
-
-    def _status_of(self, step: int, problems: tuple[str, ...]) -> SnapshotStatus:
-        path = self.root / layout.step_dirname(step)
-        try:  # what the manifest claims, shown even when it is refused (problems say why)
-            m: Manifest | None = self._read_manifest(path, authenticate=False)
-        except ManifestError:
-            m = None
-        info = None if m is None else _info(path, m)
-        signed = None if m is None else m.signature is not None
-        return SnapshotStatus(step=step, path=path, info=info, problems=problems, signed=signed)
-
-    def list(self) -> list[SnapshotInfo]:
-        """Snapshots with a trustworthy manifest, oldest first (files are not checked; see verify)."""
-        out = []
-        for step in self._steps():
-            try:
-                out.append(self._info_of(self.root / layout.step_dirname(step)))
-            except ManifestError:
-                continue
-        return out
-
-    def newest_valid(self, *, full: bool = True) -> SnapshotInfo | None:
-        """Newest snapshot that verifies; logs one line for each newer invalid one it skips."""
-        for step in reversed(self._steps()):
-            problems = self.verify(step, full=full)
-            if not problems:
-                return self._info_of(self.root / layout.step_dirname(step))
-            self._log_skip(self.root / layout.step_dirname(step), problems)
-        return None
-
-    def _log_skip(self, path: Path, problems: list[str] | tuple[str, ...]) -> None:
-        more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-        log.warning("skipping invalid snapshot %s: %s%s; falling back to an older one", path, problems[0], more)
-
-    def load(
-        self,
-        info_or_step: SnapshotInfo | int,
-        *,
-        map_location: Any = "cpu",
-        verify: bool = True,
-    ) -> dict[str, Any]:
-        """Load a snapshot into the nested structure that was saved.
-
-        With ``verify`` every file's sha256 is checked on the very bytes that are then
-        deserialised (read once, hashed, loaded), so a file cannot change in between.
-        """
-        step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
-        path = self.root / layout.step_dirname(step)
+    def _check_exists(self, step: int) -> None:
+        path = self._path(step)
         if not path.is_dir():
             raise SnapshotCorruptError(f"snapshot {path} does not exist; run 'python -m checkpoints ls {self.root}'")
-        try:
-            m = self._read_manifest(path)
-        except ManifestError as e:
-            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        out: dict[str, Any] = {}
-        for entry in m.files:
-            try:
-                out[entry.key] = _read_entry(path, entry, map_location=map_location, verify=verify)
-            except _FileProblem as e:
-                raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
-        return out
 
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
-        """Newest snapshot that loads with full verification, hashing each file exactly once.
+    def _status_skip(self, step: int, problems: tuple[str, ...]) -> bool:
+        return not self._path(step).is_dir()  # pruned by a live job while we read it: gone, not invalid
 
-        This is what a restarting worker should call: ``newest_valid()`` followed by
-        ``load(verify=True)`` would hash the candidate twice. It applies :meth:`check`'s
-        test, fused with the load, so ``ls`` names the step this returns.
-        """
-        unsigned = 0  # skipped for their signature alone: one line for all of them, at the end
-        for step in reversed(self._steps()):
-            path = self.root / layout.step_dirname(step)
-            problems = self.verify(step, full=False)
-            if problems:
-                if _signature_only(problems):
-                    unsigned += 1
-                else:
-                    self._log_skip(path, problems)
-                continue
-            stamp = self._stamp(path)
-            try:
-                state = self.load(step, map_location=map_location, verify=True)
-            except SnapshotCorruptError as e:
-                log.warning("skipping invalid %s; falling back to an older one", str(e))
-                continue
-            self._remember(step, stamp, ())
-            self._log_unsigned(unsigned, step)
-            return self._info_of(path), state
-        self._log_unsigned(unsigned, None)
-        return None
+    def _before_load(self, step: int) -> _Stamp | None:
+        return self._stamp(self._path(step))
 
-    def _log_unsigned(self, count: int, resumed: int | None) -> None:
-        if not count:
-            return
-        then = f"resuming from step {resumed}, the newest signed one" if resumed is not None else "starting from scratch"
-        log.warning(
-            "%d snapshot(s) in %s are not signed with the job key (written before the job had one, "
-            "with another key, or forged) and are never resumed from; %s. If they are this job's "
-            "own, sign them with 'python -m checkpoints sign %s' under the same key and restart "
-            "(nothing was deleted)", count, self.root, then, self.root,
-        )
+    def _after_load(self, step: int, token: _Stamp | None) -> None:
+        self._remember(step, token, ())
 
     # ------------------------------------------------------------------ verdicts
 
@@ -787,7 +615,7 @@ class SnapshotStore:
         for entry in m.files:
             try:
                 _read_entry(path, entry, map_location="cpu", verify=True)
-            except _FileProblem as e:
+            except FileProblem as e:
                 raise SnapshotCorruptError(f"snapshot {path}: {e}; not signed") from None
         data = m.to_bytes(lambda body: signing.sign(key, path.name, m.step, body))
         tmp = path / f".{layout.MANIFEST_NAME}.signing-{os.getpid()}"

@@ -3,7 +3,8 @@
 Location syntax: ``LOCAL_DIR,s3://bucket/prefix`` (``--snapshot-dir``, ``snapshot_dir=``,
 ``ELASTIC_SNAPSHOT_DIR``). Each snapshot is written to the local directory, then to the
 object store, each with its own protocol (rename there, manifest last here), so each tier
-holds only whole snapshots. A snapshot counts as saved once it is in the object store: a lost
+holds only whole snapshots. The state is serialised once: the object store gets the local
+tier's files, checked against the local manifest as they are read for upload. A snapshot counts as saved once it is in the object store: a lost
 node's disk takes nothing the job needs.
 
 Resume takes the newest step that verifies in either tier, the local copy first when both
@@ -17,8 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from . import layout
 from .errors import SnapshotCorruptError
 from .location import split_tiers  # noqa: F401  (the syntax lives with the other location parsing)
+from .manifest import ManifestError
 from .store import SnapshotInfo, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -52,11 +55,25 @@ class TieredStore:
 
     def save(self, step: int, state: Mapping[str, Any], *, world_size: int,
              extra_meta: dict[str, Any] | None = None, housekeeping: bool = True) -> SnapshotInfo:
+        """Serialise once, into the local tier; then upload those very files (checked against
+        the local manifest) to the object store. Only when the local tier failed, or kept a
+        snapshot it already had for this step, is ``state`` serialised for the object store."""
+        final = self.local.root / layout.step_dirname(step)
+        fresh = not final.exists()
         try:
-            self.local.save(step, state, world_size=world_size, extra_meta=extra_meta, housekeeping=housekeeping)
+            info = self.local.save(step, state, world_size=world_size, extra_meta=extra_meta,
+                                   housekeeping=housekeeping)
         except Exception as e:  # noqa: BLE001 - the local tier is a cache: the object store decides
             log.warning("snapshot step %d: the local tier %s failed (%s); writing it to the object store only",
                         step, self.local.root, e)
+        else:
+            if fresh and info.path == final:
+                try:
+                    manifest = self.local._read_manifest(final)
+                    return self.remote.save_files(step, final, manifest, housekeeping=housekeeping)
+                except (ManifestError, SnapshotCorruptError, OSError) as e:  # changed or gone under us
+                    log.warning("snapshot step %d: the local copy in %s cannot be uploaded as it is (%s); "
+                                "serialising it again for the object store", step, self.local.root, e)
         return self.remote.save(step, state, world_size=world_size, extra_meta=extra_meta,
                                 housekeeping=housekeeping)
 
@@ -76,7 +93,7 @@ class TieredStore:
                 except SnapshotCorruptError as e:
                     log.warning("skipping invalid %s; trying the other tier or an older one", e)
                     continue
-                info = tier._info_of(tier.root / f"step-{step:012d}") if tier is self.local else tier._info_of(step)
+                info = tier._info_at(step)  # the shared read side (.reading)
                 log.info("resuming from snapshot step %d in %s (the newest valid of both tiers)", step,
                          "the local tier" if tier is self.local else "the object store")
                 return info, state

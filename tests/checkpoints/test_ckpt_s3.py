@@ -220,3 +220,63 @@ def test_two_tiers_resume_from_the_newest_valid_of_both(s3: str, tmp_path: Path)
         writer.submit(6, _state(6), world_size=1)
         writer.flush(60)
     assert store.local.newest_valid().step == 6 and store.remote.newest_valid().step == 6
+
+
+def test_two_tier_save_serialises_once_and_uploads_the_verified_local_files(
+        s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.save call is counted: the local tier serialises each file once, and the
+    object store gets those bytes; a local file changed before its upload is never sent."""
+    store = open_store(f"{tmp_path / 'node'},{s3}", keep=5, key=KEY)
+    calls: list[object] = []
+    real_save = torch.save
+
+    def counting_save(obj: object, f: object, *a: object, **kw: object) -> None:
+        calls.append(obj)
+        real_save(obj, f, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    store.save(1, _state(1), world_size=1)
+    assert len(calls) == 2  # "model" and "step": once each, not once per tier
+    assert store.remote.check(1) == [] and store.remote.load(1)["step"] == 1
+    remote_files = {f.file.split("/")[-1]: f.sha256 for f in store.remote._read_manifest(1).files}
+    local_files = {f.file: f.sha256 for f in store.local._read_manifest(tmp_path / "node" / "step-000000000001").files}
+    assert remote_files == local_files  # the very bytes the local tier wrote and hashed
+    # a local copy changed between its write and its upload: refused, serialised again
+    real_upload = store.remote._upload_copies
+
+    def tamper_then_upload(src: Path, entries: tuple, where: str) -> list:
+        f = next(src.glob("*model.pt"))
+        data = bytearray(f.read_bytes())
+        data[-20] ^= 0xFF
+        f.write_bytes(bytes(data))
+        return real_upload(src, entries, where)
+
+    monkeypatch.setattr(store.remote, "_upload_copies", tamper_then_upload)
+    calls.clear()
+    store.save(2, _state(2), world_size=1)
+    assert len(calls) == 4  # the fallback serialised it again for the object store
+    assert store.remote.check(2) == [] and store.remote.load(2)["step"] == 2
+
+
+def test_a_forged_fence_object_is_refused_with_one_line(s3: str, s3_server: SeaweedS3,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """In a signed job the fence object is signed like the manifests: one written by whoever
+    can write the bucket but lacks the key (here: round 99, unsigned) stops nothing."""
+    import json
+
+    caplog.set_level(logging.WARNING)
+    store = open_store(s3, keep=5, key=KEY)
+    store.fence.raise_to(FenceToken("run", 1))
+    assert "hmac" in json.loads(store.objects.get(".fence")[0])
+    bucket, prefix = s3.split("/")[2], s3.split("/")[3]
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/.fence", Body=json.dumps({"run": "run", "round": 99}))
+    meta = {"fence": {"run": "run", "round": 1}}
+    store.save(1, _state(1), world_size=1, extra_meta=meta)
+    store.save(2, _state(2), world_size=1, extra_meta=meta)
+    assert store.load_latest()[0].step == 2
+    lines = [r.getMessage() for r in caplog.records if "ignoring the snapshot fence" in r.getMessage()]
+    assert len(lines) == 1 and ".fence" in lines[0] and "not signed with the job key" in lines[0]
+    store.fence.raise_to(FenceToken("run", 2))  # the next round replaces it
+    assert store.fence.current() == FenceToken("run", 2)
+    with pytest.raises(SnapshotFencedError):
+        store.save(3, _state(3), world_size=1, extra_meta=meta)

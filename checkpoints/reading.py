@@ -1,0 +1,276 @@
+"""The read side both snapshot stores share: which steps are valid, the newest valid, load.
+
+A directory (:class:`.store.SnapshotStore`) and an object store (:class:`.s3store.S3SnapshotStore`)
+differ in how they list steps, read a manifest, size-check and fetch a file; what *valid*
+means, which snapshot resume takes, what ``ls``/``verify`` show and what a load checks
+before it unpickles must not differ, so it is written once here over those primitives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import files, layout, signing
+from .errors import SnapshotCorruptError
+from .manifest import FileEntry, Manifest, ManifestError
+
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    step: int
+    path: Path
+    world_size: int
+    written_at: float
+    size_bytes: int
+    torch_version: str = field(default="", compare=False)
+    extra_meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """One ``step-*`` dir as found on disk, valid or not (what ``ls``/``verify`` show)."""
+
+    step: int
+    path: Path
+    info: SnapshotInfo | None
+    problems: tuple[str, ...]
+    signed: bool | None = None  # the manifest carries a signature (None: no readable manifest)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+class FileProblem(Exception):
+    """One file is not what its manifest says or does not load; ``str()`` is the one-line reason."""
+
+
+_SIGNATURE_PROBLEMS = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
+
+
+def signature_only(problems: list[str] | tuple[str, ...]) -> bool:
+    """Refused for its signature alone (under a key), not for damage: such a snapshot may be
+    the job's own from before it had a key, so it is reported once and never deleted for it."""
+    return len(problems) == 1 and problems[0] in _SIGNATURE_PROBLEMS
+
+
+def info_of(path: Any, m: Manifest) -> SnapshotInfo:
+    return SnapshotInfo(step=m.step, path=path, world_size=m.world_size, written_at=m.written_at,
+                        size_bytes=m.size_bytes, torch_version=m.torch_version, extra_meta=m.extra_meta)
+
+
+def checked_load(data: bytes | memoryview, entry: FileEntry, *, map_location: Any, verify: bool,
+                 corrupted: str) -> Any:
+    """Check those very bytes (size; sha256 with ``verify``) and deserialise them with the
+    resume loader, so a check and a load cannot judge different bytes. FileProblem if not."""
+    if len(data) != entry.size:
+        raise FileProblem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
+    if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise FileProblem(f"{entry.file}: sha256 mismatch ({corrupted})")
+    try:
+        return files.load_bytes(data if isinstance(data, bytes) else bytes(data), map_location)
+    except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise FileProblem(f"{entry.file} does not load ({first})") from None
+
+
+class SnapshotReader:
+    """Listing, checking, the newest valid and loading, over five primitives a store gives:
+    ``_steps``, ``_manifest``, ``_quick_check``, ``_read_file`` and ``_path``."""
+
+    root: Any
+    _key: bytes | None
+
+    # ------------------------------------------------------------------ primitives
+
+    def _steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def _path(self, step: int) -> Any:
+        return self.root / layout.step_dirname(step)
+
+    def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
+        """The trusted manifest of ``step``; ManifestError (one line) if there is none."""
+        raise NotImplementedError
+
+    def _quick_check(self, step: int, scan: Any = None) -> tuple[Manifest | None, list[str]]:
+        """The trusted manifest (None if there is none) and what its sizes say is wrong;
+        ``scan`` is what :meth:`_scan` read once for a walk over many steps."""
+        raise NotImplementedError
+
+    def _read_file(self, step: int, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
+        """One file read once, checked (:func:`checked_load`) and loaded; FileProblem if not."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ hooks (defaults: none)
+
+    def _scan(self) -> Any:
+        return None
+
+    def _check_exists(self, step: int) -> None:
+        """Raise SnapshotCorruptError when ``step`` is plainly not there (before its manifest)."""
+
+    def _quiet_skip(self, problems: list[str] | tuple[str, ...]) -> bool:
+        """Not worth a line when skipped (never a snapshot at all)."""
+        return False
+
+    def _status_skip(self, step: int, problems: tuple[str, ...]) -> bool:
+        """Left out of :meth:`status` (gone while we looked, or never a snapshot)."""
+        return False
+
+    def _before_load(self, step: int) -> Any:
+        return None
+
+    def _after_load(self, step: int, token: Any) -> None:
+        pass
+
+    # ------------------------------------------------------------------ shared
+
+    @property
+    def _log(self) -> logging.Logger:
+        return logging.getLogger(type(self).__module__)  # each store's lines keep their logger
+
+    def _info_at(self, step: int) -> SnapshotInfo:
+        return info_of(self._path(step), self._manifest(step))
+
+    def verify(self, step: int, *, full: bool = True) -> list[str]:
+        """Problems with snapshot ``step``; empty means valid. ``full`` is :meth:`check`; quick
+        checks the manifest and file sizes only (a few ``stat``s, for hot paths)."""
+        return self.check(step) if full else self._quick_check(step)[1]
+
+    def check(self, step: int) -> list[str]:
+        """Problems with snapshot ``step`` as resume would meet them; empty means valid.
+
+        The one definition of valid: quick checks pass, then every file is read once, its
+        sha256 compared and its bytes deserialised with the loader resume uses (on the CPU),
+        exactly as :meth:`load` does. Hashes that match but bytes that do not load are invalid.
+        """
+        m, problems = self._quick_check(step)
+        if m is None or problems:
+            return problems
+        for entry in m.files:
+            try:
+                self._read_file(step, entry, map_location="cpu", verify=True)
+            except FileProblem as e:
+                problems.append(str(e))
+        return problems
+
+    def status(self, *, full: bool = False) -> list[SnapshotStatus]:
+        """Every step, valid or not, oldest first.
+
+        Without ``full`` each is judged the way resume meets it: fully checked from the newest
+        down until one passes (the one :meth:`load_latest` returns), older ones quick-checked
+        only, so the newest valid row is always the snapshot a restart uses. ``full`` checks all.
+        """
+        out = []
+        found_valid = False
+        for step in reversed(self._steps()):
+            problems = tuple(self.verify(step, full=full or not found_valid))
+            if problems and self._status_skip(step, problems):
+                continue
+            found_valid = found_valid or not problems
+            out.append(self._status_of(step, problems))
+        return out[::-1]
+
+    def _status_of(self, step: int, problems: tuple[str, ...]) -> SnapshotStatus:
+        path = self._path(step)
+        try:  # what the manifest claims, shown even when it is refused (problems say why)
+            m: Manifest | None = self._manifest(step, authenticate=False)
+        except ManifestError:
+            m = None
+        info = None if m is None else info_of(path, m)
+        signed = None if m is None else m.signature is not None
+        return SnapshotStatus(step=step, path=path, info=info, problems=problems, signed=signed)
+
+    def list(self) -> list[SnapshotInfo]:
+        """Snapshots with a trustworthy manifest, oldest first (files are not checked; see verify)."""
+        out = []
+        for step in self._steps():
+            try:
+                out.append(self._info_at(step))
+            except ManifestError:
+                continue
+        return out
+
+    def newest_valid(self, *, full: bool = True) -> SnapshotInfo | None:
+        """Newest snapshot that verifies; logs one line for each newer invalid one it skips."""
+        for step in reversed(self._steps()):
+            problems = self.verify(step, full=full)
+            if not problems:
+                return self._info_at(step)
+            self._log_skip(step, problems)
+        return None
+
+    def _log_skip(self, step: int, problems: list[str] | tuple[str, ...]) -> None:
+        if self._quiet_skip(problems):
+            return
+        more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        self._log.warning("skipping invalid snapshot %s: %s%s; falling back to an older one", self._path(step),
+                    problems[0], more)
+
+    def load(self, info_or_step: SnapshotInfo | int, *, map_location: Any = "cpu",
+             verify: bool = True) -> dict[str, Any]:
+        """Load a snapshot into the nested structure that was saved.
+
+        With ``verify`` every file's sha256 is checked on the very bytes that are then
+        deserialised (read once, hashed, loaded), so a file cannot change in between.
+        """
+        step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
+        path = self._path(step)
+        self._check_exists(step)
+        try:
+            m = self._manifest(step)
+        except ManifestError as e:
+            raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
+        out: dict[str, Any] = {}
+        for entry in m.files:
+            try:
+                out[entry.key] = self._read_file(step, entry, map_location=map_location, verify=verify)
+            except FileProblem as e:
+                raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
+        return out
+
+    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
+        """Newest snapshot that loads with full verification, hashing each file exactly once.
+
+        This is what a restarting worker should call: ``newest_valid()`` followed by
+        ``load(verify=True)`` would hash the candidate twice. It applies :meth:`check`'s
+        test, fused with the load, so ``ls`` names the step this returns.
+        """
+        unsigned = 0  # skipped for their signature alone: one line for all of them, at the end
+        scan = self._scan()
+        for step in reversed(self._steps()):
+            m, problems = self._quick_check(step, scan)
+            if problems or m is None:
+                if signature_only(problems):
+                    unsigned += 1
+                else:
+                    self._log_skip(step, problems)
+                continue
+            token = self._before_load(step)
+            try:
+                state = self.load(step, map_location=map_location, verify=True)
+            except SnapshotCorruptError as e:
+                self._log.warning("skipping invalid %s; falling back to an older one", str(e))
+                continue
+            self._after_load(step, token)
+            self._log_unsigned(unsigned, step)
+            return info_of(self._path(step), m), state
+        self._log_unsigned(unsigned, None)
+        return None
+
+    def _log_unsigned(self, count: int, resumed: int | None) -> None:
+        if not count:
+            return
+        then = f"resuming from step {resumed}, the newest signed one" if resumed is not None else "starting from scratch"
+        self._log.warning(
+            "%d snapshot(s) in %s are not signed with the job key (written before the job had one, "
+            "with another key, or forged) and are never resumed from; %s. If they are this job's "
+            "own, sign them with 'python -m checkpoints sign %s' under the same key and restart "
+            "(nothing was deleted)", count, self.root, then, self.root,
+        )
