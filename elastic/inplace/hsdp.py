@@ -1,0 +1,205 @@
+"""HSDP in place: the script's 2-D mesh re-formed over each world, in the same processes.
+
+An HSDP script builds its mesh once (``init_device_mesh(device, (nodes, local),
+mesh_dim_names=("replicate", "shard"))``) and calls ``fully_shard`` once. Every DTensor it
+makes (parameters, gradients, optimizer state) points at that mesh object, and FSDP2 caches
+the mesh's process groups in each parameter group. When the world changes, the run:
+
+1. builds a fresh mesh over the current world (``(nodes now, local)``: the replicate
+   dimension grows or shrinks, each node's shard group is its own ranks again) and swaps it
+   into the script's mesh object, so every DTensor follows (:func:`.fsdp_private.swap_mesh`);
+2. points every FSDP2 parameter group at a *shard-only* view of it: FSDP2 reduce-scatters
+   inside the node, and the replicate all-reduce runs in the run's own hook
+   (``set_all_reduce_hook``, public), where a lost peer is *recorded* instead of raised out
+   of the script's ``loss.backward()``; the step is then abandoned at its commit point, as a
+   DDP step is, and nothing of it is applied;
+3. heals whoever needs state **shard by shard from a live replica**: local rank ``i`` from a
+   peer node's local rank ``i``, each sending its DTensors' local shards (parameters and
+   optimizer state) and the rest of the training state, no disk (:func:`pair`,
+   :func:`capture_local`, :func:`load_local`).
+
+Numerics: FSDP2 averages over the shard group, the hook sums over replicas and divides by
+their count, i.e. the same mean as native HSDP's, in another order of float additions.
+
+What needs torch's private attributes is in :mod:`.fsdp_private` (and its test).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import DistInfo, ElasticRunError
+from ..grad_sync import is_collective_failure
+from . import fsdp_private
+from .agreement import HealPlan, Report
+
+log = logging.getLogger("elastic.trainer")
+
+REPLICATE, SHARD = 0, 1  # the mesh's dimensions, as FSDP2's HSDP has them
+
+
+def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
+    """Why this sharded model cannot train in place (None: it can, as HSDP)."""
+    if tuple(kinds) != ("replicate", "shard"):
+        return ("the model is sharded across every node (FSDP2 without a replicate dimension): no live replica "
+                "holds a lost node's shards, so a lost or joining node restarts the workers and they resume from "
+                "the newest snapshot")
+    why = fsdp_private.unsupported_reason()
+    if why is not None:
+        return why + "; a lost or joining node restarts the workers and they resume from the newest snapshot"
+    if fsdp_private.post_forward_reshards_elsewhere(model):
+        return ("fully_shard(reshard_after_forward=<int>) reshards to a mesh FSDP2 builds itself, which the run "
+                "cannot re-form; use reshard_after_forward=True or False to recover in place")
+    return None
+
+
+class HsdpInPlace:
+    """The takeover of one HSDP model's mesh: :meth:`rebuild` at every formation."""
+
+    def __init__(self, model: nn.Module, shard_size: int) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.model, self.shard_size = model, shard_size
+        mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+        self.mesh, self.names = mesh, tuple(mesh.mesh_dim_names or ("replicate", "shard"))
+        self.device_type = mesh.device_type
+        self.replicate_group: Any = None
+        self.replicas = 1
+        self.failure: str | None = None  # the replicate all-reduce that failed in this step's backward
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self._all_reduce)
+
+    # ------------------------------------------------------------------ every formation
+
+    def rebuild(self, info: DistInfo) -> None:
+        """The mesh over the current world: ``(world / local, local)``, ranks by node. A collective."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        world, local = info.world_size, self.shard_size
+        if world % local:
+            raise ElasticRunError(f"a world of {world} ranks is not whole nodes of {local} local ranks (the mesh's "
+                                  f"shard size): start every node with --nproc-per-node {local}")
+        count = torch.tensor([fsdp_private.group_count()], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank names the mesh's new groups alike
+        fsdp_private.set_group_count(int(count.item()))
+        fresh = DeviceMesh(self.device_type, torch.arange(world).reshape(world // local, local),
+                           mesh_dim_names=self.names)
+        fsdp_private.swap_mesh(self.mesh, fresh)
+        info_ = fsdp_private.shard_only(self.mesh, SHARD)
+        for group in fsdp_private.param_groups(self.model):
+            fsdp_private.point_at(group, info_)
+        self.replicas = world // local
+        self.replicate_group = self.mesh.get_group(REPLICATE)
+        self.failure = None
+
+    # ------------------------------------------------------------------ every step
+
+    def _all_reduce(self, grad: torch.Tensor) -> None:
+        """FSDP2's post-reduce-scatter hook: the mean over replicas. A failure is recorded for
+        the step's commit point (and the rest of the backward skips its all-reduces)."""
+        if self.replicas <= 1 or self.failure is not None:
+            return
+        try:
+            dist.all_reduce(grad, group=self.replicate_group)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return
+        grad.div_(self.replicas)
+
+    def take_failure(self) -> str | None:
+        failure, self.failure = self.failure, None
+        return failure
+
+    # ------------------------------------------------------------------ healing
+
+    def pair(self, plan: HealPlan, reports: Sequence[Report]) -> HealPlan:
+        """``plan`` with each healed rank's source a holder of the same local rank (the same
+        shards) on another node; from disk when some local rank has no holder left."""
+        if plan.from_disk or not plan.sources:
+            return plan
+        local = self.shard_size
+        holders = [r.rank for r in reports if r.has_state and r.step == plan.step]
+        if not holders:  # the job's start: rank 0's node holds the fresh state
+            holders = list(range(local))
+        needy = sorted(r.rank for r in reports if r.rank not in holders)
+        sources: dict[int, int] = {}
+        used: dict[int, int] = {}
+        for rank in needy:
+            same = [h for h in holders if h % local == rank % local]
+            if not same:
+                return HealPlan(step=-1, from_disk=True)
+            turn = used.get(rank % local, 0)
+            used[rank % local] = turn + 1
+            sources[rank] = same[turn % len(same)]
+        return HealPlan(step=plan.step, sources=sources)
+
+
+# ---------------------------------------------------------------------- local shards, for a heal
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach()
+    if isinstance(value, dict):
+        return type(value)((k, _local(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_local(v) for v in value)
+    return value
+
+
+def capture_local(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's own shards of the model and optimizer state (no collective)."""
+    with torch.no_grad():
+        return _local(module.state_dict()), _local(optimizer.state_dict())
+
+
+def load_local(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+               optimizer_state: dict[str, Any]) -> None:
+    """Take a peer's shards of the same local rank: copied into this rank's DTensors in place;
+    optimizer state wrapped as DTensors like their parameters (no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        own = dict(module.named_parameters())
+        own.update(dict(module.named_buffers()))
+        for name, target in module.state_dict().items():
+            source = model_state.get(name)
+            if source is None:
+                raise ElasticRunError(f"the replica's state has no {name!r}: the nodes run different models")
+            held = own.get(name, target)
+            local = held.to_local() if isinstance(held, DTensor) else held
+            if tuple(local.shape) != tuple(source.shape):
+                raise ElasticRunError(f"{name!r}: this rank's shard is {tuple(local.shape)}, the replica's "
+                                      f"{tuple(source.shape)}: the nodes shard the model differently")
+            local.copy_(source)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    by_id = dict(zip(ids, params))
+    state: dict[Any, Any] = {}
+    for key, entry in optimizer_state["state"].items():
+        param = by_id.get(key)
+        wrapped = {}
+        for name, value in entry.items():
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and tuple(value.shape) == tuple(param.to_local().shape):
+                value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                           shape=param.shape, stride=param.stride())
+            wrapped[name] = value
+        state[key] = wrapped
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer_state["param_groups"]})
+
+
+__all__ = ["HsdpInPlace", "capture_local", "load_local", "off_reason"]
