@@ -140,6 +140,8 @@ class GradSync:
             if is_collective_failure(exc):
                 raise CollectiveFailure(_first_line(exc)) from exc
             raise
+        if self.sharded and self.failure is not None:  # HSDP in place: its replicate all-reduce recorded it
+            raise CollectiveFailure(self.take_failure() or "")
         self.settle_buckets()
 
     def scale_sharded_grads(self, world_size: int) -> None:

@@ -46,6 +46,28 @@ RESTART_REASON = ("the model is sharded (FSDP2/HSDP): in-place recovery of shard
                   "lost or joining node restarts the workers and they resume from the newest snapshot")
 
 
+def restart_reason(model: nn.Module, layout: "MeshLayout | None") -> str | None:
+    """Why this model takes the restart path (None: not sharded, or HSDP, which recovers in place)."""
+    if layout is None:
+        return None
+    from .inplace.hsdp import off_reason
+
+    why = off_reason(model, layout.kinds)
+    return None if why is None else f"the model is sharded (FSDP2/HSDP): {why}"
+
+
+def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: Any) -> Any:
+    """HSDP in an in-place world: the run re-forms the script's mesh at every formation
+    (:class:`elastic.inplace.hsdp.HsdpInPlace`); None otherwise."""
+    from .inplace.in_place_world import InPlaceWorld
+
+    if layout is None or not isinstance(world, InPlaceWorld) or restart_reason(module, layout) is not None:
+        return None
+    from .inplace.hsdp import HsdpInPlace
+
+    return HsdpInPlace(module, layout.shard_size, sync)
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """The device mesh a sharded model's parameters live on, as plain values.
@@ -285,5 +307,6 @@ def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
 
 
 __all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "full_state", "is_sharded", "layout_of", "load_full_state",
+           "restart_reason", "take_over",
            "mesh_problem", "optimizer_problem", "quiet_lost_peer",
            "told_lost_peer"]

@@ -61,10 +61,11 @@ def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
 class HsdpInPlace:
     """The takeover of one HSDP model's mesh: :meth:`rebuild` at every formation."""
 
-    def __init__(self, model: nn.Module, shard_size: int) -> None:
+    def __init__(self, model: nn.Module, shard_size: int, sync: Any = None) -> None:
         from torch.distributed.tensor import DTensor
 
         self.model, self.shard_size = model, shard_size
+        self.sink: Any = sync if sync is not None else self  # where a failure is recorded (the run's GradSync)
         mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
         self.mesh, self.names = mesh, tuple(mesh.mesh_dim_names or ("replicate", "shard"))
         self.device_type = mesh.device_type
@@ -98,26 +99,26 @@ class HsdpInPlace:
             fsdp_private.point_at(group, info_)
         self.replicas = world // local
         self.replicate_group = self.mesh.get_group(REPLICATE)
-        self.failure = None
+        self.sink.failure = None
 
     # ------------------------------------------------------------------ every step
 
     def _all_reduce(self, grad: torch.Tensor) -> None:
         """FSDP2's post-reduce-scatter hook: the mean over replicas. A failure is recorded for
         the step's commit point (and the rest of the backward skips its all-reduces)."""
-        if self.replicas <= 1 or self.failure is not None:
+        if self.replicas <= 1 or self.sink.failure is not None:
             return
         try:
             dist.all_reduce(grad, group=self.replicate_group)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.sink.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             return
         grad.div_(self.replicas)
 
     def take_failure(self) -> str | None:
-        failure, self.failure = self.failure, None
+        failure, self.sink.failure = self.sink.failure, None
         return failure
 
     # ------------------------------------------------------------------ healing

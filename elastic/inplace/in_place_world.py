@@ -179,17 +179,20 @@ class InPlaceWorld(TrainingWorld):
         """Returns (bytes moved, a few words on what happened) for the log."""
         run = self.run
         try:
+            if run.hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
+                run.hsdp.rebuild(run.dist)
             run.snapshots.attach(run.dist)  # rank 0 may be new: it opens the writer and ledger
             mine = agreement.Report(run.dist.rank, run._has_state, run.state.step)
-            rows = self._all_gather_rows(agreement.encode(mine))
-            plan = agreement.plan(agreement.decode(rows))
+            reports = agreement.decode(self._all_gather_rows(agreement.encode(mine)))
+            plan = self._paired(agreement.plan(reports), reports)
             note = ""
             if plan.from_disk:
                 t0 = time.perf_counter()
                 step, written_at = run._restore_newest()
                 run.metrics.restored(time.perf_counter() - t0, written_at)
                 if step < 0:
-                    plan, note = agreement.fresh_plan(run.dist.world_size), ", from rank 0's fresh state"
+                    plan = self._paired(agreement.fresh_plan(run.dist.world_size), reports)
+                    note = ", from rank 0's fresh state" if run.hsdp is None else ", from node 0's fresh shards"
                     run.metrics.state_from("fresh")
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
@@ -212,6 +215,10 @@ class InPlaceWorld(TrainingWorld):
         run._holds_state()
         return moved, note
 
+    def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
+        """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
+        return plan if self.run.hsdp is None else self.run.hsdp.pair(plan, reports)
+
     def _all_gather_rows(self, row: list[int]) -> list[list[int]]:
         info = self.run.dist
         mine = torch.tensor(row, dtype=torch.int64, device=collective_device(info))
@@ -230,13 +237,13 @@ class InPlaceWorld(TrainingWorld):
         moved = 0
         if rank in plan.sources:
             payload = recv_state(plan.sources[rank], device)
-            run.state.load(payload["state"])
+            run.state.load(payload["state"], local=True)  # a sharded model: the peer's shards of this local rank
             run.plan.load_recent(payload["recent"])
             moved = sum(t.numel() * t.element_size() for t in iter_tensors(payload["state"]))
         else:
             needy = [r for r, src in sorted(plan.sources.items()) if src == rank]
             if needy:
-                payload = {"state": run.state.capture(), "recent": run.plan.recent_state()}
+                payload = {"state": run.state.capture(local=True), "recent": run.plan.recent_state()}
                 for target in needy:
                     moved += send_state(payload, target, device)
         return moved
