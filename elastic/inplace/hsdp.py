@@ -46,9 +46,10 @@ REPLICATE, SHARD = 0, 1  # the mesh's dimensions, as FSDP2's HSDP has them
 def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
     """Why this sharded model cannot train in place (None: it can, as HSDP)."""
     if tuple(kinds) != ("replicate", "shard"):
-        return ("the model is sharded across every node (FSDP2 without a replicate dimension): no live replica "
-                "holds a lost node's shards, so a lost or joining node restarts the workers and they resume from "
-                "the newest snapshot")
+        return ("it is sharded across every node (FSDP2 without a replicate dimension): no live replica holds a "
+                "lost node's shards, so a lost or joining node restarts the workers and they resume from the newest "
+                "snapshot; build an HSDP mesh (init_device_mesh(device, (nodes, local), mesh_dim_names=('replicate', "
+                "'shard'))) to recover in place")
     why = fsdp_private.unsupported_reason()
     if why is not None:
         return why + "; a lost or joining node restarts the workers and they resume from the newest snapshot"
