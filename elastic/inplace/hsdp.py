@@ -81,17 +81,30 @@ class HsdpInPlace:
 
     # ------------------------------------------------------------------ every formation
 
-    def rebuild(self, info: DistInfo) -> None:
-        """The mesh over the current world: ``(world / local, local)``, ranks by node. A collective."""
+    def rebuild(self, info: DistInfo, has_state: bool = False) -> None:
+        """The mesh over the current world: ``(world / local, local)``, ranks by node. A collective.
+
+        A node whose local rank count is not the mesh's shard size cannot hold whole shards:
+        its ranks leave with one line and exit code 2 (they hold nothing yet: nothing is lost),
+        and every other rank waits for the round without it (:class:`CollectiveFailure`)."""
         from torch.distributed.device_mesh import DeviceMesh
 
+        rows = _all_gather_ints([fsdp_private.group_count(), self.shard_size, int(has_state)], info.world_size)
+        expected = refused_shard_size([(shard, bool(held)) for _, shard, held in rows])
+        if expected is not None:
+            misfits = sorted(r for r, (_, shard, _h) in enumerate(rows) if shard != expected)
+            line = (f"ranks {misfits} run {rows[misfits[0]][1]} local ranks per node but the job's mesh shards "
+                    f"over {expected}: a node's local ranks must be exactly one shard group; start it with "
+                    f"--nproc-per-node {expected}")
+            if self.shard_size != expected:
+                _leave_refused(line)
+            if info.rank == 0:
+                log.warning("refused a node: %s; the world forms again without it", line)
+            from ..grad_sync import CollectiveFailure
+
+            raise CollectiveFailure(f"refused a node: {line}")
+        fsdp_private.set_group_count(max(count for count, _, _ in rows))  # every rank names the new groups alike
         world, local = info.world_size, self.shard_size
-        if world % local:
-            raise ElasticRunError(f"a world of {world} ranks is not whole nodes of {local} local ranks (the mesh's "
-                                  f"shard size): start every node with --nproc-per-node {local}")
-        count = torch.tensor([fsdp_private.group_count()], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank names the mesh's new groups alike
-        fsdp_private.set_group_count(int(count.item()))
         fresh = DeviceMesh(self.device_type, torch.arange(world).reshape(world // local, local),
                            mesh_dim_names=self.names)
         fsdp_private.swap_mesh(self.mesh, fresh)
@@ -144,6 +157,38 @@ class HsdpInPlace:
             used[rank % local] = turn + 1
             sources[rank] = same[turn % len(same)]
         return HealPlan(step=plan.step, sources=sources)
+
+
+def refused_shard_size(rows: Sequence[tuple[int, bool]]) -> int | None:
+    """The shard size every rank must have, when some rank's differs (None: all agree).
+    ``rows``: (shard size, holds state) per rank; those holding state are the job's."""
+    sizes = {shard for shard, _ in rows}
+    if len(sizes) == 1:
+        return None
+    held = [shard for shard, holds in rows if holds]
+    pool = held or [shard for shard, _ in rows]
+    return max(set(pool), key=lambda s: (pool.count(s), -pool.index(s)))
+
+
+def _all_gather_ints(row: list[int], world: int) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def _leave_refused(line: str) -> None:
+    """A refused node's ranks: one line (local rank 0 says it) and exit code 2, which its agent
+    does not restart; the process group is not left (its peers carry on without it)."""
+    import os
+    import sys
+
+    from .reconfigure import skip_leave_at_exit
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    skip_leave_at_exit()
+    os._exit(2)
 
 
 # ---------------------------------------------------------------------- local shards, for a heal

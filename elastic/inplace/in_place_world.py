@@ -180,7 +180,7 @@ class InPlaceWorld(TrainingWorld):
         run = self.run
         try:
             if run.hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
-                run.hsdp.rebuild(run.dist)
+                run.hsdp.rebuild(run.dist, run._has_state)
             run.snapshots.attach(run.dist)  # rank 0 may be new: it opens the writer and ledger
             mine = agreement.Report(run.dist.rank, run._has_state, run.state.step)
             reports = agreement.decode(self._all_gather_rows(agreement.encode(mine)))

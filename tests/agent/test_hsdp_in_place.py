@@ -123,3 +123,37 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     assert "healed from" in log and "Traceback" not in log, log
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
+
+
+def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_line(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    """Node b joins with 3 local ranks a job whose mesh shards over 2: its ranks say why in one
+    line and exit 2 before training a step. The agent then ends the job, as it does for any
+    usage error (agent/policy.py: a node leaving the job on a usage error while the others go
+    on is not the agent's rule today), with node a's workers never restarted."""
+    script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
+    script.write_text(HSDP)
+    env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
+           "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
+
+    def node(name: str, count: int) -> Node:
+        return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script),
+                     module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=free_port(),
+                     env={**env, "NODE": name}, agent_args=["--lease-ttl", "2"])
+
+    a = node("a", 2)
+    wait_until(lambda: len({r["step"] for r in _rows(rows)}) >= 4, FORM_TIMEOUT, "node a to train alone",
+               on_timeout=lambda: a.log_tail(80))
+    survivors = {r["pid"] for r in _rows(rows)}
+    b = node("b", 3)
+    both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
+    wait_until(lambda: not b.alive(), FORM_TIMEOUT, "node b (3 local ranks) to be refused", on_timeout=both)
+    assert b.process is not None and b.process.returncode != 0, both()
+    refusal = [line for line in b.log_tail(200).splitlines() if line.startswith("error: ranks")]
+    assert refusal == ["error: ranks [2, 3, 4] run 3 local ranks per node but the job's mesh shards over 2: a "
+                       "node's local ranks must be exactly one shard group; start it with --nproc-per-node 2"], both()
+    assert "exited with code 2" in b.log_tail(200), both()
+    wait_until(lambda: not a.alive(), FORM_TIMEOUT, "node a's agent to end the job", on_timeout=both)
+    assert {r["pid"] for r in _rows(rows)} == survivors, "node a's workers were restarted"
+    assert not any(r["node"] == "b" or r["world"] != 2 for r in _rows(rows)), "node b trained a step"
+    assert "refused a node" in a.log_tail(400), both()

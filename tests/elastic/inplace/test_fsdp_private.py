@@ -87,3 +87,12 @@ def test_the_mesh_is_re_formed_in_the_object_the_dtensors_hold(world_of_one: Non
 
 def test_a_mesh_sharded_across_every_node_takes_the_restart_path() -> None:
     assert "restarts the workers" in (off_reason(nn.Linear(1, 1), ("shard",)) or "")
+
+
+def test_the_shard_size_a_world_keeps_is_the_one_of_the_ranks_that_hold_state() -> None:
+    from elastic.inplace.hsdp import refused_shard_size
+
+    assert refused_shard_size([(2, True), (2, True)]) is None
+    assert refused_shard_size([(2, True), (2, True), (3, False), (3, False), (3, False)]) == 2
+    assert refused_shard_size([(3, False), (3, False), (3, False), (2, True), (2, True)]) == 2
+    assert refused_shard_size([(2, False), (2, False), (3, False), (3, False), (3, False)]) == 3  # the start: most
