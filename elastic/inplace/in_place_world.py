@@ -179,8 +179,9 @@ class InPlaceWorld(TrainingWorld):
         """Returns (bytes moved, a few words on what happened) for the log."""
         run = self.run
         try:
-            if run.hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
-                run.hsdp.rebuild(run.dist, run._has_state)
+            hsdp = getattr(run, "hsdp", None)
+            if hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
+                hsdp.rebuild(run.dist, run._has_state)
             run.snapshots.attach(run.dist)  # rank 0 may be new: it opens the writer and ledger
             mine = agreement.Report(run.dist.rank, run._has_state, run.state.step)
             reports = agreement.decode(self._all_gather_rows(agreement.encode(mine)))
@@ -192,7 +193,7 @@ class InPlaceWorld(TrainingWorld):
                 run.metrics.restored(time.perf_counter() - t0, written_at)
                 if step < 0:
                     plan = self._paired(agreement.fresh_plan(run.dist.world_size), reports)
-                    note = ", from rank 0's fresh state" if run.hsdp is None else ", from node 0's fresh shards"
+                    note = ", from rank 0's fresh state" if hsdp is None else ", from node 0's fresh shards"
                     run.metrics.state_from("fresh")
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
@@ -217,7 +218,8 @@ class InPlaceWorld(TrainingWorld):
 
     def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
         """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
-        return plan if self.run.hsdp is None else self.run.hsdp.pair(plan, reports)
+        hsdp = getattr(self.run, "hsdp", None)
+        return plan if hsdp is None else hsdp.pair(plan, reports)
 
     def _all_gather_rows(self, row: list[int]) -> list[list[int]]:
         info = self.run.dist
