@@ -3,12 +3,12 @@ node and gets it back without restarting the survivors.
 
 The script is written as FSDP2's docs write it (``init_device_mesh`` with replicas across
 nodes and shards inside one, ``fully_shard`` per block and on the root, AdamW after
-sharding) plus the prepare lines. 2 nodes x 2 local ranks: node b's whole process tree is
-SIGKILLed; node a's workers keep their pids, the replicate dimension shrinks to 1, the step
-that failed is not applied and none is rolled back. Node b comes back and its local rank i
-is healed from node a's local rank i (shards, not the disk): from then on both nodes' shards
-of each local rank are bitwise equal at every step. Every sample of each epoch is trained
-once (the ledger)."""
+sharding) plus the prepare lines. 2 nodes x 2 local ranks: one node's whole process tree is
+SIGKILLed (rank 0's node, or the other); the survivor's workers keep their pids, the
+replicate dimension shrinks to 1, the step that failed is not applied and none is rolled
+back. The node comes back and its local rank i is healed from the survivor's local rank i
+(shards, not the disk): from then on both nodes' shards of each local rank are bitwise equal
+at every step. Every sample of each epoch is trained once (the ledger)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import pytest
 from elastic.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
@@ -75,8 +76,9 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@pytest.mark.parametrize("victim", ["a", "b"], ids=["rank0-node", "other-node"])
 def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a_live_replica(
-        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str) -> None:
     script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     script.write_text(HSDP)
     env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
@@ -87,39 +89,42 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
                "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
-    survivors = {r["pid"] for r in _rows(rows) if r["node"] == "a"}
+    lost, kept = (a, b) if victim == "a" else (b, a)
+    survivors = {r["pid"] for r in _rows(rows) if r["node"] == kept.name}
     assert len(survivors) == 2, survivors
 
     killed_at = time.time()
-    b.kill()
+    lost.kill()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
-               "node a to train on alone, in place (1 replica x 2 shards)", on_timeout=both)
-    b.start()
+               f"node {kept.name} to train on alone, in place (1 replica x 2 shards)", on_timeout=both)
+    lost.start()
     back_at = time.time()
-    wait_until(lambda: any(r["world"] == 4 and r["node"] == "b" and r["time"] > back_at for r in _rows(rows)),
-               FORM_TIMEOUT, "node b back and healed in a world of 2 replicas x 2 shards", on_timeout=both)
+    wait_until(lambda: any(r["world"] == 4 and r["node"] == lost.name and r["time"] > back_at
+                           for r in _rows(rows)),
+               FORM_TIMEOUT, f"node {lost.name} back and healed in a world of 2 replicas x 2 shards", on_timeout=both)
     wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
     assert a.process is not None and a.process.returncode == 0, both()
     assert b.process is not None and b.process.returncode == 0, both()
 
     every = _rows(rows)
-    assert {r["pid"] for r in every if r["node"] == "a"} == survivors, "a survivor's worker was restarted"
+    assert {r["pid"] for r in every if r["node"] == kept.name} == survivors, "a survivor's worker was restarted"
     for pid in survivors:  # 0 steps rolled back: a survivor's committed step never goes down
         steps = [r["step"] for r in every if r["pid"] == pid]
         assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
-    back = [r for r in every if r["node"] == "b" and r["time"] > back_at]
-    assert back, "node b never trained after its return"
+    back = [r for r in every if r["node"] == lost.name and r["time"] > back_at]
+    assert back, f"node {lost.name} never trained after its return"
     by_step = {(r["step"], r["local"], r["node"]): r["shards"] for r in every if r["world"] == 4}
     compared = 0
     for r in back:  # the healed node's shards equal its replica's, local rank by local rank, bit for bit
-        twin = by_step.get((r["step"], r["local"], "a"))
+        twin = by_step.get((r["step"], r["local"], kept.name))
         if twin is not None:
             assert twin == r["shards"], f"step {r['step']} local rank {r['local']}: shards differ across replicas"
             compared += 1
-    assert compared > 0, "no step of node b's after its return to compare with node a's"
+    assert compared > 0, f"no step of node {lost.name}'s after its return to compare with the survivor's"
 
-    log = a.log_tail(400)
+    log = a.log_tail(400) + b.log_tail(400)
     assert "in-place recovery off" not in log, log
+    assert f"lost node {lost.name}" in log and "re-formed in place" in log, log
     assert "healed from" in log and "Traceback" not in log, log
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
