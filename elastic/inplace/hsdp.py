@@ -89,7 +89,9 @@ class HsdpInPlace:
         and every other rank waits for the round without it (:class:`CollectiveFailure`)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        rows = _all_gather_ints([fsdp_private.group_count(), self.shard_size, int(has_state)], info.world_size)
+        device = info.device if getattr(info, "backend", "gloo") == "nccl" else torch.device("cpu")
+        rows = _all_gather_ints([fsdp_private.group_count(), self.shard_size, int(has_state)], info.world_size,
+                                device)
         expected = refused_shard_size([(shard, bool(held)) for _, shard, held in rows])
         if expected is not None:
             misfits = sorted(r for r, (_, shard, _h) in enumerate(rows) if shard != expected)
@@ -170,8 +172,8 @@ def refused_shard_size(rows: Sequence[tuple[int, bool]]) -> int | None:
     return max(set(pool), key=lambda s: (pool.count(s), -pool.index(s)))
 
 
-def _all_gather_ints(row: list[int], world: int) -> list[list[int]]:
-    mine = torch.tensor(row, dtype=torch.int64)
+def _all_gather_ints(row: list[int], world: int, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
     return [t.tolist() for t in out]
