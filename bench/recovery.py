@@ -57,6 +57,15 @@ the round that adds it back has closed, the survivors still train without it):
   ``ours-kill-joining-lease`` is its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``
   (the victim left out when its lease expires, as before). The summary prints the ratio.
 
+Sharded models (issue 42), two nodes x 2 local ranks, the same model and prepared loop
+(written here: FSDP2's docs plus the prepare lines), node b SIGKILLed after 10 s of steady
+training, the clock from the kill to node a's first step in a world of 2:
+
+* ``hsdp-kill``: HSDP (``init_device_mesh((nodes, 2), ("replicate", "shard"))``), in place;
+* ``ddp-prepared-kill``: the same model under DDP, in place (the anchor: goal within 20 %);
+* ``hsdp-restart-kill``: HSDP with ``--no-in-place``: the restart path, resumed from the
+  newest snapshot, as torchrun's restart-from-DCP would.
+
 Joins (no fault: how long the first node's training stood still while another joined):
 
 * ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: the ``mlp`` job;
@@ -75,6 +84,7 @@ thawed then), as faults cluster in real life; every SIGKILL's recovery counted, 
     python bench/recovery.py --trials 7 --configs freeze,freeze-lease
     python bench/recovery.py --trials 5 --configs freeze,freeze-host,freeze-host-spare
     python bench/recovery.py --trials 5 --configs ours-kill-joining,ours-stop-joining,ours-kill-joining-lease
+    python bench/recovery.py --trials 5 --configs hsdp-kill,ddp-prepared-kill,hsdp-restart-kill
 """
 
 from __future__ import annotations
@@ -103,7 +113,7 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
            "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
            "freeze-host-spare", "freeze-host-spare-early", "freeze-host-joining", "ours-kill-joining",
-           "ours-stop-joining", "ours-kill-joining-lease")
+           "ours-stop-joining", "ours-kill-joining-lease", "hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -130,9 +140,49 @@ PLAIN_SCRIPT = textwrap.dedent('''\
 ''')
 
 
+PREPARED_SCRIPT = textwrap.dedent('''\
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    import elastic
+
+    sharded = sys.argv[2] == "hsdp"
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.utils.data.TensorDataset(torch.randn(1 << 17, 64), torch.randint(0, 4, (1 << 17,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    ft = elastic.Elastic(snapshot_every_steps=20, snapshot_dir=os.path.join(os.path.dirname(sys.argv[1]), "snapshots"))
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    for epoch in ft.epochs(1):
+        for x, y in loader:
+            optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+            time.sleep(0.02)
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                with open(sys.argv[1], "a") as f:
+                    f.write(json.dumps({"node": os.environ.get("ELASTIC_NODE_NAME", ""), "rank": ft.rank,
+                                        "world_size": ft.world_size, "step": ft.step_count, "time": time.time(),
+                                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                        "round": -1}) + "\\n")
+''')
+
+
 def _agent_args(config: str, lease_ttl: int) -> list[str]:
     args = ["--lease-ttl", str(lease_ttl)]
-    if config.startswith("restart") or config == "churn-restart":
+    if config.startswith("restart") or config == "churn-restart" or "-restart-" in config:
         args.append("--no-in-place")
     if config.endswith("-cold"):
         args.append("--no-warm-start")
@@ -141,7 +191,7 @@ def _agent_args(config: str, lease_ttl: int) -> list[str]:
 
 def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEtcd, lease_ttl: int,
                module: str = "elastic.train", job: list[str] | None = None, script: str | None = None,
-               nnodes: str | None = None) -> list[LocalNode]:
+               nnodes: str | None = None, nproc: int = 1) -> list[LocalNode]:
     ours = not ("c10d" in config or "torchrun" in config)
     run_id = f"{config}-{time.time_ns()}"
     workdir = work / run_id
@@ -151,7 +201,7 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
                "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
     env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config.endswith("-lease") else {})}
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
-                                  nnodes=nnodes or f"1:{len(names)}", script=script, env=env)
+                                  nnodes=nnodes or f"1:{len(names)}", script=script, env=env, nproc_per_node=nproc)
     nodes = []
     store_port = free_port()
     for i, name in enumerate(names):
@@ -416,6 +466,35 @@ def script_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, gi
             n.cleanup()
 
 
+def sharded_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
+    """Two nodes x 2 local ranks, the prepared script (HSDP or DDP); node b SIGKILLed after
+    10 s of steady training; seconds to node a's first step in a world of 2."""
+    script = work / "prepared_train.py"
+    script.write_text(PREPARED_SCRIPT)
+    kind = "ddp" if config.startswith("ddp") else "hsdp"
+    nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl, job=["{progress}", kind], script=str(script),
+                       nproc=2)
+    for node in nodes:
+        node.start()
+    a, b = nodes
+    try:
+        if not _steady(nodes, 4, 10, 180) or not _trained_for(a, 4, STEADY_S, 0.0, 180):
+            return None
+        fault_at = time.time()
+        b.kill()
+        while time.time() - fault_at < give_up:
+            rows = a.steps_at(2, after=fault_at)
+            if rows:
+                return rows[0]["time"] - fault_at
+            if not a.alive():
+                return None
+            time.sleep(0.01)
+        return None
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
 def _trained_for(node: LocalNode, world: int, seconds: float, after: float, timeout: float) -> bool:
     """``node`` has trained ``seconds`` in a world of ``world`` since ``after`` (the issue's
     measurement: 10 s of steady training before each fault; churn-* is the unsteady case)."""
@@ -598,6 +677,8 @@ def main() -> int:
                         values = churn(config, work, etcd, args.lease_ttl, args.churn)
                     else:
                         continue
+                elif config in ("hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill"):
+                    values = [sharded_trial(config, work, etcd, args.lease_ttl, args.give_up)]
                 elif config.startswith(("script", "torchrun-script")):
                     values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
                 elif config == "ours-join-resnet":

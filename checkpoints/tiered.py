@@ -4,8 +4,9 @@ Location syntax: ``LOCAL_DIR,s3://bucket/prefix`` (``--snapshot-dir``, ``snapsho
 ``ELASTIC_SNAPSHOT_DIR``). Each snapshot is written to the local directory, then to the
 object store, each with its own protocol (rename there, manifest last here), so each tier
 holds only whole snapshots. The state is serialised once: the object store gets the local
-tier's files, checked against the local manifest as they are read for upload. A snapshot counts as saved once it is in the object store: a lost
-node's disk takes nothing the job needs.
+tier's files, checked against the local manifest as they are read for upload. A snapshot
+counts as saved once it is in the object store: a lost node's disk takes nothing the job
+needs.
 
 Resume takes the newest step that verifies in either tier, the local copy first when both
 hold it: a job healed on another node (whose disk lacks it, or holds an older one) still

@@ -82,6 +82,9 @@ class StatePlan:
     fresh_from_rank0: bool = False
     check_same_step: bool = False  # DISK: the ranks confirm they all restored the same step
     init_sync: bool = False  # DDP broadcasts rank 0's parameters when it is built
+    # HSDP in place: a heal moves each rank's own shards, to the same local rank of another node
+    local_shards: bool = False
+    fresh_sources: Mapping[int, int] | None = None  # DISK, none there: who sends the fresh state (default: rank 0)
 
     @property
     def healed(self) -> list[int]:
@@ -92,8 +95,12 @@ class StatePlan:
 
     def fresh(self, world_size: int) -> "StatePlan":
         """Nothing on disk either: the plan for a fresh start."""
-        sources = {rank: 0 for rank in range(1, world_size)} if self.fresh_from_rank0 else {}
-        return StatePlan(Source.FRESH, step=0, sources=sources, init_sync=self.init_sync)
+        if self.fresh_sources is not None:
+            sources = dict(self.fresh_sources)
+        else:
+            sources = {rank: 0 for rank in range(1, world_size)} if self.fresh_from_rank0 else {}
+        return StatePlan(Source.FRESH, step=0, sources=sources, init_sync=self.init_sync,
+                         local_shards=self.local_shards)
 
 
 def heal(plan: StatePlan, info: DistInfo, device: torch.device, capture: Callable[[], Any],

@@ -116,6 +116,8 @@ class GradSync:
     def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
         with collective_failures():
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        if self.sharded and self.failure is not None:  # HSDP in place: its replicate all-reduce recorded it
+            raise CollectiveFailure(self.take_failure() or "")
         self.settle_buckets()
 
     def scale_sharded_grads(self, world_size: int) -> None:

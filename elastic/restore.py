@@ -97,7 +97,8 @@ class FormsWorlds:
                 if plan.check_same_step:
                     self._check_same_step()
                 if step < 0:
-                    plan, note = plan.fresh(self.dist.world_size), ", from rank 0's fresh state"
+                    plan = plan.fresh(self.dist.world_size)
+                    note = ", from node 0's fresh shards" if plan.local_shards else ", from rank 0's fresh state"
                     self.metrics.state_from(Source.FRESH.value)
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
@@ -106,8 +107,10 @@ class FormsWorlds:
                 log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where, self.world.round,
                          plan.healed, plan.senders(), plan.step)
             t_heal = time.perf_counter()
-            moved = heal(plan, self.dist, collective_device(self.dist), self.state.capture, self.state.load,
-                         self.plan.recent_state, self.plan.load_recent) if plan.sources else 0
+            local = plan.local_shards  # HSDP: this rank's own shards, for the same local rank elsewhere
+            moved = heal(plan, self.dist, collective_device(self.dist), lambda: self.state.capture(local=local),
+                         lambda state: self.state.load(state, local=local), self.plan.recent_state,
+                         self.plan.load_recent) if plan.sources else 0
             t_heal = time.perf_counter() - t_heal
             if self.dist.rank in plan.sources:
                 self.metrics.state_from(Source.REPLICA.value)

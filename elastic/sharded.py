@@ -20,12 +20,15 @@ What is refused, each in one line (every rank hits it alike, so exit 2 and no re
 The pure decisions (:func:`mesh_problem`, :func:`optimizer_problem`) take plain values so
 they are unit-tested in milliseconds.
 
-**How a sharded run recovers, for now.** In-place recovery (a lost node shrinking the
-mesh's replicate dimension without a restart, a joiner healed shard by shard) is not built
-yet: a sharded run takes the restart path under any launcher (one line says so), and every
-restart resumes from the newest snapshot. Snapshots of a sharded model hold its full state
-(:func:`full_state`, gathered to rank 0 by ``torch.distributed.checkpoint.state_dict``), so
-a resume works at another replica count and at another shard count.
+**How a sharded run recovers.** HSDP (replicas across nodes, shards inside one) recovers in
+place under ``elastic agent`` (:mod:`elastic.inplace.hsdp`): a lost node shrinks the
+mesh's replicate dimension without a restart, a joiner is healed shard by shard from a live
+replica. A model sharded across every node has no replica to heal from: it takes the
+restart path (one line says so, :func:`restart_reason`), as does any sharded run under
+plain torchrun, and every restart resumes from the newest snapshot. Snapshots of a sharded
+model hold its full state (:func:`full_state`, gathered to rank 0 by
+``torch.distributed.checkpoint.state_dict``), so a resume works at another replica count
+and at another shard count.
 """
 
 from __future__ import annotations
@@ -41,9 +44,33 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import ElasticRunError
 
-#: Why a sharded run takes the restart path (rank 0 says it once; the agent is told).
-RESTART_REASON = ("the model is sharded (FSDP2/HSDP): in-place recovery of sharded models is not built yet, so a "
-                  "lost or joining node restarts the workers and they resume from the newest snapshot")
+#: Why a sharded run takes the restart path, in general (rank 0 says the specific reason
+#: once, from :func:`restart_reason`; the agent is told).
+RESTART_REASON = ("the model is sharded (FSDP2/HSDP) and cannot recover in place, so a lost or joining node "
+                  "restarts the workers and they resume from the newest snapshot")
+
+
+def restart_reason(model: nn.Module, layout: "MeshLayout | None") -> str | None:
+    """Why this model takes the restart path (None: not sharded, or HSDP, which recovers in place)."""
+    if layout is None:
+        return None
+    from .inplace.hsdp import off_reason
+
+    why = off_reason(model, layout.kinds)
+    return None if why is None else f"the model is sharded (FSDP2/HSDP): {why}"
+
+
+def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: Any) -> Any:
+    """HSDP in an in-place world: the run re-forms the script's mesh at every formation
+    (:class:`elastic.inplace.hsdp.HsdpInPlace`); None otherwise."""
+    from .inplace.in_place_world import InPlaceWorld
+
+    if layout is None or not isinstance(world, InPlaceWorld) or restart_reason(module, layout) is not None:
+        return None
+    from .inplace.hsdp import HsdpInPlace
+
+    world.hsdp = HsdpInPlace(module, layout.shard_size, sync)  # its formations re-form the mesh and pair heals
+    return world.hsdp
 
 
 @dataclass(frozen=True)
@@ -280,5 +307,6 @@ def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
 
 
 __all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "full_state", "is_sharded", "layout_of", "load_full_state",
+           "restart_reason", "take_over",
            "mesh_problem", "optimizer_problem", "quiet_lost_peer",
            "told_lost_peer"]

@@ -33,15 +33,20 @@ class TrainState:
         self.user = UserState()  # what the loop registered (run.register)
         self.sharded = False  # an FSDP2 model: its state is gathered and scattered by every rank at once
 
-    def _model_and_optimizer(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _model_and_optimizer(self, local: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.sharded and local:
+            from .inplace.hsdp import capture_local
+
+            return capture_local(self.module, self.optimizer)  # this rank's shards, for a peer of the same local rank
         if self.sharded:
             from .sharded import full_state
 
             return full_state(self.module, self.optimizer)  # a collective: every rank calls capture at once
         return self.module.state_dict(), self.optimizer.state_dict()
 
-    def capture(self) -> dict[str, Any]:
-        model, optimizer = self._model_and_optimizer()
+    def capture(self, local: bool = False) -> dict[str, Any]:
+        """The whole state (``local``: a sharded model's own shards, for a heal in place)."""
+        model, optimizer = self._model_and_optimizer(local)
         state: dict[str, Any] = {
             "model": model,
             "optimizer": optimizer,
@@ -57,11 +62,17 @@ class TrainState:
             state["user"] = self.user.capture()
         return state
 
-    def load(self, state: dict[str, Any]) -> None:
-        """Take ``state`` (a snapshot or a replica's); a mismatch is the user's to fix, in one line."""
-        check_state_compatible(self.module.state_dict(), state["model"], "model")  # global shapes, if sharded
+    def load(self, state: dict[str, Any], local: bool = False) -> None:
+        """Take ``state`` (a snapshot or a replica's; ``local``: a sharded replica's own shards);
+        a mismatch is the user's to fix, in one line."""
+        if not (self.sharded and local):
+            check_state_compatible(self.module.state_dict(), state["model"], "model")  # global shapes, if sharded
         try:
-            if self.sharded:
+            if self.sharded and local:
+                from .inplace.hsdp import load_local
+
+                load_local(self.module, self.optimizer, state["model"], state["optimizer"])
+            elif self.sharded:
                 from .sharded import load_full_state
 
                 load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])

@@ -267,6 +267,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
+            self.hsdp: Any = None  # HSDP in place: the takeover of the script's mesh (elastic.inplace.hsdp)
             if self.mesh is not None:  # each rank holds other shards: a whole-world vote would always split
                 self._check.every_steps = 0  # per-shard votes within each replicate group: not built yet
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
@@ -275,13 +276,14 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
             self.world = choose_world(backend, collective_timeout, in_place, owns_group,
-                                      off_reason=sharded.RESTART_REASON if self.mesh is not None else None)
+                                      off_reason=sharded.restart_reason(model, self.mesh))
             self.dist = self.world.connect()
             if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
                 log.info("%s %s", self._where, taken_over_line(took_ddp, self.world.took_group))
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward, sharded=self.mesh is not None)
+            self.hsdp = sharded.take_over(self.state.module, self.mesh, self.world, self.sync)  # HSDP in place
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded capture

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ class InPlaceWorld(TrainingWorld):
         self._before: World | None = None  # the world formed last (None: none yet)
         self._node_ranks: dict[str, list[int]] = {}  # the current world's ranks by node
         self._said_misaligned = False
+        self.hsdp: Any = None  # HSDP in place: the takeover of the script's mesh (elastic.sharded.take_over)
 
     @property
     def round(self) -> int:
@@ -128,11 +129,21 @@ class InPlaceWorld(TrainingWorld):
 
     def plan(self, mine: Holding, info: DistInfo) -> StatePlan:
         """Every rank reports what it holds; the plan of :mod:`.agreement` (roll forward)."""
+        hsdp = self.hsdp
+        if hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
+            hsdp.rebuild(info, mine.has_state)
         rows = self._all_gather_rows(agreement.encode(agreement.Report(mine.rank, mine.has_state, mine.step)), info)
-        agreed = agreement.plan(agreement.decode(rows))
+        reports = agreement.decode(rows)
+        agreed = self._paired(agreement.plan(reports), reports)
+        local = hsdp is not None
         if agreed.from_disk:
-            return StatePlan(Source.DISK, fresh_from_rank0=True)
-        return StatePlan(Source.REPLICA, step=agreed.step, sources=agreed.sources)
+            fresh = self._paired(agreement.fresh_plan(info.world_size), reports).sources if local else None
+            return StatePlan(Source.DISK, fresh_from_rank0=True, local_shards=local, fresh_sources=fresh)
+        return StatePlan(Source.REPLICA, step=agreed.step, sources=agreed.sources, local_shards=local)
+
+    def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
+        """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
+        return plan if self.hsdp is None else self.hsdp.pair(plan, reports)
 
     def incomplete(self, noticed: str) -> int:
         """A member died meanwhile: the next round leaves it out."""

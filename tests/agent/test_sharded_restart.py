@@ -1,13 +1,15 @@
-"""An HSDP script (FSDP2 over a 2-D mesh) under ``elastic agent``: a lost node restarts the world.
+"""An FSDP2 script sharded across every node (a 1-D mesh) under ``elastic agent``: a lost
+node restarts the world.
 
 The script is written here as a user would write it from FSDP2's docs (``init_device_mesh``
-with replicas across nodes and shards inside one, ``fully_shard`` per block and on the root,
-AdamW after sharding) plus the prepare lines. Until in-place recovery of sharded models is
-built, a sharded run takes the restart path: what is checked is that it trains at all (it
-crashed in DDP's constructor, and crash-looped in the heal), that a killed node costs one
-line and a resume from the newest snapshot at the smaller replica count, the node's return
-a resume at the larger one, that every sample of each epoch is trained once (the ledger),
-and that the snapshot holds the whole model (it loads unsharded)."""
+over every rank, ``fully_shard`` per block and on the root, AdamW after sharding) plus the
+prepare lines. No live replica holds a lost node's shards, so this run takes the restart
+path (HSDP recovers in place: tests/agent/test_hsdp_in_place.py): what is checked is that it
+trains at all (a sharded model crashed in DDP's constructor, and crash-looped in the heal),
+that a killed node costs one line and a resume from the newest snapshot at the smaller
+shard count, the node's return a resume at the larger one, that every sample of each epoch
+is trained once (the ledger), and that the snapshot holds the whole model (it loads
+unsharded)."""
 
 from __future__ import annotations
 
@@ -45,8 +47,7 @@ HSDP = textwrap.dedent('''\
         def __getitem__(self, i): return self.x[i], self.y[i]
 
     dist.init_process_group("gloo")
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     for layer in model:
@@ -76,7 +77,7 @@ def _rows(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_is_lost_and_more_when_back(
+def test_an_fsdp_script_resumes_from_its_snapshot_at_fewer_shards_when_a_node_is_lost_and_more_when_back(
         etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
     script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     script.write_text(HSDP)
@@ -87,7 +88,7 @@ def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_
                   agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(60) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
-               "HSDP over 2 nodes x 2 ranks to pass its first snapshot", on_timeout=both)
+               "FSDP over 2 nodes x 2 ranks to pass its first snapshot", on_timeout=both)
 
     for op in ("allgather", "reducescatter"):  # FSDP2's own collectives, timed as DDP's all-reduce is
         wait_until(lambda: (a.metric("elastic_collective_duration_seconds_count", op=op) or 0) > 0, 30,
@@ -96,17 +97,17 @@ def test_an_hsdp_script_resumes_from_its_snapshot_at_fewer_replicas_when_a_node_
     killed_at = time.time()
     b.kill()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
-               "node a to train on alone (1 replica x 2 shards)", on_timeout=both)
-    b.start()  # the node back: the world restarts at 2 replicas again, from the newest snapshot
+               "node a to train on alone (2 shards)", on_timeout=both)
+    b.start()  # the node back: the world restarts at 4 shards again, from the newest snapshot
     back_at = time.time()
     wait_until(lambda: any(r["world"] == 4 and r["time"] > back_at for r in _rows(rows)), FORM_TIMEOUT,
-               "node b back in a world of 2 replicas x 2 shards", on_timeout=both)
+               "node b back in a world of 4 shards", on_timeout=both)
     wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
     assert a.process is not None and a.process.returncode == 0, both()
     assert b.process is not None and b.process.returncode == 0, both()
 
     log = a.log_tail(400)
-    assert "in-place recovery off: the model is sharded (FSDP2/HSDP)" in log
+    assert "in-place recovery off: the model is sharded (FSDP2/HSDP): it is sharded across every node" in log
     assert "resumed from snapshot step" in log and "Traceback" not in log, log
     assert "lost a peer in step" in log  # the script's own backward lost it: one line, not a traceback
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)

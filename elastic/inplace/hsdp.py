@@ -1,0 +1,255 @@
+"""HSDP in place: the script's 2-D mesh re-formed over each world, in the same processes.
+
+An HSDP script builds its mesh once (``init_device_mesh(device, (nodes, local),
+mesh_dim_names=("replicate", "shard"))``) and calls ``fully_shard`` once. Every DTensor it
+makes (parameters, gradients, optimizer state) points at that mesh object, and FSDP2 caches
+the mesh's process groups in each parameter group. When the world changes, the run:
+
+1. builds a fresh mesh over the current world (``(nodes now, local)``: the replicate
+   dimension grows or shrinks, each node's shard group is its own ranks again) and swaps it
+   into the script's mesh object, so every DTensor follows (:func:`.fsdp_private.swap_mesh`);
+2. points every FSDP2 parameter group at a *shard-only* view of it: FSDP2 reduce-scatters
+   inside the node, and the replicate all-reduce runs in the run's own hook
+   (``set_all_reduce_hook``, public), where a lost peer is *recorded* instead of raised out
+   of the script's ``loss.backward()``; the step is then abandoned at its commit point, as a
+   DDP step is, and nothing of it is applied;
+3. heals whoever needs state **shard by shard from a live replica**: local rank ``i`` from a
+   peer node's local rank ``i``, each sending its DTensors' local shards (parameters and
+   optimizer state) and the rest of the training state, no disk (:func:`pair`,
+   :func:`capture_local`, :func:`load_local`).
+
+Numerics: FSDP2 averages over the shard group, the hook sums over replicas and divides by
+their count, i.e. the same mean as native HSDP's, in another order of float additions.
+
+What needs torch's private attributes is in :mod:`.fsdp_private` (and its test).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import DistInfo, ElasticRunError
+from ..grad_sync import is_collective_failure
+from . import fsdp_private
+from .agreement import HealPlan, Report
+
+log = logging.getLogger("elastic.trainer")
+
+REPLICATE, SHARD = 0, 1  # the mesh's dimensions, as FSDP2's HSDP has them
+
+
+def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
+    """Why this sharded model cannot train in place (None: it can, as HSDP)."""
+    if tuple(kinds) != ("replicate", "shard"):
+        return ("it is sharded across every node (FSDP2 without a replicate dimension): no live replica holds a "
+                "lost node's shards, so a lost or joining node restarts the workers and they resume from the newest "
+                "snapshot; build an HSDP mesh (init_device_mesh(device, (nodes, local), mesh_dim_names=('replicate', "
+                "'shard'))) to recover in place")
+    why = fsdp_private.unsupported_reason()
+    if why is not None:
+        return why + "; a lost or joining node restarts the workers and they resume from the newest snapshot"
+    if fsdp_private.post_forward_reshards_elsewhere(model):
+        return ("fully_shard(reshard_after_forward=<int>) reshards to a mesh FSDP2 builds itself, which the run "
+                "cannot re-form; use reshard_after_forward=True or False to recover in place")
+    return None
+
+
+class HsdpInPlace:
+    """The takeover of one HSDP model's mesh: :meth:`rebuild` at every formation."""
+
+    def __init__(self, model: nn.Module, shard_size: int, sync: Any = None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.model, self.shard_size = model, shard_size
+        self.sink: Any = sync if sync is not None else self  # where a failure is recorded (the run's GradSync)
+        mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+        self.mesh, self.names = mesh, tuple(mesh.mesh_dim_names or ("replicate", "shard"))
+        self.device_type = mesh.device_type
+        self.replicate_group: Any = None
+        self.replicas = 1
+        self.failure: str | None = None  # the replicate all-reduce that failed in this step's backward
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self._all_reduce)
+
+    # ------------------------------------------------------------------ every formation
+
+    def rebuild(self, info: DistInfo, has_state: bool = False) -> None:
+        """The mesh over the current world: ``(world / local, local)``, ranks by node. A collective.
+
+        A node whose local rank count is not the mesh's shard size cannot hold whole shards:
+        its ranks leave with one line and exit code 2 (they hold nothing yet: nothing is lost),
+        and every other rank waits for the round without it (:class:`CollectiveFailure`)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device = info.device if getattr(info, "backend", "gloo") == "nccl" else torch.device("cpu")
+        rows = _all_gather_ints([fsdp_private.group_count(), self.shard_size, int(has_state)], info.world_size,
+                                device)
+        expected = refused_shard_size([(shard, bool(held)) for _, shard, held in rows])
+        if expected is not None:
+            misfits = sorted(r for r, (_, shard, _h) in enumerate(rows) if shard != expected)
+            line = (f"ranks {misfits} run {rows[misfits[0]][1]} local ranks per node but the job's mesh shards "
+                    f"over {expected}: a node's local ranks must be exactly one shard group; start it with "
+                    f"--nproc-per-node {expected}")
+            if self.shard_size != expected:
+                _leave_refused(line)
+            if info.rank == 0:
+                log.warning("refused a node: %s; the world forms again without it", line)
+            from ..grad_sync import CollectiveFailure
+
+            raise CollectiveFailure(f"refused a node: {line}")
+        fsdp_private.set_group_count(max(count for count, _, _ in rows))  # every rank names the new groups alike
+        world, local = info.world_size, self.shard_size
+        fresh = DeviceMesh(self.device_type, torch.arange(world).reshape(world // local, local),
+                           mesh_dim_names=self.names)
+        fsdp_private.swap_mesh(self.mesh, fresh)
+        info_ = fsdp_private.shard_only(self.mesh, SHARD)
+        for group in fsdp_private.param_groups(self.model):
+            fsdp_private.point_at(group, info_)
+        self.replicas = world // local
+        self.replicate_group = self.mesh.get_group(REPLICATE)
+        self.sink.failure = None
+
+    # ------------------------------------------------------------------ every step
+
+    def _all_reduce(self, grad: torch.Tensor) -> None:
+        """FSDP2's post-reduce-scatter hook: the mean over replicas. A failure is recorded for
+        the step's commit point (and the rest of the backward skips its all-reduces)."""
+        if self.replicas <= 1 or self.sink.failure is not None:
+            return
+        try:
+            dist.all_reduce(grad, group=self.replicate_group)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self.sink.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return
+        grad.div_(self.replicas)
+
+    def take_failure(self) -> str | None:
+        failure, self.sink.failure = self.sink.failure, None
+        return failure
+
+    # ------------------------------------------------------------------ healing
+
+    def pair(self, plan: HealPlan, reports: Sequence[Report]) -> HealPlan:
+        """``plan`` with each healed rank's source a holder of the same local rank (the same
+        shards) on another node; from disk when some local rank has no holder left."""
+        if plan.from_disk or not plan.sources:
+            return plan
+        local = self.shard_size
+        holders = [r.rank for r in reports if r.has_state and r.step == plan.step]
+        if not holders:  # the job's start: rank 0's node holds the fresh state
+            holders = list(range(local))
+        needy = sorted(r.rank for r in reports if r.rank not in holders)
+        sources: dict[int, int] = {}
+        used: dict[int, int] = {}
+        for rank in needy:
+            same = [h for h in holders if h % local == rank % local]
+            if not same:
+                return HealPlan(step=-1, from_disk=True)
+            turn = used.get(rank % local, 0)
+            used[rank % local] = turn + 1
+            sources[rank] = same[turn % len(same)]
+        return HealPlan(step=plan.step, sources=sources)
+
+
+def refused_shard_size(rows: Sequence[tuple[int, bool]]) -> int | None:
+    """The shard size every rank must have, when some rank's differs (None: all agree).
+    ``rows``: (shard size, holds state) per rank; those holding state are the job's."""
+    sizes = {shard for shard, _ in rows}
+    if len(sizes) == 1:
+        return None
+    held = [shard for shard, holds in rows if holds]
+    pool = held or [shard for shard, _ in rows]
+    return max(set(pool), key=lambda s: (pool.count(s), -pool.index(s)))
+
+
+def _all_gather_ints(row: list[int], world: int, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def _leave_refused(line: str) -> None:
+    """A refused node's ranks: one line (local rank 0 says it) and exit code 2, which its agent
+    does not restart; the process group is not left (its peers carry on without it)."""
+    import os
+    import sys
+
+    from .. import worker_env
+    from .reconfigure import skip_leave_at_exit
+
+    if worker_env.read().me.local_rank == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    skip_leave_at_exit()
+    os._exit(2)
+
+
+# ---------------------------------------------------------------------- local shards, for a heal
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach()
+    if isinstance(value, dict):
+        return type(value)((k, _local(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_local(v) for v in value)
+    return value
+
+
+def capture_local(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's own shards of the model and optimizer state (no collective)."""
+    with torch.no_grad():
+        return _local(module.state_dict()), _local(optimizer.state_dict())
+
+
+def load_local(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+               optimizer_state: dict[str, Any]) -> None:
+    """Take a peer's shards of the same local rank: copied into this rank's DTensors in place;
+    optimizer state wrapped as DTensors like their parameters (no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        own = dict(module.named_parameters())
+        own.update(dict(module.named_buffers()))
+        for name, target in module.state_dict().items():
+            source = model_state.get(name)
+            if source is None:
+                raise ElasticRunError(f"the replica's state has no {name!r}: the nodes run different models")
+            held = own.get(name, target)
+            local = held.to_local() if isinstance(held, DTensor) else held
+            if tuple(local.shape) != tuple(source.shape):
+                raise ElasticRunError(f"{name!r}: this rank's shard is {tuple(local.shape)}, the replica's "
+                                      f"{tuple(source.shape)}: the nodes shard the model differently")
+            local.copy_(source)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    by_id = dict(zip(ids, params))
+    state: dict[Any, Any] = {}
+    for key, entry in optimizer_state["state"].items():
+        param = by_id.get(key)
+        wrapped = {}
+        for name, value in entry.items():
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and tuple(value.shape) == tuple(param.to_local().shape):
+                value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                           shape=param.shape, stride=param.stride())
+            wrapped[name] = value
+        state[key] = wrapped
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer_state["param_groups"]})
+
+
+__all__ = ["HsdpInPlace", "capture_local", "load_local", "off_reason"]

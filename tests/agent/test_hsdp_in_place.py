@@ -1,0 +1,165 @@
+"""HSDP in place (issue 42): an FSDP2 script over a 2-D mesh, under ``elastic agent``, loses a
+node and gets it back without restarting the survivors.
+
+The script is written as FSDP2's docs write it (``init_device_mesh`` with replicas across
+nodes and shards inside one, ``fully_shard`` per block and on the root, AdamW after
+sharding) plus the prepare lines. 2 nodes x 2 local ranks: one node's whole process tree is
+SIGKILLed (rank 0's node, or the other); the survivor's workers keep their pids, the
+replicate dimension shrinks to 1, the step that failed is not applied and none is rolled
+back. The node comes back and its local rank i is healed from the survivor's local rank i
+(shards, not the disk): from then on both nodes' shards of each local rank are bitwise equal
+at every step. Every sample of each epoch is trained once (the ledger)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from elastic.etcd import EmbeddedEtcd, free_port
+from elastic.ledger import check_ledger
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+FORM_TIMEOUT = 150
+DATASET = 768
+
+HSDP = textwrap.dedent('''\
+    import hashlib, json, os, sys, time
+    import torch, torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import elastic
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            g = torch.Generator().manual_seed(3)
+            self.x, self.y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+        def __len__(self): return len(self.x)
+        def __getitem__(self, i): return self.x[i], self.y[i]
+
+    dist.init_process_group("gloo")
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Data(int(sys.argv[1])), batch_size=4)
+    ft = elastic.Elastic(snapshot_every_steps=4, ledger=os.environ["LEDGER"])     # + the prepare lines
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    rows = open(os.environ["ROWS"], "a")
+    for epoch in ft.epochs(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            shards = hashlib.sha1(b"".join(p.to_local().detach().numpy().tobytes()
+                                           for p in model.parameters())).hexdigest()[:16]
+            rows.write(json.dumps({"step": ft.step_count, "world": ft.world_size, "rank": ft.rank,
+                                   "local": int(os.environ["LOCAL_RANK"]), "node": os.environ["NODE"],
+                                   "pid": os.getpid(), "time": time.time(), "shards": shards}) + "\\n")
+            rows.flush()
+            time.sleep(0.05 if ft.world_size == 4 else 0.2)  # alone, slower: outlast node b's return
+''')
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.parametrize("victim", ["rank0", "other"], ids=["rank0-node", "other-node"])
+def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a_live_replica(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str) -> None:
+    script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
+    script.write_text(HSDP)
+    env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
+           "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
+    a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), module_args=[str(DATASET)],
+                  nnodes="1:2", nproc_per_node=2, metrics_port=free_port(), env={**env, "NODE": n},
+                  agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
+    both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
+    wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
+               "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
+    first = next(r["node"] for r in _rows(rows) if r["world"] == 4 and r["rank"] == 0)  # the round decides
+    lost, kept = (a, b) if (first == "a") == (victim == "rank0") else (b, a)
+    survivors = {r["pid"] for r in _rows(rows) if r["node"] == kept.name}
+    assert len(survivors) == 2, survivors
+
+    killed_at = time.time()
+    lost.kill()
+    wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
+               f"node {kept.name} to train on alone, in place (1 replica x 2 shards)", on_timeout=both)
+    lost.start()
+    back_at = time.time()
+    wait_until(lambda: any(r["world"] == 4 and r["node"] == lost.name and r["time"] > back_at
+                           for r in _rows(rows)),
+               FORM_TIMEOUT, f"node {lost.name} back and healed in a world of 2 replicas x 2 shards", on_timeout=both)
+    wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
+    assert a.process is not None and a.process.returncode == 0, both()
+    assert b.process is not None and b.process.returncode == 0, both()
+
+    every = _rows(rows)
+    assert {r["pid"] for r in every if r["node"] == kept.name} == survivors, "a survivor's worker was restarted"
+    for pid in survivors:  # 0 steps rolled back: a survivor's committed step never goes down
+        steps = [r["step"] for r in every if r["pid"] == pid]
+        assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
+    back = [r for r in every if r["node"] == lost.name and r["time"] > back_at]
+    assert back, f"node {lost.name} never trained after its return"
+    by_step = {(r["step"], r["local"], r["node"]): r["shards"] for r in every if r["world"] == 4}
+    compared = 0
+    for r in back:  # the healed node's shards equal its replica's, local rank by local rank, bit for bit
+        twin = by_step.get((r["step"], r["local"], kept.name))
+        if twin is not None:
+            assert twin == r["shards"], f"step {r['step']} local rank {r['local']}: shards differ across replicas"
+            compared += 1
+    assert compared > 0, f"no step of node {lost.name}'s after its return to compare with the survivor's"
+
+    log = a.log_tail(400) + b.log_tail(400)
+    assert "in-place recovery off" not in log, log
+    assert f"lost node {lost.name}" in log and "re-formed in place" in log, log
+    assert "healed from" in log and "Traceback" not in log, log
+    report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
+    assert report.ok, report.violations
+
+
+def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_line(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    """Node b joins with 3 local ranks a job whose mesh shards over 2: its ranks say why in one
+    line and exit 2 before training a step. The agent then ends the job, as it does for any
+    usage error (agent/policy.py: a node leaving the job on a usage error while the others go
+    on is not the agent's rule today), with node a's workers never restarted."""
+    script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
+    script.write_text(HSDP)
+    env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
+           "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
+
+    def node(name: str, count: int) -> Node:
+        return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script),
+                     module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=free_port(),
+                     env={**env, "NODE": name}, agent_args=["--lease-ttl", "2"])
+
+    a = node("a", 2)
+    wait_until(lambda: len({r["step"] for r in _rows(rows)}) >= 4, FORM_TIMEOUT, "node a to train alone",
+               on_timeout=lambda: a.log_tail(80))
+    survivors = {r["pid"] for r in _rows(rows)}
+    b = node("b", 3)
+    both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
+    wait_until(lambda: not b.alive(), FORM_TIMEOUT, "node b (3 local ranks) to be refused", on_timeout=both)
+    assert b.process is not None and b.process.returncode != 0, both()
+    refusal = [line for line in b.log_tail(200).splitlines() if line.startswith("error: ranks")]
+    assert refusal == ["error: ranks [2, 3, 4] run 3 local ranks per node but the job's mesh shards over 2: a "
+                       "node's local ranks must be exactly one shard group; start it with --nproc-per-node 2"], both()
+    assert "exited with code 2" in b.log_tail(200), both()
+    wait_until(lambda: not a.alive(), FORM_TIMEOUT, "node a's agent to end the job", on_timeout=both)
+    assert {r["pid"] for r in _rows(rows)} == survivors, "node a's workers were restarted"
+    assert not any(r["node"] == "b" or r["world"] != 2 for r in _rows(rows)), "node b trained a step"
+    assert "refused a node" in a.log_tail(400), both()
