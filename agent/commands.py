@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KILL, FREEZE, SDC = "kill", "freeze", "sdc"
+SDC_KINDS = ("bit", "nan", "inf")  # as elastic.consistency.inject.KINDS (not imported: no torch in the CLI)
 MAX_WHAT = 200  # SDC: a tensor's name (a parameter, or <parameter>.<optimizer state>)
 MAX_FREEZE_S = 86400.0  # a chaos freeze, not a way to park a node: longer is a typo
 
@@ -51,11 +52,14 @@ class Command:
     seconds: float  # FREEZE: how long (valid_freeze)
     issued_at: float  # time.time() of the sender
     what: str = ""  # SDC: the tensor to flip a bit of ("first": the first parameter)
+    kind: str = "bit"  # SDC: a flipped bit, or a NaN or an Inf written (elastic.consistency.inject.KINDS)
 
     def to_json(self) -> bytes:
-        body = {"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}
+        body: dict[str, object] = {"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}
         if self.action == SDC:
             body["what"] = self.what
+            if self.kind != "bit":
+                body["kind"] = self.kind
         return json.dumps(body).encode()
 
     @classmethod
@@ -78,7 +82,10 @@ class Command:
         what = data.get("what", "first") if action == SDC else ""
         if action == SDC and not (isinstance(what, str) and 0 < len(what) <= MAX_WHAT):
             raise ValueError(f"sdc of {what!r:.40}: not a tensor name of 1 to {MAX_WHAT} characters")
-        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at), what)
+        kind = data.get("kind", "bit") if action == SDC else "bit"
+        if kind not in SDC_KINDS:
+            raise ValueError(f"sdc kind {kind!r:.40}: not one of {', '.join(SDC_KINDS)}")
+        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at), what, kind)
 
 
 def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | None:
@@ -91,11 +98,11 @@ def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | Non
 
 
 def send(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str, node: str,
-         action: str, seconds: float = 0.0, what: str = "") -> None:
+         action: str, seconds: float = 0.0, what: str = "", kind: str = "bit") -> None:
     key = command_key(key_prefix, run_id, node)
     if action == FREEZE and not valid_freeze(seconds):
         raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
-    body = Command(action, float(seconds), time.time(), what).to_json()
+    body = Command(action, float(seconds), time.time(), what, kind).to_json()
     client.call(lambda c: c.put(key, signer.seal(key.encode(), body)))
 
 
@@ -134,17 +141,18 @@ class CommandWatch:
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
         if command.action == SDC:
-            ask_worker_to_flip(self.heartbeat_dir, command.what)
+            ask_worker_to_flip(self.heartbeat_dir, command.what, command.kind)
         else:
             carry_out(command)
 
 
-def ask_worker_to_flip(heartbeat_dir: str | None, what: str) -> None:
+def ask_worker_to_flip(heartbeat_dir: str | None, what: str, kind: str = "bit") -> None:
     """Leave the request for local rank 0, which takes it at its next step boundary."""
     if heartbeat_dir is None:
         log.error("chaos command from etcd: sdc, but this agent runs no workers to corrupt")
         return
     from elastic.consistency.inject import request_flip
 
-    request_flip(heartbeat_dir, 0, what)
-    log.warning("chaos command from etcd: sdc: local rank 0 flips a bit of %s at its next step boundary", what)
+    request_flip(heartbeat_dir, 0, what, kind)
+    log.warning("chaos command from etcd: sdc: local rank 0 %s %s at its next step boundary",
+                "flips a bit of" if kind == "bit" else f"writes a {'NaN' if kind == 'nan' else 'Inf'} into", what)

@@ -19,7 +19,7 @@ per-tensor hashes, to name what differs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -29,7 +29,7 @@ from checkpoints.tree import iter_tensors, map_state
 
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
-from .fingerprint import GROUPS, Fingerprint, fingerprint
+from .fingerprint import GROUPS, Fingerprint, fingerprint, nonfinite_entries
 from .vote import Verdict, differing_groups, vote
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class Mismatch:
     verdict: Verdict
     nodes: list[str]  # per rank
     differing: dict[int, list[str]]  # rank -> entries that differ from the reference replica
+    nonfinite: dict[int, list[str]] = field(default_factory=dict)  # rank -> entries holding a NaN or an Inf
 
 
 class ReplicaCheck:
@@ -84,6 +85,7 @@ class ReplicaCheck:
         self._last: tuple[int, list[list[int]]] | None = None  # the last mismatch: (step, every rank's digests)
         self.ignored: set[str] = set()  # entries found to differ by design (the same mismatch after a retrain)
         self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
+        self.diverged_at = 0  # the first check that found every replica non-finite (said once)
 
     def due(self, step: int) -> bool:
         """Whether applying ``step`` makes a check due: a function of the step alone, so that
@@ -112,8 +114,11 @@ class ReplicaCheck:
     def run(self, run: CheckedRun) -> bool:
         """Vote; on a mismatch return to the last agreed state. True: the run went back."""
         fp = _fingerprint(run, self.ignored)
-        rows = all_gather_vector(fp.digests(), run.dist)
-        verdict = vote(rows)
+        rows = all_gather_vector([*fp.digests(), int(not fp.finite)], run.dist)
+        verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
+        if verdict.diverged:
+            self._diverged(run)
+            return False
         if verdict.methods_differ:
             if not self._warned_methods and run.dist.is_main:
                 log.warning("[%s rank %d] replica check off: ranks fingerprint with different methods "
@@ -141,6 +146,23 @@ class ReplicaCheck:
         self._buffers = iter_tensors(state)
         self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
 
+    def _diverged(self, run: CheckedRun) -> None:
+        """Every replica holds a NaN or an Inf: the training diverged (the loop's doing, not a
+        fault of one node). Going back would train into it again, so the check says so once,
+        keeps this state as the agreed one (the replicas stand alike) and leaves the decision
+        to the loop's own policy (its loss is non-finite too)."""
+        if run.dist.is_main and not self.diverged_at:
+            names = nonfinite_entries(run.state.module, run.state.optimizer,
+                                      run.state.user.capture() if len(run.state.user) else None)
+            log.error("[%s rank %d] training diverged: every replica holds non-finite values at step %d (%s); not "
+                      "silent data corruption, so no replica is named and nothing is rolled back: the loop decides "
+                      "(a lower learning rate, gradient clipping, a restart from an earlier snapshot)",
+                      run.dist.node, run.dist.rank, run.state.step,
+                      ", ".join(names[:_NAMES_SHOWN]) + (" ..." if len(names) > _NAMES_SHOWN else ""))
+        self.diverged_at = self.diverged_at or run.state.step
+        self._last = None
+        self._keep(run)
+
     def _by_design(self, run: CheckedRun, m: Mismatch) -> None:
         """The same steps, retrained from the same agreed state, differ in the very same way:
         that is the loop's doing (a registered value that is rank-local, say), not corruption.
@@ -160,15 +182,18 @@ class ReplicaCheck:
         """Every rank learns every rank's node and per-entry hashes (the rare path)."""
         d = run.dist
         gathered: list[Any] = [None] * d.world_size
-        dist.all_gather_object(gathered, (d.node, fp.names, fp.groups, fp.hashes))
-        prints = [Fingerprint(names, groups, hashes) for _node, names, groups, hashes in gathered]
+        bad = nonfinite_entries(run.state.module, run.state.optimizer,
+                                run.state.user.capture() if len(run.state.user) else None) if not fp.finite else []
+        dist.all_gather_object(gathered, (d.node, fp.names, fp.groups, fp.hashes, bad))
+        prints = [Fingerprint(names, groups, hashes) for _node, names, groups, hashes, _bad in gathered]
         reference = verdict.majority[0] if verdict.has_majority else 0
         differing = {r: prints[r].differing(prints[reference]) for r in range(d.world_size) if r != reference}
         if not verdict.has_majority:  # no reference to trust: name what differs between the two sides
             differing[reference] = sorted({n for names in differing.values() for n in names})
         back_to = self.agreed.step if self.agreed is not None else run.state.step
         return Mismatch(run.state.step, back_to, verdict, [g[0] for g in gathered],
-                        {r: differing.get(r, []) for r in verdict.suspects})
+                        {r: differing.get(r, []) for r in verdict.suspects},
+                        {r: gathered[r][4] for r in verdict.nonfinite})
 
     def _return(self, run: CheckedRun) -> None:
         agreed = self.agreed
@@ -233,11 +258,18 @@ def describe(m: Mismatch) -> str:
         entries = m.differing.get(r, [])
         shown = ", ".join(entries[:_NAMES_SHOWN]) + (f" and {len(entries) - _NAMES_SHOWN} more"
                                                      if len(entries) > _NAMES_SHOWN else "")
+        if r in m.nonfinite:
+            bad = m.nonfinite[r]
+            values = ", ".join(bad[:_NAMES_SHOWN]) + (f" and {len(bad) - _NAMES_SHOWN} more"
+                                                      if len(bad) > _NAMES_SHOWN else "")
+            return f"node {m.nodes[r]} (rank {r}; non-finite values in {values or '?'})"
         return f"node {m.nodes[r]} (rank {r}; differs in {shown or '?'})"
 
     if v.has_majority:
         named = "; ".join(who(r) for r in v.suspects)
-        head = (f"silent data corruption at step {m.step}: {named} disagrees with the majority of "
+        what = ("non-finite values in one replica" if v.suspects and all(r in m.nonfinite for r in v.suspects)
+                else "silent data corruption")
+        head = (f"{what} at step {m.step}: {named} disagrees with the majority of "
                 f"{len(v.majority)} of {len(m.nodes)} replicas")
     else:
         named = " and ".join(f"node {m.nodes[r]} (rank {r})" for r in v.suspects)

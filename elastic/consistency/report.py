@@ -61,7 +61,8 @@ def _tell_agent(role: str, m: Mismatch, d: DistInfo) -> None:
     if not where:
         return
     event = {"time": time.time(), "role": role, "step": m.step, "back_to": m.back_to, "rank": d.rank,
-             "differing": m.differing.get(d.rank, [])[:16], "replicas": len(m.nodes)}
+             "differing": m.differing.get(d.rank, [])[:16], "replicas": len(m.nodes),
+             "nonfinite": m.nonfinite.get(d.rank, [])[:16]}
     try:
         with open(Path(where) / contract.sdc_events_file(d.local_rank), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
