@@ -86,6 +86,7 @@ class ReplicaCheck:
         self.ignored: set[str] = set()  # entries found to differ by design (the same mismatch after a retrain)
         self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
         self.diverged_at = 0  # the first check that found every replica non-finite (said once)
+        self.outcome: tuple[bool, str] | None = None  # the last check's: (agreed, its one line), for `elastic check`
 
     def due(self, step: int) -> bool:
         """Whether applying ``step`` makes a check due: a function of the step alone, so that
@@ -113,6 +114,7 @@ class ReplicaCheck:
 
     def run(self, run: CheckedRun) -> bool:
         """Vote; on a mismatch return to the last agreed state. True: the run went back."""
+        self.outcome = None
         fp = _fingerprint(run, self.ignored)
         rows = all_gather_vector([*fp.digests(), int(not fp.finite)], run.dist)
         verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
@@ -127,8 +129,12 @@ class ReplicaCheck:
             self._warned_methods = True
         if verdict.agreed:
             self._keep(run, fp)
+            self.outcome = (True, f"the {len(rows)} replicas agree at step {run.state.step}"
+                            + (" (not compared: ranks fingerprint with different methods)"
+                               if verdict.methods_differ else ""))
             return False
         mismatch = self._describe(run, fp, rows, verdict)
+        self.outcome = (False, describe(mismatch))
         if self._last == (run.state.step, rows):
             self._by_design(run, mismatch)
             return False
@@ -151,14 +157,15 @@ class ReplicaCheck:
         fault of one node). Going back would train into it again, so the check says so once,
         keeps this state as the agreed one (the replicas stand alike) and leaves the decision
         to the loop's own policy (its loss is non-finite too)."""
+        names = nonfinite_entries(run.state.module, run.state.optimizer,
+                                  run.state.user.capture() if len(run.state.user) else None)
+        line = (f"training diverged: every replica holds non-finite values at step {run.state.step} ("
+                + ", ".join(names[:_NAMES_SHOWN]) + (" ..." if len(names) > _NAMES_SHOWN else "")
+                + "); not silent data corruption, so no replica is named and nothing is rolled back: the loop "
+                "decides (a lower learning rate, gradient clipping, a restart from an earlier snapshot)")
+        self.outcome = (False, line)
         if run.dist.is_main and not self.diverged_at:
-            names = nonfinite_entries(run.state.module, run.state.optimizer,
-                                      run.state.user.capture() if len(run.state.user) else None)
-            log.error("[%s rank %d] training diverged: every replica holds non-finite values at step %d (%s); not "
-                      "silent data corruption, so no replica is named and nothing is rolled back: the loop decides "
-                      "(a lower learning rate, gradient clipping, a restart from an earlier snapshot)",
-                      run.dist.node, run.dist.rank, run.state.step,
-                      ", ".join(names[:_NAMES_SHOWN]) + (" ..." if len(names) > _NAMES_SHOWN else ""))
+            log.error("[%s rank %d] %s", run.dist.node, run.dist.rank, line)
         self.diverged_at = self.diverged_at or run.state.step
         self._last = None
         self._keep(run)

@@ -230,3 +230,30 @@ def test_an_sdc_command_carries_its_kind() -> None:
     assert b"kind" not in Command(SDC, 0.0, 1.7e9, "0.weight").to_json()  # as before for a bit flip
     with pytest.raises(ValueError, match="sdc kind"):
         Command.from_json(b'{"action": "sdc", "issued_at": 1.0, "what": "x", "kind": "zap"}')
+
+
+def test_a_check_request_is_taken_once_and_answered_once(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.consistency.ondemand import OFF, CheckRequests, request_check, take_result
+
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    asks = CheckRequests()
+    assert not asks.poll(True, 3) and take_result(tmp_path) is None  # type: ignore[arg-type]
+    request_check(tmp_path, 17.5)  # type: ignore[arg-type]
+    assert asks.poll(True, 3) and asks.poll(True, 4)  # open until answered
+    asks.answer(5, True, "the 2 replicas agree at step 5")
+    assert not asks.poll(True, 6)
+    assert take_result(tmp_path) == {"id": 17.5, "step": 5, "agreed": True,  # type: ignore[arg-type]
+                                     "line": "the 2 replicas agree at step 5"}
+    assert take_result(tmp_path) is None  # type: ignore[arg-type]
+    request_check(tmp_path, 18.0)  # type: ignore[arg-type]
+    assert not asks.poll(False, 7)  # the check is off: answered at once, nothing to agree on
+    assert take_result(tmp_path) == {"id": 18.0, "step": 7, "agreed": False, "line": OFF}  # type: ignore[arg-type]
+
+
+def test_the_check_bit_sits_between_rounds_and_the_stop_bit() -> None:
+    from elastic import trainer
+    from elastic.consistency.ondemand import CHECK_BIT
+
+    assert CHECK_BIT < trainer._STOP_BIT and CHECK_BIT & trainer._STOP_BIT == 0 and CHECK_BIT > 1 << 40
