@@ -282,7 +282,7 @@ class ElasticRun:
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens
             self._check = ReplicaCheck(check_interval(check_every_steps),
-                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics),
+                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics, self.goodput),
                                        snapshot_every_steps=snapshot_config.every_steps)
             self._flips = FlipRequests()  # `elastic inject-sdc`: a bit flipped on request, to rehearse
             self._asks = CheckRequests()  # `elastic check`: a replica check at the next step, on request

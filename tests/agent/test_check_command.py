@@ -18,7 +18,9 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.goodput import read_account
+from elastic.etcd import EmbeddedEtcd, EtcdClient
+from elastic.rendezvous.signing import StateSigner
 from tests.agent.test_spares import DATASET
 from tests.elastic.inplace.support import start_script, train_together
 from tests.support.nodes import TorchrunNode as Node
@@ -56,7 +58,7 @@ def _elastic(etcd: EmbeddedEtcd, run_id: str, *args: str) -> subprocess.Complete
 
 @pytest.mark.slow
 def test_elastic_check_prints_agreement_then_the_mismatch_it_found(
-    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
+    etcd_server: EmbeddedEtcd, etcd_client: EtcdClient, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
     script = tmp_path / "check.py"
     script.write_text(SCRIPT)
@@ -80,6 +82,16 @@ def test_elastic_check_prints_agreement_then_the_mismatch_it_found(
     assert line.startswith("silent data corruption at step") and "node a (rank" in line and "node b (rank" in line \
         and "every replica returns to step" in line, found.stdout
     train_together(group, tmp_path, 2, steps=15)  # trains on from the agreed state
+
+    def sdc_fault() -> object:  # the job's fault timeline (elastic top, elastic local): the event, named
+        account = read_account(etcd_client, StateSigner(None), "/elastic", run_id)
+        return next((f for f in account.faults if f.reason == "sdc"), None) if account is not None else None
+
+    wait_until(lambda: sdc_fault() is not None, 30, "the fault timeline to record the SDC event",
+               on_timeout=lambda: "".join(n.log_tail(30) for n in group))
+    fault = sdc_fault()
+    assert set(fault.nodes) == {"a", "b"} and "differs: 0.weight" in fault.detail, fault  # type: ignore[attr-defined]
+    assert "step(s) retrained" in fault.detail and "detection" in fault.phases, fault  # type: ignore[attr-defined]
 
     missing = _elastic(etcd_server, run_id, "check", "ghost")
     assert missing.returncode == 2 and "no live node 'ghost'" in missing.stderr, missing.stdout + missing.stderr

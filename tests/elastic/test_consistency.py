@@ -257,3 +257,12 @@ def test_the_check_bit_sits_between_rounds_and_the_stop_bit() -> None:
     from elastic.consistency.ondemand import CHECK_BIT
 
     assert CHECK_BIT < trainer._STOP_BIT and CHECK_BIT & trainer._STOP_BIT == 0 and CHECK_BIT > 1 << 40
+
+
+def test_the_timeline_detail_names_step_tensors_and_rollback() -> None:
+    from elastic.consistency.report import timeline_detail
+
+    m = Mismatch(12, 8, vote([[1, 0], [1, 1], [1, 0]]), ["a", "b", "c"], {1: ["0.weight", "0.bias"]})
+    assert timeline_detail(m) == "step 12, differs: 0.weight, 0.bias; back to step 8, 4 step(s) retrained"
+    m = Mismatch(12, 8, vote([[1, 0], [1, 1]], [False, True]), ["a", "b"], {1: ["0.weight"]}, {1: ["0.bias"]})
+    assert timeline_detail(m).startswith("step 12, non-finite: 0.bias;")
