@@ -41,7 +41,8 @@ from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HMAC_KEY_FILE_ENV, HmacKeyError, StateSigner, load_hmac_key
 
 from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and tests import them from here)
-    ALL_KINDS, ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, Cluster, ClusterNode, Fault, kill_during_snapshot,
+    ALL_KINDS, ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, Cluster, ClusterNode, Fault,
+    kill_during_snapshot,
 )
 from .local_node import AUTO_METRICS_PORT, LocalNode
 from .local_summary import job_goodput, summary  # noqa: F401
