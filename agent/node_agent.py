@@ -80,7 +80,7 @@ from .policy import (
     settled,
     stop_signal,
 )
-from .sdc import SdcWatch
+from .sdc import SdcWatch, spares_waiting
 from .settings import AgentSettings
 from .fork_server import ForkServer, discard_early
 from .watchdog import HangWatch
@@ -377,6 +377,8 @@ class NodeAgent(ElasticAgent):
         if suspect is None or self.ours is None:
             return Decision(Action.CONTINUE)
         others = len([n for n in self.participants if n != self.node])
+        if others < self.ours.timings.min_nodes:  # a warm spare waiting takes its place
+            others += spares_waiting(self.ours, self.participants)
         if others < self.ours.timings.min_nodes:
             log.error("[%s] %s; not kept out: without it %d node(s) would remain, fewer than the %d the job needs",
                       self.node, suspect, others, self.ours.timings.min_nodes)

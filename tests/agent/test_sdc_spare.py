@@ -62,9 +62,11 @@ def test_a_node_kept_out_for_sdc_is_replaced_by_the_warm_spare(
     said = survivor.log_path.read_text() + victim.log_path.read_text()
     assert "non-finite values in one replica at step" in said and f"node {victim.name} (rank" in said, said[-4000:]
     assert "training diverged" not in said, said[-4000:]
-    wait_until(lambda: "suspect hardware" in victim.log_path.read_text(), 60, f"{victim.name}'s agent to keep it out",
+    wait_until(lambda: "suspect hardware" in victim.log_path.read_text()
+               and "kept out of the job" in victim.log_path.read_text(), 60, f"{victim.name}'s agent to keep it out",
                on_timeout=lambda: victim.log_tail(60))
+    assert "not kept out" not in victim.log_path.read_text()  # the job is at its minimum: the spare counts
     kept_out_at = time.time()
-    train_together([survivor, spare], tmp_path, 2, steps=4, after=kept_out_at, timeout=90)
+    train_together([survivor, spare], tmp_path, 2, steps=4, after=kept_out_at, timeout=60)
     assert not is_spare(spare)
     assert f"in the place of {victim.name}" in spare.log_path.read_text(), spare.log_tail(40)
