@@ -14,6 +14,7 @@ usage: elastic COMMAND [ARGS]
           a live view and a recovery summary   (elastic local --help)
   kill    kill (or --freeze) a node of a running job, found through etcd
   inject-sdc  flip one bit of a node's live training state (silent data corruption)
+  check   have a running job check its replicas now, and print what it found
   etcd    run an embedded etcd in the foreground, for one-machine setups
   top     live terminal dashboard of a running job
   sd      Prometheus http_sd endpoint listing the job's live nodes
@@ -49,6 +50,12 @@ def _inject_sdc(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _check(argv: Sequence[str]) -> int:
+    from .check_cmd import main
+
+    return main(argv)
+
+
 def _etcd(argv: Sequence[str]) -> int:
     from .etcd_cmd import main
 
@@ -72,6 +79,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "local": _local,
     "kill": _kill,
     "inject-sdc": _inject_sdc,
+    "check": _check,
     "etcd": _etcd,
     "top": _top,
     "sd": _sd,

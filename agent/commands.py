@@ -3,7 +3,9 @@
 A signed command under ``{run}/commands/{node}`` asks that node's agent to SIGKILL its
 own process tree (node loss), to SIGSTOP it for a while (a partition), or to have its
 first worker flip one bit of its training state (silent data corruption, ``elastic
-inject-sdc``: :mod:`elastic.consistency.inject`). The agent reads
+inject-sdc``: :mod:`elastic.consistency.inject`), or to have the job check its replicas
+at its next step (``elastic check``: :mod:`elastic.consistency.ondemand`; the agent puts
+the outcome under ``{run}/check-results/{node}`` for the command to print). The agent reads
 it from its watch-fed mirror in the monitor loop, so it costs nothing when unused.
 """
 
@@ -31,13 +33,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KILL, FREEZE, SDC = "kill", "freeze", "sdc"
+KILL, FREEZE, SDC, CHECK = "kill", "freeze", "sdc", "check"
+SDC_KINDS = ("bit", "nan", "inf")  # as elastic.consistency.inject.KINDS (not imported: no torch in the CLI)
 MAX_WHAT = 200  # SDC: a tensor's name (a parameter, or <parameter>.<optimizer state>)
 MAX_FREEZE_S = 86400.0  # a chaos freeze, not a way to park a node: longer is a typo
 
 
 def command_key(key_prefix: str, run_id: str, node: str) -> str:
     return f"{run_prefix(key_prefix, run_id)}/commands/{node}"
+
+
+def check_result_key(key_prefix: str, run_id: str, node: str) -> str:
+    """Where a node's agent puts the outcome of the check ``elastic check`` asked of it."""
+    return f"{run_prefix(key_prefix, run_id)}/check-results/{node}"
 
 
 def valid_freeze(seconds: object) -> bool:
@@ -49,15 +57,18 @@ def valid_freeze(seconds: object) -> bool:
 
 @dataclass(frozen=True)
 class Command:
-    action: str  # KILL, FREEZE or SDC
+    action: str  # KILL, FREEZE, SDC or CHECK
     seconds: float  # FREEZE: how long (valid_freeze)
     issued_at: float  # time.time() of the sender
     what: str = ""  # SDC: the tensor to flip a bit of ("first": the first parameter)
+    kind: str = "bit"  # SDC: a flipped bit, or a NaN or an Inf written (elastic.consistency.inject.KINDS)
 
     def to_json(self) -> bytes:
-        body = {"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}
+        body: dict[str, object] = {"action": self.action, "seconds": self.seconds, "issued_at": self.issued_at}
         if self.action == SDC:
             body["what"] = self.what
+            if self.kind != "bit":
+                body["kind"] = self.kind
         return json.dumps(body).encode()
 
     @classmethod
@@ -70,7 +81,7 @@ class Command:
         if not isinstance(data, dict):
             raise ValueError("not a command: not a JSON object")
         action, seconds, issued_at = data.get("action"), data.get("seconds", 0.0), data.get("issued_at")
-        if action not in (KILL, FREEZE, SDC):
+        if action not in (KILL, FREEZE, SDC, CHECK):
             raise ValueError(f"unknown action {action!r:.40}")
         if not (isinstance(issued_at, (int, float)) and not isinstance(issued_at, bool)
                 and math.isfinite(issued_at)):
@@ -80,7 +91,10 @@ class Command:
         what = data.get("what", "first") if action == SDC else ""
         if action == SDC and not (isinstance(what, str) and 0 < len(what) <= MAX_WHAT):
             raise ValueError(f"sdc of {what!r:.40}: not a tensor name of 1 to {MAX_WHAT} characters")
-        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at), what)
+        kind = data.get("kind", "bit") if action == SDC else "bit"
+        if kind not in SDC_KINDS:
+            raise ValueError(f"sdc kind {kind!r:.40}: not one of {', '.join(SDC_KINDS)}")
+        return cls(action, float(seconds) if action == FREEZE else 0.0, float(issued_at), what, kind)
 
 
 def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | None:
@@ -93,12 +107,15 @@ def decode_command(signer: StateSigner, key: str, value: bytes) -> Command | Non
 
 
 def send(client: EtcdClient, signer: StateSigner, key_prefix: str, run_id: str, node: str,
-         action: str, seconds: float = 0.0, what: str = "") -> None:
+         action: str, seconds: float = 0.0, what: str = "", kind: str = "bit") -> float:
+    """Put the signed command; returns its ``issued_at`` (``elastic check`` matches its answer by it)."""
     key = command_key(key_prefix, run_id, node)
     if action == FREEZE and not valid_freeze(seconds):
         raise ValueError(f"cannot freeze for {seconds!r} s: give seconds above 0 and at most {MAX_FREEZE_S:g}")
-    body = Command(action, float(seconds), time.time(), what).to_json()
+    command = Command(action, float(seconds), time.time(), what, kind)
+    body = command.to_json()
     client.call(lambda c: c.put(key, signer.seal(key.encode(), body)))
+    return command.issued_at
 
 
 THAW_MARK = "elastic-thaw"  # in the helper's command line, for ps (and tests)
@@ -179,12 +196,15 @@ def carry_out(command: Command) -> None:
 
 class CommandWatch:
     def __init__(self, handler: "EtcdV3RendezvousHandler", node: str) -> None:
-        self.handler = handler
+        self.handler, self.node = handler, node
         self.key = command_key(handler.options.key_prefix, handler.run_id, node)
         self._started = time.time()
-        self.heartbeat_dir: str | None = None  # SDC: where the node's first worker looks for a request
+        self.heartbeat_dir: str | None = None  # SDC, CHECK: where the node's first worker looks for a request
+        self._asked = False  # a check was asked of a worker: look for its outcome (one stat per poll)
 
     def poll(self) -> None:
+        if self._asked:
+            self._forward_result()
         entries, _ = self.handler.mirror.entries()
         entry = entries.get(self.key)
         if entry is None:
@@ -198,17 +218,49 @@ class CommandWatch:
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
         if command.action == SDC:
-            ask_worker_to_flip(self.heartbeat_dir, command.what)
+            ask_worker_to_flip(self.heartbeat_dir, command.what, command.kind)
+        elif command.action == CHECK:
+            self._asked = ask_worker_to_check(self.heartbeat_dir, command.issued_at) or self._asked
         else:
             carry_out(command)
 
+    def _forward_result(self) -> None:
+        """The worker's outcome, signed, to etcd (where ``elastic check`` waits for it)."""
+        from elastic.consistency.ondemand import take_result
 
-def ask_worker_to_flip(heartbeat_dir: str | None, what: str) -> None:
+        assert self.heartbeat_dir is not None
+        result = take_result(self.heartbeat_dir)
+        if result is None:
+            return
+        self._asked = False
+        h = self.handler
+        key = check_result_key(h.options.key_prefix, h.run_id, self.node)
+        body = h.signer.seal(key.encode(), json.dumps(result).encode())
+        try:
+            h.client.call(lambda c: c.put(key, body), deadline=2.0)
+        except Exception as exc:  # noqa: BLE001 - the job goes on; the command says it got no answer
+            log.warning("could not put the replica check's outcome in etcd: %s", exc)
+
+
+def ask_worker_to_flip(heartbeat_dir: str | None, what: str, kind: str = "bit") -> None:
     """Leave the request for local rank 0, which takes it at its next step boundary."""
     if heartbeat_dir is None:
         log.error("chaos command from etcd: sdc, but this agent runs no workers to corrupt")
         return
     from elastic.consistency.inject import request_flip
 
-    request_flip(heartbeat_dir, 0, what)
-    log.warning("chaos command from etcd: sdc: local rank 0 flips a bit of %s at its next step boundary", what)
+    request_flip(heartbeat_dir, 0, what, kind)
+    log.warning("chaos command from etcd: sdc: local rank 0 %s %s at its next step boundary",
+                "flips a bit of" if kind == "bit" else f"writes a {'NaN' if kind == 'nan' else 'Inf'} into", what)
+
+
+def ask_worker_to_check(heartbeat_dir: str | None, request_id: float) -> bool:
+    """Leave the request for local rank 0: the world checks its replicas at its next step."""
+    if heartbeat_dir is None:
+        log.error("command from etcd: check, but this agent runs no workers")
+        return False
+    from elastic.consistency.ondemand import request_check
+
+    request_check(heartbeat_dir, request_id)
+    log.warning("command from etcd: check: the job checks its replicas at its next step")
+    return True

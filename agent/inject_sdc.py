@@ -5,7 +5,10 @@ node's agent gets a signed command through etcd and its local rank 0 flips bit 2
 first element of the tensor named (``--tensor``: a parameter such as ``0.weight``, or its
 optimizer state such as ``0.weight.exp_avg_sq``; default the first parameter) at its next
 step boundary. The replica check (``ElasticRun``'s ``check_every_steps``) then names the
-node and every replica goes back to the last agreed state (docs/reliability.md).
+node and every replica goes back to the last agreed state (docs/reliability.md). ``--nan``
+or ``--inf`` writes a non-finite value instead: the check names that node as the outlier
+if it runs before the next gradient all-reduce spreads it (else every replica holds it,
+which the check reports as a diverged training).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--tensor", type=_tensor, default="first",
                         help="a parameter (0.weight) or its optimizer state (0.weight.exp_avg_sq); "
                              "default: the first parameter")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--nan", dest="kind", action="store_const", const="nan", default="bit",
+                      help="write a NaN into the tensor's first element instead of flipping a bit")
+    kind.add_argument("--inf", dest="kind", action="store_const", const="inf",
+                      help="write an Inf into the tensor's first element instead of flipping a bit")
     add_etcd_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -44,6 +52,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: no live node {args.node!r} in run {etcd.run_id!r}; live: {', '.join(nodes) or 'none'}",
               file=sys.stderr)
         return 2
-    send(etcd.client, etcd.signer, etcd.key_prefix, etcd.run_id, args.node, SDC, what=args.tensor)
-    print(f"asked node {args.node} through etcd to flip a bit of {args.tensor} in its local rank 0")
+    send(etcd.client, etcd.signer, etcd.key_prefix, etcd.run_id, args.node, SDC, what=args.tensor, kind=args.kind)
+    done = "flip a bit of" if args.kind == "bit" else f"write a {'NaN' if args.kind == 'nan' else 'Inf'} into"
+    print(f"asked node {args.node} through etcd to {done} {args.tensor} in its local rank 0")
     return 0

@@ -41,12 +41,15 @@ from elastic.rendezvous.registry import DEFAULT_LEASE_TTL
 from elastic.rendezvous.signing import HmacKeyError, StateSigner, load_hmac_key
 
 from .local_faults import (  # noqa: F401  (re-exported: bench/chaos_soak.py and tests import them from here)
-    ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, kill_during_snapshot,
+    ALL_KINDS, ETCD_OUTAGE, ETCD_TARGET, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, Cluster, ClusterNode, Fault,
+    kill_during_snapshot,
 )
 from .local_node import AUTO_METRICS_PORT, LocalNode
 from .local_summary import job_goodput, summary  # noqa: F401
 from .local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
 from .signal_flag import SignalFlag
+
+SDC_CHECK_EVERY = 10  # --chaos sdc: the job's replica check interval unless ELASTIC_CHECK_EVERY_STEPS says
 
 KEY_FILE = "rdzv.key"  # the run's rendezvous key, in its run directory
 DEFAULT_MAX_RESTARTS = 20
@@ -122,7 +125,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--netns", action="store_true",
                    help="give each node its own network namespace and address, etcd on a bridge (root only)")
     p.add_argument("--chaos", default="kill,freeze",
-                   help=f"fault kinds to cycle through, comma-separated, from {', '.join(KINDS)} "
+                   help=f"fault kinds to cycle through, comma-separated, from {', '.join(ALL_KINDS)} "
                         "(default kill,freeze; bench/chaos_soak.py adds random timing and end-of-run checks)")
     p.add_argument("--faults", type=int, default=2, help="scheduled faults (default 2; 0 = only on keypress)")
     p.add_argument("--first-fault-after", type=float, default=10.0,
@@ -169,8 +172,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if problem:
         p.error(problem)
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
-    if not kinds or any(k not in KINDS for k in kinds):
-        p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(KINDS)}")
+    if not kinds or any(k not in ALL_KINDS for k in kinds):
+        p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(ALL_KINDS)}")
     if args.snapshot_dir and uses_object_store(args.snapshot_dir):
         if KILL_SNAPSHOT in kinds:
             p.error(f"--chaos {KILL_SNAPSHOT} watches a snapshot directory's temp dirs; not with an s3:// "
@@ -286,6 +289,8 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
     env = {contract.HMAC_KEY_FILE_ENV: str(key)}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = _worker_threads(args)
+    if SDC in args.kinds and contract.CHECK_EVERY_STEPS_ENV not in os.environ:
+        env[contract.CHECK_EVERY_STEPS_ENV] = str(SDC_CHECK_EVERY)  # a flip is caught within a short run
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,

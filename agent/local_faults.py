@@ -11,11 +11,16 @@ Fault kinds (``bench/chaos_soak.py`` draws from the same set):
 * ``freeze``: SIGSTOP of the tree for longer than the lease TTL, then SIGCONT;
 * ``kill-rank0-snapshot``: SIGKILL of rank 0's node while its snapshot writer's temp dir
   exists (caught by polling the snapshot dir), else right after a snapshot step;
-* ``etcd-outage``: etcd stopped, then started again on the same ports and data.
+* ``etcd-outage``: etcd stopped, then started again on the same ports and data;
+* ``sdc``: one bit flipped in the first parameter of a node's local rank 0 (as ``elastic
+  inject-sdc`` does, through the node's heartbeat directory); "recovered" when the replica
+  check names a node for it (its event in that directory), with the rollback it cost. Not
+  in :data:`KINDS` (the default soak's set): only when asked for (``--chaos sdc``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.layout import parse_temp_dirname, pid_alive
+from elastic import contract
 from elastic.etcd import EmbeddedEtcd
 
 from .local_node import Crash, LocalNode
 
 KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE = "kill", "freeze", "kill-rank0-snapshot", "etcd-outage"
 KINDS = (KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE)
+SDC = "sdc"
+ALL_KINDS = (*KINDS, SDC)  # what --chaos takes
 ETCD_TARGET = "etcd"
 
 
@@ -144,12 +152,18 @@ class Cluster:
             if kind == KILL_SNAPSHOT:
                 fault.note = kill_during_snapshot(target, self.snapshot_dir, self.snapshot_every)
                 fault.at, fault.step_before = time.time(), self.step()
+            elif kind == SDC:
+                from elastic.consistency.inject import request_flip
+
+                request_flip(target.node.agent_dir / "heartbeat", 0, "first")
+                target.faults += 1
             elif kind == KILL:
                 target.node.kill()
             else:
                 target.node.freeze()
-            target.state = "frozen" if kind == FREEZE else "killed"
-            target.back_at, target.faults = time.time() + back_after, target.faults + 1
+            if kind != SDC:  # a corrupted node stays up: the replicas heal it in place
+                target.state = "frozen" if kind == FREEZE else "killed"
+                target.back_at, target.faults = time.time() + back_after, target.faults + 1
         self.faults.append(fault)
         self.note(f"{kind} {name} (world {fault.world_before}, step {fault.step_before})")
         return fault
@@ -182,8 +196,11 @@ class Cluster:
                 self.note(f"{n.node.name}: agent exited (0)" if n.exited == 0 else
                           f"{n.node.name}: agent failed (exit {n.exited}): {n.node.log.last_error or 'see its log'}")
         rows = self.rows()
+        for fault in self.faults:
+            if fault.kind == SDC and fault.recovered_at is None:
+                self._take_sdc(fault)
         for fault in self.faults + self.crashes:
-            if fault.recovered_at is None:
+            if fault.recovered_at is None and fault.kind != SDC:
                 after = _recovery_rows(fault, rows)
                 if after:
                     fault.recovered_at, fault.resumed_step = after[0]["time"], after[0]["step"]
@@ -192,6 +209,21 @@ class Cluster:
                         fault.note = _outage_note(fault, rows, after[0])
                     self.note(f"recovered from {fault.kind} {fault.node} in {fault.recovery_seconds:.1f} s: "
                               f"world {after[0]['world_size']}, step {after[0]['step']}")
+
+    def _take_sdc(self, fault: Fault) -> None:
+        """The replica check named a node after the flip: caught, and every replica went back
+        (step_before: the step it was found at; resumed_step - 1: the agreed step returned to)."""
+        events = [e for n in self.nodes for e in sdc_events(n.node.agent_dir / "heartbeat", n.node.name)
+                  if isinstance(e.get("time"), (int, float)) and e["time"] >= fault.at]
+        if not events:
+            return
+        first = min(events, key=lambda e: e["time"])
+        step, back_to = int(first.get("step", 0)), int(first.get("back_to", 0))
+        fault.recovered_at, fault.step_before, fault.resumed_step = float(first["time"]), step, back_to + 1
+        named = sorted({str(e.get("node", "?")) for e in events if e.get("step") == step})
+        fault.note = (f"named {', '.join(named)} at step {step} ({', '.join(map(str, first.get('differing', [])[:3]))}"
+                      f"); every replica back to step {back_to}")
+        self.note(f"caught {fault.kind} {fault.node}: {fault.note}")
 
     def _take_exit(self, n: ClusterNode) -> bool:
         """Whether the node's agent has just exited on its own; keeps its code (a killed node's is ours)."""
@@ -371,3 +403,21 @@ def _next_snapshot_step(target: ClusterNode, every: int, timeout: float) -> int 
                 return int(row["step"])
         time.sleep(0.005)
     return None
+
+
+def sdc_events(heartbeat_dir: Path, node: str) -> list[dict[str, Any]]:
+    """The replica check's events in one node's heartbeat directory (elastic.consistency.report)."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(heartbeat_dir.glob(contract.SDC_EVENTS_FILE.format(local_rank="*"))):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                out.append({**event, "node": node})
+    return out

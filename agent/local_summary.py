@@ -9,7 +9,7 @@ from rich.table import Table
 from elastic import contract
 from elastic.goodput import Account, describe, newest_account
 
-from .local_faults import Cluster, Fault
+from .local_faults import SDC, Cluster, Fault
 from .local_view import say
 
 
@@ -48,6 +48,11 @@ def summary(console: Console, cluster: Cluster) -> bool:
     console.print(table)
     for line in _crash_lines(cluster, faults):
         say(console, line)
+    for i, f in enumerate(faults, 1):
+        if f.kind == SDC:  # silent data corruption: caught by the replica check, or not (yet)
+            say(console, f"#{i} sdc {f.node}: caught, {f.note}" if f.recovered_at is not None else
+                f"#{i} sdc {f.node}: [red]not caught[/red] (no replica check named a node; does the job run "
+                "under ElasticRun with check_every_steps on?)")
     rows = cluster.rows()
     first_loss = next((r["loss"] for r in rows if r.get("loss") is not None), None)  # a script's may start later
     if rows and known and rows[-1].get("loss") is not None:

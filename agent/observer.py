@@ -53,6 +53,7 @@ class Observer:
         fresh = failed or membership is not None or reform or stalled is not None
         self.frozen = a.freeze.look(a.workers.pids(), a.round_number, a.participants)
         unusable, a.unusable_round = a.unusable_round, None
+        suspect = a.sdc.look() or ""
         return Observation(
             exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
             restarts_left=a.remaining_restarts, failures=failures,
@@ -62,11 +63,19 @@ class Observer:
             etcd_lost=a.rdzv.etcd_lost(self._stale_fence(), a.spec.run_id) if failures else "",
             min_nodes=a.rdzv.min_nodes,
             straggler=a.pace.look(a.participants, a.rdzv.min_nodes) or "",
-            sdc_suspect=a.sdc.look() or "",
+            sdc_suspect=suspect,
+            spares_waiting=self._spares_waiting(suspect),
             written_off=a.freeze.written_off(a.round_number, a.participants, fresh=fresh) or "",
             frozen=self.frozen.nodes if self.frozen is not None else (),
             frozen_detail=self.frozen.detail if self.frozen is not None else "",
             unusable_round=unusable)
+
+    def _spares_waiting(self, suspect: str) -> int:
+        """Only when it matters (an SDC suspect in a round at the job's minimum size): a read of etcd."""
+        a = self.agent
+        if not suspect or len(a.round.others(a.node)) >= a.rdzv.min_nodes:
+            return 0
+        return a.rdzv.spares_waiting(a.round)
 
     def _stale_fence(self) -> dict[str, Any] | None:
         """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""

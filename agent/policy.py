@@ -203,6 +203,7 @@ class Observation:
     # The watches that feed the decision (each '' or () while it has nothing to say):
     straggler: str = ""  # agent.pace: this node is the straggler and may go; why
     sdc_suspect: str = ""  # agent.sdc: replica votes named this node the outlier often enough; why
+    spares_waiting: int = 0  # live nodes outside the round, one of which would take a kept-out node's place
     written_off: str = ""  # agent.freeze, thawed side: its peers wrote this node off as frozen; why
     frozen: tuple[str, ...] = ()  # agent.freeze, survivor side: peers whose agents did not answer
     frozen_detail: str = ""  # ... and what the log line says about them
@@ -252,7 +253,7 @@ def decide(obs: Observation) -> Decision:
     if decision.action is Action.CONTINUE and obs.straggler:
         decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=obs.straggler)
     if decision.action is Action.CONTINUE and obs.sdc_suspect and obs.nodes_without_us is not None:
-        if obs.nodes_without_us < obs.min_nodes:
+        if obs.nodes_without_us + obs.spares_waiting < obs.min_nodes:  # a warm spare waiting takes its place
             decision = Decision(Action.CONTINUE, unheeded=(
                 f"{obs.sdc_suspect}; not kept out: without it {obs.nodes_without_us} node(s) would remain, fewer "
                 f"than the {obs.min_nodes} the job needs"))

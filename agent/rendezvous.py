@@ -35,6 +35,7 @@ from elastic.rendezvous.registry import NodeRecord
 from elastic.worker_env import joins_live_world
 
 from .policy import Reason, etcd_lost
+from .sdc import spares_waiting
 from .states import NodeState, RoundCause
 
 _OFFER_TRIES = 5
@@ -127,6 +128,11 @@ class AgentRendezvous(abc.ABC):
 
     def report_unreachable(self) -> None:
         """The round failed with every lease held: record the members this node cannot reach."""
+
+    def spares_waiting(self, current: Round) -> int:
+        """Live nodes of the run outside ``current``: warm spares, one of which would take the
+        place of a node kept out (read on the rare path that needs it)."""
+        return 0
 
     def lease_health(self) -> LeaseHealth:
         return LeaseHealth()
@@ -313,6 +319,9 @@ class EtcdRendezvous(AgentRendezvous):
 
     def report_unreachable(self) -> None:
         self._handler.report_unreachable()
+
+    def spares_waiting(self, current: Round) -> int:
+        return spares_waiting(self._handler, current.participants)
 
     def lease_health(self) -> LeaseHealth:
         h = self._handler

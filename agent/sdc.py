@@ -14,8 +14,10 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any, Iterable
 
 from elastic import contract
+from elastic.rendezvous.registry import list_nodes
 
 from .policy import SDC_WINDOW_S, sdc_keep_out
 
@@ -86,4 +88,15 @@ class SdcWatch:
         return events
 
 
-__all__ = ["SdcWatch", "window_from_env"]
+def spares_waiting(handler: Any, participants: Iterable[str]) -> int:
+    """Live nodes of the run outside the round: warm spares, one of which takes the place of
+    a node kept out (so a job at its minimum size can still keep a suspect node out). Read
+    from etcd on this rare path only; 0 if etcd does not answer."""
+    try:
+        live = list_nodes(handler.client, handler.run_id, handler.signer, handler.options.key_prefix)
+    except Exception:  # noqa: BLE001 - no answer: count no spare, keep the node in
+        return 0
+    return len({n.node for n in live} - set(participants))
+
+
+__all__ = ["SdcWatch", "spares_waiting", "window_from_env"]

@@ -9,7 +9,9 @@ and has trained ``--min-steps``, the soak waits a random gap and lands the next 
 * ``kill``: SIGKILL of a random node's whole process tree (rank 0's node included);
 * ``freeze``: SIGSTOP of a random node for longer than the lease TTL, then SIGCONT;
 * ``kill-rank0-snapshot``: SIGKILL of rank 0's node while a snapshot is being written;
-* ``etcd-outage``: etcd stopped for a few seconds, once, then started on the same ports.
+* ``etcd-outage``: etcd stopped for a few seconds, once, then started on the same ports;
+* ``sdc`` (with ``--sdc``): one bit flipped in a random node's worker; recovered when the
+  replica check (every 10 steps here) names it and every replica went back.
 
 Killed nodes restart after a random delay, so the world grows back. The first four faults
 are the four kinds in a random order (a short run still sees each); later ones are kills,
@@ -49,7 +51,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from agent.local_cluster import (  # noqa: E402
-    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, Cluster, ClusterNode, Fault, job_goodput,
+    ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, SDC_CHECK_EVERY, Cluster, ClusterNode, Fault, job_goodput,
 )
 from agent.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
 from elastic.etcd import EmbeddedEtcd  # noqa: E402
@@ -104,6 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wedge-after", type=float, default=30.0,
                    help="at the end, the job must have stepped within this many seconds (default 30)")
     p.add_argument("--run-dir", type=Path, default=None, help="logs, ledger, snapshots (default runs/soak-TIME)")
+    p.add_argument("--sdc", action="store_true",
+                   help="add silent data corruption (a bit flipped in a node's worker) to the faults drawn; the "
+                        f"job's replica check runs every {SDC_CHECK_EVERY} steps")
     p.add_argument("--netns", action="store_true",
                    help="issue 19's fault table instead: nodes in network namespaces, a 3-member etcd cluster, "
                         "partitions, cuts and etcd leader faults (root only; see bench/netns_soak.py)")
@@ -125,9 +130,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def next_kind(rng: random.Random, index: int, first: list[str]) -> str:
-    """The first four faults are every kind once, in ``first``'s order; then never etcd again."""
+    """The first faults are every kind once, in ``first``'s order; then never etcd again."""
     if index < len(first):
         return first[index]
+    if SDC in first:
+        return rng.choices((KILL, FREEZE, KILL_SNAPSHOT, SDC), weights=(2, 1, 1, 1))[0]
     return rng.choices((KILL, FREEZE, KILL_SNAPSHOT), weights=(2, 1, 1))[0]
 
 
@@ -162,6 +169,7 @@ def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) ->
         script=str(PLAIN_JOB) if args.job == "plain" else None, module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
         metrics_port=AUTO_METRICS_PORT,
         agent_args=["--lease-ttl", str(args.lease_ttl), *([] if args.in_place else ["--no-in-place"])],
+        env={"ELASTIC_CHECK_EVERY_STEPS": str(SDC_CHECK_EVERY)} if args.sdc else {},
     )) for i in range(NODES)]
     return Cluster(nodes, run_dir, 1, etcd=etcd, snapshot_every=args.snapshot_every_steps)
 
@@ -194,7 +202,7 @@ def soak(cluster: Cluster, args: argparse.Namespace, rng: random.Random, out: Ou
     if out.violations:
         return
     log(started, f"world of 3 at step {cluster.step()}")
-    first = list(KINDS)
+    first = list(KINDS) + ([SDC] if args.sdc else [])
     rng.shuffle(first)
     started, whole_since, gap = time.time(), time.time(), rng.uniform(*args.gap)
     whole_step, trouble_since = cluster.step(), None
@@ -337,9 +345,10 @@ def fault_line(i: int, f: Fault) -> str:
 
 def totals(out: Outcome, args: argparse.Namespace) -> list[str]:
     faults = out.faults
-    lines = [f"faults: {len(faults)} (" + ", ".join(f"{k} {sum(f.kind == k for f in faults)}" for k in KINDS) + ")"]
+    kinds = KINDS + ((SDC,) if args.sdc else ())
+    lines = [f"faults: {len(faults)} (" + ", ".join(f"{k} {sum(f.kind == k for f in faults)}" for k in kinds) + ")"]
     per_kind = []
-    for kind in KINDS:
+    for kind in kinds:
         times = [f.recovery_seconds for f in faults if f.kind == kind and f.recovery_seconds is not None]
         if times:
             per_kind.append(f"{kind} {statistics.median(times):.1f} s (n={len(times)}, max {max(times):.1f})")

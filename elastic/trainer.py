@@ -91,6 +91,7 @@ from checkpoints.stores import location_of
 from . import contract, worker_env
 from .consistency.check import ReplicaCheck
 from .consistency.inject import FlipRequests
+from .consistency.ondemand import CHECK_BIT, NO_CONTROL, CheckRequests
 from .consistency.report import check_interval, report_mismatch
 from .distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -260,9 +261,10 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
             self.count_tokens = count_tokens
             self._check = ReplicaCheck(check_interval(check_every_steps),
-                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics),
+                                       on_mismatch=lambda m, d: report_mismatch(m, d, self.metrics, self.goodput),
                                        snapshot_every_steps=snapshot_config.every_steps)
             self._flips = FlipRequests()  # `elastic inject-sdc`: a bit flipped on request, to rehearse
+            self._asks = CheckRequests()  # `elastic check`: a replica check at the next step, on request
             self._check_due = False  # set by a step every rank of the world applied: all check, or none
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
@@ -491,7 +493,11 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         # and backward. None: nothing to agree on.
         value = self.world.control_value(self._agree_stop, self.dist.world_size)
         if value is None:
+            if self._asks.pending is not None and self.dist.world_size > 1:
+                self._asks.answer(self.state.step, False, NO_CONTROL)
             return
+        if self._asks.pending is not None:
+            value += CHECK_BIT  # every rank checks at this step's boundary (elastic.consistency.ondemand)
         if self._stop_signal is not None:
             value += STOP_BIT
         try:
@@ -588,6 +594,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         seen_loss = loss  # None: the script's own backward, the run never saw the loss
         if loss is None:
             loss = _NO_LOSS  # for the hooks, which take a tensor
+        asked = 0 <= ready < STOP_BIT and bool(ready & CHECK_BIT)
+        if asked:
+            ready -= CHECK_BIT
         stop = ready >= STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
         if ready >= STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
@@ -613,7 +622,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
-        self._check_due = self._check.due(self.state.step)
+        self._check_due = self._check.due(self.state.step) or (asked and self._check.every_steps > 0)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
         self.metrics.step_done(pending.local_n, now - pending.started, pending.data_wait, seen_loss, pending.tokens)
@@ -643,9 +652,14 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 action()
             if action is None and failure is None:
                 self._flips.poll(self.state.module, self.state.optimizer, self.state.step, self._where)
+                if self._asks.poll(self._check.every_steps > 0, self.state.step) and self.dist.world_size == 1:
+                    self._check_due = True  # a world of one: no control value to carry the request
             check, self._check_due = self._check_due, False
             if check and action is None and failure is None:
+                step = self.state.step
                 self._check_replicas()
+                if self._check.outcome is not None:
+                    self._asks.answer(step, *self._check.outcome)
 
     def _check_replicas(self) -> bool:
         """The replica consistency check (:mod:`elastic.consistency`). True: the loop cannot go

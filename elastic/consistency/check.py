@@ -19,7 +19,7 @@ per-tensor hashes, to name what differs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -29,7 +29,7 @@ from checkpoints.tree import iter_tensors, map_state
 
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
-from .fingerprint import GROUPS, Fingerprint, fingerprint
+from .fingerprint import GROUPS, Fingerprint, fingerprint, nonfinite_entries
 from .vote import Verdict, differing_groups, vote
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class Mismatch:
     verdict: Verdict
     nodes: list[str]  # per rank
     differing: dict[int, list[str]]  # rank -> entries that differ from the reference replica
+    nonfinite: dict[int, list[str]] = field(default_factory=dict)  # rank -> entries holding a NaN or an Inf
 
 
 class ReplicaCheck:
@@ -84,6 +85,8 @@ class ReplicaCheck:
         self._last: tuple[int, list[list[int]]] | None = None  # the last mismatch: (step, every rank's digests)
         self.ignored: set[str] = set()  # entries found to differ by design (the same mismatch after a retrain)
         self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
+        self.diverged_at = 0  # the first check that found every replica non-finite (said once)
+        self.outcome: tuple[bool, str] | None = None  # the last check's: (agreed, its one line), for `elastic check`
 
     def due(self, step: int) -> bool:
         """Whether applying ``step`` makes a check due: a function of the step alone, so that
@@ -111,9 +114,13 @@ class ReplicaCheck:
 
     def run(self, run: CheckedRun) -> bool:
         """Vote; on a mismatch return to the last agreed state. True: the run went back."""
+        self.outcome = None
         fp = _fingerprint(run, self.ignored)
-        rows = all_gather_vector(fp.digests(), run.dist)
-        verdict = vote(rows)
+        rows = all_gather_vector([*fp.digests(), int(not fp.finite)], run.dist)
+        verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
+        if verdict.diverged:
+            self._diverged(run)
+            return False
         if verdict.methods_differ:
             if not self._warned_methods and run.dist.is_main:
                 log.warning("[%s rank %d] replica check off: ranks fingerprint with different methods "
@@ -122,8 +129,12 @@ class ReplicaCheck:
             self._warned_methods = True
         if verdict.agreed:
             self._keep(run, fp)
+            self.outcome = (True, f"the {len(rows)} replicas agree at step {run.state.step}"
+                            + (" (not compared: ranks fingerprint with different methods)"
+                               if verdict.methods_differ else ""))
             return False
         mismatch = self._describe(run, fp, rows, verdict)
+        self.outcome = (False, describe(mismatch))
         if self._last == (run.state.step, rows):
             self._by_design(run, mismatch)
             return False
@@ -140,6 +151,24 @@ class ReplicaCheck:
         state = host_copy(run.state.capture(), self._buffers)
         self._buffers = iter_tensors(state)
         self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
+
+    def _diverged(self, run: CheckedRun) -> None:
+        """Every replica holds a NaN or an Inf: the training diverged (the loop's doing, not a
+        fault of one node). Going back would train into it again, so the check says so once,
+        keeps this state as the agreed one (the replicas stand alike) and leaves the decision
+        to the loop's own policy (its loss is non-finite too)."""
+        names = nonfinite_entries(run.state.module, run.state.optimizer,
+                                  run.state.user.capture() if len(run.state.user) else None)
+        line = (f"training diverged: every replica holds non-finite values at step {run.state.step} ("
+                + ", ".join(names[:_NAMES_SHOWN]) + (" ..." if len(names) > _NAMES_SHOWN else "")
+                + "); not silent data corruption, so no replica is named and nothing is rolled back: the loop "
+                "decides (a lower learning rate, gradient clipping, a restart from an earlier snapshot)")
+        self.outcome = (False, line)
+        if run.dist.is_main and not self.diverged_at:
+            log.error("[%s rank %d] %s", run.dist.node, run.dist.rank, line)
+        self.diverged_at = self.diverged_at or run.state.step
+        self._last = None
+        self._keep(run)
 
     def _by_design(self, run: CheckedRun, m: Mismatch) -> None:
         """The same steps, retrained from the same agreed state, differ in the very same way:
@@ -160,15 +189,18 @@ class ReplicaCheck:
         """Every rank learns every rank's node and per-entry hashes (the rare path)."""
         d = run.dist
         gathered: list[Any] = [None] * d.world_size
-        dist.all_gather_object(gathered, (d.node, fp.names, fp.groups, fp.hashes))
-        prints = [Fingerprint(names, groups, hashes) for _node, names, groups, hashes in gathered]
+        bad = nonfinite_entries(run.state.module, run.state.optimizer,
+                                run.state.user.capture() if len(run.state.user) else None) if not fp.finite else []
+        dist.all_gather_object(gathered, (d.node, fp.names, fp.groups, fp.hashes, bad))
+        prints = [Fingerprint(names, groups, hashes) for _node, names, groups, hashes, _bad in gathered]
         reference = verdict.majority[0] if verdict.has_majority else 0
         differing = {r: prints[r].differing(prints[reference]) for r in range(d.world_size) if r != reference}
         if not verdict.has_majority:  # no reference to trust: name what differs between the two sides
             differing[reference] = sorted({n for names in differing.values() for n in names})
         back_to = self.agreed.step if self.agreed is not None else run.state.step
         return Mismatch(run.state.step, back_to, verdict, [g[0] for g in gathered],
-                        {r: differing.get(r, []) for r in verdict.suspects})
+                        {r: differing.get(r, []) for r in verdict.suspects},
+                        {r: gathered[r][4] for r in verdict.nonfinite})
 
     def _return(self, run: CheckedRun) -> None:
         agreed = self.agreed
@@ -213,8 +245,14 @@ def host_copy(state: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, A
 
 def _fingerprint(run: CheckedRun, ignored: set[str]) -> Fingerprint:
     user = run.state.user
-    fp = fingerprint(run.state.module, run.state.optimizer, user.capture() if len(user) else None)
-    return fp.without(ignored) if ignored else fp
+    registered = user.capture() if len(user) else None
+    fp = fingerprint(run.state.module, run.state.optimizer, registered)
+    if not ignored:
+        return fp
+    fp = fp.without(ignored)
+    if not fp.finite:  # rare: is the NaN in an entry no longer compared (rank-local by design)?
+        fp.finite = all(n in ignored for n in nonfinite_entries(run.state.module, run.state.optimizer, registered))
+    return fp
 
 
 def all_gather_vector(values: list[int], info: DistInfo) -> list[list[int]]:
@@ -233,11 +271,18 @@ def describe(m: Mismatch) -> str:
         entries = m.differing.get(r, [])
         shown = ", ".join(entries[:_NAMES_SHOWN]) + (f" and {len(entries) - _NAMES_SHOWN} more"
                                                      if len(entries) > _NAMES_SHOWN else "")
+        if r in m.nonfinite:
+            bad = m.nonfinite[r]
+            values = ", ".join(bad[:_NAMES_SHOWN]) + (f" and {len(bad) - _NAMES_SHOWN} more"
+                                                      if len(bad) > _NAMES_SHOWN else "")
+            return f"node {m.nodes[r]} (rank {r}; non-finite values in {values or '?'})"
         return f"node {m.nodes[r]} (rank {r}; differs in {shown or '?'})"
 
     if v.has_majority:
         named = "; ".join(who(r) for r in v.suspects)
-        head = (f"silent data corruption at step {m.step}: {named} disagrees with the majority of "
+        what = ("non-finite values in one replica" if v.suspects and all(r in m.nonfinite for r in v.suspects)
+                else "silent data corruption")
+        head = (f"{what} at step {m.step}: {named} disagrees with the majority of "
                 f"{len(v.majority)} of {len(m.nodes)} replicas")
     else:
         named = " and ".join(f"node {m.nodes[r]} (rank {r})" for r in v.suspects)

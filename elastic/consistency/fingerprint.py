@@ -62,6 +62,7 @@ class Fingerprint:
     names: list[str]
     groups: list[int]  # index into GROUPS, per entry
     hashes: list[int]  # int64 per entry
+    finite: bool = True  # every parameter holds finite values (NaN and Inf are told apart from corruption)
 
     def digests(self) -> list[int]:
         """``[METHOD, digest per group]``: what the ranks all-gather. Each group's digest
@@ -74,7 +75,7 @@ class Fingerprint:
     def without(self, names: set[str]) -> "Fingerprint":
         keep = [i for i, n in enumerate(self.names) if n not in names]
         return Fingerprint([self.names[i] for i in keep], [self.groups[i] for i in keep],
-                           [self.hashes[i] for i in keep])
+                           [self.hashes[i] for i in keep], self.finite)
 
     def differing(self, other: "Fingerprint") -> list[str]:
         """Names of the entries whose hash differs from ``other``'s (all, if they do not line up)."""
@@ -85,23 +86,68 @@ class Fingerprint:
 
 def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer, registered: dict[str, Any] | None) -> Fingerprint:
     """Parameters (not buffers: DDP ranks update BatchNorm's running stats from their own
-    batch), the optimizer's per-parameter state, and the loop's registered state."""
+    batch), the optimizer's per-parameter state, and the loop's registered state.
+
+    Also whether every tensor is finite: a NaN's bits are whatever the op that made it
+    left (its sign and payload vary), so two replicas that both went NaN may hash alike or
+    not. The flag, not the hash, tells non-finite values apart (:func:`..vote.vote`). Its
+    cost is one float64 sum per tensor (a NaN or Inf propagates; finite float32 values
+    cannot overflow it), read back with the hashes in the same copy."""
     names: list[str] = []
     groups: list[int] = []
     pending: list[torch.Tensor | int] = []
+    sums: list[torch.Tensor] = []
+
+    def add(name: str, group: int, value: Any) -> None:
+        names.append(name), groups.append(group)
+        if not isinstance(value, torch.Tensor):
+            pending.append(value_hash(value))
+            return
+        pending.append(tensor_hash(value))
+        if value.is_floating_point():
+            sums.append(value.detach().sum(dtype=torch.float64))
+        elif value.is_complex():
+            sums.append(torch.view_as_real(value.detach()).sum(dtype=torch.float64))
+
     param_names = {id(p): n for n, p in module.named_parameters()}
     for n, p in module.named_parameters():
-        names.append(n), groups.append(0), pending.append(tensor_hash(p))
+        add(n, 0, p)
     for p, state in optimizer.state.items():
         for key, value in sorted(state.items()):
-            names.append(f"{param_names.get(id(p), '?')}.{key}")
-            groups.append(1)
-            pending.append(tensor_hash(value) if isinstance(value, torch.Tensor) else value_hash(value))
+            add(f"{param_names.get(id(p), '?')}.{key}", 1, value)
     if registered:
         for where, value in _leaves(registered):
-            names.append(where), groups.append(2)
-            pending.append(tensor_hash(value) if isinstance(value, torch.Tensor) else value_hash(value))
-    return Fingerprint(names, groups, _to_ints(pending))
+            add(where, 2, value)
+    flags = _finite_flags(sums)
+    ints = _to_ints(pending + flags)
+    return Fingerprint(names, groups, ints[: len(pending)], all(ints[len(pending):]))
+
+
+def _finite_flags(sums: list[torch.Tensor]) -> list[torch.Tensor | int]:
+    """One int64 flag per device (1: all finite), read back with the hashes (no extra sync)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for s in sums:
+        by_device.setdefault(s.device, []).append(s)
+    return [torch.isfinite(torch.stack(v)).all().to(torch.int64) for v in by_device.values()]
+
+
+def nonfinite_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
+                      registered: dict[str, Any] | None) -> list[str]:
+    """The entries (named as :func:`fingerprint` names them) holding a NaN or an Inf: the
+    rare path of a failed check, so one look per tensor is fine."""
+    out: list[str] = []
+
+    def bad(t: Any) -> bool:
+        return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+                and not bool(torch.isfinite(t.detach()).all()))
+
+    param_names = {id(p): n for n, p in module.named_parameters()}
+    out += [n for n, p in module.named_parameters() if bad(p)]
+    for p, state in optimizer.state.items():
+        out += [f"{param_names.get(id(p), '?')}.{key}" for key, value in sorted(state.items()) if bad(value)]
+    if registered:
+        out += [where for where, value in _leaves(registered) if bad(value)]
+    return out
 
 
 def _leaves(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
@@ -138,4 +184,5 @@ def _to_ints(pending: list[torch.Tensor | int]) -> list[int]:
     return out
 
 
-__all__ = ["BLAKE2B", "Fingerprint", "GROUPS", "HASH_TENSOR", "METHOD", "fingerprint", "tensor_hash", "value_hash"]
+__all__ = ["BLAKE2B", "Fingerprint", "GROUPS", "HASH_TENSOR", "METHOD", "fingerprint", "nonfinite_entries", "tensor_hash",
+           "value_hash"]

@@ -38,6 +38,29 @@ def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 0) -> None:
         word[index : index + 1].bitwise_xor_(torch.tensor(mask, dtype=ints, device=t.device))
 
 
+KINDS = ("bit", "nan", "inf")  # a flipped bit; a NaN or an Inf written over one element
+
+
+def poison(t: torch.Tensor, kind: str, index: int = 0) -> None:
+    """Write a NaN or an Inf over element ``index`` of a floating tensor, in place: what a
+    fault that leaves a non-finite value on one rank does (``kind`` "bit": flip bit 22)."""
+    if kind == "bit":
+        flip_bit(t, index, 22)
+        return
+    if kind not in KINDS:
+        raise ValueError(f"unknown corruption {kind!r}: one of {', '.join(KINDS)}")
+    if not t.is_floating_point():
+        raise ValueError(f"cannot write a {kind} into a {t.dtype} tensor")
+    if t.numel() == 0:
+        raise ValueError("cannot write into an empty tensor")
+    with torch.no_grad():
+        t.detach().view(-1)[index % t.numel()] = float("nan") if kind == "nan" else float("inf")
+
+
+def _done(kind: str) -> str:
+    return "flipped bit 22 of" if kind == "bit" else f"wrote {'a NaN' if kind == 'nan' else 'an Inf'} into"
+
+
 def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str) -> torch.Tensor:
     """The tensor ``what`` names: a parameter (``fc.weight``), or ``<parameter>.<state>``
     for its optimizer state (``fc.weight.exp_avg_sq``); ``first`` is the first parameter."""
@@ -56,10 +79,11 @@ def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str)
 
 
 
-def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str) -> Path:
-    """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (written whole)."""
+def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str, kind: str = "bit") -> Path:
+    """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (or write a
+    NaN or an Inf into it: ``kind``), written whole."""
     path = Path(heartbeat_dir) / contract.SDC_INJECT_FILE.format(local_rank=local_rank)
-    write_atomically(path, json.dumps({"what": what}).encode())
+    write_atomically(path, json.dumps({"what": what, "kind": kind}).encode())
     return path
 
 
@@ -78,13 +102,13 @@ class FlipRequests:
         try:
             request = json.loads(self.path.read_text())
             self.path.unlink()
-            what = str(request["what"])
-            flip_bit(target(module, optimizer, what), 0, 22)
+            what, kind = str(request["what"]), str(request.get("kind", "bit"))
+            poison(target(module, optimizer, what), kind)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("%s fault injection request not carried out: %s", where, exc)
             return
-        log.warning("%s fault injection: flipped bit 22 of element 0 of %s after step %d (silent data corruption, "
-                    "on request)", where, what, step)
+        log.warning("%s fault injection: %s element 0 of %s after step %d (silent data corruption, on request)",
+                    where, _done(kind), what, step)
 
 
-__all__ = ["FlipRequests", "flip_bit", "request_flip", "target"]
+__all__ = ["FlipRequests", "KINDS", "flip_bit", "poison", "request_flip", "target"]

@@ -40,8 +40,21 @@ def check_interval(given: int | None) -> int:
     return given
 
 
-def report_mismatch(m: Mismatch, d: DistInfo, metrics: Any) -> None:
+def timeline_detail(m: Mismatch) -> str:
+    """The fault timeline's words for a mismatch: the step, what differs, the rollback."""
+    names: list[str] = []
+    for r in m.verdict.suspects:
+        names += [n for n in m.nonfinite.get(r) or m.differing.get(r, []) if n not in names]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    what = "non-finite" if m.verdict.suspects and all(r in m.nonfinite for r in m.verdict.suspects) else "differs"
+    return (f"step {m.step}, {what}: {shown or '?'}; back to step {m.back_to}, "
+            f"{m.step - m.back_to} step(s) retrained")
+
+
+def report_mismatch(m: Mismatch, d: DistInfo, metrics: Any, goodput: Any = None) -> None:
     line = describe(m)
+    if goodput is not None:  # the fault timeline (elastic top, elastic local): an `sdc` fault, its nodes, its detail
+        goodput.corrupted([m.nodes[r] for r in m.verdict.suspects], timeline_detail(m))
     if d.is_main:
         log.error("[%s rank %d] %s", d.node, d.rank, line)
         for r in m.verdict.suspects:
@@ -61,7 +74,8 @@ def _tell_agent(role: str, m: Mismatch, d: DistInfo) -> None:
     if not where:
         return
     event = {"time": time.time(), "role": role, "step": m.step, "back_to": m.back_to, "rank": d.rank,
-             "differing": m.differing.get(d.rank, [])[:16], "replicas": len(m.nodes)}
+             "differing": m.differing.get(d.rank, [])[:16], "replicas": len(m.nodes),
+             "nonfinite": m.nonfinite.get(d.rank, [])[:16]}
     try:
         with open(Path(where) / contract.sdc_events_file(d.local_rank), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
@@ -69,4 +83,4 @@ def _tell_agent(role: str, m: Mismatch, d: DistInfo) -> None:
         log.warning("[%s rank %d] could not tell the agent of the mismatch: %s", d.node, d.rank, exc)
 
 
-__all__ = ["check_interval", "report_mismatch"]
+__all__ = ["check_interval", "report_mismatch", "timeline_detail"]

@@ -5,6 +5,12 @@ the same bits after every step. When they do not, a strict majority that agrees 
 others as outliers; without one (two replicas, or an even split) every replica is a
 suspect, because nothing says which side is right. Either way every replica goes back to the last agreed state, so the vote only
 decides whom to *name* and who heals whom, never whether to roll back.
+
+Non-finite values are decided by a flag, not by the digests (a NaN's bits vary with the
+op that made it): replicas holding a NaN or an Inf that others do not are outliers, and
+the majority is taken among the finite ones (with two replicas, the finite one is right).
+When every replica holds one, the training diverged: that is the loop's problem (a
+learning rate, a bad batch), not corruption, and going back would only diverge again.
 """
 
 from __future__ import annotations
@@ -20,25 +26,33 @@ class Verdict:
     majority: tuple[int, ...]  # ranks holding the majority's digests (empty: no strict majority)
     suspects: tuple[int, ...]  # ranks named: the outliers, or everyone when no majority exists
     methods_differ: bool = False  # ranks fingerprint with different methods: not comparable
+    diverged: bool = False  # every replica holds non-finite values: training diverged, not SDC
+    nonfinite: tuple[int, ...] = ()  # ranks holding a NaN or an Inf
 
     @property
     def has_majority(self) -> bool:
         return bool(self.majority)
 
 
-def vote(digests: Sequence[Sequence[int]]) -> Verdict:
-    """``digests[rank]`` is ``[method, digest per group]`` (:meth:`Fingerprint.digests`)."""
+def vote(digests: Sequence[Sequence[int]], nonfinite: Sequence[bool] = ()) -> Verdict:
+    """``digests[rank]`` is ``[method, digest per group]`` (:meth:`Fingerprint.digests`);
+    ``nonfinite[rank]``: that rank's state holds a NaN or an Inf (none, if not given)."""
     rows = [tuple(d) for d in digests]
-    if len({r[0] for r in rows}) > 1:  # a torch without hash_tensor beside one with it
-        return Verdict(True, tuple(range(len(rows))), (), methods_differ=True)
-    counts = Counter(rows)
-    if len(counts) == 1:
-        return Verdict(True, tuple(range(len(rows))), ())
+    everyone = tuple(range(len(rows)))
+    bad = tuple(r for r, f in enumerate(nonfinite) if f)
+    if len(bad) == len(rows) and rows:
+        return Verdict(False, (), (), diverged=True, nonfinite=bad)
+    finite = tuple(r for r in everyone if r not in bad)
+    if len({r[0] for r in rows}) > 1:  # a torch without hash_tensor beside one with it: the flags still count
+        return Verdict(not bad, finite, bad, methods_differ=True, nonfinite=bad)
+    counts = Counter(rows[r] for r in finite)
     value, n = counts.most_common(1)[0]
-    if 2 * n > len(rows):
-        majority = tuple(r for r, row in enumerate(rows) if row == value)
-        return Verdict(False, majority, tuple(r for r, row in enumerate(rows) if row != value))
-    return Verdict(False, (), tuple(range(len(rows))))
+    if not bad and n == len(rows):
+        return Verdict(True, everyone, ())
+    if 2 * n > len(finite):
+        majority = tuple(r for r in finite if rows[r] == value)
+        return Verdict(False, majority, tuple(r for r in everyone if r not in majority), nonfinite=bad)
+    return Verdict(False, (), everyone, nonfinite=bad)
 
 
 def differing_groups(mine: Sequence[int], reference: Sequence[int], groups: Sequence[str]) -> list[str]:

@@ -63,17 +63,20 @@ class Interval:
     step: int | None = None
     reason: str = ""
     nodes: tuple[str, ...] = ()
+    detail: str = ""  # what the fault was, in words, where the reason (a metric label) is too coarse: an SDC's step
 
     def to_row(self) -> list[Any]:
-        return [self.start, self.end, self.cause, self.step, self.reason, list(self.nodes)]
+        row = [self.start, self.end, self.cause, self.step, self.reason, list(self.nodes)]
+        return row + [self.detail] if self.detail else row
 
     @classmethod
     def from_row(cls, row: list[Any]) -> "Interval":
-        start, end, cause, step, reason, nodes = row
+        start, end, cause, step, reason, nodes, *rest = row
         if cause not in CAUSES:
             raise ValueError(f"unknown cause {cause!r}")
         return cls(end=float(end), cause=str(cause), start=None if start is None else float(start),
-                   step=None if step is None else int(step), reason=str(reason), nodes=tuple(map(str, nodes)))
+                   step=None if step is None else int(step), reason=str(reason), nodes=tuple(map(str, nodes)),
+                   detail=str(rest[0]) if rest else "")
 
 
 @dataclass(frozen=True)
@@ -84,13 +87,15 @@ class Fault:
     reason: str = ""
     nodes: tuple[str, ...] = ()
     phases: Mapping[str, float] = field(default_factory=dict)
+    detail: str = ""  # e.g. an SDC's step, tensors and rollback (Interval.detail)
 
     @property
     def seconds(self) -> float:
         return sum(self.phases.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at": self.at, "reason": self.reason, "nodes": list(self.nodes), "phases": dict(self.phases)}
+        out = {"at": self.at, "reason": self.reason, "nodes": list(self.nodes), "phases": dict(self.phases)}
+        return {**out, "detail": self.detail} if self.detail else out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Fault":
@@ -98,7 +103,8 @@ class Fault:
         if not isinstance(nodes, list):
             raise TypeError(f"fault nodes {nodes!r:.40} is not a list")
         return cls(at=float(data["at"]), reason=str(data.get("reason", "")), nodes=tuple(map(str, nodes)),
-                   phases={str(k): float(v) for k, v in dict(data.get("phases", {})).items()})
+                   phases={str(k): float(v) for k, v in dict(data.get("phases", {})).items()},
+                   detail=str(data.get("detail", "")))
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ class _Fold:
         phases[cause] = phases.get(cause, 0.0) + seconds
         named = not fault.reason and iv.reason
         self.faults[-1] = replace(fault, phases=phases, reason=iv.reason if named else fault.reason,
-                                  nodes=iv.nodes if named else fault.nodes)
+                                  nodes=iv.nodes if named else fault.nodes, detail=iv.detail if named else fault.detail)
 
     def result(self) -> Account:
         return Account(started_at=self.started_at, to=self.to, productive=self.productive, lost=dict(self.lost),

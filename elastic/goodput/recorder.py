@@ -136,6 +136,19 @@ class GoodputLog:
         if now - self._flushed >= FLUSH_EVERY_S:
             self.flush()
 
+    def corrupted(self, nodes: Sequence[str], detail: str) -> None:
+        """A replica check found replicas that differ (silent data corruption) and every
+        replica goes back: the time since the last step (the loop's code, the check) is
+        the fault's detection, the steps trained again its recompute; ``detail`` says the
+        step, the tensors and how far back (the fault's reason stays ``sdc``: a label)."""
+        if self.directory is None:
+            return
+        now = self.clock()
+        self._append(Interval(end=now, cause=DETECTION, start=self._last, reason="sdc", nodes=tuple(nodes),
+                              detail=detail), MINE if self.rank == 0 else JOBS)
+        self._last = now
+        self.flush(force=True)
+
     def _mark(self, cause: str, into: list[Interval]) -> None:
         if self.directory is None:
             return

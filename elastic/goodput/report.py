@@ -39,6 +39,8 @@ def describe_fault(fault: Fault) -> str:
     name = fault.reason or "unnamed"
     if fault.nodes:
         name += " " + ",".join(fault.nodes)
+    if fault.detail:
+        name += f" ({fault.detail})"
     phases = ", ".join(f"{p.replace('_', ' ')} {seconds(fault.phases[p])}" for p in PHASE_ORDER
                        if p in fault.phases)
     return f"{name}: {phases or 'no phases'} ({seconds(fault.seconds)})"

@@ -70,6 +70,9 @@ def test_a_forged_record_naming_a_bystander_gets_no_signal(
         flip = elastic("inject-sdc", "a", *target)  # the other tool that acts: the same rule
         assert flip.returncode == 2 and "give it the key" in flip.stderr, flip.stdout + flip.stderr
         assert "asked node" not in flip.stdout
+        check = elastic("check", "a", *target)  # asks the job to act: the same rule
+        assert check.returncode == 2 and "give it the key" in check.stderr, check.stdout + check.stderr
+        assert "asked the job" not in check.stdout
         with_key = elastic("kill", "ghost", *target, "--rdzv-conf", f"hmac_key_file={key}")
         assert with_key.returncode == 2 and "no live node 'ghost'" in with_key.stderr, with_key.stderr
 

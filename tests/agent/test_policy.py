@@ -351,6 +351,11 @@ def test_an_sdc_suspect_the_job_cannot_spare_trains_on_and_is_said_once() -> Non
     assert decision.unheeded.startswith("suspect hardware; not kept out: without it 1 node(s)")
 
 
+def test_an_sdc_suspect_at_the_jobs_minimum_is_kept_out_when_a_warm_spare_waits() -> None:
+    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2, spares_waiting=1))
+    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+
+
 def test_an_sdc_suspect_without_a_rendezvous_that_keeps_out_changes_nothing() -> None:
     assert decide(obs(sdc_suspect="suspect hardware")) == Decision(Action.CONTINUE)
 

@@ -168,3 +168,101 @@ def test_a_check_is_due_every_n_steps_and_before_every_snapshot_by_steps() -> No
     assert [s for s in range(1, 201) if check.due(s)] == [30, 60, 90, 100, 120, 150, 180, 200]
     assert not any(ReplicaCheck(0, snapshot_every_steps=30).due(s) for s in range(1, 100))  # off is off
     assert [s for s in range(0, 9) if ReplicaCheck(4).due(s)] == [4, 8]
+
+
+def test_a_non_finite_replica_is_the_outlier_and_all_non_finite_is_divergence() -> None:
+    ok, nan = [1, 10, 20, 30], [1, 11, 20, 30]
+    v = vote([ok, nan], [False, True])  # two replicas: the finite one is right
+    assert not v.agreed and v.majority == (0,) and v.suspects == (1,) and v.nonfinite == (1,)
+    v = vote([ok, ok, ok], [False, False, True])  # a NaN whose bits hash alike is still named
+    assert not v.agreed and v.majority == (0, 1) and v.suspects == (2,)
+    v = vote([ok, nan, [1, 12, 20, 30]], [False, False, True])  # no majority among the finite
+    assert not v.has_majority and v.suspects == (0, 1, 2)
+    for rows in ([ok, ok], [ok, nan]):  # NaN everywhere, whatever its bits: diverged, nobody named
+        v = vote(rows, [True, True])
+        assert v.diverged and not v.agreed and v.suspects == () and v.majority == ()
+    assert vote([ok, ok], [False, False]).agreed and vote([ok, ok]).agreed
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_fingerprint_flags_a_non_finite_value_anywhere(kind: str) -> None:
+    from elastic.consistency.fingerprint import nonfinite_entries
+    from elastic.consistency.inject import poison
+
+    model, opt = _model_and_adam()
+    assert fingerprint(model, opt, {"ema": torch.zeros(2)}).finite
+    for what in ("0.bias", "1.weight.exp_avg_sq"):
+        m, o = _model_and_adam()
+        poison(target(m, o, what), kind)
+        assert not fingerprint(m, o, None).finite and nonfinite_entries(m, o, None) == [what]
+    ema = torch.zeros(2)
+    ema[1] = float(kind)
+    assert not fingerprint(model, opt, {"ema": ema}).finite
+    assert nonfinite_entries(model, opt, {"ema": ema}) == ["registered 'ema'"]
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum would overflow: still finite
+    assert fingerprint(model, opt, {"big": big}).finite
+
+
+def test_poison_refuses_what_it_cannot_do() -> None:
+    from elastic.consistency.inject import poison
+
+    with pytest.raises(ValueError, match="int64"):
+        poison(torch.zeros(2, dtype=torch.int64), "nan")
+    with pytest.raises(ValueError, match="unknown corruption"):
+        poison(torch.zeros(2), "zap")
+    t = torch.zeros(3)
+    poison(t, "bit")
+    assert t[0] != 0 and torch.isfinite(t).all()
+
+
+def test_the_line_says_non_finite_and_names_the_tensors() -> None:
+    m = Mismatch(12, 8, vote([[1, 0], [1, 1]], [False, True]), ["a", "b"], {1: ["0.weight"]}, {1: ["0.weight"]})
+    assert describe(m).startswith("non-finite values in one replica at step 12: node b (rank 1; non-finite "
+                                  "values in 0.weight) disagrees with the majority of 1 of 2 replicas")
+
+
+def test_an_sdc_command_carries_its_kind() -> None:
+    from agent.commands import SDC, Command
+
+    for kind in ("nan", "inf", "bit"):
+        c = Command(SDC, 0.0, 1.7e9, "0.weight", kind)
+        assert Command.from_json(c.to_json()) == c
+    assert b"kind" not in Command(SDC, 0.0, 1.7e9, "0.weight").to_json()  # as before for a bit flip
+    with pytest.raises(ValueError, match="sdc kind"):
+        Command.from_json(b'{"action": "sdc", "issued_at": 1.0, "what": "x", "kind": "zap"}')
+
+
+def test_a_check_request_is_taken_once_and_answered_once(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.consistency.ondemand import OFF, CheckRequests, request_check, take_result
+
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    asks = CheckRequests()
+    assert not asks.poll(True, 3) and take_result(tmp_path) is None  # type: ignore[arg-type]
+    request_check(tmp_path, 17.5)  # type: ignore[arg-type]
+    assert asks.poll(True, 3) and asks.poll(True, 4)  # open until answered
+    asks.answer(5, True, "the 2 replicas agree at step 5")
+    assert not asks.poll(True, 6)
+    assert take_result(tmp_path) == {"id": 17.5, "step": 5, "agreed": True,  # type: ignore[arg-type]
+                                     "line": "the 2 replicas agree at step 5"}
+    assert take_result(tmp_path) is None  # type: ignore[arg-type]
+    request_check(tmp_path, 18.0)  # type: ignore[arg-type]
+    assert not asks.poll(False, 7)  # the check is off: answered at once, nothing to agree on
+    assert take_result(tmp_path) == {"id": 18.0, "step": 7, "agreed": False, "line": OFF}  # type: ignore[arg-type]
+
+
+def test_the_check_bit_sits_between_rounds_and_the_stop_bit() -> None:
+    from elastic.consistency.ondemand import CHECK_BIT
+    from elastic.stopping import STOP_BIT
+
+    assert CHECK_BIT < STOP_BIT and CHECK_BIT & STOP_BIT == 0 and CHECK_BIT > 1 << 40
+
+
+def test_the_timeline_detail_names_step_tensors_and_rollback() -> None:
+    from elastic.consistency.report import timeline_detail
+
+    m = Mismatch(12, 8, vote([[1, 0], [1, 1], [1, 0]]), ["a", "b", "c"], {1: ["0.weight", "0.bias"]})
+    assert timeline_detail(m) == "step 12, differs: 0.weight, 0.bias; back to step 8, 4 step(s) retrained"
+    m = Mismatch(12, 8, vote([[1, 0], [1, 1]], [False, True]), ["a", "b"], {1: ["0.weight"]}, {1: ["0.bias"]})
+    assert timeline_detail(m).startswith("step 12, non-finite: 0.bias;")

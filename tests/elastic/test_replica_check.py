@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''\
     from torch import nn
     from torch.nn import functional as F
     from elastic import DataConfig, ElasticRun, SnapshotConfig
-    from elastic.consistency.inject import flip_bit, target
+    from elastic.consistency.inject import flip_bit, poison, target
     from elastic.jobs.mlp import SyntheticClassification, as_batch
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -60,8 +60,9 @@ SCRIPT = textwrap.dedent('''\
                     if what == "kept copy too":  # the host copy of the last agreed state goes bad as well
                         flip_bit(run._check.agreed.state["model"]["0.bias"], 1, 9)
                         what = "0.bias"
+                    kind, _, what = what.rpartition(":")  # "nan:0.weight": a NaN written, not a bit flipped
                     t = ema if what == "registered" else target(run.state.module, run.optimizer, what)
-                    flip_bit(t, 3, 22)
+                    poison(t, kind or "bit", 3)
                     print(f"FLIPPED {what} on {node} after step {step}", flush=True)
     torch.save({"model": run.state.module.state_dict(), "optimizer": run.optimizer.state_dict(), "ema": ema},
                os.environ["OUT"] + f"/final-{run.rank}.pt")
@@ -165,3 +166,33 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
     ref = {r["step"]: r["samples"] for r in read_jsonl(tmp_path / "r" / "ledger.jsonl")}
     latest = {r["step"]: r["samples"] for r in rows}
     assert latest == ref and len(rows) > len(ref)
+
+
+@pytest.mark.slow
+def test_a_non_finite_replica_is_named_and_healed_and_nan_everywhere_is_one_line(tmp_path: Path) -> None:
+    """A NaN (then an Inf in Adam's second moment) written into one of two replicas just
+    before a check: the finite replica is right, the other is named, and both return to the
+    last agreed state, ending bitwise equal to an undisturbed run. A NaN written between
+    checks reaches every replica through the next gradient all-reduce: then every replica
+    holds NaN, which is a diverged training (one line, nobody named, no rollback loop)."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    runs = {"q": _world(tmp_path, "q", 2, "[]", stores),
+            "n": _world(tmp_path, "n", 2, '[[12, "n1", "nan:0.weight"], [16, "n0", "inf:3.weight.exp_avg_sq"]]',
+                        stores),
+            "v": _world(tmp_path, "v", 2, '[[9, "v1", "nan:0.weight"]]', stores)}
+    for procs in runs.values():
+        _wait(procs, tmp_path)
+
+    said = _log(tmp_path, "n")
+    named = [line for line in said.splitlines() if "in one replica at step" in line]
+    assert len(named) == 2 and "silent data corruption at step" not in said, said[-4000:]
+    assert ("non-finite values in one replica at step 12: node n1 (rank 1; non-finite values in 0.weight) "
+            "disagrees with the majority of 1 of 2 replicas; every replica returns to step 8") in named[0], named[0]
+    assert "at step 16: node n0 (rank 0; non-finite values in 3.weight.exp_avg_sq)" in named[1], named[1]
+    for rank in range(2):
+        assert_state_equal(_final(tmp_path, "n", rank), _final(tmp_path, "q", 0), f"non-finite, rank {rank}")
+
+    said = _log(tmp_path, "v")
+    assert said.count("training diverged: every replica holds non-finite values at step 12") == 1, said[-4000:]
+    assert "returns to step" not in said and "in one replica" not in said, said[-4000:]

@@ -209,3 +209,31 @@ def test_a_newcomer_that_later_takes_rank_0_over_never_hands_in_its_own_start(tm
     log.formed(("a",), rank=0)
     assert [(iv.cause, iv.start) for iv in handed_in(tmp_path)] == [
         ("productive", 101), ("detection", 102), ("rendezvous", 103), ("restore", 103)]
+
+
+def test_a_replica_mismatch_is_an_sdc_fault_with_its_detail_then_recompute(tmp_path: Path) -> None:
+    from elastic.goodput.report import describe_fault
+
+    clock = Clock()
+    log = log_at(tmp_path, clock)
+    log.forming("start")
+    log.formed((), rank=0)
+    for step in range(1, 13):
+        clock.tick(1)
+        log.stepped(step)
+    clock.tick(0.5)  # the check at step 12 finds b's replica differing; every replica goes back to step 8
+    log.corrupted(["b"], "step 12, differs: 0.weight; back to step 8, 4 step(s) retrained")
+    for step in range(9, 15):
+        clock.tick(1)
+        log.stepped(step)
+    log.flush(force=True)
+    account = extend(Account(), handed_in(tmp_path))
+    (fault,) = account.faults
+    assert (fault.reason, fault.nodes, fault.detail) == ("sdc", ("b",), "step 12, differs: 0.weight; back to "
+                                                         "step 8, 4 step(s) retrained")
+    assert fault.phases == {"detection": 0.5, "recompute": 4.0}
+    assert describe_fault(fault) == ("sdc b (step 12, differs: 0.weight; back to step 8, 4 step(s) retrained): "
+                                     "detection 0.50 s, recompute 4.0 s (4.5 s)")
+    assert Account.from_json(account.to_json()) == account  # the detail survives etcd and job.json
+    plain = Interval(end=1.0, cause="productive", start=0.0, step=1)
+    assert len(plain.to_row()) == 6 and Interval.from_row(plain.to_row()) == plain  # rows without one: as before
