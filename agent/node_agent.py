@@ -64,6 +64,7 @@ from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
 from .oom import killed_by, oom_kills
 from .freeze import FreezeWatch
+from .health_watch import HealthWatch
 from .pace import PaceMonitor
 from .policy import (
     Action,
@@ -158,6 +159,9 @@ class NodeAgent(ElasticAgent):
             if self.ours is not None else None
         # silent data corruption: replica votes that named this node (agent/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
+        # node health: a sick node does not join, and goes out when it falls sick (agent/health_watch.py)
+        self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,
+                                  self.ours.client.settings if self.ours is not None else None, metrics.health_failing)
         # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/freeze.py)
         self.freeze = FreezeWatch(self.node, self.ours, self.channel) \
             if self.ours is not None and self.channel is not None else None
@@ -334,7 +338,7 @@ class NodeAgent(ElasticAgent):
                            reform_requested=reform, restarts_left=self.remaining_restarts, failures=failures,
                            crash_streak=next_streak(self._crash_streak, failures.values()),
                            nodes_without_us=others, peer_crashes=peer_crashes,
-                           etcd_lost=self._etcd_lost() if failures else "",
+                           etcd_lost=self._etcd_lost() if failures else "", health=self.health.look(),
                            min_nodes=self.ours.timings.min_nodes if self.ours is not None else 1)
 
     def _peer_crashes(self, report: str) -> dict[str, str] | None:
@@ -670,13 +674,13 @@ class NodeAgent(ElasticAgent):
                       round=self.round_number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
-        if decision.reason not in (Reason.STRAGGLER, Reason.SDC):
+        if decision.reason not in (Reason.STRAGGLER, Reason.SDC, Reason.HEALTH):
             self.metrics.crash_loops.inc()
         self.sdc.forget()
         if self.pace is not None:
             self.pace.forget()
         _publish_keep_out(self.ours, out)
-        self.goodput.acted(Reason.WORKER_FAILED.value)
+        self.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
         pids = self.workers.pids()
         self._stop(signal.SIGKILL, 0.0)
         self.goodput.tick(pids, self.rank_base, force=True)
@@ -695,6 +699,7 @@ class NodeAgent(ElasticAgent):
         if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
                      else "replica votes name it the outlier twice again" if decision.reason is Reason.SDC
+                     else "a health check still fails" if decision.reason is Reason.HEALTH
                      else "its workers fail right after their start once more")
             log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if %s)",
                      self.node, out.backoff, again)
@@ -819,11 +824,25 @@ class NodeAgent(ElasticAgent):
             raise JobFinishedError(f"the job finished (node {', '.join(done)}: workers succeeded) "
                                         "while this node was out")
 
+    def _health_gate(self) -> None:
+        """A node that fails a health check joins no round until it passes (agent.health_watch)."""
+        def publish(out: Any) -> None:
+            self.metrics.set_state("stopped" if out is not None else "healthy")
+            if self.ours is not None:
+                self.ours._start()  # the lease and mirror the keep-out key needs
+                _publish_keep_out(self.ours, out)
+            else:
+                self._on_keep_out(out)
+
+        if not self.health.gate(self.round_number, publish, self.handler.is_closed):
+            raise RendezvousClosedError("the job ended while this node was kept out by a failed health check")
+
     def _rendezvous(self, cause: str = JOIN) -> None:
         """Take part in the next round; ``cause`` says why, should this node be the one to open it."""
         if self.ours is not None:
             self.ours.next_cause = cause
             self._refuse_a_finished_job()
+        self._health_gate()
         started = time.monotonic()
         try:
             info = self.handler.next_rendezvous()

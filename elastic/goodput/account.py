@@ -257,4 +257,4 @@ def name_faults(account: Account, notes: Mapping[str, tuple[str, float]], since:
     return replace(account, faults=tuple(faults)) if changed else account
 
 
-LOCAL_REASONS = ("worker_failed", "hang", "lease_lost")  # a node's own trouble, which only it sees
+LOCAL_REASONS = ("worker_failed", "hang", "lease_lost", "health")  # a node's own trouble, which only it sees
