@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from elastic import contract
+
 INTERVAL_S = 30.0  # while training: a look this often (each costs a few ms and one etcd request)
 IFF_UP, IFF_RUNNING = 0x1, 0x40
 
@@ -57,11 +59,11 @@ class Limits:
                 return default
             return value if value >= 0 else default
 
-        return cls(min_free_bytes=int(number("ELASTIC_HEALTH_MIN_FREE_MB", 1) * (1 << 20)),
-                   min_mem_bytes=int(number("ELASTIC_HEALTH_MIN_MEM_MB", 256) * (1 << 20)),
-                   max_skew_s=number("ELASTIC_HEALTH_MAX_SKEW_S", 10.0),
-                   interval_s=number("ELASTIC_HEALTH_INTERVAL_S", INTERVAL_S) or INTERVAL_S,
-                   enabled=env.get("ELASTIC_HEALTH", "on").lower() not in ("off", "0", "no", "false"))
+        return cls(min_free_bytes=int(number(contract.HEALTH_MIN_FREE_ENV, 1) * (1 << 20)),
+                   min_mem_bytes=int(number(contract.HEALTH_MIN_MEM_ENV, 256) * (1 << 20)),
+                   max_skew_s=number(contract.HEALTH_MAX_SKEW_ENV, 10.0),
+                   interval_s=number(contract.HEALTH_INTERVAL_ENV, INTERVAL_S) or INTERVAL_S,
+                   enabled=env.get(contract.HEALTH_ENV, "on").lower() not in ("off", "0", "no", "false"))
 
 
 @dataclass(frozen=True)

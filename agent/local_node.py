@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from elastic import contract
 
+from .fault_cause import attribute
 from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ class Crash:
         if self.error.startswith("killed by "):  # the agent's own words for a death by a signal (agent.oom)
             return f"worker {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
-        return f"{what}: {self.error}" if self.error else what
+        return f"{what}: {attribute(self.error)}" if self.error else what  # its kind first (agent.fault_cause)
 
 
 def _exit_words(code: str) -> str:

@@ -63,6 +63,7 @@ from .goodput import GoodputAccountant, fault_nodes
 from .launch import DEFAULT_TERM_GRACE_S
 from .metrics import AgentMetrics
 from .oom import killed_by, oom_kills
+from .fault_cause import attribute, timeline_reason
 from .freeze import FreezeWatch
 from .health_watch import HealthWatch
 from .pace import PaceMonitor
@@ -332,6 +333,8 @@ class NodeAgent(ElasticAgent):
         in_place, reform = self._in_place_statuses()
         self._publish_in_place(self._holds_state)
         failures = self._seen_failures = self._failures(exits)
+        if failures:
+            self._say_fault(last_words(failures))
         others = None if self.ours is None else len([n for n in self.participants if n != self.node])
         peer_crashes = self._peer_crashes(crash_report(failures))
         return Observation(exits=exits, membership=membership, stalled_for=stalled, in_place=in_place,
@@ -367,6 +370,12 @@ class NodeAgent(ElasticAgent):
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+    def _say_fault(self, words: str) -> None:
+        """The last fault of this node, kind first (agent.fault_cause), in its registry record
+        for ``elastic top``. Written only on a change."""
+        if self.ours is not None and self.ours.lease.record.extra.get("fault") != words[:300]:
+            self.ours.lease.update(extra={**self.ours.lease.record.extra, "fault": words[:300]})
 
     def _say_crash(self, report: str) -> None:
         assert self.ours is not None
@@ -421,7 +430,7 @@ class NodeAgent(ElasticAgent):
             worker = self.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
-            message = worker.error_line()
+            message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.fault_cause)
             if not message and code < 0:
                 message = self._kill_words.get(worker.pid, "")
                 if not message:
@@ -555,7 +564,9 @@ class NodeAgent(ElasticAgent):
         pids, rank_base = self.workers.pids(), self.rank_base
         if reason is Reason.LEASE_LOST:
             self._stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
-        self.goodput.acted(reason.value, at=acted_at)
+            self._say_fault(f"etcd lease lost: {self._describe(decision)}")  # agent.fault_cause.LEASE
+        cause = timeline_reason(reason.value, [f.message for f in self._seen_failures.values()])
+        self.goodput.acted(cause, at=acted_at)
         if self.ours is not None:
             self.ours.lease.update(state="stopping")
         self.metrics.set_state("stopped")
@@ -575,7 +586,7 @@ class NodeAgent(ElasticAgent):
             self.remaining_restarts += 1
             self._crash_streak = self._streak_before  # nor a step of a crash loop of ours
         rendezvous_done = time.time()
-        self.goodput.restarted(reason.value, fault_nodes(reason.value, self.node, previous, self.participants),
+        self.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value, fault_nodes(reason.value, self.node, previous, self.participants),
                                acted_at, rendezvous_done)
         self._recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         self._start_group()
