@@ -3,6 +3,8 @@ and NCCL's own)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from agent.fault_cause import CUDA, DISK_FULL, GPU_OOM, LEASE, NCCL, OOM, attribute, classify, timeline_reason
 from agent.local_node import Crash
 from agent.policy import Failure
@@ -52,3 +54,25 @@ def test_the_timeline_names_a_worker_failure_by_its_kind() -> None:
 def test_elastic_locals_summary_says_the_kind_too() -> None:
     crash = Crash(0.0, "crash", "1", "OSError: [Errno 28] No space left on device")
     assert crash.describe() == "worker exit 1: disk full (ENOSPC): OSError: [Errno 28] No space left on device"
+
+
+def test_a_lost_lease_in_a_nodes_log_is_told_under_the_freeze_that_caused_it(tmp_path: Path) -> None:
+    from agent.local_faults import FREEZE, Cluster, ClusterNode, Fault
+    from agent.local_node import LocalNode, NodeLog
+
+    line = "2026-01-02 10:00:0{s},000 [b] {level} elastic.agent: [b] {message}"
+    node = LocalNode(name="b", endpoint="x", run_id="r", workdir=tmp_path)
+    node.log_path.write_text("\n".join([
+        line.format(s=1, level="WARNING", message="this node lost its own etcd lease (it was frozen or cut off); "
+                                                  "its workers are stale: stopping local workers now"),
+        line.format(s=2, level="INFO", message="restart (lease_lost): world of 1 nodes, workers started cold"),
+    ]) + "\n")
+    log = NodeLog(node.log_path)
+    assert log.read() == []  # not a crash of its workers
+    [loss] = log.lease_losses
+    assert loss.describe() == ("workers stopped: etcd lease lost: this node lost its own etcd lease (it was frozen "
+                               "or cut off); its workers are stale")
+    cluster = Cluster([ClusterNode(node)], tmp_path, nproc=1)
+    cluster.faults.append(Fault(FREEZE, "b", 0.0, 2, 10, 3))
+    cluster._take_lease_losses(cluster.nodes[0])
+    assert cluster.faults[0].crashes == [("b", node.log.lease_losses[0])]
