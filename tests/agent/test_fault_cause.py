@@ -24,6 +24,10 @@ def test_the_texts_torch_and_nccl_raise_are_named_by_kind() -> None:
     assert classify("RuntimeError: CUDNN_STATUS_EXECUTION_FAILED") is CUDA
     assert classify("killed by the OOM killer (SIGKILL; the cgroup's OOM kill count went from 0 to 1)") is OOM
     assert classify("elastic.inplace.fence.StaleGroupError: round 3 is older than the fence") is LEASE
+    # as torch 2.x on an H200 raised them (a run on the device machine, 2026-11-28)
+    assert classify("torch.AcceleratorError: CUDA error: device-side assert triggered") is CUDA
+    assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9313.23 GiB. GPU 0 has a total "
+                    "capacity of 139.80 GiB of which 139.29 GiB is free.") is GPU_OOM
     assert classify("NameError: name 'x' is not defined") is None
     assert classify("") is None
 

@@ -52,6 +52,8 @@ def test_an_interface_must_exist_and_be_up() -> None:
 
 
 def test_gpus_with_ecc_errors_or_pending_retired_pages_fail() -> None:
+    h200 = "0, 00000000:00:06.0, 0, [N/A]\n"  # nvidia-smi's answer on an H200 (the device machine, 2026-11-28)
+    assert health.gpus(h200).ok and "1 GPU(s)" in health.gpus(h200).detail
     good = "0, 00000000:18:00.0, 0, No\n1, 00000000:2A:00.0, [N/A], [N/A]\n"
     assert health.gpus(good).ok and "2 GPU(s)" in health.gpus(good).detail
     bad = health.gpus("0, 00000000:18:00.0, 3, No\n1, 00000000:2A:00.0, 0, Yes\n")
