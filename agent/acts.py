@@ -18,6 +18,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 
+from .fault_cause import timeline_reason
 from .goodput import fault_nodes
 from .policy import Action, Decision, Reason, refunded, settled, stop_signal
 from .reporting import Restarted, change
@@ -88,7 +89,9 @@ class Acts:
         pids, rank_base = a.workers.pids(), a.rank_base
         if reason is Reason.LEASE_LOST:
             a.stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
-        a.goodput.acted(reason.value, at=acted_at)
+            a.rdzv.publish(fault=f"etcd lease lost: {a.reporting.describe(decision)}"[:300])  # agent.fault_cause
+        cause = timeline_reason(reason.value, [f.message for f in a.observer.seen_failures.values()])
+        a.goodput.acted(cause, at=acted_at)
         a.rdzv.publish(state=NodeState.STOPPING)
         a.metrics.set_state(AgentState.STOPPED)
         if reason is not Reason.LEASE_LOST:
@@ -107,8 +110,8 @@ class Acts:
             a.remaining_restarts += 1
             a.crash_streak = a.streak_before  # nor a step of a crash loop of ours
         rendezvous_done = time.time()
-        a.goodput.restarted(reason.value, fault_nodes(reason.value, a.node, previous, a.participants),
-                            acted_at, rendezvous_done)
+        a.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value,
+                            fault_nodes(reason.value, a.node, previous, a.participants), acted_at, rendezvous_done)
         a.recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
         a.start_group()
         modes = sorted({w.mode for w in a.workers.workers.values()})
@@ -209,12 +212,12 @@ class Acts:
                       round=a.round_number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   a.node, out.backoff, out.strikes, decision.detail)
-        if decision.reason not in (Reason.STRAGGLER, Reason.SDC):
+        if decision.reason not in (Reason.STRAGGLER, Reason.SDC, Reason.HEALTH):
             a.metrics.crash_loops.inc()
         a.sdc.forget()
         a.pace.forget()
         a.rdzv.keep_out(out)
-        a.goodput.acted(Reason.WORKER_FAILED.value)
+        a.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
         pids = a.workers.pids()
         a.stop(signal.SIGKILL, 0.0)
         a.goodput.tick(pids, a.rank_base, force=True)
@@ -231,6 +234,7 @@ class Acts:
         if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
                      else "replica votes name it the outlier twice again" if decision.reason is Reason.SDC
+                     else "a health check still fails" if decision.reason is Reason.HEALTH
                      else "its workers fail right after their start once more")
             log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if %s)",
                      a.node, out.backoff, again)

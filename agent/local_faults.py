@@ -87,6 +87,7 @@ class ClusterNode:
     faults: int = 0
     exited: int | None = None  # the agent's exit code, once it exited on its own (not killed by us)
     crashes_seen: int = 0  # of its log's crashes, those already made faults
+    lease_losses_seen: int = 0  # of its log's lost leases, those already told
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Cluster:
         for n in self.nodes:
             exited = self._take_exit(n)
             self._take_crashes(n)
+            self._take_lease_losses(n)
             if exited:
                 self.note(f"{n.node.name}: agent exited (0)" if n.exited == 0 else
                           f"{n.node.name}: agent failed (exit {n.exited}): {n.node.log.last_error or 'see its log'}")
@@ -256,6 +258,19 @@ class Cluster:
             self.note(f"{name}: {crash.describe()} (log {n.node.log_path})"
                       + (f"; its agent gave up: {crash.gave_up}" if crash.gave_up else ""))
         n.crashes_seen = len(crashes)
+
+    def _take_lease_losses(self, n: ClusterNode) -> None:
+        """A node that lost its etcd lease (frozen, cut off) stopped its workers as stale: said
+        under the fault that caused it (a freeze of that node), in the same words as its agent."""
+        n.node.log.read()
+        losses = n.node.log.lease_losses
+        for loss in losses[n.lease_losses_seen:]:
+            name = n.node.name
+            fault = next((f for f in reversed(self.faults) if name in f.node.split(",") and f.at <= loss.at), None)
+            if fault is not None:
+                fault.crashes.append((name, loss))
+            self.note(f"{name}: {loss.describe()} (log {n.node.log_path})")
+        n.lease_losses_seen = len(losses)
 
     def quiet(self) -> bool:
         """No fault in flight: every fault recovered, etcd up, nothing frozen or due back."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from elastic import contract
 
+from .fault_cause import attribute
 from .proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
 if TYPE_CHECKING:
@@ -284,7 +285,8 @@ _GAVE_UP = ": the job fails"
 _GAVE_UP_FIRST = "the job fails: "  # a crash loop with too few nodes left: the line ends with its cause
 _HUNG = "no rank on this node made progress"
 _KEPT_OUT = "kept out of the job for"  # a crash loop: the agent stops its workers and stays out a while
-CRASH, HANG = "crash", "hang"
+CRASH, HANG, LEASE_LOST = "crash", "hang", "lease_lost"
+_STOPPING = ": stopping local workers now"  # the agent's line for why it stops them (its lease, for one)
 
 
 @dataclass(frozen=True)
@@ -301,8 +303,10 @@ class Crash:
         """``worker exit 1: NameError: name 'x' is not defined``."""
         if self.error.startswith("killed by "):  # the agent's own words for a death by a signal (agent.oom)
             return f"worker {self.error}"
+        if self.kind == LEASE_LOST:  # the agent stopped its workers as stale: its words say why
+            return f"workers stopped: {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
-        return f"{what}: {self.error}" if self.error else what
+        return f"{what}: {attribute(self.error)}" if self.error else what  # its kind first (agent.fault_cause)
 
 
 def _exit_words(code: str) -> str:
@@ -336,6 +340,8 @@ class NodeLog:
         self._exception = ""  # the last line of the newest traceback no crash has claimed yet
         self._pending: Crash | None = None  # acted on, not yet told apart from a peer's doing
         self._crashes: list[Crash] = []
+        self.lease_losses: list[Crash] = []  # the agent lost its etcd lease and stopped its workers (not a crash)
+        self._stopping = ""  # why the agent last stopped its workers, in its words
 
     def read(self) -> list[Crash]:
         """Every crash confirmed so far; reads only what was appended since the last call."""
@@ -402,7 +408,12 @@ class NodeLog:
                 self._crashes.append(crash)
             else:
                 self._pending = crash
-        elif restart is not None:
+        elif message.endswith(_STOPPING):
+            self._stopping = message[: -len(_STOPPING)]
+        if restart is not None and restart[1] == LEASE_LOST:
+            self.lease_losses.append(Crash(at, LEASE_LOST, "", f"etcd lease lost: {self._stopping}"
+                                           if self._stopping else "etcd lease lost"))
+        if restart is not None:
             if self._pending is not None and restart[1] in ("worker_failed", "hang"):
                 self._crashes.append(self._pending)
             self._pending = None  # else a peer's death failed our worker: not this node's crash

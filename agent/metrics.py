@@ -87,6 +87,9 @@ class AgentMetrics:
         self.straggler_evictions = Counter("elastic_agent_straggler_evictions",
                                            "Times this node evicted itself as a straggler (kept out for the "
                                            "back-off, then back)", registry=r)
+        self.health_failing = Gauge("elastic_agent_health_check_failing",
+                                    "1 while this node fails the health check named by check (agent.health): it "
+                                    "joins no round meanwhile", ["check"], registry=r)
         self.crash_loops = Counter("elastic_agent_crash_loops", "Times this node's workers failed right after each "
                                    "of 3 starts in a row, and the node was kept out (or the job failed)", registry=r)
         Gauge("elastic_agent_info", "This agent: node name and version", ["node", "version"],

@@ -47,11 +47,12 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.multiprocessing import LogsSpecs
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
 from torch.distributed.elastic.utils import macros
 
 from elastic import contract
 from elastic.inplace.channel import AgentChannel
+from elastic.rendezvous.keepout import KeepOut
 from elastic.worker_env import NodeEnv, Place, RankEnv
 
 from .acts import Acts
@@ -64,6 +65,7 @@ from .policy import Reason, decide
 from .preemption import terminate
 from .rendezvous import JobFinishedError, Round, agent_rendezvous
 from .reporting import Reporting
+from .health_watch import HealthWatch
 from .sdc import SdcWatch
 from .settings import AgentSettings
 from .spare_ahead import SpareAhead
@@ -137,6 +139,9 @@ class NodeAgent(ElasticAgent):
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
+        # node health: a sick node does not join, and goes out when it falls sick (agent/health_watch.py)
+        self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,
+                                  self.rdzv.etcd_settings(), metrics.health_failing)
         # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/freeze.py)
         self.freeze = self.rdzv.freeze_watch(self.channel)
         self.pool: ForkServer | NoPool = ForkServer(spec.nproc, env={**os.environ, **self._node_env()}) \
@@ -270,8 +275,15 @@ class NodeAgent(ElasticAgent):
 
     # ------------------------------------------------------------------ rounds and groups
 
+    def _held_out(self, out: KeepOut | None) -> None:
+        self.metrics.set_state(AgentState.STOPPED if out is not None else AgentState.HEALTHY)
+        self.rdzv.hold_out(out)
+
     def rendezvous(self, cause: RoundCause = RoundCause.JOIN, offered: bool = False) -> None:
-        """Take part in the next round (``offered``: one in-place workers can take, if any comes)."""
+        """Take part in the next round (``offered``: one in-place workers can take, if any comes).
+        A node that fails a health check joins none until it passes (agent.health_watch)."""
+        if not self.health.gate(self.round_number, self._held_out, self.rdzv.is_closed):
+            raise RendezvousClosedError("the job ended while this node was kept out by a failed health check")
         started = time.monotonic()
         try:
             self.round = self.rdzv.next_round(cause, self.round, offered=offered)

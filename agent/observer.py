@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from elastic import contract
 
+from .fault_cause import attribute
 from .oom import killed_by, oom_kills
-from .policy import Failure, Observation, crash_report, next_streak
+from .policy import Failure, Observation, crash_report, last_words, next_streak
 
 if TYPE_CHECKING:
     from .node_agent import NodeAgent
@@ -49,6 +50,8 @@ class Observer:
         report = crash_report(failures)
         if report:  # tell the other nodes what this node's workers failed with right after their start
             a.rdzv.publish(crash=report)
+        if failures:  # the last fault of this node, kind first (agent.fault_cause), for elastic top
+            a.rdzv.publish(fault=last_words(failures)[:300])
         failed = any(code not in (None, 0) for code in exits.values())
         fresh = failed or membership is not None or reform or stalled is not None
         self.frozen = a.freeze.look(a.workers.pids(), a.round_number, a.participants)
@@ -61,6 +64,7 @@ class Observer:
             nodes_without_us=len(a.round.others(a.node)) if a.rdzv.can_keep_out else None,
             peer_crashes=a.rdzv.peer_crashes(a.round),
             etcd_lost=a.rdzv.etcd_lost(self._stale_fence(), a.spec.run_id) if failures else "",
+            health=a.health.look(),
             min_nodes=a.rdzv.min_nodes,
             straggler=a.pace.look(a.participants, a.rdzv.min_nodes) or "",
             sdc_suspect=suspect,
@@ -92,7 +96,7 @@ class Observer:
             worker = self.agent.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
-            message = worker.error_line()
+            message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.fault_cause)
             if not message and code < 0:
                 message = self._kill_words.get(worker.pid, "")
                 if not message:

@@ -72,6 +72,7 @@ class Reason(str, enum.Enum):
     SCRIPT_ERROR = "script_error"  # every node's workers failed right after their start with the same error
     ETCD_LOST = "etcd_lost"  # the snapshot directory's fence stands above every round etcd holds now
     SDC = "sdc"  # replica votes named this node the outlier twice within a window (sdc_keep_out)
+    HEALTH = "health"  # this node failed a health check (agent.health): a full disk, a skewed clock...
 
     @property
     def counted(self) -> bool:
@@ -200,6 +201,7 @@ class Observation:
     min_nodes: int = 1
     peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
     etcd_lost: str = ""  # :func:`etcd_lost`'s line: every group of this job would be refused
+    health: str = ""  # agent.health.verdict: the failed checks with their fixes ('' for a healthy node)
     # The watches that feed the decision (each '' or () while it has nothing to say):
     straggler: str = ""  # agent.pace: this node is the straggler and may go; why
     sdc_suspect: str = ""  # agent.sdc: replica votes named this node the outlier often enough; why
@@ -305,6 +307,12 @@ def _workers_and_round(obs: Observation) -> Decision:
     # 3. Done: every local worker exited cleanly.
     if obs.exits and all(code == 0 for code in obs.exits.values()):
         return Decision(Action.SUCCEED)
+
+    # 3b. A failed health check (agent.health) while training: kept out while the others can
+    #     train on without it (it rejoins once the checks pass, agent.health_watch); where
+    #     they cannot, it trains on and the line and the metric say it is sick.
+    if obs.health and obs.nodes_without_us is not None and obs.nodes_without_us >= obs.min_nodes:
+        return Decision(Action.KEEP_OUT, Reason.HEALTH, failed=failed, detail=obs.health)
 
     # 4. Local failures: a crash loop first (see the module's doc), then ours to count. Only
     #    a failure of its own extends a streak: one a peer caused never keeps a node out.

@@ -129,6 +129,15 @@ class AgentRendezvous(abc.ABC):
     def report_unreachable(self) -> None:
         """The round failed with every lease held: record the members this node cannot reach."""
 
+    def etcd_settings(self) -> Any:
+        """How to reach etcd, for the health check's clock (None: no etcd to compare with)."""
+        return None
+
+    def hold_out(self, out: KeepOut | None) -> None:
+        """Before any round: hold (or, with None, drop) a keep-out key, the lease it needs
+        started first (a node failing a health check at its start)."""
+        self.keep_out(out)
+
     def spares_waiting(self, current: Round) -> int:
         """Live nodes of the run outside ``current``: warm spares, one of which would take the
         place of a node kept out (read on the rare path that needs it)."""
@@ -319,6 +328,13 @@ class EtcdRendezvous(AgentRendezvous):
 
     def report_unreachable(self) -> None:
         self._handler.report_unreachable()
+
+    def etcd_settings(self) -> Any:
+        return self._handler.client.settings
+
+    def hold_out(self, out: KeepOut | None) -> None:
+        self._handler._start()  # the lease and mirror the keep-out key needs
+        self.keep_out(out)
 
     def spares_waiting(self, current: Round) -> int:
         return spares_waiting(self._handler, current.participants)

@@ -41,6 +41,8 @@ def scrape(record: NodeRecord, timeout: float = SCRAPE_TIMEOUT) -> NodeScrape:
     """One node's endpoint now; an unreachable or garbled endpoint is an error, not a crash."""
     at = time.time()
     note = str(record.extra.get("kept_out", ""))  # a node its peers cannot reach says why and for how long
+    fault = str(record.extra.get("fault", ""))  # what ended its workers last, kind first (agent.fault_cause)
+    note = note or (f"last fault: {fault}" if fault else "")
     if not record.metrics_url:
         return NodeScrape(record.node, record.state, at, error="no metrics endpoint", note=note)
     try:

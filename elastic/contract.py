@@ -254,6 +254,11 @@ SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")
+HEALTH_ENV = _setting("ELASTIC_HEALTH", "`off`: no node health checks (agent.health)")
+HEALTH_MIN_FREE_ENV = _setting("ELASTIC_HEALTH_MIN_FREE_MB", "MiB a node needs free in its snapshot and agent dirs")
+HEALTH_MIN_MEM_ENV = _setting("ELASTIC_HEALTH_MIN_MEM_MB", "MiB of MemAvailable a node needs to join")
+HEALTH_MAX_SKEW_ENV = _setting("ELASTIC_HEALTH_MAX_SKEW_S", "seconds a node's clock may differ from etcd's")
+HEALTH_INTERVAL_ENV = _setting("ELASTIC_HEALTH_INTERVAL_S", "seconds between health looks while a node trains")
 
 
 

@@ -263,4 +263,6 @@ def name_faults(account: Account, notes: Mapping[str, tuple[str, float]], since:
     return replace(account, faults=tuple(faults)) if changed else account
 
 
-LOCAL_REASONS = ("worker_failed", "hang", "lease_lost")  # a node's own trouble, which only it sees
+# a node's own trouble, which only it sees; a worker's failure by its kind where its words say one (agent.fault_cause)
+LOCAL_REASONS = ("worker_failed", "hang", "lease_lost", "health", "disk_full", "cuda_oom", "nccl_error", "cuda_error",
+                 "oom")

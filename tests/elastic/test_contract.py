@@ -129,12 +129,14 @@ FOREIGN = {
     "COLUMNS",  # the console's width (agent.local_cluster)
     "XDG_STATE_HOME",  # where `elastic etcd` keeps its data by default (agent.etcd_cmd)
     "GRPC_VERBOSITY",  # grpc's own log level, quieted by default (elastic.etcd)
+    "GLOO_SOCKET_IFNAME",  # gloo's own interface setting (agent.netif sets it, agent.health_watch checks it)
 }
 
 # Files that read a variable of the worker's contract from their *own* environment, not a
 # worker's, or read one whose name is computed; each says why. Any other read of a
 # contract variable goes through elastic.worker_env (WorkerEnv), so that it has one parser.
 READS_ALLOWED = {
+    "agent/health.py": "its thresholds, each read by its contract name (contract.HEALTH_*) through one helper",
     "elastic/worker_env.py": "the one parser of what a worker reads",
     "agent/node_agent.py": "passes its own TORCH_NCCL_ASYNC_ERROR_HANDLING on to its workers",
     "agent/launch.py": "its own job key file and every flag's ELASTIC_/PET_ twin (names computed)",
