@@ -25,10 +25,6 @@ PACKAGES = ("elastic", "agent", "checkpoints")
 # Cycles other parts of issue 38 remove: a cycle among these modules only is allowed for now.
 # The lead deletes each entry once its fix is merged (test_each_known_cycle_is_still_there says when).
 KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # the agent's collaborators name NodeAgent in their annotations (TYPE_CHECKING): being
-    # replaced by the state they share, passed in (issue 38)
-    frozenset({"agent.acts", "agent.node_agent", "agent.observer", "agent.preemption", "agent.reporting",
-               "agent.spare_ahead"}),
     # being removed by the issue-38 split (the worlds helper): the worlds import the trainer
     # back; sharded and train_state sit on the loop only through fixed_world -> trainer
     frozenset({"elastic.trainer", "elastic.world", "elastic.fixed_world", "elastic.inplace.in_place_world",
