@@ -4,7 +4,8 @@ Contract: :meth:`Acts.carry_out` once per loop turn, with what :func:`agent.poli
 returned; it returns a ``RunResult`` when the run ends (succeed, fail), else None. The
 acts only act: none decides anew. An act that cannot complete (a rejoin or a replace that
 gets no round its in-place workers can take, a write-off etcd refused) says so in the
-agent's state and wakes the loop: the next observation carries it, and the policy decides.
+run's state (:class:`agent.node_run.NodeRun`) and wakes the loop: the next observation
+carries it, and the policy decides.
 """
 
 from __future__ import annotations
@@ -12,20 +13,28 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
+from elastic.inplace.channel import AgentChannel
 from elastic.rendezvous.keepout import KeepOut, backoff, next_strikes
 
+from .fork_server import ForkServer
 from .fault_cause import timeline_reason
-from .goodput import fault_nodes
+from .goodput import GoodputAccountant, fault_nodes
+from .metrics import AgentMetrics
+from .node_run import Group, NodeRun
+from .nulls import NoChannel, NoPool
+from .observer import Observer
 from .policy import Action, Decision, Reason, refunded, settled, stop_signal
-from .reporting import Restarted, change
+from .rendezvous import AgentRendezvous
+from .reporting import Reporting, Restarted, change
+from .sdc import SdcWatch
+from .settings import AgentSettings
 from .states import AgentState, NodeState, RoundCause
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
+from .watchdog import HangWatch
+from .workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
@@ -33,17 +42,22 @@ _STACK_DUMP_WAIT_S = 1.0
 
 
 class Acts:
-    def __init__(self, agent: "NodeAgent") -> None:
-        self.agent = agent
+    def __init__(self, run: NodeRun, group: Group, *, node: str, settings: AgentSettings, metrics: AgentMetrics,
+                 workers: LocalWorkers, watch: HangWatch, rdzv: AgentRendezvous, goodput: GoodputAccountant,
+                 sdc: SdcWatch, pace: Any, freeze: Any, channel: AgentChannel | NoChannel,
+                 pool: ForkServer | NoPool, observer: Observer, reporting: Reporting) -> None:
+        self.run, self.group, self.node, self.settings, self.metrics = run, group, node, settings, metrics
+        self.workers, self.watch, self.rdzv, self.goodput = workers, watch, rdzv, goodput
+        self.sdc, self.pace, self.freeze, self.channel, self.pool = sdc, pace, freeze, channel, pool
+        self.observer, self.reporting = observer, reporting
         self.crash_strikes = 0  # keep-outs for a crash loop (elastic.rendezvous.keepout.backoff)
         self.back_in_at: float | None = None  # when this node last came back from such a keep-out
         self.restarted: Restarted | None = None  # the last restart, until its first progress explains it
 
     def carry_out(self, decision: Decision) -> RunResult | None:
-        a = self.agent
         if decision.unheeded:  # a finding the policy did not act on: said once, its strikes dropped
-            log.error("[%s] %s", a.node, decision.unheeded)
-            a.sdc.forget()
+            log.error("[%s] %s", self.node, decision.unheeded)
+            self.sdc.forget()
         if decision.action is Action.CONTINUE:
             self.while_healthy()
         elif decision.action is Action.SUCCEED:
@@ -63,136 +77,139 @@ class Acts:
     # ------------------------------------------------------------------ healthy
 
     def while_healthy(self) -> None:
-        a = self.agent
-        a.metrics.set_state(AgentState.HEALTHY)
-        if a.crash_streak:
-            youngest = min((w.ran_for() for w in a.workers.workers.values()), default=0.0)
-            a.crash_streak = settled(a.crash_streak, youngest)
-            if not a.crash_streak:
-                a.rdzv.publish(crash="")  # it trains: its old failure says nothing about the script any more
-        if self.restarted is not None and a.watch.progressed():
-            log.info("[%s] %s", a.node, self.restarted.explained(time.time()))
+        run = self.run
+        self.metrics.set_state(AgentState.HEALTHY)
+        if run.crash_streak:
+            youngest = min((w.ran_for() for w in self.workers.workers.values()), default=0.0)
+            run.crash_streak = settled(run.crash_streak, youngest)
+            if not run.crash_streak:
+                self.rdzv.publish(crash="")  # it trains: its old failure says nothing about the script any more
+        if self.restarted is not None and self.watch.progressed():
+            log.info("[%s] %s", self.node, self.restarted.explained(time.time()))
             self.restarted = None
-        a.while_healthy()
+        self.group.while_healthy()
 
     # ------------------------------------------------------------------ a new group
 
     def restart(self, decision: Decision) -> None:
-        a = self.agent
+        run = self.run
         reason = decision.reason or Reason.SCALE_UP
         acted_at = time.time()
-        log.warning("[%s] %s: stopping local workers now", a.node, a.reporting.describe(decision))
+        log.warning("[%s] %s: stopping local workers now", self.node, self.reporting.describe(decision))
         if decision.dump_stacks:
-            self._dump_stacks(list(a.workers.pids()))
-        sig = stop_signal(reason, a.watch.progressed())
-        grace = min(a.settings.graceful_stop, 30.0)
-        pids, rank_base = a.workers.pids(), a.rank_base
+            self._dump_stacks(list(self.workers.pids()))
+        sig = stop_signal(reason, self.watch.progressed())
+        grace = min(self.settings.graceful_stop, 30.0)
+        pids, rank_base = self.workers.pids(), run.round.rank_base
         if reason is Reason.LEASE_LOST:
-            a.stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
-            a.rdzv.publish(fault=f"etcd lease lost: {a.reporting.describe(decision)}"[:300])  # agent.fault_cause
-        cause = timeline_reason(reason.value, [f.message for f in a.observer.seen_failures.values()])
-        a.goodput.acted(cause, at=acted_at)
-        a.rdzv.publish(state=NodeState.STOPPING)
-        a.metrics.set_state(AgentState.STOPPED)
+            self.group.stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
+            self.rdzv.publish(fault=f"etcd lease lost: {self.reporting.describe(decision)}"[:300])  # agent.fault_cause
+        cause = timeline_reason(reason.value, [f.message for f in self.observer.seen_failures.values()])
+        self.goodput.acted(cause, at=acted_at)
+        self.rdzv.publish(state=NodeState.STOPPING)
+        self.metrics.set_state(AgentState.STOPPED)
         if reason is not Reason.LEASE_LOST:
-            a.stop(sig, grace)
-        a.goodput.tick(pids, rank_base, force=True)  # what rank 0 marked before it stopped
-        a.goodput.workers_stopped()
+            self.group.stop(sig, grace)
+        self.goodput.tick(pids, rank_base, force=True)  # what rank 0 marked before it stopped
+        self.goodput.workers_stopped()
         if decision.counted:
-            a.remaining_restarts -= 1
-        a.restart_count += 1
-        previous = a.participants
+            run.remaining_restarts -= 1
+        run.restart_count += 1
+        previous = run.round.participants
         if reason is Reason.WORKER_FAILED:
-            a.rdzv.report_unreachable()  # a peer cut off from us fails our workers, its lease intact
-        a.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else RoundCause.FAILURE)
-        if refunded(reason, previous, a.participants):
+            self.rdzv.report_unreachable()  # a peer cut off from us fails our workers, its lease intact
+        self.group.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else RoundCause.FAILURE)
+        if refunded(reason, previous, run.round.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
-            a.remaining_restarts += 1
-            a.crash_streak = a.streak_before  # nor a step of a crash loop of ours
+            run.remaining_restarts += 1
+            run.crash_streak = run.streak_before  # nor a step of a crash loop of ours
         rendezvous_done = time.time()
-        a.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value,
-                            fault_nodes(reason.value, a.node, previous, a.participants), acted_at, rendezvous_done)
-        a.recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
-        a.start_group()
-        modes = sorted({w.mode for w in a.workers.workers.values()})
+        self.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value,
+                               fault_nodes(reason.value, self.node, previous, run.round.participants), acted_at,
+                               rendezvous_done)
+        run.recovering = reason is not Reason.LEASE_LOST  # these workers' start-up is the job's
+        self.group.start_group()
+        modes = sorted({w.mode for w in self.workers.workers.values()})
         start = "warm (pre-imported)" if modes == ["warm"] else "cold (importing torch)" if modes == ["cold"] \
             else "warm and cold"
-        log.info("[%s] restart (%s)%s: world of %d nodes, workers started %s, %d restarts left", a.node,
-                 reason.value, change(previous, a.participants), a.group_world, start, a.remaining_restarts)
-        self.restarted = Restarted(reason.value, change(previous, a.participants), acted_at,
+        log.info("[%s] restart (%s)%s: world of %d nodes, workers started %s, %d restarts left", self.node,
+                 reason.value, change(previous, run.round.participants), run.round.group_world, start,
+                 run.remaining_restarts)
+        self.restarted = Restarted(reason.value, change(previous, run.round.participants), acted_at,
                                    rendezvous_done, time.time(), start)
-        a.metrics.restarts.labels(reason=reason.value).inc()
-        a.metrics.remaining_restarts.set(a.remaining_restarts)
+        self.metrics.restarts.labels(reason=reason.value).inc()
+        self.metrics.remaining_restarts.set(run.remaining_restarts)
 
     # ------------------------------------------------------------------ in place
 
     def rejoin(self, decision: Decision) -> None:
         """In place: the workers keep running while this node takes part in the new round."""
-        a = self.agent
-        if decision.reason is Reason.FROZEN and not a.freeze.write_off(a.observer.frozen):
+        run = self.run
+        if decision.reason is Reason.FROZEN and not self.freeze.write_off(self.observer.frozen):
             return  # etcd refused the write-off: nothing changed, and the next look judges again
-        log.info("[%s] %s: rejoining in place (workers keep running)", a.node, a.reporting.describe(decision))
-        previous, before = a.round_number, a.participants
+        log.info("[%s] %s: rejoining in place (workers keep running)", self.node, self.reporting.describe(decision))
+        previous, before = run.round.number, run.round.participants
         if decision.reason is Reason.REFORM:
-            a.rdzv.report_unreachable()  # so the next round can leave out a member nobody reaches
-        a.rendezvous(RoundCause.JOIN if decision.reason is Reason.SCALE_UP else RoundCause.FAILURE, offered=True)
-        if a.offer is None:
-            log.warning("[%s] no usable round for in-place workers", a.node)
+            self.rdzv.report_unreachable()  # so the next round can leave out a member nobody reaches
+        self.group.rendezvous(RoundCause.JOIN if decision.reason is Reason.SCALE_UP else RoundCause.FAILURE,
+                              offered=True)
+        if run.round.offer is None:
+            log.warning("[%s] no usable round for in-place workers", self.node)
             self._unusable(Reason.PEER_LOST)
             return
-        a.channel.offer(a.offer)
-        a.watch.rejoined()
+        self.channel.offer(run.round.offer)
+        self.watch.rejoined()
         assert decision.reason is not None
-        a.metrics.reforms.labels(reason=decision.reason.value).inc()
-        log.info("[%s] round %d -> %d in place%s: world of %d nodes (%s), %d workers", a.node, previous,
-                 a.round_number, change(before, a.participants), a.group_world, ", ".join(a.participants),
-                 a.world_size)
+        self.metrics.reforms.labels(reason=decision.reason.value).inc()
+        log.info("[%s] round %d -> %d in place%s: world of %d nodes (%s), %d workers", self.node, previous,
+                 run.round.number, change(before, run.round.participants), run.round.group_world,
+                 ", ".join(run.round.participants), run.round.world_size)
 
     def replace(self, decision: Decision) -> None:
         """In place: start again only the local ranks that died or hung."""
-        a = self.agent
+        run = self.run
         ranks = list(decision.ranks)
         acted_at = time.time()
         if decision.reason is not None:
-            a.goodput.acted(decision.reason.value)
-        log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", a.node,
-                    a.reporting.describe(decision), ranks)
+            self.goodput.acted(decision.reason.value)
+        log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", self.node,
+                    self.reporting.describe(decision), ranks)
         if decision.dump_stacks:
             self._dump_stacks(ranks)
-        pids = [pid for rank, pid in a.workers.pids().items() if rank in ranks]
-        before = a.workers.pids()
-        a.workers.stop(signal.SIGKILL, ranks=ranks)
-        a.goodput.tick(before, a.rank_base, force=True)  # what rank 0 marked before it died
-        a.workers.forget(ranks)
-        a.metrics.forget_pids(pids)
+        pids = [pid for rank, pid in self.workers.pids().items() if rank in ranks]
+        before = self.workers.pids()
+        self.workers.stop(signal.SIGKILL, ranks=ranks)
+        self.goodput.tick(before, run.round.rank_base, force=True)  # what rank 0 marked before it died
+        self.workers.forget(ranks)
+        self.metrics.forget_pids(pids)
         for rank in ranks:
-            a.channel.forget(rank)
-            a.watch.forget(rank)
-        a.goodput.workers_stopped(ranks)
+            self.channel.forget(rank)
+            self.watch.forget(rank)
+        self.goodput.workers_stopped(ranks)
         if decision.counted:
-            a.remaining_restarts -= 1
-        a.rendezvous(RoundCause.FAILURE, offered=True)
-        if a.offer is None:
+            run.remaining_restarts -= 1
+        self.group.rendezvous(RoundCause.FAILURE, offered=True)
+        if run.round.offer is None:
             self._unusable(decision.reason or Reason.WORKER_FAILED)
             return
-        a.channel.offer(a.offer)
+        self.channel.offer(run.round.offer)
         if decision.reason is not None:
-            a.goodput.restarted(decision.reason.value, (a.node,), acted_at, time.time())
+            self.goodput.restarted(decision.reason.value, (self.node,), acted_at, time.time())
         if 0 in ranks:
-            a.goodput.workers_started(time.time())
-        a.recovering = True
-        started = a.start_again(ranks)
+            self.goodput.workers_started(time.time())
+        run.recovering = True
+        started = self.group.start_again(ranks)
         assert decision.reason is not None
-        a.metrics.restarts.labels(reason=decision.reason.value).inc()
-        a.metrics.remaining_restarts.set(a.remaining_restarts)
-        modes = sorted({a.workers.workers[rank].mode for rank in started if rank in a.workers.workers})
-        log.info("[%s] round %d: local rank(s) %s started again (%s), %d restarts left", a.node,
-                 a.round_number, ranks, " and ".join(modes) or "?", a.remaining_restarts)
+        self.metrics.restarts.labels(reason=decision.reason.value).inc()
+        self.metrics.remaining_restarts.set(run.remaining_restarts)
+        modes = sorted({self.workers.workers[rank].mode for rank in started if rank in self.workers.workers})
+        log.info("[%s] round %d: local rank(s) %s started again (%s), %d restarts left", self.node,
+                 run.round.number, ranks, " and ".join(modes) or "?", run.remaining_restarts)
 
     def _unusable(self, reason: Reason) -> None:
         """The round came without an offer: the next look carries it to the policy (agent.policy, 1b)."""
-        self.agent.unusable_round = reason
-        self.agent.wake()
+        self.run.unusable_round = reason
+        self.group.wake()
 
     # ------------------------------------------------------------------ out for a while
 
@@ -205,31 +222,31 @@ class Acts:
         The keep-out key goes to etcd first: every closer of the next round leaves out a
         node that holds one (``Reachability.excluded``), so the others' round, which may
         already be open, closes without this node instead of waiting for it."""
-        a = self.agent
+        run = self.run
         back_for = None if self.back_in_at is None else time.monotonic() - self.back_in_at
         self.crash_strikes = next_strikes(self.crash_strikes, back_for)
-        out = KeepOut(a.node, self.crash_strikes, backoff(self.crash_strikes), cause=decision.detail,
-                      round=a.round_number)
+        out = KeepOut(self.node, self.crash_strikes, backoff(self.crash_strikes), cause=decision.detail,
+                      round=run.round.number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
-                  a.node, out.backoff, out.strikes, decision.detail)
+                  self.node, out.backoff, out.strikes, decision.detail)
         if decision.reason not in (Reason.STRAGGLER, Reason.SDC, Reason.HEALTH):
-            a.metrics.crash_loops.inc()
-        a.sdc.forget()
-        a.pace.forget()
-        a.rdzv.keep_out(out)
-        a.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
-        pids = a.workers.pids()
-        a.stop(signal.SIGKILL, 0.0)
-        a.goodput.tick(pids, a.rank_base, force=True)
-        a.goodput.workers_stopped()
-        a.channel.withdraw()
-        a.metrics.set_state(AgentState.STOPPED)
+            self.metrics.crash_loops.inc()
+        self.sdc.forget()
+        self.pace.forget()
+        self.rdzv.keep_out(out)
+        self.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
+        pids = self.workers.pids()
+        self.group.stop(signal.SIGKILL, 0.0)
+        self.goodput.tick(pids, run.round.rank_base, force=True)
+        self.goodput.workers_stopped()
+        self.channel.withdraw()
+        self.metrics.set_state(AgentState.STOPPED)
         self.restarted = None
-        a.pool.fill()  # the standbys import while this node waits: its return starts warm
+        self.pool.fill()  # the standbys import while this node waits: its return starts warm
         deadline = time.monotonic() + out.backoff
-        while time.monotonic() < deadline and not a.rdzv.is_closed():
+        while time.monotonic() < deadline and not self.rdzv.is_closed():
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        a.rdzv.keep_out(None)
+        self.rdzv.keep_out(None)
         self.back_in_at = time.monotonic()
         if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
@@ -237,56 +254,56 @@ class Acts:
                      else "a health check still fails" if decision.reason is Reason.HEALTH
                      else "its workers fail right after their start once more")
             log.info("[%s] back after %.0f s kept out; joining the job again (kept out again, for longer, if %s)",
-                     a.node, out.backoff, again)
-        a.restart_count += 1  # a new group: its own attempt directory for logs and error files
-        a.rendezvous(RoundCause.JOIN)
-        a.recovering = False
-        a.start_group()
+                     self.node, out.backoff, again)
+        run.restart_count += 1  # a new group: its own attempt directory for logs and error files
+        self.group.rendezvous(RoundCause.JOIN)
+        run.recovering = False
+        self.group.start_group()
 
     # ------------------------------------------------------------------ the end
 
     def succeed(self) -> RunResult:
-        a = self.agent
-        log.info("[%s] local workers finished", a.node)
-        a.goodput.tick(a.workers.pids(), a.rank_base, force=True)  # rank 0's last steps
-        a.rdzv.publish(state=NodeState.SUCCEEDED)
+        run = self.run
+        log.info("[%s] local workers finished", self.node)
+        self.goodput.tick(self.workers.pids(), run.round.rank_base, force=True)  # rank 0's last steps
+        self.rdzv.publish(state=NodeState.SUCCEEDED)
         # Stay in the registry until every peer has finished too, so that this node leaving
         # early is not mistaken for a peer lost (which would restart the others).
-        a.rdzv.exit_barrier(a.round, a.settings.exit_barrier_timeout)
-        a.metrics.set_state(AgentState.SUCCEEDED)
-        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in a.workers.pids()})
+        self.rdzv.exit_barrier(run.round, self.settings.exit_barrier_timeout)
+        self.metrics.set_state(AgentState.SUCCEEDED)
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
 
     def fail(self, decision: Decision) -> RunResult:
-        a = self.agent
+        run = self.run
         if decision.reason is Reason.ETCD_LOST:  # the fix is the line: no traceback to point at
-            a.failure_line = decision.detail
-            log.error("[%s] the job fails: %s", a.node, decision.detail)
+            run.failure_line = decision.detail
+            log.error("[%s] the job fails: %s", self.node, decision.detail)
         elif decision.reason in (Reason.CRASH_LOOP, Reason.SCRIPT_ERROR):  # one line that ends with the cause
             if decision.reason is Reason.CRASH_LOOP:
-                a.metrics.crash_loops.inc()
-            a.failure_line = f"{decision.detail}; the traceback: {a.reporting.traceback_where(decision.failed)}"
-            log.error("[%s] the job fails: %s", a.node, a.failure_line)
+                self.metrics.crash_loops.inc()
+            run.failure_line = f"{decision.detail}; the traceback: {self.reporting.traceback_where(decision.failed)}"
+            log.error("[%s] the job fails: %s", self.node, run.failure_line)
         elif decision.final_snapshot_lost:  # the worker's line says it all; no torchrun box after it
-            a.failure_line = decision.detail
-            log.error("[%s] %s: the job fails", a.node, decision.detail)
+            run.failure_line = decision.detail
+            log.error("[%s] %s: the job fails", self.node, decision.detail)
         else:
-            log.error("[%s] %s: the job fails", a.node, a.reporting.describe(decision))
+            log.error("[%s] %s: the job fails", self.node, self.reporting.describe(decision))
         if decision.dump_stacks:
-            self._dump_stacks(list(a.workers.pids()))
-        failed_alone = a.workers.failures()  # before the stop adds its own victims
+            self._dump_stacks(list(self.workers.pids()))
+        failed_alone = self.workers.failures()  # before the stop adds its own victims
         if decision.usage_error or decision.final_snapshot_lost:  # the ranks that broke with it are not the story
             failed_alone = {rank: f for rank, f in failed_alone.items() if rank in decision.failed}
-        pids = a.workers.pids()
-        stopped = a.stop(signal.SIGTERM, a.settings.graceful_stop)
-        a.goodput.tick(pids, a.rank_base, force=True)
+        pids = self.workers.pids()
+        stopped = self.group.stop(signal.SIGTERM, self.settings.graceful_stop)
+        self.goodput.tick(pids, run.round.rank_base, force=True)
         failures: Any = failed_alone or stopped
-        a.rdzv.publish(state=NodeState.FAILED)
-        a.metrics.set_state(AgentState.FAILED)
+        self.rdzv.publish(state=NodeState.FAILED)
+        self.metrics.set_state(AgentState.FAILED)
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _dump_stacks(self, ranks: list[int]) -> None:
         """faulthandler in every agent worker dumps all threads' stacks on SIGUSR1."""
-        self.agent.workers.send(signal.SIGUSR1, ranks)
+        self.workers.send(signal.SIGUSR1, ranks)
         time.sleep(_STACK_DUMP_WAIT_S)  # let faulthandler's writes land before the kill
 
 

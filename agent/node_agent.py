@@ -59,6 +59,7 @@ from .acts import Acts
 from .fork_server import ForkServer, discard_early
 from .goodput import GoodputAccountant
 from .metrics import AgentMetrics
+from .node_run import NodeRun
 from .nulls import NoChannel, NoPool
 from .observer import Observer
 from .policy import Reason, decide
@@ -103,8 +104,10 @@ class AgentSignal(Exception):
 
 class NodeAgent(ElasticAgent):
     """torch's ``ElasticAgent`` contract (:meth:`run`, :meth:`get_worker_group`) over the
-    observe-decide-act loop. It holds the node's state (the round, the restart budget, the
-    crash streak) and its parts; each step is a collaborator's: :class:`Observer`,
+    observe-decide-act loop. It owns the node's state (:class:`NodeRun`: the round, the restart
+    budget, the crash streak) and its parts, and hands each collaborator the state and only the
+    parts it uses (never itself, but as the :class:`agent.node_run.Group` it drives); each step
+    is a collaborator's: :class:`Observer`,
     :func:`decide`, :class:`Acts`, with :class:`Reporting` for what it says and
     :class:`SpareAhead` for a spare's workers started ahead."""
 
@@ -116,8 +119,7 @@ class NodeAgent(ElasticAgent):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.rdzv = agent_rendezvous(handler, self.node, spec.nproc, settings.in_place)
-        self.remaining_restarts = spec.max_restarts
-        self.restart_count = 0
+        self.state = NodeRun(Round(world_size=spec.nproc), remaining_restarts=spec.max_restarts)  # shared, typed
         self.watch = HangWatch(settings.heartbeat_dir, settings.hang_timeout,
                                settings.hang_startup_timeout, node=self.node)
         self.commands = self.rdzv.command_watch(str(settings.heartbeat_dir))  # `elastic kill` from elsewhere
@@ -127,11 +129,9 @@ class NodeAgent(ElasticAgent):
         store_addr: str | None = None
         if self.rdzv.in_place:
             self.store_server, store_addr = _start_round_store(settings.store_host or spec.local_addr)
-        self.reporting = Reporting(self)
-        self.spares = SpareAhead(self)
         self.rdzv.attach(advertise_host=settings.store_host or spec.local_addr, metrics_url=metrics.url,
                          store_addr=store_addr, on_etcd_error=lambda kind: metrics.etcd_errors.labels(op=kind).inc(),
-                         wake=self._wake, on_keep_out=self.reporting.on_keep_out,
+                         wake=self._wake, on_keep_out=lambda out: self.reporting.on_keep_out(out),
                          while_spare=lambda: self.spares.start_ahead())
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
                                          self.rdzv.goodput_handler())
@@ -153,23 +153,29 @@ class NodeAgent(ElasticAgent):
         self.workers = LocalWorkers(logs_specs, spec.role, self.pool if isinstance(self.pool, ForkServer) else None,
                                     spec.numa_options,
                                     on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
-        self.round = Round(world_size=spec.nproc)
         self._group_started = time.time()
         self._refilled = False
-        self.joiner_pids: set[int] = set()  # workers started into a live in-place world (Observer)
-        self.recovering = False  # the workers started next repair a broken world (goodput)
-        self.crash_streak = self.streak_before = 0  # own failures in a row right after a start (policy)
-        self.unusable_round: Reason | None = None  # the last rejoin or replace got no round to hand over
-        self.failure_line = ""  # why the job failed, in one line, when this agent can say it (launch prints it)
-        self.observer = Observer(self)
-        self.acts = Acts(self)
+        run = self.state  # the collaborators share it and the parts each needs, never the agent
+        self.observer = Observer(run, node=self.node, run_id=spec.run_id, heartbeat_dir=settings.heartbeat_dir,
+                                 workers=self.workers, rdzv=self.rdzv, watch=self.watch, channel=self.channel,
+                                 pace=self.pace, sdc=self.sdc, freeze=self.freeze, health=self.health)
+        self.reporting = Reporting(run, node=self.node, nproc=spec.nproc, work_dir=settings.work_dir,
+                                   metrics=metrics, rdzv=self.rdzv, watch=self.watch, workers=self.workers,
+                                   observer=self.observer)
+        self.spares = SpareAhead(run, self, node=self.node, nproc=spec.nproc, workers=self.workers,
+                                 rdzv=self.rdzv, channel=self.channel, metrics=metrics)
+        self.acts = Acts(run, self, node=self.node, settings=settings, metrics=metrics, workers=self.workers,
+                         watch=self.watch, rdzv=self.rdzv, goodput=self.goodput, sdc=self.sdc, pace=self.pace,
+                         freeze=self.freeze, channel=self.channel, pool=self.pool, observer=self.observer,
+                         reporting=self.reporting)
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
             local_addr=spec.local_addr))
-        metrics.remaining_restarts.set(self.remaining_restarts)
+        metrics.remaining_restarts.set(self.state.remaining_restarts)
 
     # the round's figures, as the workers' environment names them
+    round = property(lambda self: self.state.round)
     group_rank = property(lambda self: self.round.group_rank)
     group_world = property(lambda self: self.round.group_world)
     rank_base = property(lambda self: self.round.rank_base)
@@ -179,6 +185,7 @@ class NodeAgent(ElasticAgent):
     round_number = property(lambda self: self.round.number)
     participants = property(lambda self: self.round.participants)
     offer = property(lambda self: self.round.offer)
+    failure_line = property(lambda self: self.state.failure_line)  # why the job failed, in one line (launch prints it)
 
     # ------------------------------------------------------------------ torch's contract
 
@@ -194,7 +201,7 @@ class NodeAgent(ElasticAgent):
             return self._loop()
         except AgentSignal as exc:
             pids = self.workers.pids()
-            terminate(self, exc.signum)
+            terminate(self, self.node, self.workers, self.metrics, self.spec.term_grace, exc.signum)
             self.goodput.tick(pids, self.rank_base, force=True)  # rank 0's last marks, written as it stopped
             raise
         finally:
@@ -217,7 +224,7 @@ class NodeAgent(ElasticAgent):
             decision = decide(observed)
             if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
                 # this failure is being acted on: it counts (a refund in Acts.restart takes it back)
-                self.streak_before, self.crash_streak = self.crash_streak, observed.crash_streak
+                self.state.streak_before, self.state.crash_streak = self.state.crash_streak, observed.crash_streak
             self.reporting.export_lease()
             result = self.acts.carry_out(decision)
             if result is not None:
@@ -286,7 +293,7 @@ class NodeAgent(ElasticAgent):
             raise RendezvousClosedError("the job ended while this node was kept out by a failed health check")
         started = time.monotonic()
         try:
-            self.round = self.rdzv.next_round(cause, self.round, offered=offered)
+            self.state.round = self.rdzv.next_round(cause, self.round, offered=offered)
         except JobFinishedError:
             raise  # no round was asked for: the job had ended
         except Exception as exc:
@@ -315,7 +322,7 @@ class NodeAgent(ElasticAgent):
             log.info("[%s] the workers started while a spare take the place: no start-up on the way", self.node)
         else:
             pids = self.workers.start_all(self.launches(joining))
-        self.joiner_pids = set(pids.values()) if joining else set()
+        self.state.joiner_pids = set(pids.values()) if joining else set()
         self.group_started()
         self.goodput.workers_started(self._group_started)
         self._worker_group.workers = [
@@ -336,7 +343,7 @@ class NodeAgent(ElasticAgent):
         for worker in self._worker_group.workers:
             if worker.local_rank in started:
                 worker.id = started[worker.local_rank]
-        self.joiner_pids |= set(started.values())
+        self.state.joiner_pids |= set(started.values())
         self.metrics.workers_started(self._worker_group, started)
         self.group_started()
         return started
@@ -384,11 +391,11 @@ class NodeAgent(ElasticAgent):
         place = Place(rank=self.rank_base + local_rank, world_size=self.world_size, group_rank=self.group_rank,
                       group_world_size=self.group_world, local_world_size=self.spec.nproc, round=self.round_number)
         me = RankEnv(place, local_rank=local_rank, role=self.spec.role, master_addr=self.master_addr,
-                     master_port=self.master_port, restart_count=self.restart_count,
+                     master_port=self.master_port, restart_count=self.state.restart_count,
                      max_restarts=self.spec.max_restarts, run_id=self.spec.run_id,
                      use_agent_store=self.handler.use_agent_store,
                      nccl_async_error_handling=os.environ.get(contract.NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
-                     recovering=self.recovering)
+                     recovering=self.state.recovering)
         return {**self._node_env(), **(me.in_setup_world(joining, setup_port) if joining else me).to_env()}
 
 

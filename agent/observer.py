@@ -13,23 +13,33 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from elastic import contract
+from elastic.inplace.channel import AgentChannel
 
+from .node_run import NodeRun
+from .nulls import NoChannel
 from .fault_cause import attribute
 from .oom import killed_by, oom_kills
 from .policy import Failure, Observation, crash_report, last_words, next_streak
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
+from .rendezvous import AgentRendezvous
+from .sdc import SdcWatch
+from .watchdog import HangWatch
+from .workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
 
 class Observer:
-    def __init__(self, agent: "NodeAgent") -> None:
-        self.agent = agent
+    def __init__(self, run: NodeRun, *, node: str, run_id: str, heartbeat_dir: Path, workers: LocalWorkers,
+                 rdzv: AgentRendezvous, watch: HangWatch, channel: AgentChannel | NoChannel, pace: Any,
+                 sdc: SdcWatch, freeze: Any, health: Any) -> None:
+        self.run, self.node, self.run_id, self.heartbeat_dir = run, node, run_id, heartbeat_dir
+        self.workers, self.rdzv, self.watch, self.channel = workers, rdzv, watch, channel
+        self.pace, self.sdc, self.freeze = pace, sdc, freeze  # the straggler, SDC and freeze watches
+        self.health = health  # agent.health_watch: '' for a healthy node, else the failed checks
         self.kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
         self.seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
         self.reform_why = ""  # what the worker asking for a new round said
@@ -40,51 +50,51 @@ class Observer:
         self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
 
     def look(self) -> Observation:
-        a = self.agent
-        exits = a.workers.exits()
-        membership, self.kept_out_peers = a.rdzv.membership(a.round)
-        stalled = a.watch.stalled() if all(code is None for code in exits.values()) else None
+        run = self.run
+        exits = self.workers.exits()
+        membership, self.kept_out_peers = self.rdzv.membership(run.round)
+        stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
         in_place, reform = self._in_place_statuses()
-        a.rdzv.publish(in_place=self._holds_state)
+        self.rdzv.publish(in_place=self._holds_state)
         failures = self.seen_failures = self._failures(exits)
         report = crash_report(failures)
         if report:  # tell the other nodes what this node's workers failed with right after their start
-            a.rdzv.publish(crash=report)
+            self.rdzv.publish(crash=report)
         if failures:  # the last fault of this node, kind first (agent.fault_cause), for elastic top
-            a.rdzv.publish(fault=last_words(failures)[:300])
+            self.rdzv.publish(fault=last_words(failures)[:300])
         failed = any(code not in (None, 0) for code in exits.values())
         fresh = failed or membership is not None or reform or stalled is not None
-        self.frozen = a.freeze.look(a.workers.pids(), a.round_number, a.participants)
-        unusable, a.unusable_round = a.unusable_round, None
-        suspect = a.sdc.look() or ""
+        self.frozen = self.freeze.look(self.workers.pids(), run.round.number, run.round.participants)
+        unusable, run.unusable_round = run.unusable_round, None
+        suspect = self.sdc.look() or ""
         return Observation(
             exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
-            restarts_left=a.remaining_restarts, failures=failures,
-            crash_streak=next_streak(a.crash_streak, failures.values()),
-            nodes_without_us=len(a.round.others(a.node)) if a.rdzv.can_keep_out else None,
-            peer_crashes=a.rdzv.peer_crashes(a.round),
-            etcd_lost=a.rdzv.etcd_lost(self._stale_fence(), a.spec.run_id) if failures else "",
-            health=a.health.look(),
-            min_nodes=a.rdzv.min_nodes,
-            straggler=a.pace.look(a.participants, a.rdzv.min_nodes) or "",
+            restarts_left=run.remaining_restarts, failures=failures,
+            crash_streak=next_streak(run.crash_streak, failures.values()),
+            nodes_without_us=len(run.round.others(self.node)) if self.rdzv.can_keep_out else None,
+            peer_crashes=self.rdzv.peer_crashes(run.round),
+            etcd_lost=self.rdzv.etcd_lost(self._stale_fence(), self.run_id) if failures else "",
+            health=self.health.look(),
+            min_nodes=self.rdzv.min_nodes,
+            straggler=self.pace.look(run.round.participants, self.rdzv.min_nodes) or "",
             sdc_suspect=suspect,
             spares_waiting=self._spares_waiting(suspect),
-            written_off=a.freeze.written_off(a.round_number, a.participants, fresh=fresh) or "",
+            written_off=self.freeze.written_off(run.round.number, run.round.participants, fresh=fresh) or "",
             frozen=self.frozen.nodes if self.frozen is not None else (),
             frozen_detail=self.frozen.detail if self.frozen is not None else "",
             unusable_round=unusable)
 
     def _spares_waiting(self, suspect: str) -> int:
         """Only when it matters (an SDC suspect in a round at the job's minimum size): a read of etcd."""
-        a = self.agent
-        if not suspect or len(a.round.others(a.node)) >= a.rdzv.min_nodes:
+        current = self.run.round
+        if not suspect or len(current.others(self.node)) >= self.rdzv.min_nodes:
             return 0
-        return a.rdzv.spares_waiting(a.round)
+        return self.rdzv.spares_waiting(current)
 
     def _stale_fence(self) -> dict[str, Any] | None:
         """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""
         try:
-            data = json.loads((self.agent.settings.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
+            data = json.loads((self.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
@@ -93,7 +103,7 @@ class Observer:
         """The failed local workers in detail: how long each ran and its last words."""
         out = {}
         for rank, code in exits.items():
-            worker = self.agent.workers.workers.get(rank)
+            worker = self.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
             message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.fault_cause)
@@ -104,18 +114,18 @@ class Observer:
                     message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
                     self._oom_seen = now
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
-                                progressed=self.agent.watch.progressed_since_start(rank))
+                                progressed=self.watch.progressed_since_start(rank))
         return out
 
     def _in_place_statuses(self) -> tuple[bool, bool]:
         """(every running local worker runs in place, one asked for a new round)."""
-        a = self.agent
+        run = self.run
         self._holds_state = False
         statuses, starting = [], False
-        for rank, pid in a.workers.pids().items():
-            status = a.channel.status(rank)
+        for rank, pid in self.workers.pids().items():
+            status = self.channel.status(rank)
             if status is None or status.pid != pid:
-                if pid not in a.joiner_pids:
+                if pid not in run.joiner_pids:
                     return False, False
                 # Started into a world that trains in place, and not heard from yet: it takes
                 # the newest offer at its first batch, so a round that comes meanwhile is
@@ -127,8 +137,8 @@ class Observer:
         self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
-            log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", a.node)
-        asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= a.round_number]
+            log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
+        asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= run.round.number]
         self.reform_why = asking[0].reason if asking else ""
         return in_place, bool(asking)
 

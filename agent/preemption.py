@@ -11,19 +11,18 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING
-
+from .metrics import AgentMetrics
+from .node_run import Group
 from .states import AgentState
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
+from .workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
-def terminate(agent: "NodeAgent", signum: int) -> None:
+def terminate(group: Group, node: str, workers: LocalWorkers, metrics: AgentMetrics, grace: float,
+              signum: int) -> None:
     """The agent was told to stop (Kubernetes evicting the pod, a spot VM reclaimed,
     ``systemctl stop``): pass SIGTERM on to the workers and restart nothing.
 
@@ -33,14 +32,13 @@ def terminate(agent: "NodeAgent", signum: int) -> None:
     they left at their step boundary rather than in the middle of it, and SIGKILLs
     whatever still runs when ``--term-grace`` is up. A second signal ends the wait at once.
     """
-    node, workers = agent.node, agent.workers
-    grace, started = agent.spec.term_grace, time.monotonic()
+    started = time.monotonic()
     name = signal.Signals(signum).name
     running = [rank for rank, code in workers.exits().items() if code is None]
-    agent.metrics.set_state(AgentState.STOPPED)
+    metrics.set_state(AgentState.STOPPED)
     if not running:
         log.warning("[%s] got %s: no local worker is running; exiting", node, name)
-        agent.stop(signal.SIGKILL, 0.0)
+        group.stop(signal.SIGKILL, 0.0)
         return
     log.warning("[%s] got %s: passing SIGTERM to local rank(s) %s, which stop at a step boundary "
                 "(ElasticRun: after a snapshot of the last step); restarting nothing; SIGKILL in %g s "
@@ -69,7 +67,7 @@ def terminate(agent: "NodeAgent", signum: int) -> None:
         codes = {rank: code for rank, code in workers.exits().items() if rank in running}
         log.info("[%s] local workers stopped %.1f s after %s (exit codes %s); leaving the job", node,
                  waited, name, ", ".join(f"rank {r}: {c}" for r, c in sorted(codes.items())))
-    agent.stop(signal.SIGKILL, 0.0)  # what is left, and each worker's whole session (data loaders...)
+    group.stop(signal.SIGKILL, 0.0)  # what is left, and each worker's whole session (data loaders...)
 
 
 __all__ = ["terminate"]

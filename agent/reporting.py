@@ -11,65 +11,69 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping
 
+from elastic.atomic_file import write_atomically
+
+from .metrics import AgentMetrics
+from .node_run import NodeRun
+from .observer import Observer
 from .policy import Decision, Reason, last_words
-
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
+from .rendezvous import AgentRendezvous
+from .watchdog import HangWatch
+from .workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
 
 class Reporting:
-    def __init__(self, agent: "NodeAgent") -> None:
-        self.agent = agent
+    def __init__(self, run: NodeRun, *, node: str, nproc: int, work_dir: Path, metrics: AgentMetrics,
+                 rdzv: AgentRendezvous, watch: HangWatch, workers: LocalWorkers, observer: Observer) -> None:
+        self.run, self.node, self.nproc, self.work_dir = run, node, nproc, work_dir
+        self.metrics, self.rdzv, self.watch, self.workers, self.observer = metrics, rdzv, watch, workers, observer
 
     def write_status(self) -> None:
         """``status.json`` in the agent's directory: where this node's workers stand, for tools
         (``elastic local`` follows any script's progress through it and the heartbeats)."""
-        a = self.agent
-        status = {"node": a.node, "round": a.round_number, "participants": list(a.participants),
-                  "group_rank": a.group_rank, "group_world": a.group_world, "rank_base": a.rank_base,
-                  "world_size": a.world_size, "nproc": a.spec.nproc, "time": time.time()}
-        path = a.settings.work_dir / "status.json"
+        r = self.run.round
+        status = {"node": self.node, "round": r.number, "participants": list(r.participants),
+                  "group_rank": r.group_rank, "group_world": r.group_world, "rank_base": r.rank_base,
+                  "world_size": r.world_size, "nproc": self.nproc, "time": time.time()}
+        path = self.work_dir / "status.json"
         try:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(status))
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps(status).encode())
         except OSError as exc:
             log.debug("cannot write %s: %s", path, exc)
 
     def on_keep_out(self, out: Any) -> None:
         """The rendezvous keeps this node out (``out``: why and how long) or lets it back in (None)."""
-        metrics = self.agent.metrics
+        metrics = self.metrics
         metrics.kept_out.set(1 if out is not None else 0)
         metrics.keep_out_backoff.set(out.backoff if out is not None else 0)
         if out is not None:
             metrics.kept_out_total.inc()
 
     def export_lease(self) -> None:
-        health = self.agent.rdzv.lease_health()
-        self.agent.metrics.keepalive_age.set(health.age if health.age is not None else 0.0)
-        self.agent.metrics.etcd_outage.set(1 if health.outage else 0)
+        health = self.rdzv.lease_health()
+        self.metrics.keepalive_age.set(health.age if health.age is not None else 0.0)
+        self.metrics.etcd_outage.set(1 if health.outage else 0)
 
     def describe(self, decision: Decision) -> str:
-        a = self.agent
         reason = decision.reason
         if reason is Reason.HANG:
-            last = a.watch.last_progress()
+            last = self.watch.last_progress()
             since = f"for {time.time() - last:.0f} s" if last is not None else "since the group started"
-            return (f"no rank on this node made progress {since} (hang timeout {a.watch.describe_timeout()}); "
+            return (f"no rank on this node made progress {since} (hang timeout {self.watch.describe_timeout()}); "
                     "dumping worker stacks, then restarting")
-        cut_off = a.rdzv.lease_health().cut_off if reason is Reason.LEASE_LOST else ""
+        cut_off = self.rdzv.lease_health().cut_off if reason is Reason.LEASE_LOST else ""
         if cut_off:
             return cut_off
         if decision.detail:
             return decision.detail
-        kept_out, reform_why = a.observer.kept_out_peers, a.observer.reform_why
+        kept_out, reform_why = self.observer.kept_out_peers, self.observer.reform_why
         return {
             Reason.PEER_LOST: f"{', '.join(kept_out)} went out of the job (kept out)" if kept_out
                               else "a peer of this round lost its etcd lease (dead, frozen or cut off)",
@@ -86,13 +90,13 @@ class Reporting:
 
     def _last_words(self) -> str:
         """`` with "ValueError: boom"``: what the failed workers' error files say, if anything."""
-        seen = self.agent.observer.seen_failures
+        seen = self.observer.seen_failures
         words = last_words(seen) if seen else ""
         return f' with "{words}"' if words and not words.startswith("exit ") else ""
 
     def traceback_where(self, failed: Mapping[int, int]) -> str:
         """Where a failed worker's traceback is: its stderr file, else this agent's own output."""
-        workers = self.agent.workers.workers
+        workers = self.workers.workers
         files = sorted({w.stderr for r, w in workers.items() if r in failed and w.stderr})
         return ", ".join(files) if files else "above, in this agent's output (stderr)"
 

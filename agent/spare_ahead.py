@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING
-
 from elastic import contract
+from elastic.inplace.channel import AgentChannel
 
-if TYPE_CHECKING:
-    from .node_agent import NodeAgent
+from .metrics import AgentMetrics
+from .node_run import Group, NodeRun
+from .nulls import NoChannel
+from .rendezvous import AgentRendezvous
+from .workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
 
 
 class SpareAhead:
-    def __init__(self, agent: "NodeAgent") -> None:
-        self.agent = agent
+    def __init__(self, run: NodeRun, group: Group, *, node: str, nproc: int, workers: LocalWorkers,
+                 rdzv: AgentRendezvous, channel: AgentChannel | NoChannel, metrics: AgentMetrics) -> None:
+        self.run, self.group, self.node, self.nproc = run, group, node, nproc
+        self.workers, self.rdzv, self.channel, self.metrics = workers, rdzv, channel, metrics
         self.prestarted: dict[int, int] = {}  # local rank -> pid: workers started while a spare
 
     def start_ahead(self) -> None:
@@ -34,47 +38,45 @@ class SpareAhead:
         only offers it to them (:meth:`take`). Only a world whose members say they train in
         place (an ``ElasticRun`` script, which waits in its set-up world) gets workers
         ahead: a plain script would train on alone in it."""
-        a = self.agent
         if self.prestarted:
             self._count_ready()
             return
-        if a.workers.pids() or not a.rdzv.in_place or not a.rdzv.live_world_ahead():
+        if self.workers.pids() or not self.rdzv.in_place or not self.rdzv.live_world_ahead():
             return
-        a.channel.withdraw()
-        for rank in range(a.spec.nproc):
-            a.channel.forget(rank)
-        self.prestarted = a.workers.start_all(a.launches(joining=list(range(a.spec.nproc))))
-        a.joiner_pids = set(self.prestarted.values())
-        modes = sorted({w.mode for w in a.workers.workers.values()})
+        self.channel.withdraw()
+        for rank in range(self.nproc):
+            self.channel.forget(rank)
+        self.prestarted = self.workers.start_all(self.group.launches(joining=list(range(self.nproc))))
+        self.run.joiner_pids = set(self.prestarted.values())
+        modes = sorted({w.mode for w in self.workers.workers.values()})
         log.info("[%s] a spare: its workers start now (%s), so that they take a place at the next step boundary "
-                 "with the script's start-up done; they wait at the loop's first batch", a.node,
+                 "with the script's start-up done; they wait at the loop's first batch", self.node,
                  " and ".join(modes) or "?")
 
     def _count_ready(self) -> None:
         """A worker started ahead is ready once it said it joins (its run is built, its loop waits)."""
         ready = 0
         for rank, pid in self.prestarted.items():
-            status = self.agent.channel.status(rank)
+            status = self.channel.status(rank)
             ready += status is not None and status.pid == pid and status.state == contract.WorkerState.JOINING
-        self.agent.metrics.spare_workers_ready.set(ready)
+        self.metrics.spare_workers_ready.set(ready)
 
     def drop(self) -> None:
         if self.prestarted:
             self.prestarted = {}
-            self.agent.stop(signal.SIGKILL, 0.0)
+            self.group.stop(signal.SIGKILL, 0.0)
 
     def take(self) -> dict[int, int] | None:
         """The spare's workers started ahead, if they can take this round's place as they are."""
-        a = self.agent
         prestarted, self.prestarted = self.prestarted, {}
         if not prestarted:
             return None
-        a.metrics.spare_workers_ready.set(0)
-        usable = (a.offer is not None and a.round.live_world and a.workers.pids() == prestarted
-                  and all(code is None for code in a.workers.exits().values()))
+        self.metrics.spare_workers_ready.set(0)
+        usable = (self.run.round.offer is not None and self.run.round.live_world and self.workers.pids() == prestarted
+                  and all(code is None for code in self.workers.exits().values()))
         if usable:
             return prestarted
-        a.stop(signal.SIGKILL, 0.0)  # one died, or this round does not train in place: start afresh
+        self.group.stop(signal.SIGKILL, 0.0)  # one died, or this round does not train in place: start afresh
         return None
 
 

@@ -22,14 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("elastic", "agent", "checkpoints")
 
-# Cycles other parts of issue 38 remove: a cycle among these modules only is allowed for now.
-# The lead deletes each entry once its fix is merged (test_each_known_cycle_is_still_there says when).
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # the agent's collaborators name NodeAgent in their annotations (TYPE_CHECKING): being
-    # replaced by the state they share, passed in (issue 38)
-    frozenset({"agent.acts", "agent.node_agent", "agent.observer", "agent.preemption", "agent.reporting",
-               "agent.spare_ahead"}),
-)
+# A cycle that must stay for a while goes here, with its reason, and out again once it is gone
+# (test_each_known_cycle_is_still_there says when). Issue 38 left none.
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 def _allowed(cycle: list[str]) -> bool:
