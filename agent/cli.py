@@ -24,52 +24,52 @@ Every agent flag --foo-bar can also be set as ELASTIC_FOO_BAR.
 
 
 def _agent(argv: Sequence[str]) -> int:
-    from .fork_server import fork_early
+    from agent.node.fork_server import fork_early
 
     fork_early()  # first: before anything starts a thread, the template shares the agent's torch import
-    from .launch import main
+    from agent.node.launch import main
 
     return main(argv)
 
 
 def _local(argv: Sequence[str]) -> int:
-    from .local_cluster import main
+    from agent.local.local_cluster import main
 
     return main(argv)
 
 
 def _kill(argv: Sequence[str]) -> int:
-    from .kill import main
+    from agent.tools.kill import main
 
     return main(argv)
 
 
 def _inject_sdc(argv: Sequence[str]) -> int:
-    from .inject_sdc import main
+    from agent.tools.inject_sdc import main
 
     return main(argv)
 
 
 def _check(argv: Sequence[str]) -> int:
-    from .check_cmd import main
+    from agent.tools.check_cmd import main
 
     return main(argv)
 
 
 def _etcd(argv: Sequence[str]) -> int:
-    from .etcd_cmd import main
+    from agent.tools.etcd_cmd import main
 
     return main(argv)
 
 
 def _top(argv: Sequence[str]) -> int:
-    from .top import main
+    from agent.tools.top import main
 
     return main(list(argv))
 
 
 def _sd(argv: Sequence[str]) -> int:
-    from .sd import main
+    from agent.tools.sd import main
 
     return main(list(argv))
 
@@ -88,7 +88,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 def build_agent_parser():  # type: ignore[no-untyped-def]
     """The ``elastic agent`` parser (deploy-file consistency tests read it)."""
-    from .launch import build_agent_parser as build
+    from agent.node.launch import build_agent_parser as build
 
     return build()
 
@@ -102,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         print(f"error: unknown command {args[0]!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from elastic.etcd import EtcdConfigError, EtcdError
-    from elastic.rendezvous.signing import HmacKeyError
+    from agent.etcd import EtcdConfigError, EtcdError
+    from agent.rendezvous.signing import HmacKeyError
 
     try:
         return command(args[1:])

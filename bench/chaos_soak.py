@@ -1,6 +1,6 @@
 """Chaos soak: three local nodes train under random faults; an outside ledger proves nothing was lost.
 
-Three ``elastic agent`` nodes (``agent.local_cluster``) train against an embedded etcd:
+Three ``elastic agent`` nodes (``agent.local.local_cluster``) train against an embedded etcd:
 the ``mlp`` job through ``ElasticRun`` (``--job mlp``, the default), or a user's plain DDP
 loop changed only by the prepare API's lines (``--job plain``: ``bench/plain_loop_job.py``,
 with its own set-up barrier and metric all-reduce). Whenever the world is whole again (all three nodes in the newest round)
@@ -50,11 +50,11 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from agent.local_cluster import (  # noqa: E402
+from agent.local.local_cluster import (  # noqa: E402
     ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, SDC_CHECK_EVERY, Cluster, ClusterNode, Fault, job_goodput,
 )
-from agent.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
-from elastic.etcd import EmbeddedEtcd  # noqa: E402
+from agent.local.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
+from agent.etcd import EmbeddedEtcd  # noqa: E402
 from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
 

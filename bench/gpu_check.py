@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoints import AsyncSnapshotWriter, SnapshotStore  # noqa: E402
 from checkpoints.capture import Stager  # noqa: E402
 from checkpoints.tree import map_state  # noqa: E402
-from elastic.etcd.server import free_port  # noqa: E402
+from agent.etcd.server import free_port  # noqa: E402
 from elastic.inplace.reconfigure import unsupported_reason  # noqa: E402
 
 GB = 1e9

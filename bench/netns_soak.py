@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from agent.netns import NodeNetwork, unavailable_reason
-from elastic.etcd import EtcdError
+from agent.local.netns import NodeNetwork, unavailable_reason
+from agent.etcd import EtcdError
 from elastic.ledger import check_ledger
-from elastic.rendezvous.rounds import OPEN, RoundRecord
+from agent.rendezvous.rounds import OPEN, RoundRecord
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.fault_cluster import DATASET, FaultCluster, KeyWatch, pid_alive
 

@@ -31,7 +31,7 @@ Freezes, three nodes (``elastic agent``, the ``mlp`` job, in place), a member th
 rank 0 SIGSTOPped, the clock from the SIGSTOP to a survivor's first step in the next round:
 
 * ``freeze``: the default: a step stuck beyond the job's own pace makes the agents ask the
-  peers' witnesses, and the silent one is written off (``agent/freeze.py``);
+  peers' witnesses, and the silent one is written off (``agent/node/freeze.py``);
 * ``freeze-lease``: its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``: written off when
   its etcd lease expires (``--lease-ttl``). The summary prints the ratio of the two medians.
 * ``freeze-host``: the same three nodes, rank 0's node frozen instead: the first node of the
@@ -53,7 +53,7 @@ the round that adds it back has closed, the survivors still train without it):
 
 * ``ours-kill-joining`` / ``ours-stop-joining``: a survivor that is not rank 0 SIGKILLed /
   SIGSTOPped; the clock runs to rank 0's first step in a world without it
-  (``agent/freeze.py``: a world that fails while a join is pending lost a member);
+  (``agent/node/freeze.py``: a world that fails while a join is pending lost a member);
   ``ours-kill-joining-lease`` is its anchor, the same with ``ELASTIC_FREEZE_PROBE=0``
   (the victim left out when its lease expires, as before). The summary prints the ratio.
 
@@ -103,8 +103,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from agent.local_node import LocalNode  # noqa: E402
-from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from agent.local.local_node import LocalNode  # noqa: E402
+from agent.etcd import EmbeddedEtcd, free_port  # noqa: E402
 
 CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours-kill-spare-rank0",
            "restart-kill", "restart-stop", "restart-kill-cold",

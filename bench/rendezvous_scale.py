@@ -58,11 +58,11 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous  # noqa: E402
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend as c10d_backend  # noqa: E402
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port  # noqa: E402
-from elastic.etcd.keepalive import KeepAlive  # noqa: E402
-from elastic.etcd.mirror import PrefixMirror  # noqa: E402
-from elastic.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
-from elastic.rendezvous import registry  # noqa: E402
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port  # noqa: E402
+from agent.etcd.keepalive import KeepAlive  # noqa: E402
+from agent.etcd.mirror import PrefixMirror  # noqa: E402
+from agent.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
+from agent.rendezvous import registry  # noqa: E402
 from forked_nodes import (  # noqa: E402
     NodeLinks, Zygote, gather, kill_all, mem_available_gib, tree_cpu_seconds, tree_memory,
 )
@@ -169,7 +169,7 @@ def _follow(handler: RendezvousHandler, link: Connection) -> None:
     its lease, which a node still following would take for a lost peer, and it would
     wait in a rendezvous that can no longer fill.
 
-    etcd-v3: ``restart_reason()`` each monitor interval, as ``agent/node_agent.py`` does,
+    etcd-v3: ``restart_reason()`` each monitor interval, as ``agent/node/node_agent.py`` does,
     then "stopping" in the registry and ``next_rendezvous``. c10d has no such signal
     without workers; the bench sends ``peer_died`` instead.
     """

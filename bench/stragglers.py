@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from agent.local_node import LocalNode  # noqa: E402
-from elastic.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from agent.local.local_node import LocalNode  # noqa: E402
+from agent.etcd import EmbeddedEtcd, free_port  # noqa: E402
 
 NAMES = ("a", "b", "c", "d")  # three members and a spare
 EVICTION_GOAL_S = 30.0

@@ -49,7 +49,7 @@ class SnapshotExistsError(SnapshotError):
 class JobKeyError(SnapshotError, ValueError):
     """The job key (``--key-file``, ``ELASTIC_RDZV_HMAC_KEY_FILE``/``ELASTIC_RDZV_HMAC_KEY``) is unusable.
 
-    One type for the snapshots and the rendezvous (``elastic.rendezvous.HmacKeyError`` is this
+    One type for the snapshots and the rendezvous (``agent.rendezvous.HmacKeyError`` is this
     class), since both read the same key with one loader (:func:`checkpoints.signing.load_key`);
     a ``ValueError`` too, as the rendezvous' callers (torchrun's handler factory) expect."""
 

@@ -1,6 +1,6 @@
 """Fault-tolerant elastic training for PyTorch.
 
-Public API (imported lazily: torchrun loads ``elastic.rendezvous.entrypoint`` while torch
+Public API (imported lazily: torchrun loads ``agent.rendezvous.entrypoint`` while torch
 itself is still importing, so this module must not import torch.distributed up front)::
 
     import elastic
@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from elastic import old_paths
 from elastic._lazy import lazy_exports
+
+old_paths.install()  # ``elastic.rendezvous`` & co. from before 0.1.0's folder split
 
 _EXPORTS = {
     "ElasticRun": "elastic.trainer",

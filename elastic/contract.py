@@ -1,7 +1,7 @@
 """The agent/worker contract: everything two processes must agree on, in one place.
 
 ``elastic agent`` (the ``agent`` package) and its workers (the ``elastic`` package, plus
-the boot code in ``agent.worker_boot`` and ``agent.warm_worker`` that runs *inside* the
+the boot code in ``agent.worker.worker_boot`` and ``agent.worker.warm_worker`` that runs *inside* the
 worker process) are different processes, often of different builds during an upgrade.
 What one writes and the other reads is stated here, and both sides import it, so a
 rename cannot reach one side only. It has three parts:
@@ -20,7 +20,7 @@ rename cannot reach one side only. It has three parts:
    environment above; which side writes each is said beside its name. Every file is
    written whole and renamed into place (or, for heartbeats, one fixed-size ``pwrite``),
    so either side survives the other dying mid-write.
-3. **Exit codes** a worker ends with, as the agent's restart policy (``agent.policy``)
+3. **Exit codes** a worker ends with, as the agent's restart policy (``agent.node.policy``)
    reads them, and the **states** a worker reports on the in-place channel
    (:class:`WorkerMode`, :class:`WorkerState`: ``str`` enums, so the JSON stays the same).
 
@@ -89,7 +89,7 @@ METRICS_DIR_ENV = _crossing(  # prometheus_client's own name: it reads it at imp
     "PROMETHEUS_MULTIPROC_DIR", "agent", "prometheus_client, `elastic.metrics`",
     "the multiprocess directory the agent's `/metrics` exports the workers' metrics from")
 AGENT_PID_ENV = _crossing(  # a worker whose parent is not this pid at boot exits at once
-    "ELASTIC_AGENT_PID", "agent", "`agent.worker_boot` (in the worker)",
+    "ELASTIC_AGENT_PID", "agent", "`agent.worker.worker_boot` (in the worker)",
     "the agent's pid: the worker arms PR_SET_PDEATHSIG, so it dies with its agent")
 SNAPSHOT_DIR_ENV = _crossing(  # set only with --snapshot-dir; a user may set it under plain torchrun
     "ELASTIC_SNAPSHOT_DIR", "agent (`--snapshot-dir`) or the user", "`ElasticRun`, `Elastic`, `elastic.train`",
@@ -109,13 +109,13 @@ SETUP_WORLD_ENV = _crossing(  # "1" or unset; the worker drops it once it joins 
     "ELASTIC_SETUP_WORLD", "agent (`elastic.worker_env.RankEnv`)", "`ElasticRun`",
     "`1`: the worker joins a live world at its first batch; its start-up world is a private one")
 STANDBY_READY_FD_ENV = _crossing(  # popped by the standby once used
-    "ELASTIC_STANDBY_READY_FD", "agent (`agent.warm_start`)", "`agent.warm_worker` (in the standby)",
+    "ELASTIC_STANDBY_READY_FD", "agent (`agent.node.warm_start`)", "`agent.worker.warm_worker` (in the standby)",
     "a pipe the warm standby writes one byte to once its imports are done")
 TEMPLATE_REPLY_FD_ENV = _crossing(  # popped by the template at its start
-    "ELASTIC_TEMPLATE_REPLY_FD", "agent (`agent.fork_server`)", "`agent.fork_template` (in the template)",
+    "ELASTIC_TEMPLATE_REPLY_FD", "agent (`agent.node.fork_server`)", "`agent.worker.fork_template` (in the template)",
     "a pipe on which the node's template reports its readiness, each worker it forks and each exit")
 WORKER_STARTED_AT_ENV = _crossing(  # a standby starts long before it becomes a worker
-    "ELASTIC_WORKER_STARTED_AT", "`agent.warm_worker` (in the worker)", "`elastic.metrics`",
+    "ELASTIC_WORKER_STARTED_AT", "`agent.worker.warm_worker` (in the worker)", "`elastic.metrics`",
     "when the agent handed the standby its rank: the worker's start, for its start-up time")
 HMAC_KEY_FILE_ENV = _crossing(  # also a setting (the rendezvous reads it); checkpoints/ keeps its own copy
     "ELASTIC_RDZV_HMAC_KEY_FILE", "the user, or agent (`--rdzv-conf hmac_key_file`)",
@@ -153,7 +153,7 @@ OFFER_FILE = "round.json"  # agent writes the round to reconfigure into; workers
 WORKER_STATUS_FILE = "worker-{local_rank}.json"  # each worker writes its pid, mode, round, re-form request
 WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agent waits on it
 
-# $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.watchdog reads and clears):
+# $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.node.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
 HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step, time, pid, kind, loss, samples, finished
 STALE_FENCE_FILE = "fence.json"  # rank 0 refused by the fence: the fence's run and round and the snapshot dir (JSON)
@@ -162,7 +162,7 @@ STALE_FENCE_FILE = "fence.json"  # rank 0 refused by the fence: the fence's run 
 GOODPUT_WORKER_FILE = "worker-{local_rank}.json"  # a worker's intervals not yet in the job's record
 GOODPUT_JOB_FILE = "job.json"  # agent writes the job's record as it last saw it in etcd; workers read it
 
-# $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node_agent reads):
+# $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node.node_agent reads):
 SDC_EVENTS_FILE = "sdc-{local_rank}.jsonl"  # one JSON line each time a replica check names this rank
 SDC_INJECT_FILE = "sdc-inject-{local_rank}.json"  # agent writes (elastic inject-sdc), the worker takes and removes it
 CHECK_REQUEST_FILE = "check-request-{local_rank}.json"  # agent writes (elastic check), the worker takes it
@@ -186,7 +186,7 @@ def sdc_events_file(local_rank: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Exit codes: the worker exits with them, the agent (agent.policy) reads them. A negative
+# 3. Exit codes: the worker exits with them, the agent (agent.node.policy) reads them. A negative
 #    code is Popen's view of a worker killed by a signal (a crash, to the agent).
 # ---------------------------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class WorkerState(str, Enum):
 # Settings a person gives, read where they are set (or inherited): not the contract.
 # ---------------------------------------------------------------------------------------
 
-ENV_PREFIX = "ELASTIC_"  # agent flags: --foo-bar defaults to $ELASTIC_FOO_BAR (agent.launch)
+ENV_PREFIX = "ELASTIC_"  # agent flags: --foo-bar defaults to $ELASTIC_FOO_BAR (agent.node.launch)
 NNODES_ENV = _setting("ELASTIC_NNODES", "the agent's --nnodes, after the flag and before PET_NNODES")
 RDZV_ENDPOINT_ENV = _setting("ELASTIC_RDZV_ENDPOINT", "etcd endpoints, for the agent and the tools")
 RDZV_ID_ENV = _setting("ELASTIC_RDZV_ID", "the job's run id, for the agent and the tools")
@@ -253,8 +253,8 @@ SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
                           "seconds within which a node named the outlier twice by replica votes is kept out")
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
-FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.freeze)")
-HEALTH_ENV = _setting("ELASTIC_HEALTH", "`off`: no node health checks (agent.health)")
+FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.node.freeze)")
+HEALTH_ENV = _setting("ELASTIC_HEALTH", "`off`: no node health checks (agent.node.health)")
 HEALTH_MIN_FREE_ENV = _setting("ELASTIC_HEALTH_MIN_FREE_MB", "MiB a node needs free in its snapshot and agent dirs")
 HEALTH_MIN_MEM_ENV = _setting("ELASTIC_HEALTH_MIN_MEM_MB", "MiB of MemAvailable a node needs to join")
 HEALTH_MAX_SKEW_ENV = _setting("ELASTIC_HEALTH_MAX_SKEW_S", "seconds a node's clock may differ from etcd's")
@@ -264,7 +264,7 @@ HEALTH_INTERVAL_ENV = _setting("ELASTIC_HEALTH_INTERVAL_S", "seconds between hea
 
 # ---------------------------------------------------------------------------------------
 # The agent's flags: every `elastic agent --foo-bar` defaults to $ELASTIC_FOO_BAR
-# (agent.launch). Declared so that each name the agent may read is in this module; a test
+# (agent.node.launch). Declared so that each name the agent may read is in this module; a test
 # checks this list against the agent's parser both ways. Some are also crossings or
 # settings above (--node-name, --snapshot-dir, --term-grace, --nnodes, --rdzv-*, ...).
 # ---------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ _flags(  # torchrun's flags (torch.distributed.run), which the agent takes as th
     "logs_specs", "log_line_prefix_template", "event_log_handler", "numa_binding", "signals_to_handle",
     "duplicate_stdout_filters", "duplicate_stderr_filters", "virtual_local_rank", "print_completion",
     "shutdown_timeout")
-_flags(  # the agent's own (agent.launch)
+_flags(  # the agent's own (agent.node.launch)
     "node_name", "metrics_port", "metrics_addr", "lease_ttl", "hang_timeout", "snapshot_dir", "warm_start",
     "in_place", "agent_dir", "hang_startup_timeout", "term_grace")
 

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None:
     """The fence that refused this group, for the agent (its heartbeat directory): an agent
     started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
-    holds now means etcd lost the job's state (agent.policy)."""
+    holds now means etcd lost the job's state (agent.node.policy)."""
     directory = worker_env.read().node.heartbeat_dir
     if not directory or fence is None:
         return
@@ -99,7 +99,7 @@ class Snapshots:
                                              "see rank 0's log")
         if verdict == 2:
             token = self.token()
-            if token is not None:  # every rank: each node's agent judges for itself (agent.policy.etcd_lost)
+            if token is not None:  # every rank: each node's agent judges for itself (agent.node.policy.etcd_lost)
                 _tell_agent(self.root, Fence(self.root).current(), token)
             raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
                                            "group is stale")

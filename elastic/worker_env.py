@@ -96,7 +96,7 @@ class NodeEnv:
     term_grace: float | None = None
     control_dir: str | None = None  # only when the agent runs workers in place
     goodput_dir: str | None = None  # only when goodput accounting is on
-    extra: Mapping[str, str] = field(default_factory=dict)  # not ours (agent/netif.py's *_SOCKET_IFNAME); not parsed
+    extra: Mapping[str, str] = field(default_factory=dict)  # not ours (agent/node/netif.py's *_SOCKET_IFNAME); not parsed
 
     def to_env(self) -> dict[str, str]:
         env = dict(self.extra)
@@ -199,8 +199,8 @@ class WorkerEnv:
     The agent builds it (``rank`` None: a standby's, which learns its rank later) and
     :meth:`to_env` writes it; a worker reads it with :func:`read` (:meth:`from_env`), which
     always gives a ``rank`` (plain torchrun's defaults where a variable is missing).
-    ``started_at`` and ``error_file`` are written in the worker (``agent.warm_worker``) and
-    by torch's log specs (``agent.workers``), not by this builder."""
+    ``started_at`` and ``error_file`` are written in the worker (``agent.worker.warm_worker``) and
+    by torch's log specs (``agent.node.workers``), not by this builder."""
 
     node: NodeEnv = field(default_factory=NodeEnv)
     rank: RankEnv | None = None

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import pytest
 
 from elastic import contract
-from elastic.etcd import EmbeddedEtcd, EtcdClient
+from agent.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
 from tests.support.s3server import SeaweedS3
@@ -20,12 +20,12 @@ from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 _run_ids = itertools.count()
 
 # Agents the tests start run the product's default: warm starts, each worker forked from its
-# node's template (agent/fork_server.py), one torch import per node however many starts. The
+# node's template (agent/node/fork_server.py), one torch import per node however many starts. The
 # tests of the cold path pass --no-warm-start.
 WARM_START_ENV = contract.flag_twin("warm_start")
 
 # Every simulated node of every test shares this machine's cores, as `elastic local`'s nodes
-# do, so their workers get its rule (agent/local_cluster.py): a share each, here one thread.
+# do, so their workers get its rule (agent/local/local_cluster.py): a share each, here one thread.
 # With torch's default, one intra-op thread per core in every worker, their OpenMP threads
 # spun against each other: the three-node demo used 112 s of CPU instead of 34 s. A test
 # that is about the thread count sets its own.

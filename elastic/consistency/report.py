@@ -4,7 +4,7 @@ Rank 0 speaks for the job (the line naming the node, the tensors and the step, a
 ``elastic_sdc_mismatches_total{node}`` for each node named); each named rank also says it
 in a line of its own and appends an event to its agent's directory
 (:data:`elastic.contract.SDC_EVENTS_FILE`), from which the agent decides whether its node
-is suspect hardware and keeps it out (``agent.policy.sdc_keep_out``).
+is suspect hardware and keeps it out (``agent.node.policy.sdc_keep_out``).
 """
 
 from __future__ import annotations

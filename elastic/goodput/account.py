@@ -1,10 +1,10 @@
 """A job's goodput account: every second since its first step, assigned to exactly one cause.
 
 Pure: no clock, no files, no etcd, so every rule below is unit-tested in milliseconds
-(``tests/elastic/goodput/test_account.py``), as ``elastic/rendezvous/rounds.py`` is.
+(``tests/elastic/goodput/test_account.py``), as ``agent/rendezvous/rounds.py`` is.
 
 The account is a fold over **intervals** of wall time, each with one cause. Workers and
-agents produce intervals (:mod:`elastic.goodput.recorder`, :mod:`agent.goodput`); one agent
+agents produce intervals (:mod:`elastic.goodput.recorder`, :mod:`agent.node.goodput`); one agent
 at a time folds them into the job's record in etcd with :func:`extend`, under a
 compare-and-swap, and exports what its write added. So:
 
@@ -263,6 +263,6 @@ def name_faults(account: Account, notes: Mapping[str, tuple[str, float]], since:
     return replace(account, faults=tuple(faults)) if changed else account
 
 
-# a node's own trouble, which only it sees; a worker's failure by its kind where its words say one (agent.fault_cause)
+# a node's own trouble, which only it sees; a worker's failure by its kind where its words say one (agent.node.fault_cause)
 LOCAL_REASONS = ("worker_failed", "hang", "lease_lost", "health", "disk_full", "cuda_oom", "nccl_error", "cuda_error",
                  "oom")

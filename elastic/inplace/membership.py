@@ -27,7 +27,7 @@ round leaves out a current member (lost, or written off as frozen), or when a ne
 exists and no step has completed for a while, it trips the :class:`SocketFence`, and gloo
 raises at once instead of waiting for its timeout. It also tells the agent when a step waits
 beyond this rank's own pace (:mod:`.stall`), so that a frozen peer, which fails no collective,
-is written off by the agents (``agent/freeze.py``) instead of at its lease's expiry; and when
+is written off by the agents (``agent/node/freeze.py``) instead of at its lease's expiry; and when
 a join of a round waits beyond the stall floor (:func:`.stall.join_level`), which is how a
 member frozen while a round forms (its store host among them) shows when no step runs.
 
@@ -309,7 +309,7 @@ class Membership:
     def _check_stuck(self) -> None:
         """At most twice per step: tell the agent when the step in flight waits beyond this
         rank's pace (:mod:`.stall`: slow, then stuck); the agent asks the peers' agents whether
-        they are alive (``agent/freeze.py``). A question, not a verdict: nothing here leaves the world.
+        they are alive (``agent/node/freeze.py``). A question, not a verdict: nothing here leaves the world.
         A join that waits beyond :func:`.stall.join_level`'s floor is reported the same way."""
         if self._joining:
             self._check_join_stuck()
@@ -332,7 +332,7 @@ class Membership:
     def _check_join_stuck(self) -> None:
         """The join of a round with peers waits (a member's handle that does not come, a store
         host that does not answer, a pair that does not connect): tell the agent, which asks
-        the round's members and writes off the silent (``agent/freeze.py``)."""
+        the round's members and writes off the silent (``agent/node/freeze.py``)."""
         clock = self._join_clock
         if clock is None or self._stalled >= STUCK:
             return

@@ -28,7 +28,7 @@ at ``ASK_AT x FLOOR_S``, stuck at ``FLOOR_S``. A member frozen before or during 
 exchange (the round's store host among them) then costs what a frozen peer in a step does,
 and a joiner merely slow to start is asked about and found alive.
 
-A trip is only a question: the agent asks the peers' agents directly (``agent/freeze.py``),
+A trip is only a question: the agent asks the peers' agents directly (``agent/node/freeze.py``),
 and a peer whose agent answers is never evicted. The question goes out early, at ``ASK_AT``
 of the limit (:meth:`StallRule.level` 1, "slow"), so that at the limit (level 2, "stuck")
 the answers, or their absence, are already in and the verdict costs no extra wait.

@@ -33,10 +33,10 @@ def process_age_seconds() -> float:
 
     Linux records the start in ``/proc/self/stat`` in clock ticks since boot; comparing it
     with ``CLOCK_BOOTTIME`` avoids the whole-second ``btime``. Elsewhere: since import.
-    A warm-started worker (``agent/warm_worker.py``) counts from when its standby was
+    A warm-started worker (``agent/worker/warm_worker.py``) counts from when its standby was
     given its rank, which is when a cold worker would have been started.
     """
-    started_at = worker_env.read().started_at  # a warm-started worker's (agent/warm_worker.py)
+    started_at = worker_env.read().started_at  # a warm-started worker's (agent/worker/warm_worker.py)
     if started_at is not None:
         return time.time() - started_at
     try:

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.agent_dir import AgentDirError, claim_agent_dir
+from agent.node.agent_dir import AgentDirError, claim_agent_dir
 from tests.support.waiting import wait_until
 
 HOLDER = """
 import sys
 from pathlib import Path
-from agent.agent_dir import claim_agent_dir
+from agent.node.agent_dir import claim_agent_dir
 d = claim_agent_dir(sys.argv[1])
 (Path(sys.argv[1]) / "control").mkdir()
 (Path(sys.argv[1]) / "control" / "round.json").write_text("{}")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_cluster import KINDS
-from agent.proctree import kill_tree
+from agent.local.local_cluster import KINDS
+from agent.node.proctree import kill_tree
 from elastic.ledger import check_ledger
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ from typing import Callable
 
 import pytest
 
-from agent.goodput import read_account
-from elastic.etcd import EmbeddedEtcd, EtcdClient
-from elastic.rendezvous.signing import StateSigner
+from agent.node.goodput import read_account
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.rendezvous.signing import StateSigner
 from tests.agent.test_spares import DATASET
 from tests.elastic.inplace.support import start_script, train_together
 from tests.support.nodes import TorchrunNode as Node

@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.elastic.inplace.support import read_rows
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node

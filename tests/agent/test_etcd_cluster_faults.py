@@ -22,9 +22,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from elastic.etcd import EtcdError
+from agent.etcd import EtcdError
 from elastic.ledger import check_ledger
-from elastic.rendezvous.rounds import OPEN, RoundRecord
+from agent.rendezvous.rounds import OPEN, RoundRecord
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.fault_cluster import DATASET, FaultCluster
 from tests.support.netns import NodeNetwork, unavailable_reason

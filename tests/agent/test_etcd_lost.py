@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from checkpoints import Fence, FenceToken
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import JOB
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

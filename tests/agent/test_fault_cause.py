@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.fault_cause import CUDA, DISK_FULL, GPU_OOM, LEASE, NCCL, OOM, attribute, classify, timeline_reason
-from agent.local_node import Crash
-from agent.policy import Failure
+from agent.node.fault_cause import CUDA, DISK_FULL, GPU_OOM, LEASE, NCCL, OOM, attribute, classify, timeline_reason
+from agent.local.local_node import Crash
+from agent.node.policy import Failure
 
 
 def test_the_texts_torch_and_nccl_raise_are_named_by_kind() -> None:
@@ -38,7 +38,7 @@ def test_the_line_says_the_kind_first_once_and_leaves_the_rest_as_it_was() -> No
     assert attribute(line) == line
     assert attribute("ValueError: boom") == "ValueError: boom" and attribute("") == ""
     oom = "killed by the OOM killer (SIGKILL; the machine's OOM kill count went from 1 to 2): give the job more"
-    assert attribute(oom) == oom  # agent.oom's words name it already
+    assert attribute(oom) == oom  # agent.node.oom's words name it already
 
 
 def test_the_names_do_not_make_a_fault_look_like_a_peers_doing() -> None:
@@ -61,8 +61,8 @@ def test_elastic_locals_summary_says_the_kind_too() -> None:
 
 
 def test_a_lost_lease_in_a_nodes_log_is_told_under_the_freeze_that_caused_it(tmp_path: Path) -> None:
-    from agent.local_faults import FREEZE, Cluster, ClusterNode, Fault
-    from agent.local_node import LocalNode, NodeLog
+    from agent.local.local_faults import FREEZE, Cluster, ClusterNode, Fault
+    from agent.local.local_node import LocalNode, NodeLog
 
     line = "2026-01-02 10:00:0{s},000 [b] {level} elastic.agent: [b] {message}"
     node = LocalNode(name="b", endpoint="x", run_id="r", workdir=tmp_path)

@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 
 import pytest
 
-from agent.top import scrape
-from elastic.etcd import EmbeddedEtcd, EtcdClient
-from elastic.rendezvous.registry import NodeRecord, list_nodes
-from elastic.rendezvous.signing import StateSigner
+from agent.tools.top import scrape
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.rendezvous.registry import NodeRecord, list_nodes
+from agent.rendezvous.signing import StateSigner
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 

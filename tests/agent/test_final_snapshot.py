@@ -22,7 +22,7 @@ import pytest
 
 from checkpoints import SnapshotStore
 from elastic.contract import FINAL_SNAPSHOT_LOST_EXIT
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 

@@ -22,9 +22,9 @@ from typing import Iterator
 
 import pytest
 
-from agent.fork_server import ForkServer, ForkedProcess
-from agent.proctree import process_tree
-from agent.worker_boot import boot_command
+from agent.node.fork_server import ForkServer, ForkedProcess
+from agent.node.proctree import process_tree
+from agent.worker.worker_boot import boot_command
 from checkpoints.layout import pid_alive
 from tests.support.waiting import wait_until
 
@@ -196,8 +196,8 @@ def test_other_commands_start_cold_and_close_leaves_no_process(server: ForkServe
 
 DRIVER = """\
 import json, os, sys
-from agent.fork_server import ForkServer, fork_early
-from agent.worker_boot import boot_command
+from agent.node.fork_server import ForkServer, fork_early
+from agent.worker.worker_boot import boot_command
 fork_early()  # as `elastic agent` does first: the template shares this process's torch import
 node_env = {**os.environ, "NODE_ONLY": "from the agent's node env", "PROMETHEUS_MULTIPROC_DIR": sys.argv[3]}
 server = ForkServer(1, env=node_env)

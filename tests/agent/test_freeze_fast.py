@@ -1,4 +1,4 @@
-"""A frozen node is left out of the world in well under its lease TTL (agent/freeze.py).
+"""A frozen node is left out of the world in well under its lease TTL (agent/node/freeze.py).
 
 Real etcd, three ``elastic agent`` process trees, a plain ``ElasticRun`` script written here,
 lease TTL 3 s. Rank 0's node is SIGSTOPped, whole tree: the survivors' next step without it
@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.elastic.inplace.support import at_world, logs, metric, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
 from tests.support.nodes import TorchrunNode as Node

@@ -31,7 +31,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import at_world, logs, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once

@@ -1,4 +1,4 @@
-"""Writing off a frozen peer (agent.freeze): the verdict, and the question over real sockets.
+"""Writing off a frozen peer (agent.node.freeze): the verdict, and the question over real sockets.
 
 A frozen agent's kernel still completes a TCP connect to its listening socket; a socket that
 listens and never accepts is exactly that, with no process to stop.
@@ -9,14 +9,14 @@ from __future__ import annotations
 import socket
 import time
 
-from agent.freeze import (ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by,
+from agent.node.freeze import (ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by,
                           written_off_later)
 from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import SLOW, STUCK, StallRule, join_level
-from elastic.rendezvous.keepout import ReachReport, choose_kept_out
-from elastic.rendezvous.lease_clock import LeaseClock
-from elastic.rendezvous.signing import StateSigner
-from elastic.rendezvous.witness import WitnessServer
+from agent.rendezvous.keepout import ReachReport, choose_kept_out
+from agent.rendezvous.lease_clock import LeaseClock
+from agent.rendezvous.signing import StateSigner
+from agent.rendezvous.witness import WitnessServer
 
 KEY = b"k" * 32
 

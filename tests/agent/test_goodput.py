@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import pytest
 
-from agent.goodput import read_account
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.node.goodput import read_account
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
 from elastic.goodput import Account
-from elastic.rendezvous.signing import StateSigner
+from agent.rendezvous.signing import StateSigner
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -137,7 +137,7 @@ def test_goodput_of_a_run_with_a_kill_and_a_freeze_adds_up(
     for fault in (kill, freeze):
         assert fault.phases.get("detection", 0) > 0 and fault.phases.get("rendezvous", 0) > 0, fault
         assert fault.phases.get("restore", 0) > 0, fault
-    assert 0 < freeze.phases["detection"] < LEASE_TTL + 1  # in place, before its lease ends (agent/freeze.py)
+    assert 0 < freeze.phases["detection"] < LEASE_TTL + 1  # in place, before its lease ends (agent/node/freeze.py)
     assert kill.phases["detection"] < freeze.phases["detection"]
 
     # The parts add up to the wall time since the first step, and that is the job's own:

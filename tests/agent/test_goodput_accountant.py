@@ -18,15 +18,15 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.goodput import GoodputAccountant, beat_cause, fault_nodes, read_account
+from agent.node.goodput import GoodputAccountant, beat_cause, fault_nodes, read_account
 from elastic import contract
-from elastic.etcd import EtcdClient
-from elastic.etcd.mirror import PrefixMirror
+from agent.etcd import EtcdClient
+from agent.etcd.mirror import PrefixMirror
 from elastic.goodput.account import Interval
 from elastic.atomic_file import write_atomically
 from elastic.goodput.files import WorkerReport, read_job_file, worker_file
 from elastic.heartbeat import JOB_STEP, LOCAL_COUNT, Beat, Heartbeat
-from elastic.rendezvous.signing import StateSigner
+from agent.rendezvous.signing import StateSigner
 from tests.support.waiting import wait_until
 
 KEY = b"0123456789abcdef0123456789abcdef"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from agent import health
-from agent.health import Check, HealthReport, Limits, verdict
-from agent.policy import Action, Observation, Reason, decide
+from agent.node import health
+from agent.node.health import Check, HealthReport, Limits, verdict
+from agent.node.policy import Action, Observation, Reason, decide
 
 
 def _statvfs(free_blocks: int, blocks: int = 1000, frsize: int = 4096):  # type: ignore[no-untyped-def]

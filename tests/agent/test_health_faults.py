@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from agent.local_node import AUTO_METRICS_PORT
-from elastic.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
+from agent.etcd import EmbeddedEtcd
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 

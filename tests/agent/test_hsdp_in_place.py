@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -135,7 +135,7 @@ def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_l
         etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
     """Node b joins with 3 local ranks a job whose mesh shards over 2: its ranks say why in one
     line and exit 2 before training a step. The agent then ends the job, as it does for any
-    usage error (agent/policy.py: a node leaving the job on a usage error while the others go
+    usage error (agent/node/policy.py: a node leaving the job on a usage error while the others go
     on is not the agent's rule today), with node a's workers never restarted."""
     script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     script.write_text(HSDP)

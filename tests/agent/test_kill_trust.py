@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient
-from elastic.rendezvous.registry import NodeRecord, nodes_prefix
-from elastic.rendezvous.signing import StateSigner
-from agent.proc_identity import judge
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.rendezvous.registry import NodeRecord, nodes_prefix
+from agent.rendezvous.signing import StateSigner
+from agent.node.proc_identity import judge
 from tests.agent.test_cli import elastic
 
 HOST = "h1"

@@ -19,11 +19,11 @@ from typing import Iterator
 import pytest
 
 from agent import cli
-from agent.agent_dir import MARKER, RUNTIME, claim_agent_dir
-from agent.etcd_cmd import default_data_dir
-from agent.launch import build_agent_parser
-from agent.proctree import kill_tree
-from elastic.etcd import EmbeddedEtcd
+from agent.node.agent_dir import MARKER, RUNTIME, claim_agent_dir
+from agent.tools.etcd_cmd import default_data_dir
+from agent.node.launch import build_agent_parser
+from agent.node.proctree import kill_tree
+from agent.etcd import EmbeddedEtcd
 from tests.support.waiting import wait_until
 
 ELASTIC = [sys.executable, "-m", "agent.cli"]
@@ -344,8 +344,8 @@ def test_etcd_serves_from_its_default_data_dir_and_says_it_is_for_trials(tmp_pat
 def test_torchs_backend_registry_is_still_where_the_check_reads_it() -> None:
     """The backend check reads torch's private registry and refuses nothing where it is
     gone; this fails loudly when a torch moves it, so the check does not vanish silently."""
-    from agent.launch import _registered_backends
+    from agent.node.launch import _registered_backends
 
     assert {"etcd-v3", "etcd-v3-dynamic", "c10d"} <= set(_registered_backends()), (
         "torch.distributed.elastic.rendezvous.rendezvous_handler_registry._registry moved; "
-        "update agent/launch.py's _registered_backends")
+        "update agent/node/launch.py's _registered_backends")

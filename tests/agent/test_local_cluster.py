@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_cluster import _job, _nodes, _verdict, parse_args, stop_reason, threads_per_worker
+from agent.local.local_cluster import _job, _nodes, _verdict, parse_args, stop_reason, threads_per_worker
 
 
 @pytest.mark.parametrize(("workers", "cores", "threads"), [

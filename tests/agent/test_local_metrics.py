@@ -21,10 +21,10 @@ from typing import Iterator
 
 import pytest
 
-from agent.etcd_args import connect
-from agent.proctree import process_tree
-from agent.top import main as top
-from elastic.rendezvous.registry import list_nodes
+from agent.tools.etcd_args import connect
+from agent.node.proctree import process_tree
+from agent.tools.top import main as top
+from agent.rendezvous.registry import list_nodes
 from tests.elastic.metrics.scrape import Samples, fetch_samples
 from tests.support.waiting import wait_until
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from agent.local_node import LocalNode
-from elastic.etcd import free_port
+from agent.local.local_node import LocalNode
+from agent.etcd import free_port
 
 
 def test_a_series_is_summed_over_the_labels_asked_for_and_none_while_nothing_serves(tmp_path: Path) -> None:
@@ -37,8 +37,8 @@ def test_a_series_is_summed_over_the_labels_asked_for_and_none_while_nothing_ser
 def test_with_an_auto_port_the_agent_binds_a_free_one_and_the_node_reads_it_back(tmp_path: Path) -> None:
     """No port picked ahead that another process can take first (a red CI run: "Address already
     in use", and a harness that waited 240 s for a world that could not form)."""
-    from agent.launch import AUTO_PORT, _port, _say_metrics_port
-    from agent.local_node import AUTO_METRICS_PORT
+    from agent.node.launch import AUTO_PORT, _port, _say_metrics_port
+    from agent.local.local_node import AUTO_METRICS_PORT
 
     assert _port("auto") == AUTO_PORT == AUTO_METRICS_PORT
     node = LocalNode(name="a", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path, metrics_port=AUTO_METRICS_PORT)

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_cluster import parse_args
-from agent.proctree import kill_tree
+from agent.local.local_cluster import parse_args
+from agent.node.proctree import kill_tree
 from elastic.goodput import newest_account
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sdc_is_a_chaos_kind_only_when_asked_for() -> None:
-    from agent.local_faults import KINDS, SDC
+    from agent.local.local_faults import KINDS, SDC
 
     args, _ = parse_args(["--chaos", "sdc,kill"])
     assert args.kinds == [SDC, "kill"] and SDC not in KINDS  # the default soak's set is unchanged

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.proctree import process_tree
+from agent.node.proctree import process_tree
 from tests.support.waiting import wait_until
 
 SCRIPT = textwrap.dedent('''\

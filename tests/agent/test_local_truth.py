@@ -31,9 +31,9 @@ from typing import Iterator
 
 import pytest
 
-from agent.local_cluster import parse_args
-from agent.local_node import NodeLog
-from agent.proctree import process_tree
+from agent.local.local_cluster import parse_args
+from agent.local.local_node import NodeLog
+from agent.node.proctree import process_tree
 from tests.support.waiting import wait_until
 
 RUN_TIMEOUT = 150
@@ -165,7 +165,7 @@ def test_a_crashing_script_ends_elastic_local_with_the_crash_shown_and_one_line_
     details = [line for line in out.splitlines() if re.match(r"#[\d, #]+ node-\d: worker ", line)]
     assert details and all(error in line and str(crashed.run_dir / "node-") in line for line in details), out
     why = [line for line in out.splitlines() if line.startswith("the job failed")]
-    # the same error on both nodes is the script's: the job ends at its first crash (agent.policy)
+    # the same error on both nodes is the script's: the job ends at its first crash (agent.node.policy)
     assert len(why) == 1 and error in why[0] and "with the same error, the script's own" in why[0], out
     assert out.rstrip().splitlines()[-1] == why[0]  # the last word
     assert "finished" not in out, out

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.jobs.mlp import make_model
 from tests.elastic.metrics.scrape import Samples, fetch_samples
 from tests.support.dashboard import family, is_external, load, queried_metrics

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from agent.netif import (
+from agent.node.netif import (
     GLOO_IFNAME, NCCL_IFNAME, hostname_is_loopback, interface_of, ipv4_addresses, parse_if_inet6,
     parse_ifconf, route_source, socket_ifname_env, spans_nodes, worker_env_for, worker_socket_env,
 )

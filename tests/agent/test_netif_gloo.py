@@ -3,7 +3,7 @@
 Nothing here uses ``elastic``: a bare ``torch.distributed`` script, rendezvousing through
 a TCPStore on rank 0's address. Without ``GLOO_SOCKET_IFNAME`` each rank binds the address
 its hostname resolves to, loopback here, and the all-reduce never connects
-(``connectFullMesh ... remote=[127.0.0.1]``). With the value :mod:`agent.netif` computes
+(``connectFullMesh ... remote=[127.0.0.1]``). With the value :mod:`agent.node.netif` computes
 inside each namespace, exactly as the agent would on its node, the all-reduce succeeds.
 """
 
@@ -38,7 +38,7 @@ dist.destroy_process_group()
 """
 DECIDE = """
 import json, os, sys
-from agent.netif import worker_env_for
+from agent.node.netif import worker_env_for
 updates, line = worker_env_for(sys.argv[1], None, "2", os.environ)  # the agent's own call
 print(json.dumps(updates))
 """

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from elastic.etcd import free_port
+from agent.etcd import free_port
 from tests.support.netns import NodeNetwork, listening, sweep
 from tests.support.waiting import wait_until
 
@@ -170,7 +170,7 @@ def test_two_harnesses_coexist_on_separate_subnets_that_cannot_reach_each_other(
 OWNER = """
 import signal; signal.signal(signal.SIGINT, signal.default_int_handler)
 import sys, time
-from agent.netns import NodeNetwork
+from agent.local.netns import NodeNetwork
 net = NodeNetwork(["a", "b"]).start()
 print(net.names.tag, flush=True)
 time.sleep(60)

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger
 from tests.support.fault_cluster import DATASET, FaultCluster, KeyWatch, pid_alive
 from tests.support.netns import NodeNetwork, unavailable_reason

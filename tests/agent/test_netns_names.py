@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from agent.netns_names import (
+from agent.local.netns_names import (
     IFNAMSIZ, Names, NetnsNameError, central_addr, node_addr, owner_pid, pick_subnet,
 )
 

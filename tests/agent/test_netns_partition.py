@@ -3,7 +3,7 @@
 etcd listens on the bridge; each node is an agent process tree inside its own namespace,
 at its own address (``--local-addr``, ``--metrics-addr``), running a plain gloo DDP script
 written here. ``GLOO_SOCKET_IFNAME`` is set explicitly in the nodes' environment for now
-(``agent.netif`` computes it once the agent is wired to it). The fault is a real one: node
+(``agent.node.netif`` computes it once the agent is wired to it). The fault is a real one: node
 b's link goes down for 10 s. Bounds are generous: the agent's control loop is being
 rewritten, and the tight figure (lease TTL + 1 s) belongs to a benchmark.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.elastic.metrics.scrape import fetch
 from tests.support.netns import NodeNetwork
 from tests.support.nodes import TorchrunNode as Node

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.nnodes import NNodesError, environment_nnodes, parse_nnodes, resolve_nnodes, settle_nnodes
+from agent.node.nnodes import NNodesError, environment_nnodes, parse_nnodes, resolve_nnodes, settle_nnodes
 
 KUBEFLOW_TRAINER = {"PET_NNODES": "2"}  # what Trainer v2's torch runtime injects for numNodes: 2
 

@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.proctree import kill_tree, process_tree
-from elastic.etcd import EmbeddedEtcd
+from agent.node.proctree import kill_tree, process_tree
+from agent.etcd import EmbeddedEtcd
 
 AGENT = [sys.executable, "-m", "agent.cli", "agent"]
 

@@ -9,8 +9,8 @@ from typing import Callable
 
 import pytest
 
-from agent.oom import _sources, killed_by, oom_kills, parse_count
-from elastic.etcd import EmbeddedEtcd
+from agent.node.oom import _sources, killed_by, oom_kills, parse_count
+from agent.etcd import EmbeddedEtcd
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from agent.policy import (
+from agent.node.policy import (
     CRASH_WINDOW_S,
     Action,
     Decision,
@@ -272,7 +272,7 @@ def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdic
 
 
 def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
-    from agent.policy import crash_report, script_error
+    from agent.node.policy import crash_report, script_error
 
     peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer")
     assert crash_report({0: peer, 1: quick()}) == NAME_ERROR
@@ -283,7 +283,7 @@ def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
 
 
 def test_a_final_snapshot_that_could_not_be_written_ends_the_job_without_a_restart() -> None:
-    from agent.policy import FINAL_SNAPSHOT_LOST_EXIT
+    from agent.node.policy import FINAL_SNAPSHOT_LOST_EXIT
 
     decision = decide(obs(exits={0: FINAL_SNAPSHOT_LOST_EXIT, 1: 0}, restarts_left=5))
     assert decision.action is Action.FAIL and decision.final_snapshot_lost and not decision.usage_error
@@ -296,7 +296,7 @@ def test_a_final_snapshot_that_could_not_be_written_ends_the_job_without_a_resta
 
 
 def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> None:
-    from agent.policy import etcd_lost
+    from agent.node.policy import etcd_lost
 
     fence = {"run": "job", "round": 7, "snapshot_dir": "/data/snaps"}
     line = etcd_lost(fence, "job", 0)
@@ -316,13 +316,13 @@ def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> Non
     (None, 0),
 ])
 def test_a_stale_group_of_a_live_job_is_no_lost_etcd(fence: dict[str, object] | None, now: int) -> None:
-    from agent.policy import etcd_lost
+    from agent.node.policy import etcd_lost
 
     assert etcd_lost(fence, "job", now) == ""
 
 
 def test_a_stale_group_on_every_node_is_no_script_error() -> None:
-    from agent.policy import crash_report
+    from agent.node.policy import crash_report
 
     stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
     assert crash_report({0: stale}) == ""

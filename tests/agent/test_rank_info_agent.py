@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.elastic.metrics.scrape import fetch_samples
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

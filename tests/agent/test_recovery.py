@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -118,7 +118,7 @@ def test_frozen_node_is_written_off_within_the_lease_ttl_and_rejoins_after_thawi
     frozen.thaw()
     wait_until(lambda: len(frozen.steps_at(2, after=thawed_at)) >= 5 and len(survivor.steps_at(2, after=thawed_at)) >= 5,
                FORM_TIMEOUT, "the thawed node to rejoin a world of 2", on_timeout=logs(frozen, survivor))
-    said = frozen.log_path.read_text()  # frozen past its lease, or thawed before it ran out (agent/freeze.py)
+    said = frozen.log_path.read_text()  # frozen past its lease, or thawed before it ran out (agent/node/freeze.py)
     assert "lost its etcd lease" in said or "wrote it off" in said or "cut off from etcd" in said, frozen.log_tail(40)
     verified = subprocess.run([sys.executable, "-m", "checkpoints", "verify", str(snapshots)],
                               capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The agent's one interface to its rendezvous (agent/rendezvous.py) and its null parts (agent/nulls.py)."""
+"""The agent's one interface to its rendezvous (agent/node/rendezvous_api.py) and its null parts (agent/node/nulls.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
-from agent import nulls
-from agent.commands import CommandWatch
-from agent.fork_server import ForkServer
-from agent.freeze import FreezeWatch
-from agent.pace import PaceMonitor
-from agent.policy import Reason
-from agent.rendezvous import Round, TorchRendezvous, agent_rendezvous
-from agent.states import RoundCause
+from agent.node import nulls
+from agent.node.commands import CommandWatch
+from agent.node.fork_server import ForkServer
+from agent.node.freeze import FreezeWatch
+from agent.node.pace import PaceMonitor
+from agent.node.policy import Reason
+from agent.node.rendezvous_api import Round, TorchRendezvous, agent_rendezvous
+from agent.node.states import RoundCause
 from elastic.inplace.channel import AgentChannel
 
 AGENT = Path(__file__).resolve().parents[2] / "agent"
@@ -69,7 +69,7 @@ def test_any_torch_handler_gives_numbered_rounds_and_nothing_it_cannot_do() -> N
     assert rdzv.peer_crashes(second) is None and rdzv.etcd_lost({"run": "r"}, "r") == ""
     assert rdzv.lease_health().due_in is None and rdzv.peers() == {}
     for absent in (rdzv.pace_monitor(None, None, None), rdzv.freeze_watch(None), rdzv.command_watch("")):
-        assert type(absent).__module__ == "agent.nulls"
+        assert type(absent).__module__ == "agent.node.nulls"
 
 
 @pytest.mark.parametrize("null, real", [(nulls.NoPace, PaceMonitor), (nulls.NoFreeze, FreezeWatch),

@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from agent.etcd_args import EtcdTarget
-from agent.sd import SdServer, target_group
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
-from elastic.rendezvous.registry import NodeLease, NodeRecord, nodes_prefix
-from elastic.rendezvous.signing import StateSigner
+from agent.tools.etcd_args import EtcdTarget
+from agent.tools.sd import SdServer, target_group
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.rendezvous.registry import NodeLease, NodeRecord, nodes_prefix
+from agent.rendezvous.signing import StateSigner
 from tests.support.waiting import wait_until
 
 KEY = b"0123456789abcdef0123456789abcdef"
@@ -108,7 +108,7 @@ def test_cli_serves_until_killed(etcd_server: EmbeddedEtcd, register: Callable[.
     key_file = tmp_path / "job.key"
     key_file.write_bytes(KEY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.sd", "--port", "0", "--rdzv-endpoint", etcd_server.endpoint,
+        [sys.executable, "-m", "agent.tools.sd", "--port", "0", "--rdzv-endpoint", etcd_server.endpoint,
          "--rdzv-id", run_id, "--rdzv-conf", f"hmac_key_file={key_file}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )
@@ -127,7 +127,7 @@ def test_cli_serves_until_killed(etcd_server: EmbeddedEtcd, register: Callable[.
 @pytest.mark.slow  # starts processes
 def test_unreachable_etcd_is_one_error_line() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "agent.sd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",
+        [sys.executable, "-m", "agent.tools.sd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",
          "--rdzv-conf", "connect_timeout=1"],
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )

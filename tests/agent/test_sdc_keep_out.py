@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger
 from tests.agent.test_spares import DATASET
 from tests.elastic.inplace.support import rows, start_script, train_together

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.policy import SDC_WINDOW_S, sdc_keep_out
-from agent.sdc import SdcWatch, window_from_env
+from agent.node.policy import SDC_WINDOW_S, sdc_keep_out
+from agent.node.sdc import SdcWatch, window_from_env
 
 
 def test_twice_the_outlier_within_the_window_is_suspect_hardware() -> None:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.agent.test_spares import DATASET, is_spare
 from tests.elastic.inplace.support import rows, start_script, train_together
 from tests.support import agent_job

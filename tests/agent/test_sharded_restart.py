@@ -22,7 +22,7 @@ from typing import Callable
 from torch import nn
 
 from checkpoints import SnapshotStore
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

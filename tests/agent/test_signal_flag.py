@@ -1,4 +1,4 @@
-"""``agent.signal_flag``: raised from a real signal handler while the main thread waits on it."""
+"""``agent.node.signal_flag``: raised from a real signal handler while the main thread waits on it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-from agent.signal_flag import SignalFlag
+from agent.node.signal_flag import SignalFlag
 
 
 def test_a_wait_times_out_without_the_flag_and_ends_at_once_with_it() -> None:

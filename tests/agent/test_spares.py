@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import at_world, metric, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import assert_trained_once, assert_went_on_from_where_it_stood
 from tests.support.nodes import TorchrunNode as Node

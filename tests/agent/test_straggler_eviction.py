@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.agent.test_spares import DATASET, is_spare
 from tests.elastic.inplace.support import at_world, metric, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import assert_trained_once

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from agent.pace import PaceMonitor
-from agent.stragglers import MIN_LAG_S, Pace, Straggler, StragglerWatch, eviction, slowest
+from agent.node.pace import PaceMonitor
+from agent.node.stragglers import MIN_LAG_S, Pace, Straggler, StragglerWatch, eviction, slowest
 from elastic.metrics.step_split import SKIP_STEPS, StepSplit
 
 
@@ -164,7 +164,7 @@ class _Handler:
 
 
 def test_the_monitor_names_and_evicts_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.pace as pace
+    import agent.node.pace as pace
 
     handler = _Handler()
     for n, state in (("a", "running"), ("b", "running"), ("c", "spare")):

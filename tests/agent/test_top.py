@@ -20,14 +20,14 @@ from typing import Callable, Iterator
 import pytest
 from rich.console import Console
 
-from agent.top import main
-from agent.top import render
-from agent.top_model import (SPARE_NOTE, Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, goodput_lines,
+from agent.tools.top import main
+from agent.tools.top import render
+from agent.tools.top_model import (SPARE_NOTE, Exposition, NodeScrape, build_view, fmt_rate, fmt_seconds, goodput_lines,
                              quantile)
 from elastic.goodput import Account, Interval, extend
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
-from elastic.rendezvous.registry import NodeLease, NodeRecord
-from elastic.rendezvous.signing import StateSigner
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.rendezvous.registry import NodeLease, NodeRecord
+from agent.rendezvous.signing import StateSigner
 from tests.support.metrics_standin import BATCH, StandinNode
 from tests.support.nodes import TorchrunNode
 from tests.support.waiting import wait_until

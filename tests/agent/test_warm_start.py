@@ -19,10 +19,10 @@ from typing import Iterator
 
 import pytest
 
-from agent.proctree import process_tree
-from agent.warm_start import WarmPool
+from agent.node.proctree import process_tree
+from agent.node.warm_start import WarmPool
 from tests.conftest import WARM_START_ENV
-from agent.worker_boot import BOOT_CODE, boot_command, parse_boot_command
+from agent.worker.worker_boot import BOOT_CODE, boot_command, parse_boot_command
 from tests.support.waiting import wait_until
 
 PY = sys.executable
@@ -150,7 +150,7 @@ def test_no_standby_means_a_cold_start_and_close_leaves_no_process(pool: WarmPoo
 ])
 def test_warm_start_is_on_by_default_and_can_be_turned_off(argv: list[str], env: dict[str, str], expected: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.launch import build_agent_parser
+    from agent.node.launch import build_agent_parser
 
     monkeypatch.delenv(WARM_START_ENV, raising=False)  # tests/conftest.py turns it off for agents
     for name, value in env.items():

@@ -1,4 +1,4 @@
-"""The hang watchdog's verdicts (``agent.watchdog``), on records written as workers write them.
+"""The hang watchdog's verdicts (``agent.node.watchdog``), on records written as workers write them.
 
 The clock is the test's, so each verdict is exact and takes no time: what is checked is
 when a node's workers count as hung, not how long a test can wait.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import watchdog
-from agent.watchdog import HangWatch
+from agent.node import watchdog
+from agent.node.watchdog import HangWatch
 from elastic.heartbeat import LOCAL_COUNT
 
 RECORD = struct.Struct("<qdqqdqd")  # as elastic.heartbeat writes it: spelled out, so a change fails here

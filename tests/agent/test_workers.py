@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-from agent.worker_boot import record_error
-from agent.workers import COLD, LocalWorkers, Worker, _Warm
+from agent.worker.worker_boot import record_error
+from agent.node.workers import COLD, LocalWorkers, Worker, _Warm
 
 
 @pytest.mark.slow  # starts a process (a real one that failed, no torch)

@@ -301,8 +301,8 @@ def test_the_background_writer_signs_with_its_stores_key(tmp_path: Path) -> None
 
 
 def test_workers_get_the_key_file_the_agent_was_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.launch import _with_network
-    from agent.settings import AgentSettings
+    from agent.node.launch import _with_network
+    from agent.node.settings import AgentSettings
 
     monkeypatch.chdir(tmp_path)
     settings = AgentSettings(node_name="n0", metrics_port=0, metrics_addr="127.0.0.1", lease_ttl=5,

@@ -325,7 +325,7 @@ def conf_strings() -> Iterator[tuple[str, str]]:
 
 @pytest.mark.slow  # starts processes
 def test_rdzv_conf_keys_are_known_and_never_a_password() -> None:
-    from elastic.rendezvous.options import KNOWN_KEYS
+    from agent.rendezvous.options import KNOWN_KEYS
 
     seen = set()
     for where, text in conf_strings():
@@ -339,7 +339,7 @@ def test_rdzv_conf_keys_are_known_and_never_a_password() -> None:
 
 
 def test_elastic_sd_command_lines_parse() -> None:
-    from agent.sd import add_arguments
+    from agent.tools.sd import add_arguments
 
     commands = [("docs/deploy.md", args) for args in guide_commands("sd")]
     commands.append(("compose sd", compose_resolved({})["services"]["sd"]["command"][1:]))

@@ -205,7 +205,7 @@ def test_podmonitor_gives_each_pod_its_run_id_in_a_real_prometheus(tmp_path: Pat
     would: a base Job pod (elastic/run-id), a TrainJob pod (only JobSet's label), and a pod
     with both (our label wins). Only the discovery is stood in for: static targets with the
     same __meta_* labels."""
-    from elastic.etcd import free_port
+    from agent.etcd import free_port
     from tests.support.prometheus import PrometheusServer, ensure_prometheus
     from tests.support.waiting import wait_until
 
@@ -352,7 +352,7 @@ def test_a_failure_replaces_only_the_failed_pod() -> None:
 
 
 def test_the_trainjob_is_elastic_within_our_own_range() -> None:
-    from agent.nnodes import parse_nnodes
+    from agent.node.nnodes import parse_nnodes
 
     runtime, trainjob = kubeflow_v2()
     assert trainjob["spec"]["runtimeRef"] == {
@@ -538,8 +538,8 @@ def test_rbac_script_gives_trainer_its_prefix_and_nothing_else(tmp_path: Path) -
     """The same etcd-rbac.sh the Job runs, against a real TLS etcd with client-cert auth:
     users log in by certificate CN, trainer may write only under /elastic/, monitor may
     only read, and a second run changes nothing."""
-    from elastic.etcd import EmbeddedEtcd, EtcdClient, ServerTLS, find_etcd_binary, settings_from_options
-    from elastic.etcd.client import EtcdError
+    from agent.etcd import EmbeddedEtcd, EtcdClient, ServerTLS, find_etcd_binary, settings_from_options
+    from agent.etcd.client import EtcdError
 
     certs = tmp_path / "certs"
     subprocess.run([str(REPO / "deploy" / "certs" / "make-certs.sh"), str(certs), "127.0.0.1",

@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 import prometheus_client
 import pytest
 
-from agent.etcd_args import EtcdTarget
-from agent.top_model import Exposition
-from elastic.etcd import EtcdClient
-from elastic.rendezvous.registry import NodeLease, NodeRecord
-from elastic.rendezvous.signing import StateSigner
+from agent.tools.etcd_args import EtcdTarget
+from agent.tools.top_model import Exposition
+from agent.etcd import EtcdClient
+from agent.rendezvous.registry import NodeLease, NodeRecord
+from agent.rendezvous.signing import StateSigner
 from tests.support import dashboard as dash
 from tests.support.metrics_standin import StandinNode, dcgm_registry, gpu_uuid
 from tests.support.prometheus import (PROM, RULES, PrometheusServer, ensure_prometheus, http_sd_config, shortened,

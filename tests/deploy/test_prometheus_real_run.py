@@ -27,8 +27,8 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd_args import connect
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.tools.etcd_args import connect
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.support import dashboard as dash
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.prometheus import RULES, PrometheusServer, ensure_prometheus, http_sd_config, start_sd, value_of

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from elastic.etcd import free_port
+from agent.etcd import free_port
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd
 from tests.support.waiting import wait_until

@@ -32,7 +32,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed on this machine")
-    from elastic.etcd import find_etcd_binary
+    from agent.etcd import find_etcd_binary
 
     venv_bin = Path(shutil.which("elastic") or REPO / ".venv" / "bin" / "elastic")
     assert venv_bin.exists(), "pip install -e . puts the `elastic` console script on PATH"

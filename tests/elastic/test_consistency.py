@@ -124,7 +124,7 @@ def test_flip_bit_refuses_what_it_cannot_do() -> None:
 
 
 def test_an_sdc_command_round_trips_and_a_bad_one_is_refused() -> None:
-    from agent.commands import SDC, Command
+    from agent.node.commands import SDC, Command
 
     c = Command(SDC, 0.0, 1.7e9, "0.weight.exp_avg_sq")
     assert Command.from_json(c.to_json()) == c
@@ -155,7 +155,7 @@ def test_a_flip_request_is_taken_once_and_a_bad_one_is_one_line(
 
 
 def test_kill_and_freeze_commands_are_unchanged() -> None:
-    from agent.commands import FREEZE, KILL, Command
+    from agent.node.commands import FREEZE, KILL, Command
 
     for c in (Command(KILL, 0.0, 1.7e9), Command(FREEZE, 3.0, 1.7e9)):
         assert Command.from_json(c.to_json()) == c and b"what" not in c.to_json()
@@ -222,7 +222,7 @@ def test_the_line_says_non_finite_and_names_the_tensors() -> None:
 
 
 def test_an_sdc_command_carries_its_kind() -> None:
-    from agent.commands import SDC, Command
+    from agent.node.commands import SDC, Command
 
     for kind in ("nan", "inf", "bit"):
         c = Command(SDC, 0.0, 1.7e9, "0.weight", kind)

@@ -91,7 +91,7 @@ def test_the_contract_declares_each_name_once_in_one_section() -> None:
 ALIASES_ALLOWED = {
     # Its two exit-code copies go with its rewrite into one pure decision (issue 38, item 2),
     # which another change owns; they are the contract's own objects meanwhile.
-    "agent/policy.py",
+    "agent/node/policy.py",
 }
 
 
@@ -123,30 +123,30 @@ def test_no_module_keeps_its_own_name_for_a_contract_name() -> None:
 
 # Variables that are neither ours nor torchrun's: read where they are needed, by their own name.
 FOREIGN = {
-    "OMP_NUM_THREADS",  # the workers' thread count (agent.local_cluster, agent.warm_worker)
+    "OMP_NUM_THREADS",  # the workers' thread count (agent.local.local_cluster, agent.worker.warm_worker)
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",  # which GPUs a worker sees (elastic.metrics)
     "NODE_NAME",  # DCGM exporter's hostname label, as Kubernetes sets it (elastic.metrics.rank_info)
-    "COLUMNS",  # the console's width (agent.local_cluster)
-    "XDG_STATE_HOME",  # where `elastic etcd` keeps its data by default (agent.etcd_cmd)
-    "GRPC_VERBOSITY",  # grpc's own log level, quieted by default (elastic.etcd)
-    "GLOO_SOCKET_IFNAME",  # gloo's own interface setting (agent.netif sets it, agent.health_watch checks it)
+    "COLUMNS",  # the console's width (agent.local.local_cluster)
+    "XDG_STATE_HOME",  # where `elastic etcd` keeps its data by default (agent.tools.etcd_cmd)
+    "GRPC_VERBOSITY",  # grpc's own log level, quieted by default (agent.etcd)
+    "GLOO_SOCKET_IFNAME",  # gloo's own interface setting (agent.node.netif sets it, agent.node.health_watch checks it)
 }
 
 # Files that read a variable of the worker's contract from their *own* environment, not a
 # worker's, or read one whose name is computed; each says why. Any other read of a
 # contract variable goes through elastic.worker_env (WorkerEnv), so that it has one parser.
 READS_ALLOWED = {
-    "agent/health.py": "its thresholds, each read by its contract name (contract.HEALTH_*) through one helper",
+    "agent/node/health.py": "its thresholds, each read by its contract name (contract.HEALTH_*) through one helper",
     "elastic/worker_env.py": "the one parser of what a worker reads",
-    "agent/node_agent.py": "passes its own TORCH_NCCL_ASYNC_ERROR_HANDLING on to its workers",
-    "agent/launch.py": "its own job key file and every flag's ELASTIC_/PET_ twin (names computed)",
-    "agent/warm_worker.py": "the standby's ready pipe, popped before it becomes a worker",
-    "agent/fork_template.py": "the template's reply pipe, popped at its start",
-    "elastic/rendezvous/registry.py": "the agent's own node name (--node-name's twin), in the agent",
-    "elastic/rendezvous/options.py": "the rendezvous' options by name (computed)",
-    "agent/nnodes.py": "--nnodes' twins, ELASTIC_NNODES and torchrun's PET_NNODES (computed)",
+    "agent/node/node_agent.py": "passes its own TORCH_NCCL_ASYNC_ERROR_HANDLING on to its workers",
+    "agent/node/launch.py": "its own job key file and every flag's ELASTIC_/PET_ twin (names computed)",
+    "agent/worker/warm_worker.py": "the standby's ready pipe, popped before it becomes a worker",
+    "agent/worker/fork_template.py": "the template's reply pipe, popped at its start",
+    "agent/rendezvous/registry.py": "the agent's own node name (--node-name's twin), in the agent",
+    "agent/rendezvous/options.py": "the rendezvous' options by name (computed)",
+    "agent/node/nnodes.py": "--nnodes' twins, ELASTIC_NNODES and torchrun's PET_NNODES (computed)",
     "checkpoints/signing.py": "the job key (checkpoints does not import elastic)",
-    "agent/netif.py": "gloo's and NCCL's *_SOCKET_IFNAME, which a user may set, by their own names",
+    "agent/node/netif.py": "gloo's and NCCL's *_SOCKET_IFNAME, which a user may set, by their own names",
 }
 
 _ENVIRONS = ("os.environ", "environ", "env")
@@ -216,7 +216,7 @@ def test_the_rule_sees_the_reads_it_is_meant_to_catch(tmp_path: Path) -> None:
 
 
 def test_every_agent_flag_has_its_declared_twin_and_every_twin_a_flag() -> None:
-    from agent.launch import build_agent_parser, flag_actions
+    from agent.node.launch import build_agent_parser, flag_actions
 
     flags = {contract.flag_twin(action.dest): action.dest for action in flag_actions(build_agent_parser())}
     assert not flags.keys() - contract.AGENT_FLAG_TWINS.keys(), "declare these twins in elastic.contract"
@@ -240,8 +240,8 @@ def test_worker_states_are_str_enums_whose_values_are_the_wire_format() -> None:
     assert WorkerStatus.from_json(typed).state == contract.WorkerState.JOINING and f"{contract.WorkerMode.RESTART}" == "restart"
 
 
-@pytest.mark.parametrize("module", ["agent.node_agent", "agent.policy", "agent.watchdog", "agent.worker_boot",
-                                    "agent.workers", "elastic.trainer", "elastic.heartbeat", "elastic.inplace.channel",
+@pytest.mark.parametrize("module", ["agent.node.node_agent", "agent.node.policy", "agent.node.watchdog", "agent.worker.worker_boot",
+                                    "agent.node.workers", "elastic.trainer", "elastic.heartbeat", "elastic.inplace.channel",
                                     "elastic.inplace.membership", "elastic.goodput.files", "elastic.worker_env"])
 def test_both_sides_import_the_one_contract_module(module: str) -> None:
     """Identity of the module, not only of its (interned) strings: one source of truth."""

@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger, effective_steps, read_ledger
 from tests.elastic.trainer_support import logs, start_runner, wait_for_step
 from tests.support.nodes import TorchrunNode

@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from checkpoints import SnapshotStore
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.trainer_support import assert_state_equal, start_runner, wait_all_exit, wait_for_step
 from tests.support.nodes import TorchrunNode
 

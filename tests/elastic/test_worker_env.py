@@ -20,7 +20,7 @@ ME = RankEnv(Place(rank=5, world_size=8, group_rank=1, group_world_size=2, local
 
 
 def test_the_agent_gives_a_worker_exactly_these_variables_in_this_order() -> None:
-    """Pinned: the agent's workers saw these before WorkerEnv existed (agent/node_agent.py)."""
+    """Pinned: the agent's workers saw these before WorkerEnv existed (agent/node/node_agent.py)."""
     env = WorkerEnv(replace(NODE, extra={"GLOO_SOCKET_IFNAME": "eth0"}), replace(ME, recovering=True)).to_env()
     assert list(env.items()) == [
         ("GLOO_SOCKET_IFNAME", "eth0"),

@@ -16,11 +16,11 @@ from typing import Callable
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient
-from elastic.rendezvous import create_handler
-from elastic.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
-from elastic.rendezvous.registry import NodeRecord, nodes_prefix
-from elastic.rendezvous.signing import StateSigner
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.rendezvous import create_handler
+from agent.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
+from agent.rendezvous.registry import NodeRecord, nodes_prefix
+from agent.rendezvous.signing import StateSigner
 from tests.agent.test_plain_scripts import FORM_TIMEOUT, PLAIN, read_rows, start
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

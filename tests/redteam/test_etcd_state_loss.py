@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from checkpoints import Fence, SnapshotStore
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger
 from tests.elastic.inplace.support import JOB, rows
 from tests.support.nodes import TorchrunNode as Node

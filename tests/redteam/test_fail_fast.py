@@ -22,7 +22,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 

@@ -15,9 +15,9 @@ from typing import Callable
 
 from checkpoints import Fence, FenceToken, SnapshotStore
 from checkpoints.fence import FENCE_NAME
-from elastic.etcd import EmbeddedEtcd, EtcdClient, free_port
-from elastic.rendezvous.rounds import RoundRecord
-from elastic.rendezvous.signing import StateSigner
+from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.rendezvous.rounds import RoundRecord
+from agent.rendezvous.signing import StateSigner
 from tests.elastic.inplace.support import JOB, rows
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

@@ -16,9 +16,9 @@ from typing import Iterator
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.etcd import EmbeddedEtcd
-from elastic.rendezvous import create_handler
-from elastic.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
+from agent.etcd import EmbeddedEtcd
+from agent.rendezvous import create_handler
+from agent.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
 from tests.support.waiting import wait_until
 
 TTL = 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient
+from agent.etcd import EmbeddedEtcd, EtcdClient
 from tests.agent.test_plain_scripts import FORM_TIMEOUT, PLAIN, read_rows, start
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

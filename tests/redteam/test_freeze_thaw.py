@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.commands import FREEZE, KILL, MAX_FREEZE_S, Command
-from agent.kill import THAW_MARK, freeze_for
+from agent.node.commands import FREEZE, KILL, MAX_FREEZE_S, Command
+from agent.tools.kill import THAW_MARK, freeze_for
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # real process trees, frozen and thawed
@@ -35,8 +35,8 @@ from pathlib import Path
 out = Path(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(out / "child.beats")])
 (out / "child.pid").write_text(str(child.pid))
-from agent.commands import FREEZE, CommandWatch, Command, command_key
-from elastic.rendezvous.signing import StateSigner
+from agent.node.commands import FREEZE, CommandWatch, Command, command_key
+from agent.rendezvous.signing import StateSigner
 signer = StateSigner(b"k" * 32)
 key = command_key("/elastic", "run", "node")
 mirror = {}

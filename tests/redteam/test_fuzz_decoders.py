@@ -57,8 +57,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from agent import commands as agent_commands
-from agent.commands import (
+from agent.node import commands as agent_commands
+from agent.node.commands import (
     FREEZE,
     KILL,
     MAX_WHAT,
@@ -69,17 +69,17 @@ from agent.commands import (
     decode_command,
     valid_freeze,
 )
-from agent.goodput import account_key, decode_account, decode_note, notes_prefix
-from elastic.etcd import EmbeddedEtcd, EtcdClient
+from agent.node.goodput import account_key, decode_account, decode_note, notes_prefix
+from agent.etcd import EmbeddedEtcd, EtcdClient
 from elastic.goodput.account import LOST_CAUSES, Account, Fault, Interval, extend
-from elastic.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic.rendezvous.keepout import KeepOut, ReachReport
-from elastic.rendezvous.reachability import Reachability
-from elastic.rendezvous.registry import NodeRecord, decode_node, nodes_prefix
-from elastic.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord
-from elastic.rendezvous.signing import SignatureError, StateSigner
-from elastic.rendezvous.store import EtcdV3Store
-from elastic.rendezvous.witness import _sealing_key, ask, decode_answer
+from agent.rendezvous.backend import EtcdV3RendezvousBackend
+from agent.rendezvous.keepout import KeepOut, ReachReport
+from agent.rendezvous.reachability import Reachability
+from agent.rendezvous.registry import NodeRecord, decode_node, nodes_prefix
+from agent.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord
+from agent.rendezvous.signing import SignatureError, StateSigner
+from agent.rendezvous.store import EtcdV3Store
+from agent.rendezvous.witness import _sealing_key, ask, decode_answer
 
 JOB_KEY = b"fuzz-job-key-0123456789abcdef"
 SIGNED = StateSigner(JOB_KEY)
@@ -534,18 +534,18 @@ def cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in list(os.environ):
         if name.startswith(("ELASTIC_", "PET_")):
             monkeypatch.delenv(name)
-    import agent.etcd_cmd
-    import agent.kill
-    import agent.launch
-    import agent.local_cluster
-    import agent.sd
-    import agent.top
+    import agent.tools.etcd_cmd
+    import agent.tools.kill
+    import agent.node.launch
+    import agent.local.local_cluster
+    import agent.tools.sd
+    import agent.tools.top
 
-    for module, name in [(agent.launch, "_run"), (agent.kill, "list_nodes"), (agent.top, "connect"),
-                         (agent.sd, "connect"), (agent.local_cluster, "Console"),
-                         (agent.etcd_cmd, "_usable_data_dir"), (agent.etcd_cmd, "EmbeddedEtcd")]:
+    for module, name in [(agent.node.launch, "_run"), (agent.tools.kill, "list_nodes"), (agent.tools.top, "connect"),
+                         (agent.tools.sd, "connect"), (agent.local.local_cluster, "Console"),
+                         (agent.tools.etcd_cmd, "_usable_data_dir"), (agent.tools.etcd_cmd, "EmbeddedEtcd")]:
         monkeypatch.setattr(module, name, _guard)
-    monkeypatch.setattr(agent.launch, "_configure_logging", lambda node: None)  # leave this process's logging be
+    monkeypatch.setattr(agent.node.launch, "_configure_logging", lambda node: None)  # leave this process's logging be
     cwd = tmp_path / "a" / "b"
     cwd.mkdir(parents=True)
     (tmp_path / "a" / "file").write_text("not a directory")
@@ -637,7 +637,7 @@ AGENT_FLAGS: dict[str, st.SearchStrategy[str]] = {
 
 
 def _backends() -> list[str]:
-    from agent.launch import _registered_backends
+    from agent.node.launch import _registered_backends
 
     return _registered_backends()
 
@@ -703,7 +703,7 @@ def test_the_elastic_tools_refuse_bad_input_in_one_line(cli_env: Path, data: st.
     elif case == "sd":
         argv = ["sd", "--port", data.draw(_bad_int(0, 65535)), *run_id]
     elif case == "local":
-        from agent.local_cluster import KINDS
+        from agent.local.local_cluster import KINDS
 
         flag = data.draw(st.sampled_from(["--nodes", "--nproc-per-node", "--steps", "--faults", "--lease-ttl",
                                           "--chaos", "--job", "--first-fault-after"]))
@@ -729,7 +729,7 @@ def test_the_elastic_tools_refuse_bad_input_in_one_line(cli_env: Path, data: st.
     _assert_one_error(argv, code, stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="agent/launch.py quotes a refused value with shlex.quote, which keeps a "
+@pytest.mark.xfail(strict=True, reason="agent/node/launch.py quotes a refused value with shlex.quote, which keeps a "
                                        "line break: the one error line becomes two (not in this change's files)")
 def test_a_refused_value_with_a_line_break_stays_on_one_line(cli_env: Path) -> None:
     from agent.cli import main

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from elastic.etcd import EmbeddedEtcd, EtcdClient
-from elastic.rendezvous.keepout import KeepOut
-from elastic.rendezvous.rounds import OPEN, RoundRecord
-from elastic.rendezvous.signing import StateSigner
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.rendezvous.keepout import KeepOut
+from agent.rendezvous.rounds import OPEN, RoundRecord
+from agent.rendezvous.signing import StateSigner
 from tests.agent.test_plain_scripts import FORM_TIMEOUT, PLAIN, read_rows, start
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from checkpoints import SnapshotStore
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.ledger import check_ledger, read_ledger
 from tests.elastic.inplace.support import FORM_TIMEOUT, JOB, read_rows
 from tests.support.nodes import TorchrunNode as Node

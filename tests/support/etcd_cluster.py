@@ -1,7 +1,7 @@
 """A real 3-member etcd cluster whose members live in network namespaces, for fault tests.
 
 Each member is a real ``etcd`` process inside its own namespace of a
-:class:`~agent.netns.NodeNetwork`, at its own address on the bridge (client port 2379,
+:class:`~agent.local.netns.NodeNetwork`, at its own address on the bridge (client port 2379,
 peer port 2380, as on separate hosts). So every fault is real: :meth:`EtcdMember.kill` is
 a SIGKILL, :meth:`EtcdCluster.isolate` blackholes one member's routes to the other two
 (it still accepts clients, but has no quorum), and ``net.partition(member)`` takes its
@@ -23,8 +23,8 @@ from typing import Sequence
 
 from etcd3 import etcdrpc
 
-from agent.netns import NodeNetwork
-from elastic.etcd import EtcdClient, EtcdError, EtcdSettings, find_etcd_binary
+from agent.local.netns import NodeNetwork
+from agent.etcd import EtcdClient, EtcdError, EtcdSettings, find_etcd_binary
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 MEMBERS = ("e0", "e1", "e2")

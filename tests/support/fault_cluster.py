@@ -1,7 +1,7 @@
 """A training job on nodes with their own network, for fault tests and ``bench/chaos_soak.py --netns``.
 
 Each node is a real ``elastic agent`` process tree inside its own namespace of a
-:class:`~agent.netns.NodeNetwork` (its own address for the agent, the round store, the
+:class:`~agent.local.netns.NodeNetwork` (its own address for the agent, the round store, the
 witness, the metrics and every gloo pair), running ``elastic.train`` with a ledger and
 snapshots in one shared directory. etcd is whatever the caller started: one member on
 the bridge, or a 3-member :class:`~tests.support.etcd_cluster.EtcdCluster`.
@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from agent.local_node import LocalNode
-from agent.netns import NodeNetwork
+from agent.local.local_node import LocalNode
+from agent.local.netns import NodeNetwork
 from checkpoints.pids import pid_alive  # noqa: F401  (tests and bench/netns_soak import it from here)
 from elastic import contract
-from elastic.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
-from elastic.etcd.settings import EtcdSettings
+from agent.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
+from agent.etcd.settings import EtcdSettings
 from elastic.ledger import read_ledger
-from elastic.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
-from elastic.rendezvous.rounds import RoundRecord
-from elastic.rendezvous.signing import StateSigner
+from agent.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
+from agent.rendezvous.rounds import RoundRecord
+from agent.rendezvous.signing import StateSigner
 from tests.elastic.metrics.scrape import fetch
 
 DATASET = 512  # 16 steps per epoch at the default global batch of 32

@@ -1,4 +1,4 @@
-"""Nodes on their own network, for tests and ``bench/chaos_soak.py``: see :mod:`agent.netns`.
+"""Nodes on their own network, for tests and ``bench/chaos_soak.py``: see :mod:`agent.local.netns`.
 
 The harness itself lives in the ``agent`` package (``elastic local --netns`` offers it to
 users); this module adds what only tests need: a bounded listener to probe a fault
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Iterator
 
-from agent.netns import Namespace, NodeNetwork, ProbeResult, sweep, unavailable_reason
+from agent.local.netns import Namespace, NodeNetwork, ProbeResult, sweep, unavailable_reason
 from tests.support.waiting import wait_until
 
 __all__ = ["Listener", "Namespace", "NodeNetwork", "ProbeResult", "listening", "sweep", "unavailable_reason"]

@@ -1,5 +1,5 @@
 """Real torchrun agents, each a separate process tree standing for one node."""
 
-from agent.local_node import TORCHRUN, LocalNode as TorchrunNode
+from agent.local.local_node import TORCHRUN, LocalNode as TorchrunNode
 
 __all__ = ["TORCHRUN", "TorchrunNode"]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elastic.etcd.server import free_port
+from agent.etcd.server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from agent.etcd_args import EtcdTarget
-from agent.sd import SdServer
-from elastic.etcd import free_port
+from agent.tools.etcd_args import EtcdTarget
+from agent.tools.sd import SdServer
+from agent.etcd import free_port
 from tests.support.waiting import wait_until
 
 PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"

@@ -6,7 +6,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.etcd import EmbeddedEtcd, ServerTLS, find_etcd_binary
+from agent.etcd import EmbeddedEtcd, ServerTLS, find_etcd_binary
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE_CERTS = REPO / "deploy" / "certs" / "make-certs.sh"

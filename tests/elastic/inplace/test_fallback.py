@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import at_world, logs, metric, rows, start_job, train_together
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until

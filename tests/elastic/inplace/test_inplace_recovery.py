@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 
 from checkpoints import Fence, FenceToken, SnapshotStore
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger
 from tests.elastic.inplace.support import (
     FORM_TIMEOUT,
@@ -142,7 +142,7 @@ def test_sigstop_survivors_go_on_and_the_thawed_nodes_stale_workers_never_rejoin
     went_on_at = min(at_world(n, tmp_path, 2, frozen_at)[0]["step"] for n in survivors)
     assert not [r for r in rows(frozen, tmp_path) if r["pid"] == stale_pid and r["step"] >= went_on_at], \
         "the frozen node's stale worker trained again after the freeze"
-    said = frozen.log_path.read_text()  # frozen past its lease, or thawed before it ran out (agent/freeze.py)
+    said = frozen.log_path.read_text()  # frozen past its lease, or thawed before it ran out (agent/node/freeze.py)
     assert "lost its etcd lease" in said or "wrote it off" in said or "cut off from etcd" in said, frozen.log_tail(40)
     same_params_at(group, tmp_path, thawed_at)
     assert metric(frozen, "elastic_restores_total", source="replica") >= 1

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import LEASE_TTL, at_world, logs, metric, read_rows, rows, start_script, \
     train_together

@@ -17,7 +17,7 @@ from typing import Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import metric, read_rows, rows, start_script, train_together
 from tests.elastic.inplace.test_user_code import (
     DATASET,

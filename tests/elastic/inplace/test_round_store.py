@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import torch.distributed as dist
 
-from elastic.etcd.server import free_port
+from agent.etcd.server import free_port
 from elastic.inplace.round_store import RoundAbandoned, RoundStore, _Caller
 
 

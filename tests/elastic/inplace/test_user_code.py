@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd
+from agent.etcd import EmbeddedEtcd
 from elastic.ledger import check_ledger
 from tests.elastic.inplace.support import at_world, ledger_steps, metric, read_rows, rows, start_script, train_together
 from tests.support.nodes import TorchrunNode as Node

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pytest
 
-from elastic.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd, free_port
 from elastic.contract import SETUP_WORLD_ENV
 from elastic.worker_env import Place, RankEnv, in_setup_world, joins_live_world, update_env
 from tests.elastic.inplace.support import at_world, metric, read_rows, rows, start_script, train_together

@@ -144,7 +144,7 @@ LOST_PEER = textwrap.dedent('''\
 
 @pytest.mark.slow  # starts processes
 def test_a_real_peer_lost_in_a_users_all_reduce_is_recorded_not_raised(tmp_path: Any) -> None:
-    from elastic.etcd import free_port
+    from agent.etcd import free_port
 
     script = tmp_path / "lost_peer.py"
     script.write_text(LOST_PEER)

@@ -23,7 +23,7 @@ def _goodput_names() -> set[str]:
     """The goodput families docs/metrics.md tabulates too, though the agents export them."""
     from prometheus_client import CollectorRegistry
 
-    from agent.goodput import GoodputMetrics
+    from agent.node.goodput import GoodputMetrics
 
     registry = CollectorRegistry()
     GoodputMetrics(registry)

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-from agent.proctree import kill_tree
+from agent.node.proctree import kill_tree
 from elastic.jobs.mlp import make_model
 from elastic.metrics import families
 from tests.elastic.metrics.scrape import Series, fetch, names, value

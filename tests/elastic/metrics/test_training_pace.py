@@ -1,5 +1,5 @@
 """What a step's pace leaves out (:class:`elastic.metrics.training.TrainingMetrics`): the work
-only rank 0 does, so that its figure compares with its peers' (agent/stragglers.py)."""
+only rank 0 does, so that its figure compares with its peers' (agent/node/stragglers.py)."""
 
 from __future__ import annotations
 

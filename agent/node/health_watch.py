@@ -1,0 +1,113 @@
+"""Runs :mod:`agent.node.health`'s checks for the node agent, and keeps a sick node out of rounds.
+
+Before each round it joins (at start, after a restart or a keep-out), the agent asks
+:meth:`HealthWatch.gate`: a node that fails a check does not join. It holds a keep-out key
+with the failed check as its cause (``elastic top`` shows it; the registry's state says
+``kept_out``), logs one line naming the check and the fix, and looks again after the
+back-off unreachable nodes get (:func:`agent.rendezvous.keepout.backoff`): it joins as
+soon as every check passes. While it trains, :meth:`HealthWatch.look` runs the checks every
+:data:`agent.node.health.INTERVAL_S`; ``agent.node.policy`` decides what a failure then means.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from agent.rendezvous.keepout import KeepOut, backoff
+
+from agent.node import health
+from agent.node.health import Check, HealthReport, Limits
+
+log = logging.getLogger("elastic.agent")
+_RECHECK_S = 0.5
+
+
+class HealthWatch:
+    """The checks of one node. ``etcd``: its :class:`~agent.etcd.settings.EtcdSettings`
+    (the clock is compared with etcd's), None without etcd; ``gauge``: a Prometheus gauge
+    labelled ``check``, set to 1 while that check fails."""
+
+    def __init__(self, node: str, snapshot_dir: Path | str | None, work_dir: Path, worker_env: Mapping[str, str],
+                 etcd: Any = None, gauge: Any = None, limits: Limits | None = None) -> None:
+        self.node = node
+        self.dirs = {"agent_dir": Path(work_dir)}
+        if snapshot_dir is not None and not str(snapshot_dir).startswith(("s3://", "S3://")):
+            self.dirs = {"snapshot_dir": Path(snapshot_dir), **self.dirs}
+        names = worker_env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+        self.interfaces = tuple(n.strip() for n in names.split(",") if n.strip())
+        self.etcd, self.gauge = etcd, gauge
+        self.limits = limits or Limits.from_env(os.environ)
+        self.interval = self.limits.interval_s
+        self.report: HealthReport | None = None
+        self._strikes = 0
+        self._said = ""
+
+    def checks(self) -> HealthReport:
+        """Every check now (a few ms, one etcd request, one ``nvidia-smi`` where there is one)."""
+        found: list[Check] = []
+        for role, path in self.dirs.items():
+            found.append(health.disk_space(role, path, self.limits.min_free_bytes))
+            found.append(health.writable(role, path))
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            meminfo = ""
+        found.append(health.memory(self.limits.min_mem_bytes, meminfo))
+        if self.etcd is not None:
+            s = self.etcd
+            skew, uncertainty, source = health.etcd_skew(
+                s.endpoints, str(s.cacert) if s.cacert else None, str(s.cert) if s.cert else None,
+                str(s.key) if s.key else None)
+            found.append(health.clock(skew, uncertainty, self.limits.max_skew_s, source))
+        found.append(health.interface(self.interfaces, health.net_flags))
+        found.append(health.gpus(*health.gpu_query()))
+        return HealthReport(tuple(found), at=time.time())
+
+    def look(self, force: bool = False, quiet: bool = False) -> str:
+        """:func:`agent.node.health.verdict` of a fresh report (at most every ``interval`` unless
+        ``force``): '' for a healthy node. Sets the gauge; a new failure is logged once
+        (``quiet``: the caller says it)."""
+        if not self.limits.enabled:
+            return ""
+        if force or self.report is None or time.time() - self.report.at >= self.interval:
+            self.report = self.checks()
+            if self.gauge is not None:
+                for check in self.report.checks:
+                    self.gauge.labels(check=check.name).set(0 if check.ok else 1)
+        line = health.verdict(self.report)
+        if line and line != self._said and not quiet:
+            log.warning("[%s] %s", self.node, line)
+        self._said = line
+        return line
+
+    def gate(self, round_number: int, publish: Callable[[KeepOut | None], None],
+             closed: Callable[[], bool]) -> bool:
+        """Before a round: return at once for a healthy node; else stay out (``publish`` the
+        keep-out key, with the failed checks as its cause) until every check passes. False
+        if the job ended meanwhile."""
+        line = self.look(force=True, quiet=True)  # its own line says it, with the keep-out
+        if not line:
+            return True
+        since = time.monotonic()
+        while line:
+            self._strikes += 1
+            out = KeepOut(self.node, self._strikes, backoff(self._strikes), cause=line, round=round_number)
+            log.error("[%s] not joining the job: %s; kept out %.0f s (strike %d), then checked again",
+                      self.node, line, out.backoff, out.strikes)
+            publish(out)
+            deadline = time.monotonic() + out.backoff
+            while time.monotonic() < deadline:
+                if closed():
+                    publish(None)
+                    return False
+                time.sleep(min(_RECHECK_S, max(0.0, deadline - time.monotonic())))
+            line = self.look(force=True, quiet=True)
+        self._strikes = 0
+        publish(None)
+        log.info("[%s] health checks pass again after %.0f s kept out; joining the job", self.node,
+                 time.monotonic() - since)
+        return True

@@ -1,0 +1,146 @@
+"""The observe step of the node agent's loop: one :class:`agent.node.policy.Observation` per look.
+
+Contract: :meth:`Observer.look` once per loop turn, after the agent's wait and before
+:func:`agent.node.policy.decide`. It reads the workers (exits, failures in detail, in-place
+statuses), the rendezvous (membership news, the peers' crash reports, a lost etcd), the
+hang watchdog and the straggler, SDC and freeze watches, and feeds each into a field of
+the observation; it decides nothing. What it says about this node on the way (whether its
+workers hold state in place, what they failed with) goes into its registry record, each
+written only on a change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from elastic import contract
+from elastic.inplace.channel import AgentChannel
+
+from agent.node.node_run import NodeRun
+from agent.node.nulls import NoChannel
+from agent.node.fault_cause import attribute
+from agent.node.oom import killed_by, oom_kills
+from agent.node.policy import Failure, Observation, crash_report, last_words, next_streak
+from agent.node.rendezvous_api import AgentRendezvous
+from agent.node.sdc import SdcWatch
+from agent.node.watchdog import HangWatch
+from agent.node.workers import LocalWorkers
+
+log = logging.getLogger("elastic.agent")
+
+
+class Observer:
+    def __init__(self, run: NodeRun, *, node: str, run_id: str, heartbeat_dir: Path, workers: LocalWorkers,
+                 rdzv: AgentRendezvous, watch: HangWatch, channel: AgentChannel | NoChannel, pace: Any,
+                 sdc: SdcWatch, freeze: Any, health: Any) -> None:
+        self.run, self.node, self.run_id, self.heartbeat_dir = run, node, run_id, heartbeat_dir
+        self.workers, self.rdzv, self.watch, self.channel = workers, rdzv, watch, channel
+        self.pace, self.sdc, self.freeze = pace, sdc, freeze  # the straggler, SDC and freeze watches
+        self.health = health  # agent.node.health_watch: '' for a healthy node, else the failed checks
+        self.kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
+        self.seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
+        self.reform_why = ""  # what the worker asking for a new round said
+        self.frozen: Any = None  # the freeze watch's last finding (agent.node.freeze.Frozen), for the act
+        self._holds_state = False  # what this node's registry record says: its workers train in place
+        self._said_in_place = False
+        self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.node.oom)
+        self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
+
+    def look(self) -> Observation:
+        run = self.run
+        exits = self.workers.exits()
+        membership, self.kept_out_peers = self.rdzv.membership(run.round)
+        stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
+        in_place, reform = self._in_place_statuses()
+        self.rdzv.publish(in_place=self._holds_state)
+        failures = self.seen_failures = self._failures(exits)
+        report = crash_report(failures)
+        if report:  # tell the other nodes what this node's workers failed with right after their start
+            self.rdzv.publish(crash=report)
+        if failures:  # the last fault of this node, kind first (agent.node.fault_cause), for elastic top
+            self.rdzv.publish(fault=last_words(failures)[:300])
+        failed = any(code not in (None, 0) for code in exits.values())
+        fresh = failed or membership is not None or reform or stalled is not None
+        self.frozen = self.freeze.look(self.workers.pids(), run.round.number, run.round.participants)
+        unusable, run.unusable_round = run.unusable_round, None
+        suspect = self.sdc.look() or ""
+        return Observation(
+            exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
+            restarts_left=run.remaining_restarts, failures=failures,
+            crash_streak=next_streak(run.crash_streak, failures.values()),
+            nodes_without_us=len(run.round.others(self.node)) if self.rdzv.can_keep_out else None,
+            peer_crashes=self.rdzv.peer_crashes(run.round),
+            etcd_lost=self.rdzv.etcd_lost(self._stale_fence(), self.run_id) if failures else "",
+            health=self.health.look(),
+            min_nodes=self.rdzv.min_nodes,
+            straggler=self.pace.look(run.round.participants, self.rdzv.min_nodes) or "",
+            sdc_suspect=suspect,
+            spares_waiting=self._spares_waiting(suspect),
+            written_off=self.freeze.written_off(run.round.number, run.round.participants, fresh=fresh) or "",
+            frozen=self.frozen.nodes if self.frozen is not None else (),
+            frozen_detail=self.frozen.detail if self.frozen is not None else "",
+            unusable_round=unusable)
+
+    def _spares_waiting(self, suspect: str) -> int:
+        """Only when it matters (an SDC suspect in a round at the job's minimum size): a read of etcd."""
+        current = self.run.round
+        if not suspect or len(current.others(self.node)) >= self.rdzv.min_nodes:
+            return 0
+        return self.rdzv.spares_waiting(current)
+
+    def _stale_fence(self) -> dict[str, Any] | None:
+        """What rank 0 said of the fence that refused its group (elastic.snapshots), if it did."""
+        try:
+            data = json.loads((self.heartbeat_dir / contract.STALE_FENCE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _failures(self, exits: dict[int, int | None]) -> dict[int, Failure]:
+        """The failed local workers in detail: how long each ran and its last words."""
+        out = {}
+        for rank, code in exits.items():
+            worker = self.workers.workers.get(rank)
+            if code in (None, 0) or worker is None:
+                continue
+            message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
+            if not message and code < 0:
+                message = self._kill_words.get(worker.pid, "")
+                if not message:
+                    now = oom_kills()
+                    message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
+                    self._oom_seen = now
+            out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
+                                progressed=self.watch.progressed_since_start(rank))
+        return out
+
+    def _in_place_statuses(self) -> tuple[bool, bool]:
+        """(every running local worker runs in place, one asked for a new round)."""
+        run = self.run
+        self._holds_state = False
+        statuses, starting = [], False
+        for rank, pid in self.workers.pids().items():
+            status = self.channel.status(rank)
+            if status is None or status.pid != pid:
+                if pid not in run.joiner_pids:
+                    return False, False
+                # Started into a world that trains in place, and not heard from yet: it takes
+                # the newest offer at its first batch, so a round that comes meanwhile is
+                # offered to it (restarting it would throw its start-up away, standby and all).
+                starting = True
+                continue
+            statuses.append(status)
+        in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
+        self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
+        if in_place and not self._said_in_place:
+            self._said_in_place = True
+            log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
+        asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= run.round.number]
+        self.reform_why = asking[0].reason if asking else ""
+        return in_place, bool(asking)
+
+
+__all__ = ["Observer"]

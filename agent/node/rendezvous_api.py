@@ -1,0 +1,408 @@
+"""The one interface between the node agent and its rendezvous.
+
+The agent acts on the rendezvous only through an :class:`AgentRendezvous`: take part in
+the next round (with a cause) and get it back as a frozen :class:`Round`; publish this
+node's state; read its peers; report an unreachable peer; ask after its lease; subscribe
+to wake-ups. It never reads or writes a handler's fields. Two implementations:
+
+* :class:`EtcdRendezvous`, over ``agent.rendezvous`` (``--rdzv-backend etcd-v3``): the
+  node registry, keep-outs, in-place round offers, spares, leases;
+* :class:`TorchRendezvous`, over any other torch ``RendezvousHandler``: rounds only; what
+  it cannot do (keep a node out, publish, watch leases) does nothing.
+
+Call order: :meth:`~AgentRendezvous.attach` once (what this node advertises, the agent's
+hooks), then :meth:`~AgentRendezvous.next_round` whenever the agent needs a round; every
+other method at any time after ``attach``. The collaborators that need etcd itself (the
+straggler, freeze and command watches, goodput's account) are made here too, so that a
+generic handler gets their null objects.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
+
+from elastic.inplace.channel import RoundOffer, assign_ranks, make_offer
+from agent.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from agent.rendezvous.keepout import KeepOut
+from agent.rendezvous.lease_clock import Verdict
+from agent.rendezvous.rounds import JOIN
+from agent.rendezvous.registry import NodeRecord
+from elastic.worker_env import joins_live_world
+
+from agent.node.policy import Reason, etcd_lost
+from agent.node.sdc import spares_waiting
+from agent.node.states import NodeState, RoundCause
+
+_OFFER_TRIES = 5
+_KEEP_OUT_SEEN_S = 5.0  # how long to wait for the rendezvous' mirror to show our keep-out key change
+_MEMBERSHIP = {PEER_LOST: Reason.PEER_LOST, LEASE_LOST: Reason.LEASE_LOST, NEW_ROUND: Reason.SCALE_UP}
+
+
+class JobFinishedError(RendezvousClosedError):
+    """The job trained its last step while this node was out: nothing to join, and exit 0."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round as this node takes part in it: its members, this node's ranks, and, for
+    in-place workers, the offer to hand them (None: the round cannot be handed over)."""
+
+    number: int = -1
+    participants: tuple[str, ...] = ()
+    group_rank: int = 0
+    group_world: int = 0
+    rank_base: int = 0
+    world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    offer: RoundOffer | None = None
+    live_world: bool = False  # its other members already train in place: this node's workers join them
+
+    def others(self, node: str) -> list[str]:
+        return [n for n in self.participants if n != node]
+
+
+@dataclass(frozen=True)
+class LeaseHealth:
+    """How this node's lease fares (all None/False where the rendezvous has no lease)."""
+
+    age: float | None = None  # seconds since the last confirmed keep-alive
+    outage: bool = False  # etcd does not answer (the lease may still hold)
+    cut_off: str = ""  # why this node judged itself cut off, for the log line
+    due_in: float | None = None  # seconds until the lease is to be judged again
+
+
+class AgentRendezvous(abc.ABC):
+    """See the module doc. ``node`` and ``nproc`` are this node's; ``in_place``: it hosts
+    in-place workers (rounds come with offers)."""
+
+    def __init__(self, handler: RendezvousHandler, node: str, nproc: int, in_place: bool) -> None:
+        self._handler, self.node, self.nproc, self.in_place = handler, node, nproc, in_place
+
+    @property
+    def use_agent_store(self) -> bool:
+        return bool(self._handler.use_agent_store)
+
+    def is_closed(self) -> bool:
+        return bool(self._handler.is_closed())
+
+    @property
+    def can_keep_out(self) -> bool:
+        """Whether this rendezvous can keep a node out of rounds (crash loops, stragglers, SDC)."""
+        return False
+
+    @property
+    def min_nodes(self) -> int:
+        return 1
+
+    @abc.abstractmethod
+    def next_round(self, cause: RoundCause, previous: Round, offered: bool = False) -> Round:
+        """Take part in the next round; ``cause`` says why, should this node open it.
+        ``offered``: in-place workers go on, so only a round with an offer will do (a few
+        tries; the returned round's ``offer`` is None if none came)."""
+
+    def attach(self, *, advertise_host: str | None, metrics_url: str | None, store_addr: str | None,
+               on_etcd_error: Callable[[str], None], wake: Callable[[], None],
+               on_keep_out: Callable[[KeepOut | None], None], while_spare: Callable[[], None]) -> None:
+        """Advertise this node and hook the agent in (wake-ups, keep-out news, a spare's wait)."""
+
+    def membership(self, current: Round) -> tuple[Reason | None, list[str]]:
+        """The rendezvous' reason to act on ``current`` (None: none), and its members that went out (kept out)."""
+        return None, []
+
+    def publish(self, **fields: Any) -> None:
+        """Say something in this node's registry record (``state``, or ``extra`` keys such as
+        ``crash`` and ``in_place``); each written only on a change."""
+
+    def peers(self) -> Mapping[str, NodeRecord]:
+        return {}
+
+    def peer_crashes(self, current: Round) -> dict[str, str] | None:
+        """What the round's other members said their workers failed with (None: cannot be heard)."""
+        return None
+
+    def report_unreachable(self) -> None:
+        """The round failed with every lease held: record the members this node cannot reach."""
+
+    def etcd_settings(self) -> Any:
+        """How to reach etcd, for the health check's clock (None: no etcd to compare with)."""
+        return None
+
+    def hold_out(self, out: KeepOut | None) -> None:
+        """Before any round: hold (or, with None, drop) a keep-out key, the lease it needs
+        started first (a node failing a health check at its start)."""
+        self.keep_out(out)
+
+    def spares_waiting(self, current: Round) -> int:
+        """Live nodes of the run outside ``current``: warm spares, one of which would take the
+        place of a node kept out (read on the rare path that needs it)."""
+        return 0
+
+    def lease_health(self) -> LeaseHealth:
+        return LeaseHealth()
+
+    def etcd_lost(self, fence: Mapping[str, object] | None, run_id: str) -> str:
+        """agent.node.policy.etcd_lost against the round the rendezvous holds now."""
+        return ""
+
+    def keep_out(self, out: KeepOut | None) -> None:
+        """Keep this node out of rounds (``out``) or let it back (None), seen by the rendezvous."""
+
+    def exit_barrier(self, current: Round, timeout: float) -> None:
+        """Wait until every other member finished too (or ``timeout``)."""
+
+    def live_world_ahead(self) -> bool:
+        """A spare's question: does the running world train in place (start workers ahead)?"""
+        return False
+
+    # the collaborators that need the rendezvous' own store (null objects here)
+
+    def pace_monitor(self, metrics: Any, metrics_dir: Any, heartbeat_dir: Any) -> Any:
+        from agent.node.nulls import NoPace
+        return NoPace()
+
+    def freeze_watch(self, channel: Any) -> Any:
+        from agent.node.nulls import NoFreeze
+        return NoFreeze()
+
+    def command_watch(self, heartbeat_dir: str) -> Any:
+        from agent.node.nulls import NoCommands
+        return NoCommands()
+
+    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
+        """The handler goodput's shared account lives in (None: no account, agent.node.goodput)."""
+        return None
+
+
+class TorchRendezvous(AgentRendezvous):
+    """Any torch ``RendezvousHandler``: rounds, and a node waiting as a scale-up."""
+
+    def next_round(self, cause: RoundCause, previous: Round, offered: bool = False) -> Round:
+        info = self._handler.next_rendezvous()
+        bootstrap = info.bootstrap_store_info
+        return Round(number=previous.number + 1, participants=(), group_rank=info.rank, group_world=info.world_size,
+                     rank_base=info.rank * self.nproc, world_size=info.world_size * self.nproc,
+                     master_addr=bootstrap.master_addr if bootstrap is not None else previous.master_addr,
+                     master_port=bootstrap.master_port if bootstrap is not None else previous.master_port)
+
+    def membership(self, current: Round) -> tuple[Reason | None, list[str]]:
+        return (Reason.SCALE_UP if self._handler.num_nodes_waiting() > 0 else None), []
+
+
+class EtcdRendezvous(AgentRendezvous):
+    """``agent.rendezvous``'s etcd-v3 handler: registry, keep-outs, offers, spares, leases."""
+
+    _handler: EtcdV3RendezvousHandler
+
+    def __init__(self, handler: EtcdV3RendezvousHandler, node: str, nproc: int, in_place: bool) -> None:
+        super().__init__(handler, node, nproc, in_place)
+
+    @property
+    def can_keep_out(self) -> bool:
+        return True
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self._handler.timings.min_nodes)
+
+    def attach(self, *, advertise_host: str | None, metrics_url: str | None, store_addr: str | None,
+               on_etcd_error: Callable[[str], None], wake: Callable[[], None],
+               on_keep_out: Callable[[KeepOut | None], None], while_spare: Callable[[], None]) -> None:
+        h = self._handler
+        if store_addr is not None:
+            h.lease.update(store_addr=store_addr)
+        h.advertise_host = advertise_host  # where peers ask for its witness
+        h.lease.update(metrics_url=metrics_url, nproc=self.nproc)
+        h.client.error_listeners.append(on_etcd_error)
+        h.mirror.listeners.append(wake)
+        h.reachability.listeners.append(on_keep_out)
+        if self.in_place:
+            h.while_spare.append(while_spare)
+            h.bootstrap_needed = self._needs_bootstrap
+
+    def next_round(self, cause: RoundCause, previous: Round, offered: bool = False) -> Round:
+        if not offered:
+            return self._one_round(cause, previous)
+        # A round whose every member's record says where its store is (a member that died as
+        # the round closed has none: the next round leaves it out). In-place workers need no
+        # torchrun bootstrap (MASTER_ADDR), which could wait on a dead rank 0.
+        self._handler.bootstrap = False
+        try:
+            current = previous
+            for _ in range(_OFFER_TRIES):
+                current = self._one_round(cause, current)
+                if current.offer is not None:
+                    break
+            return current
+        finally:
+            self._handler.bootstrap = True
+
+    def _one_round(self, cause: RoundCause, previous: Round) -> Round:
+        h = self._handler
+        h.next_cause = cause.value
+        self._refuse_a_finished_job()
+        info = h.next_rendezvous()
+        bootstrap = info.bootstrap_store_info
+        master_addr, master_port = ((bootstrap.master_addr, bootstrap.master_port) if bootstrap is not None
+                                    else (previous.master_addr, previous.master_port))
+        record = h.round
+        number, participants = ((record.round, tuple(record.participants)) if record is not None
+                                else (previous.number + 1, previous.participants))
+        rank_base, world_size = info.rank * self.nproc, info.world_size * self.nproc
+        records = h.node_records()
+        nprocs = {n: r.nproc for n, r in records.items()}
+        ranks = assign_ranks(participants, self.node, nprocs)
+        if ranks is not None:
+            rank_base, world_size = ranks
+        live = self.in_place and joins_live_world(
+            {n: bool(r.extra.get("in_place")) for n, r in records.items() if n in participants}, self.node)
+        offer = None
+        if self.in_place:
+            offer = make_offer(number, participants, self.node, nprocs,
+                               {n: r.store_addr for n, r in records.items()},
+                               record.cause if record is not None else JOIN)
+        return Round(number=number, participants=participants, group_rank=info.rank, group_world=info.world_size,
+                     rank_base=rank_base, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                     offer=offer, live_world=live)
+
+    def _refuse_a_finished_job(self) -> None:
+        """A node whose workers succeeded trained the job's last step (``ElasticRun``: every
+        rank confirmed it), so there is no round left to form: a node back from a keep-out
+        or a restart just then would otherwise pull the finished nodes into a round their
+        workers never join, and hold them in their exit barrier until it times out."""
+        done = sorted(n for n, r in self._handler.node_records().items()
+                      if r.state == NodeState.SUCCEEDED and n != self.node)
+        if done:
+            raise JobFinishedError(f"the job finished (node {', '.join(done)}: workers succeeded) "
+                                   "while this node was out")
+
+    def _needs_bootstrap(self, record: Any) -> bool:
+        """Whether this node's workers may read MASTER_ADDR in ``record``'s round: not when they
+        join a world that already trains in place (they start in a set-up world of their own),
+        so the rendezvous need not wait for rank 0 to publish it."""
+        records = self._handler.node_records()
+        return not joins_live_world({n: bool(r.extra.get("in_place")) for n, r in records.items()
+                                     if n in record.participants}, self.node)
+
+    def live_world_ahead(self) -> bool:
+        records = self._handler.node_records()
+        return joins_live_world({n: bool(r.extra.get("in_place")) for n, r in records.items()}, self.node)
+
+    def membership(self, current: Round) -> tuple[Reason | None, list[str]]:
+        reason = _MEMBERSHIP.get(self._handler.restart_reason() or "")
+        if reason is not None:
+            return reason, []
+        out = self._kept_out(current)
+        return (Reason.PEER_LOST if out else None), out  # a member kept out takes part in no collective
+
+    def _kept_out(self, current: Round) -> list[str]:
+        """Members of this node's round that hold a keep-out key: one that went out after the
+        round closed (a crash loop) keeps its lease, so nothing else says so."""
+        others = current.others(self.node)
+        if not others:
+            return []
+        h = self._handler
+        out = h.reachability.keep_outs(h.mirror.entries()[0])
+        return [n for n in others if n in out and out[n].round >= current.number]  # older: put back, a replay
+
+    def publish(self, **fields: Any) -> None:
+        lease = self._handler.lease
+        state = fields.pop("state", None)
+        if state is not None:
+            lease.update(state=str(state))
+        extra = lease.record.extra
+        if any(extra.get(k, _EXTRA_DEFAULTS.get(k)) != v for k, v in fields.items()):
+            lease.update(extra={**extra, **fields})
+
+    def peers(self) -> Mapping[str, NodeRecord]:
+        return self._handler.node_records()
+
+    def peer_crashes(self, current: Round) -> dict[str, str] | None:
+        records = self._handler.node_records()
+        return {n: str(records[n].extra.get("crash", "")) if n in records else "" for n in current.others(self.node)}
+
+    def report_unreachable(self) -> None:
+        self._handler.report_unreachable()
+
+    def etcd_settings(self) -> Any:
+        return self._handler.client.settings
+
+    def hold_out(self, out: KeepOut | None) -> None:
+        self._handler._start()  # the lease and mirror the keep-out key needs
+        self.keep_out(out)
+
+    def spares_waiting(self, current: Round) -> int:
+        return spares_waiting(self._handler, current.participants)
+
+    def lease_health(self) -> LeaseHealth:
+        h = self._handler
+        watch = h.lease_watch
+        return LeaseHealth(age=h.lease.clock().age(time.monotonic()), outage=watch.verdict_now is Verdict.OUTAGE,
+                           cut_off=watch.detail if watch.verdict_now is Verdict.CUT_OFF else "",
+                           due_in=watch.seconds_to_deadline())
+
+    def etcd_lost(self, fence: Mapping[str, object] | None, run_id: str) -> str:
+        now = self._handler.newest_round()
+        return etcd_lost(fence, run_id, now) if fence is not None and now is not None else ""
+
+    def keep_out(self, out: KeepOut | None) -> None:
+        """Write (or, with None, clear) this node's keep-out key, as ``Reachability`` does for a
+        node its peers cannot reach, and wait until the rendezvous' own mirror shows it: a
+        stale key there would make the next round keep this node out again, as unreachable."""
+        h = self._handler
+        h.reachability._publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
+        deadline = time.monotonic() + _KEEP_OUT_SEEN_S
+        while time.monotonic() < deadline:
+            entries, revision = h.mirror.entries()
+            if (h.node in h.reachability.keep_outs(entries)) == (out is not None):
+                return
+            h.mirror.wait(revision, 0.1)
+
+    def exit_barrier(self, current: Round, timeout: float) -> None:
+        """A peer kept out (a crash loop) trains nothing and will not finish: not waited for."""
+        h = self._handler
+        deadline = time.monotonic() + timeout
+        done = (NodeState.SUCCEEDED, NodeState.FAILED, NodeState.KEPT_OUT)
+        while time.monotonic() < deadline:
+            records = h.node_records()
+            if not [n for n in current.participants if n in records and records[n].state not in done]:
+                return
+            _entries, revision = h.mirror.entries()
+            h.mirror.wait(revision, 0.5)
+
+    def pace_monitor(self, metrics: Any, metrics_dir: Any, heartbeat_dir: Any) -> Any:
+        from agent.node.pace import PaceMonitor
+        return PaceMonitor(self.node, self._handler, metrics, metrics_dir, heartbeat_dir)
+
+    def freeze_watch(self, channel: Any) -> Any:
+        if not self.in_place:
+            return super().freeze_watch(channel)
+        from agent.node.freeze import FreezeWatch
+        return FreezeWatch(self.node, self._handler, channel)
+
+    def command_watch(self, heartbeat_dir: str) -> Any:
+        from agent.node.commands import CommandWatch
+        watch = CommandWatch(self._handler, self.node)
+        watch.heartbeat_dir = heartbeat_dir  # `elastic inject-sdc`: the request goes there
+        return watch
+
+    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
+        return self._handler
+
+
+_EXTRA_DEFAULTS: dict[str, object] = {"crash": "", "in_place": False}  # what a record without the key says
+
+
+def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place: bool) -> AgentRendezvous:
+    """The interface over ``handler``: ours over etcd-v3, else the generic one (in-place needs ours)."""
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        return EtcdRendezvous(handler, node, nproc, in_place)
+    return TorchRendezvous(handler, node, nproc, in_place=False)
+
+
+__all__ = ["AgentRendezvous", "JobFinishedError", "EtcdRendezvous", "LeaseHealth", "Round", "TorchRendezvous", "agent_rendezvous"]

@@ -1,0 +1,63 @@
+"""The etcd flags every ``elastic`` tool shares with ``elastic agent``.
+
+Tools take the same ``--rdzv-endpoint``, ``--rdzv-id`` and ``--rdzv-conf`` a user already
+passes to the agents (TLS files, user, ``hmac_key_file``, ``key_prefix``), each also read
+from ``ELASTIC_RDZV_ENDPOINT``, ``ELASTIC_RDZV_ID`` and ``ELASTIC_RDZV_CONF``; so whatever
+reaches the job reaches the tools, with nothing new to learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from elastic import contract
+from agent.etcd import EtcdClient, settings_from_options
+from agent.rendezvous.signing import StateSigner, load_hmac_key
+
+DEFAULT_ENDPOINT = "localhost:2379"
+
+
+def add_etcd_arguments(parser: argparse.ArgumentParser, *, need_run_id: bool = True) -> None:
+    group = parser.add_argument_group("etcd (same as the agents')")
+    group.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                       default=os.environ.get(contract.RDZV_ENDPOINT_ENV, DEFAULT_ENDPOINT),
+                       help="etcd endpoints, host:port[,host:port...] (env ELASTIC_RDZV_ENDPOINT; "
+                            f"default {DEFAULT_ENDPOINT})")
+    group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=os.environ.get(contract.RDZV_ID_ENV),
+                       required=need_run_id and not os.environ.get(contract.RDZV_ID_ENV),
+                       help="the job's run id (env ELASTIC_RDZV_ID)")
+    group.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf",
+                       default=os.environ.get(contract.RDZV_CONF_ENV, ""),
+                       help="cacert=,cert=,key=,user=,password_file=,hmac_key_file=,key_prefix= "
+                            "(env ELASTIC_RDZV_CONF)")
+
+
+def parse_conf(text: str) -> dict[str, str]:
+    """torchrun's ``key=value,key=value`` syntax."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf item {item!r} is not key=value")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+@dataclass(frozen=True)
+class EtcdTarget:
+    client: EtcdClient
+    signer: StateSigner
+    key_prefix: str
+    run_id: str
+
+
+def connect(args: argparse.Namespace) -> EtcdTarget:
+    """An etcd client and the job's signer; raises EtcdConfigError/HmacKeyError with one line."""
+    conf = parse_conf(args.rdzv_conf)
+    settings = settings_from_options(args.rdzv_endpoint, conf)
+    client = EtcdClient(settings, retry_deadline=float(conf.get("connect_timeout", 10)))
+    signer = StateSigner(load_hmac_key(conf.get("hmac_key_file")))
+    return EtcdTarget(client, signer, conf.get("key_prefix", "/elastic").rstrip("/") or "/elastic",
+                      args.rdzv_id or "")
