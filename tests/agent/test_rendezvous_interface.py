@@ -21,7 +21,7 @@ from agent.node.rendezvous_api import Round, TorchRendezvous, agent_rendezvous
 from agent.node.states import RoundCause
 from elastic.inplace.channel import AgentChannel
 
-AGENT = Path(__file__).resolve().parents[2] / "agent"
+AGENT = Path(__file__).resolve().parents[2] / "agent" / "node"
 
 
 class _Static(RendezvousHandler):
