@@ -165,7 +165,8 @@ PREPARED_SCRIPT = textwrap.dedent('''\
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.utils.data.TensorDataset(torch.randn(1 << 17, 64), torch.randint(0, 4, (1 << 17,)))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
-    ft = elastic.Elastic(snapshot_every_steps=20, snapshot_dir=os.path.join(os.path.dirname(sys.argv[1]), "snapshots"))
+    ft = elastic.Elastic(snapshot_dir=os.path.join(os.path.dirname(sys.argv[1]), "snapshots"),
+                         snapshots=elastic.SnapshotConfig(every_steps=20))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     for epoch in ft.epochs(1):
         for x, y in loader:

@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent('''\
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     run = elastic.ElasticRun(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                              SyntheticClassification(int(os.environ["DATASET"]), seed=1), global_batch_size=18,
-                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"], snapshot_every_steps=0,
-                             ledger=os.environ["LEDGER"], collate_fn=as_batch, seed=3, check_every_steps=100000)
+                             steps=100000, snapshot_dir=os.environ["SNAPSHOTS"],
+                             snapshots=elastic.SnapshotConfig(every_steps=0, ledger=os.environ["LEDGER"]),
+                             data=elastic.DataConfig(collate_fn=as_batch), seed=3, check_every_steps=100000)
     rows = open(os.environ["PROGRESS"], "a")
     for x, y in run:
         if run.step(F.cross_entropy(run.model(x), y)):

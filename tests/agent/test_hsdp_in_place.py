@@ -54,7 +54,7 @@ HSDP = textwrap.dedent('''\
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(Data(int(sys.argv[1])), batch_size=4)
-    ft = elastic.Elastic(snapshot_every_steps=4, ledger=os.environ["LEDGER"])     # + the prepare lines
+    ft = elastic.Elastic(snapshots=elastic.SnapshotConfig(every_steps=4, ledger=os.environ["LEDGER"]))  # + the prepare lines
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     rows = open(os.environ["ROWS"], "a")
     for epoch in ft.epochs(2):
