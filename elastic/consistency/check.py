@@ -76,6 +76,7 @@ class Mismatch:
     nodes: list[str]  # per rank
     differing: dict[int, list[str]]  # rank -> entries that differ from the reference replica
     nonfinite: dict[int, list[str]] = field(default_factory=dict)  # rank -> entries holding a NaN or an Inf
+    shard_ranks: int = 0  # HSDP: local ranks per node (each shard class votes alone); 0: every rank a replica
 
 
 class ReplicaCheck:
@@ -218,7 +219,7 @@ class ReplicaCheck:
         back_to = self.agreed.step if self.agreed is not None else run.state.step
         return Mismatch(run.state.step, back_to, verdict, [g[0] for g in gathered],
                         {r: differing.get(r, []) for r in verdict.suspects},
-                        {r: gathered[r][4] for r in verdict.nonfinite})
+                        {r: gathered[r][4] for r in verdict.nonfinite}, self.shard_ranks)
 
     def _return(self, run: CheckedRun) -> None:
         agreed = self.agreed
@@ -302,8 +303,14 @@ def describe(m: Mismatch) -> str:
         named = "; ".join(who(r) for r in v.suspects)
         what = ("non-finite values in one replica" if v.suspects and all(r in m.nonfinite for r in v.suspects)
                 else "silent data corruption")
-        head = (f"{what} at step {m.step}: {named} disagrees with the majority of "
-                f"{len(v.majority)} of {len(m.nodes)} replicas")
+        if m.shard_ranks:  # HSDP: the replicas of the outlier's own shard decided
+            first, L = v.suspects[0], m.shard_ranks
+            agree = sum(1 for r in v.majority if r % L == first % L)
+            total = sum(1 for r in range(len(m.nodes)) if r % L == first % L)
+            of = f"{agree} of {total} replicas of its shard (local rank {first % L})"
+        else:
+            of = f"{len(v.majority)} of {len(m.nodes)} replicas"
+        head = f"{what} at step {m.step}: {named} disagrees with the majority of {of}"
     else:
         named = " and ".join(f"node {m.nodes[r]} (rank {r})" for r in v.suspects)
         entries = m.differing.get(v.suspects[0], []) if v.suspects else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from elastic.consistency.check import Mismatch, describe
 from elastic.consistency.vote import vote, vote_by_class
 
 M = 1  # a fingerprint method
@@ -44,3 +45,11 @@ def test_methods_that_differ_are_told_apart() -> None:
 def test_one_class_is_the_ddp_vote() -> None:
     for ds in ((5, 5, 5), (5, 6, 5), (5, 6)):
         assert vote_by_class(rows(*ds), [], [0] * len(ds)) == vote(rows(*ds))
+
+
+def test_the_line_counts_the_replicas_of_the_outliers_shard() -> None:
+    v = vote_by_class(rows(10, 20, 10, 21, 10, 20), [], [0, 1, 0, 1, 0, 1])
+    line = describe(Mismatch(12, 8, v, ["n0", "n0", "n1", "n1", "n2", "n2"], {3: ["0.weight"]}, shard_ranks=2))
+    assert "node n1 (rank 3; differs in 0.weight) disagrees with the majority of 2 of 3 replicas of its shard " \
+        "(local rank 1)" in line, line
+    assert "returns to step 8" in line
