@@ -272,8 +272,10 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
             self.hsdp: Any = None  # HSDP in place: the takeover of the script's mesh (elastic.inplace.hsdp)
-            if self.mesh is not None:  # each rank holds other shards: a whole-world vote would always split
-                self._check.every_steps = 0  # per-shard votes within each replicate group: not built yet
+            if self.mesh is not None and tuple(self.mesh.kinds) == ("replicate", "shard"):
+                self._check.shard_ranks = self.mesh.shape[1]  # HSDP: each shard's replicas vote among themselves
+            elif self.mesh is not None:  # FSDP across every node: no replica of any shard to compare with
+                self._check.every_steps = 0
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.state.sharded = self.mesh is not None

@@ -14,6 +14,12 @@ went bad meanwhile is healed from a majority replica.
 Every rank fingerprints its state (:mod:`.fingerprint`) and the ranks all-gather one
 digest per group: ``1 + 3`` int64 per rank. Only on a mismatch do they exchange the
 per-tensor hashes, to name what differs.
+
+Under HSDP (``shard_ranks`` = L local ranks per node) rank ``r`` holds the shards of local
+rank ``r % L``: it fingerprints its own shards, the all-gather is the same, the vote runs
+within each shard class (:func:`.vote.vote_by_class`), the kept copy is each rank's own
+shards and the rest (``capture(local=True)``), a rollback loads them back, and a rank
+whose copy went bad is healed from a replica of the same local rank.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from checkpoints.tree import iter_tensors, map_state
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
 from .fingerprint import GROUPS, Fingerprint, fingerprint, nonfinite_entries
-from .vote import Verdict, differing_groups, vote
+from .vote import Verdict, differing_groups, vote, vote_by_class
 
 log = logging.getLogger(__name__)
 DEFAULT_EVERY_STEPS = 100
@@ -70,6 +76,7 @@ class Mismatch:
     nodes: list[str]  # per rank
     differing: dict[int, list[str]]  # rank -> entries that differ from the reference replica
     nonfinite: dict[int, list[str]] = field(default_factory=dict)  # rank -> entries holding a NaN or an Inf
+    shard_ranks: int = 0  # HSDP: local ranks per node (each shard class votes alone); 0: every rank a replica
 
 
 class ReplicaCheck:
@@ -87,6 +94,11 @@ class ReplicaCheck:
         self._buffers: list[torch.Tensor] = []  # the host tensors of the kept copy, reused by the next one
         self.diverged_at = 0  # the first check that found every replica non-finite (said once)
         self.outcome: tuple[bool, str] | None = None  # the last check's: (agreed, its one line), for `elastic check`
+        self.shard_ranks = 0  # HSDP: local ranks per node (rank r holds local rank r % L's shards); 0: all replicas
+
+    def classes(self, world_size: int) -> list[int]:
+        """Each rank's shard class: ranks of one class hold the same bits (DDP: one class)."""
+        return [r % self.shard_ranks if self.shard_ranks else 0 for r in range(world_size)]
 
     def due(self, step: int) -> bool:
         """Whether applying ``step`` makes a check due: a function of the step alone, so that
@@ -117,7 +129,10 @@ class ReplicaCheck:
         self.outcome = None
         fp = _fingerprint(run, self.ignored)
         rows = all_gather_vector([*fp.digests(), int(not fp.finite)], run.dist)
-        verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
+        if self.shard_ranks:
+            verdict = vote_by_class([r[:-1] for r in rows], [bool(r[-1]) for r in rows], self.classes(len(rows)))
+        else:
+            verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
         if verdict.diverged:
             self._diverged(run)
             return False
@@ -148,7 +163,7 @@ class ReplicaCheck:
 
     def _keep(self, run: CheckedRun, fp: Fingerprint | None = None) -> None:
         digests = (fp or _fingerprint(run, self.ignored)).digests()
-        state = host_copy(run.state.capture(), self._buffers)
+        state = host_copy(run.state.capture(local=bool(self.shard_ranks)), self._buffers)
         self._buffers = iter_tensors(state)
         self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
 
@@ -193,37 +208,43 @@ class ReplicaCheck:
                                 run.state.user.capture() if len(run.state.user) else None) if not fp.finite else []
         dist.all_gather_object(gathered, (d.node, fp.names, fp.groups, fp.hashes, bad))
         prints = [Fingerprint(names, groups, hashes) for _node, names, groups, hashes, _bad in gathered]
-        reference = verdict.majority[0] if verdict.has_majority else 0
-        differing = {r: prints[r].differing(prints[reference]) for r in range(d.world_size) if r != reference}
-        if not verdict.has_majority:  # no reference to trust: name what differs between the two sides
-            differing[reference] = sorted({n for names in differing.values() for n in names})
+        classes = self.classes(d.world_size)
+        differing: dict[int, list[str]] = {}
+        for c in sorted(set(classes)):  # each shard class against its own reference replica
+            ranks = [r for r in range(d.world_size) if classes[r] == c]
+            reference = next((r for r in verdict.majority if classes[r] == c), ranks[0])
+            differing.update({r: prints[r].differing(prints[reference]) for r in ranks if r != reference})
+            if not verdict.has_majority:  # no reference to trust: name what differs between the two sides
+                differing[reference] = sorted({n for r in ranks if r != reference for n in differing[r]})
         back_to = self.agreed.step if self.agreed is not None else run.state.step
         return Mismatch(run.state.step, back_to, verdict, [g[0] for g in gathered],
                         {r: differing.get(r, []) for r in verdict.suspects},
-                        {r: gathered[r][4] for r in verdict.nonfinite})
+                        {r: gathered[r][4] for r in verdict.nonfinite}, self.shard_ranks)
 
     def _return(self, run: CheckedRun) -> None:
         agreed = self.agreed
         if agreed is None:  # only a check with every_steps > 0 runs, and a world always keeps a baseline
             raise RuntimeError("replicas disagree and no agreed state was kept")
         run.snapshots.wait_capture()  # an asynchronous snapshot copy must not read half-loaded state
-        run.state.load(map_state(agreed.state, lambda t, _w: t.clone()))  # the copy stays untouched
+        local = bool(self.shard_ranks)
+        run.state.load(map_state(agreed.state, lambda t, _w: t.clone()), local=local)  # the copy stays untouched
         run.plan.load_recent(agreed.recent)
         run._returned_to(agreed.step)
         intact = _fingerprint(run, self.ignored).digests() == agreed.digests
         flags = all_gather_vector([int(intact)], run.dist)
-        good = [r for r, (ok,) in enumerate(flags) if ok]
-        if len(good) == len(flags):
+        if all(ok for (ok,) in flags):
             return
-        if not good:
-            raise RuntimeError(f"every replica's copy of step {agreed.step}, their last agreed state, changed since; "
-                               "the job restarts from its newest snapshot")
-        src, d = good[0], run.dist
+        d, classes = run.dist, self.classes(len(flags))
         for rank in (r for r, (ok,) in enumerate(flags) if not ok):  # rare: a copy went bad since it was kept
+            good = [r for r, (ok,) in enumerate(flags) if ok and classes[r] == classes[rank]]
+            if not good:
+                raise RuntimeError(f"every replica's copy of step {agreed.step}, their last agreed state, changed "
+                                   "since; the job restarts from its newest snapshot")
+            src = good[0]  # a replica of the same shard (under HSDP, the same local rank)
             if d.rank == src:
-                send_state(run.state.capture(), rank, collective_device(d))
+                send_state(run.state.capture(local=local), rank, collective_device(d))
             elif d.rank == rank:
-                run.state.load(recv_state(src, collective_device(d)))
+                run.state.load(recv_state(src, collective_device(d)), local=local)
                 log.warning("[%s rank %d] healed step %d from rank %d: this rank's copy of it had changed",
                             d.node, d.rank, agreed.step, src)
 
@@ -282,8 +303,14 @@ def describe(m: Mismatch) -> str:
         named = "; ".join(who(r) for r in v.suspects)
         what = ("non-finite values in one replica" if v.suspects and all(r in m.nonfinite for r in v.suspects)
                 else "silent data corruption")
-        head = (f"{what} at step {m.step}: {named} disagrees with the majority of "
-                f"{len(v.majority)} of {len(m.nodes)} replicas")
+        if m.shard_ranks:  # HSDP: the replicas of the outlier's own shard decided
+            first, L = v.suspects[0], m.shard_ranks
+            agree = sum(1 for r in v.majority if r % L == first % L)
+            total = sum(1 for r in range(len(m.nodes)) if r % L == first % L)
+            of = f"{agree} of {total} replicas of its shard (local rank {first % L})"
+        else:
+            of = f"{len(v.majority)} of {len(m.nodes)} replicas"
+        head = f"{what} at step {m.step}: {named} disagrees with the majority of {of}"
     else:
         named = " and ".join(f"node {m.nodes[r]} (rank {r})" for r in v.suspects)
         entries = m.differing.get(v.suspects[0], []) if v.suspects else []

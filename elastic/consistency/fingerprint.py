@@ -12,9 +12,9 @@ the ranks compare, so ranks that hash differently are told apart from corruption
 
 The fingerprint is per tensor, in a fixed order, and grouped (parameters, optimizer
 state, registered state), so a mismatch can name the tensors that differ; the ranks
-exchange only one digest per group (:func:`digests`). Under HSDP each rank would hash its
-own shards and compare them within its shard's replicate group: the same entries, a
-smaller group (issue 42).
+exchange only one digest per group (:func:`digests`). Under HSDP each rank hashes its own
+shards (a DTensor's local tensor) and compares them within its shard's class, the ranks
+of the same local rank (:func:`..vote.vote_by_class`).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer, registered:
 
     def add(name: str, group: int, value: Any) -> None:
         names.append(name), groups.append(group)
+        value = _own(value)
         if not isinstance(value, torch.Tensor):
             pending.append(value_hash(value))
             return
@@ -138,6 +139,7 @@ def nonfinite_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
     out: list[str] = []
 
     def bad(t: Any) -> bool:
+        t = _own(t)
         return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                 and not bool(torch.isfinite(t.detach()).all()))
 
@@ -148,6 +150,17 @@ def nonfinite_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
     if registered:
         out += [where for where, value in _leaves(registered) if bad(value)]
     return out
+
+
+def _own(value: Any) -> Any:
+    """A DTensor's local shard (HSDP: this rank's own bits; hashing the DTensor itself would
+    dispatch a collective per tensor); anything else as it is."""
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.to_local()
+    return value
 
 
 def _leaves(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 CHECK_BIT = 1 << 61  # in the step's control value (elastic.trainer's _STOP_BIT is 1 << 62)
 OFF = ("the replica check is off in this run (check_every_steps=0, ELASTIC_CHECK_EVERY_STEPS=0, "
-       "or a sharded model): nothing to compare")
+       "or a model sharded across every node, FSDP2 without a replicate dimension): nothing to compare")
 NO_CONTROL = ("this run agrees on nothing per step (handle_sigterm=False): its ranks cannot agree on a step to "
               "check at; the periodic check still runs")
 

@@ -55,9 +55,40 @@ def vote(digests: Sequence[Sequence[int]], nonfinite: Sequence[bool] = ()) -> Ve
     return Verdict(False, (), everyone, nonfinite=bad)
 
 
+def vote_by_class(digests: Sequence[Sequence[int]], nonfinite: Sequence[bool],
+                  classes: Sequence[int]) -> Verdict:
+    """One :func:`vote` per shard class, merged into one verdict over global ranks.
+
+    Under HSDP rank ``r`` holds the shards of local rank ``classes[r]`` (``r % L``): only the
+    replicas of one shard hold the same bits, so each class votes alone and an outlier is
+    named by its own shard's replicas. The merged verdict agrees when every class does;
+    its suspects are every class's; it has a majority only when every class that
+    disagrees has one (else every replica of such a class is a suspect, and the line says
+    no majority decides). Every class diverged or not is decided alike: a NaN spreads
+    through the shard all-gathers, so one class all non-finite is the training's doing."""
+    flags = list(nonfinite) or [False] * len(digests)
+    verdicts: list[tuple[list[int], Verdict]] = []
+    for c in sorted(set(classes)):
+        ranks = [r for r, k in enumerate(classes) if k == c]
+        verdicts.append((ranks, vote([digests[r] for r in ranks], [flags[r] for r in ranks])))
+
+    def back(ranks: list[int], sub: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(ranks[i] for i in sub)
+
+    nonfin = tuple(sorted(r for ranks, v in verdicts for r in back(ranks, v.nonfinite)))
+    if any(v.diverged for _, v in verdicts):
+        return Verdict(False, (), (), diverged=True, nonfinite=nonfin)
+    failed = [(ranks, v) for ranks, v in verdicts if not v.agreed]
+    suspects = tuple(sorted(r for ranks, v in failed for r in back(ranks, v.suspects)))
+    majority = (tuple(sorted(r for ranks, v in verdicts for r in back(ranks, v.majority)))
+                if all(v.has_majority for _, v in failed) else ())
+    return Verdict(not failed, majority, suspects, methods_differ=any(v.methods_differ for _, v in verdicts)
+                   or len({tuple(d)[0] for d in digests}) > 1, nonfinite=nonfin)
+
+
 def differing_groups(mine: Sequence[int], reference: Sequence[int], groups: Sequence[str]) -> list[str]:
     """The group names (parameters, optimizer, registered) whose digests differ."""
     return [g for g, a, b in zip(groups, mine[1:], reference[1:]) if a != b]
 
 
-__all__ = ["Verdict", "differing_groups", "vote"]
+__all__ = ["Verdict", "differing_groups", "vote", "vote_by_class"]
