@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.elastic import test_replica_check as ddp
