@@ -17,6 +17,11 @@ looks alive but has not moved (its lease outlives a SIGKILL by up to the TTL) co
 short ``rejoin_timeout``. ``num_nodes_waiting`` answers from memory, so torch's monitor
 loop sees a new round, a lost peer or a lost own lease within one monitor interval, and
 an etcd outage cannot stall or kill a healthy job.
+
+The handler keeps torch's ABC and the round loop; its parts, one idea each, are its own:
+:class:`.mirror_view.MirrorView` (what the mirror says, verified), :class:`.round_writes.RoundWriter`
+(the round record and join keys), :class:`.job_end.JobEnd` (the closed key),
+:class:`.late_members.LateMembers` (dead or only late) and :class:`.spare_wait.SpareWait`.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ from agent.rendezvous.reachability import Reachability
 from agent.rendezvous.registry import NodeLease, NodeNameInUseError, NodeRecord, default_node_name
 from agent.rendezvous.round_writes import RoundWriter
 from agent.rendezvous.rounds import (CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, lost_members, rank_order,
-                                     should_close, waits_as_spare)
+                                     should_close)
 from agent.rendezvous.signing import StateSigner
+from agent.rendezvous.spare_wait import SpareWait
 from agent.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -111,14 +117,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._started = False
         self._joined_once = False
         self.on_round: list[Callable[[RoundRecord], None]] = []
-        # told True when this node starts waiting as a spare (a full world without it), False when it
-        # leaves that wait (admitted, or the round it joined); the agent exports it as a gauge
-        self.on_spare: list[Callable[[bool], None]] = []
-        # called at each look while this node waits as a spare (on an etcd change, at least once a
-        # second): the agent starts its workers ahead once the world it would join trains in place
-        self.while_spare: list[Callable[[], None]] = []
-        self.spare_since: float | None = None  # monotonic; while this node waits as a spare
-        self._spare_from: float | None = None  # when this rendezvous first found this node a spare
+        self.spares = SpareWait(node_name, self.lease, max_nodes, self.view.live)
+        self.on_spare, self.while_spare = self.spares.on_spare, self.spares.while_spare  # the same lists
         self._joined_at = 0.0  # monotonic: when this node joined the round it is in the rendezvous for
         # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
         # agent (None): a newcomer joins, a member asking again had its workers fail
@@ -163,11 +163,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.round = None
         self.lease.update(state="rendezvous", round=None, rank=None, world=None)
         started = time.monotonic()
-        self._spare_from = None
+        self.spares.begin()
         try:
             record = self._join_until_closed(started + self.options.timings["join_timeout"])
         finally:
-            self._mark_spare(False, write=False)  # "running" (or leaving) is written next
+            self.spares.mark(False, write=False)  # "running" (or leaving) is written next
         if self.lease_watch.past_deadline():
             self.lease.refresh(timeout=self.lease.ttl / 4)  # judged by its clock, a stale lease would stop us again
         rank, world = record.participants.index(self.node), len(record.participants)
@@ -177,13 +177,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
         # A spare's wait began long before the round (it waited beside a full world): its
         # "closed in" counts from its join of this round, or it reads as a slow close.
-        since = self._joined_at if self._spare_from is not None and self._joined_at > started else started
+        since = self._joined_at if self.spares.first is not None and self._joined_at > started else started
         log.info("[%s] round %d closed in %.2f s: rank %d of %d (%s)", self.node, record.round,
                  time.monotonic() - since, rank, world, ", ".join(record.participants))
-        if self._spare_from is not None:
+        if self.spares.first is not None:
             replaced = [n for n in record.previous if n not in record.participants]
             log.info("[%s] a spare for %.1f s: admitted to round %d in the place of %s, world size unchanged",
-                     self.node, time.monotonic() - self._spare_from, record.round,
+                     self.node, time.monotonic() - self.spares.first, record.round,
                      ", ".join(replaced) or "a lost member")
         store = dist.PrefixStore(f"round/{record.round}", self._store)
         needed = self.bootstrap and (self.bootstrap_needed is None or self.bootstrap_needed(record))
@@ -272,6 +272,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.lease.close()
         self.mirror.close()
 
+    @property
+    def spare_since(self) -> float | None:
+        """Monotonic: since when this node waits as a spare (None: it does not)."""
+        return self.spares.since
+
     def _round_peers(self) -> dict[str, str | None] | None:
         """The current round's other members and their witnesses, from the mirror (no etcd request)."""
         with self._lock:
@@ -320,12 +325,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                                            lambda: self.view.closed_in(self.mirror.entries()[0]))
                 joined_round = None
                 continue
-            if self._spare_now(record, entries, joined_round):
-                self._mark_spare(True, record)
+            if self.spares.now(record, entries, joined_round):
+                self.spares.mark(True, record)
                 deadline = max(deadline, time.monotonic() + self.options.timings["join_timeout"])  # not a stuck join
-            elif self.spare_since is not None and record is not None and record.state == OPEN \
+            elif self.spares.since is not None and record is not None and record.state == OPEN \
                     and joined_round == record.round:
-                self._mark_spare(False)  # joined the round a loss opened; its close says whether we are in
+                self.spares.mark(False)  # joined the round a loss opened; its close says whether we are in
             if record is None and self._round_key in entries:
                 self._await_good_round(revision)  # forged, and this node remembers no good one
                 continue
@@ -350,11 +355,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         joined_round, join_revision = record.round + 1, opened
                         self._joined_at = time.monotonic()
                 else:
-                    for callback in list(self.while_spare):
-                        try:
-                            callback()
-                        except Exception:  # noqa: BLE001 - a spare's extra must never break its rendezvous
-                            log.exception("[%s] while waiting as a spare", self.node)
+                    self.spares.tick()
                     self.mirror.wait(revision, 1.0)  # a full world: wait as a spare for the next round
             elif joined_round != record.round:
                 join_revision = self.writer.join(record.round, joined_round)
@@ -383,31 +384,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self.mirror.wait(revision, _TICK_S)
                 continue
             self.mirror.wait(revision, _TICK_S)
-
-    def _spare_now(self, record: RoundRecord | None, entries: dict,  # type: ignore[type-arg]
-                   joined_round: int | None) -> bool:
-        """Whether this node waits as a spare now (a round it opened itself may not show yet)."""
-        if record is None or record.state != CLOSED or self.node in record.participants \
-                or len(record.participants) < self.timings.max_nodes or joined_round == record.round + 1:
-            return False  # the cheap checks first: the registry is read only beside a full world
-        return waits_as_spare(record, self.node, self.timings.max_nodes, self.view.live(entries))
-
-    def _mark_spare(self, spare: bool, record: RoundRecord | None = None, write: bool = True) -> None:
-        """Say (registry state ``spare``, log, ``on_spare``) that this node waits as a spare, or
-        no longer does; only on a change."""
-        if spare == (self.spare_since is not None):
-            return
-        self.spare_since = time.monotonic() if spare else None
-        if spare and self._spare_from is None:
-            self._spare_from = self.spare_since
-        if spare and record is not None:
-            log.info("[%s] round %d is full (%s; --nnodes max %d): waiting as a spare, to take the place of "
-                     "the next member lost", self.node, record.round, ", ".join(record.participants),
-                     self.timings.max_nodes)
-        if write:
-            self.lease.update(state="spare" if spare else "rendezvous")
-        for callback in list(self.on_spare):
-            callback(spare)
 
     def _await_good_round(self, revision: int) -> None:
         """Wait for a member to put a good round record back over one that does not verify;
