@@ -265,6 +265,7 @@ def section_api() -> None:
                 for line in run_python(_ONE_RANK_IN_PLACE, str(free_port()), backend):
                     print("   ", line)
     print("two NCCL ranks on one GPU:")
+    # ports picked ahead (free_port): each rank needs rank 0's TCPStore port on its command line first
     for line in run_python(_TWO_RANKS, str(free_port()), procs=2, timeout=60):
         print("   ", line)
 

@@ -103,7 +103,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from agent.local.local_node import LocalNode  # noqa: E402
+from agent.local.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
 from agent.etcd import EmbeddedEtcd, free_port  # noqa: E402
 
 CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours-kill-spare-rank0",
@@ -204,10 +204,12 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
                                   nnodes=nnodes or f"1:{len(names)}", script=script, env=env, nproc_per_node=nproc)
     nodes = []
+    # torchrun's c10d store: every node needs its endpoint before any starts, so it cannot be port 0;
+    # a lost race shows as the baseline failing to form (a by-hand bench, not CI)
     store_port = free_port()
     for i, name in enumerate(names):
         if ours:
-            nodes.append(LocalNode(name=name, endpoint=etcd.endpoint, launcher="elastic", metrics_port=free_port(),
+            nodes.append(LocalNode(name=name, endpoint=etcd.endpoint, launcher="elastic", metrics_port=AUTO_METRICS_PORT,
                                    agent_args=_agent_args(config, lease_ttl), **common))
         else:
             conf = dict(TUNED) if "tuned" in config or "torchrun" in config else {}

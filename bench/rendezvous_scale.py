@@ -261,6 +261,8 @@ class Bench:
         self.links.close()
 
     def _endpoint(self, backend: str) -> str:
+        # torchrun's own backend: its node 0 hosts the store there, so it cannot be port 0 (every node
+        # needs the endpoint first); a lost race shows as that run failing to form (a by-hand bench)
         return self.etcd.endpoint if backend == OURS else f"127.0.0.1:{free_port()}"
 
     def _start(self, spec: NodeSpec, n: int) -> tuple[list[int], dict[int, Connection]]:

@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from agent.local.local_node import LocalNode  # noqa: E402
-from agent.etcd import EmbeddedEtcd, free_port  # noqa: E402
+from agent.local.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
+from agent.etcd import EmbeddedEtcd  # noqa: E402
 
 NAMES = ("a", "b", "c", "d")  # three members and a spare
 EVICTION_GOAL_S = 30.0
@@ -96,7 +96,7 @@ class Job:
             name=name, endpoint=etcd.endpoint, run_id=run_id, workdir=work_dir,
             script=str(script), module_args=["{progress}", str(work_dir / "snapshots"), str(args.work),
                                              str(self.flags[name])],
-            nnodes="3:3", max_restarts=100, metrics_port=free_port(), env={"OMP_NUM_THREADS": "1"},
+            nnodes="3:3", max_restarts=100, metrics_port=AUTO_METRICS_PORT, env={"OMP_NUM_THREADS": "1"},
             agent_args=["--lease-ttl", str(args.lease_ttl)]) for name in NAMES]
 
     def start(self) -> None:

@@ -54,7 +54,11 @@ def find_etcd_binary() -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago; callers retry if they lose the race."""
+    """A port that was free a moment ago, so another process may take it first (issue 40).
+    Use it only for etcd, which cannot bind port 0 from its command line (EmbeddedEtcd retries
+    with fresh ports when it loses the race), or for an address where nothing must listen (an
+    unreachable endpoint in a test). Anything that can bind port 0 and say which port it got
+    (our agent's ``--metrics-port auto``, a server a test starts) must do that instead."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

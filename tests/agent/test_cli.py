@@ -50,6 +50,7 @@ def test_elastic_kill_names_the_live_nodes_when_the_target_is_unknown(etcd_serve
 
 @pytest.mark.slow  # starts processes
 def test_elastic_etcd_serves_in_the_foreground_until_sigterm(tmp_path: Path) -> None:
+    # etcd cannot bind port 0 from its command line, so this one is picked ahead (a lost race fails here)
     port = free_port()
     proc = subprocess.Popen([*ELASTIC, "etcd", "--data-dir", str(tmp_path / "data"), "--client-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

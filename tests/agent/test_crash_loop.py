@@ -21,11 +21,13 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import read_rows
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
 STEPS = 300  # at 0.2 s a step until the test says "fast": more than the crash loop takes to be seen
@@ -60,7 +62,7 @@ SCRIPT = textwrap.dedent('''\
 
 
 def metric(node: Node, name: str) -> float:
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"{node.name} serves no /metrics"
     return sum(v for (metric_name, _labels), v in series.items() if metric_name == name)
 
@@ -77,7 +79,7 @@ def test_a_node_whose_worker_fails_at_every_start_is_kept_out_and_the_others_fin
         env = {"ROWS": str(tmp_path / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp_path / "snapshots"),
                "OMP_NUM_THREADS": "1", "STEPS": str(STEPS), "CRASH_ON": "c", "FAST": str(fast)}
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="2:3",
-                     metrics_port=free_port(), env=env,
+                     metrics_port=AUTO_METRICS_PORT, env=env,
                      agent_args=["--lease-ttl", "2"])
 
     a, b, c = start("a"), start("b"), start("c")

@@ -26,7 +26,8 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.elastic.inplace.support import at_world, logs, metric, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once, assert_went_on_from_where_it_stood
 from tests.support.nodes import TorchrunNode as Node
@@ -45,7 +46,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
            "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
            "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup"), "JOB_FIRST_STEPS_SLEEP": "0.4"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:3",
-                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(lease_ttl)])
+                 metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", str(lease_ttl)])
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import at_world, logs, rows, train_together
 from tests.elastic.inplace.test_user_code import DATASET, assert_trained_once
@@ -50,7 +51,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
            "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
            "JOB_FIRST_STEPS_SLEEP": "0.4"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
-                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+                 metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
 
 def without(node: Node, tmp: Path, world: int, after_round: int) -> list[dict]:  # type: ignore[type-arg]

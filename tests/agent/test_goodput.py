@@ -23,12 +23,14 @@ from typing import Any, Callable
 import pytest
 
 from agent.node.goodput import read_account
-from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.etcd import EmbeddedEtcd, EtcdClient
 from elastic.goodput import Account
 from agent.rendezvous.signing import StateSigner
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 LEASE_TTL = 2
 FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
@@ -38,7 +40,7 @@ JOB = ["--job", "mlp", "--steps", "100000", "--snapshot-every-steps", "10", "--s
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Any) -> Node:
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, module="elastic.train",
-                 module_args=[*JOB, "--snapshot-dir", str(tmp / "snaps")], metrics_port=free_port(),
+                 module_args=[*JOB, "--snapshot-dir", str(tmp / "snaps")], metrics_port=AUTO_METRICS_PORT,
                  agent_args=["--lease-ttl", str(LEASE_TTL)])
 
 
@@ -61,7 +63,7 @@ def whole(a: Node, b: Node, after: float, steps: int = 10) -> bool:
 
 def counters(node: Node) -> tuple[float, dict[str, float]]:
     """The node's goodput counters, as its /metrics serves them."""
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"node {node.name} serves no /metrics"
     productive = sum(v for (name, _), v in series.items() if name == "elastic_productive_seconds_total")
     lost: dict[str, float] = {}
@@ -174,7 +176,7 @@ def test_a_kill_on_the_restart_path_costs_detection_rendezvous_start_restore_and
     else:
         kw = dict(module="elastic.examples.tiny_ddp", agent_args=["--lease-ttl", str(LEASE_TTL)],
                   module_args=["--step-time", "0.02", "--progress", "{progress}"])
-    a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, metrics_port=free_port(), **kw)
+    a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, metrics_port=AUTO_METRICS_PORT, **kw)
             for n in ("a", "b"))
     wait_until(lambda: whole(a, b, after=-1, steps=10), FORM_TIMEOUT, "two agents to train in a world of 2",
                on_timeout=logs(a, b))

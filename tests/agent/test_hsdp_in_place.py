@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -84,7 +85,7 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
            "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), module_args=[str(DATASET)],
-                  nnodes="1:2", nproc_per_node=2, metrics_port=free_port(), env={**env, "NODE": n},
+                  nnodes="1:2", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env={**env, "NODE": n},
                   agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
@@ -144,7 +145,7 @@ def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_l
 
     def node(name: str, count: int) -> Node:
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script),
-                     module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=free_port(),
+                     module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=AUTO_METRICS_PORT,
                      env={**env, "NODE": name}, agent_args=["--lease-ttl", "2"])
 
     a = node("a", 2)

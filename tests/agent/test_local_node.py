@@ -1,6 +1,6 @@
 """``LocalNode.metric``: what the benchmarks and tools read off a local agent's /metrics.
 
-A real prometheus-client HTTP server on a free port stands in for the agent's endpoint.
+A real prometheus-client HTTP server on a port it bound (port 0) stands in for the agent's endpoint.
 """
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from agent.local.local_node import LocalNode
-from agent.etcd import free_port
 
 
 def test_a_series_is_summed_over_the_labels_asked_for_and_none_while_nothing_serves(tmp_path: Path) -> None:
-    port = free_port()
-    node = LocalNode(name="a", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path, metrics_port=port)
-    assert node.metric("elastic_agent_spare") is None, "nothing listens yet"
     registry = CollectorRegistry()
     Gauge("elastic_agent_spare", "spare", registry=registry).set(1)
     reforms = Counter("elastic_agent_inplace_reforms", "reforms", ["reason"], registry=registry)
     reforms.labels(reason="frozen").inc(2)
     reforms.labels(reason="peer_lost").inc(3)
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)  # port 0: read back, not picked ahead
+    node = LocalNode(name="a", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path, metrics_port=server.server_port)
     try:
         assert node.metric("elastic_agent_spare") == 1
         assert node.metric("elastic_agent_inplace_reforms_total") == 5
@@ -32,6 +29,8 @@ def test_a_series_is_summed_over_the_labels_asked_for_and_none_while_nothing_ser
     finally:
         server.shutdown()
         thread.join(5)
+        server.server_close()
+    assert node.metric("elastic_agent_spare") is None, "nothing listens any more"
 
 
 def test_with_an_auto_port_the_agent_binds_a_free_one_and_the_node_reads_it_back(tmp_path: Path) -> None:

@@ -20,12 +20,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from elastic.jobs.mlp import make_model
 from tests.elastic.metrics.scrape import Samples, fetch_samples
 from tests.support.dashboard import family, is_external, load, queried_metrics
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 NOT_IN_MLP = {"elastic_tokens_total"}  # the mlp job defines no tokens (documented in metrics.md)
 AFTER_A_FAULT = {"elastic_last_fault_timestamp_seconds", "elastic_last_fault_phase_seconds"}  # the fault timeline
@@ -33,7 +35,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def scrape(node: Node) -> Samples:
-    return fetch_samples(f"http://127.0.0.1:{node.metrics_port}/metrics")
+    return fetch_samples(metrics_url(node))
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:
@@ -71,7 +73,7 @@ def test_metrics_of_a_real_run_follow_training_and_a_kill(
     job = ["--job", "mlp", "--steps", "100000", "--snapshot-dir", str(tmp_path / "snaps"),
            "--snapshot-every-steps", "10", "--step-sleep", "0.02", "--progress", "{progress}"]
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.train", module_args=job,
-                  metrics_port=free_port(), agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
+                  metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
     wait_until(lambda: len(a.steps_at(2)) >= 30 and len(b.steps_at(2)) >= 30, 120,
                "two nodes to train 30 steps", on_timeout=lambda: a.log_tail() + b.log_tail())
 

@@ -16,11 +16,13 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch
 from tests.support.netns import NodeNetwork
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +59,7 @@ def logs(*nodes: Node) -> Callable[[], str]:
 
 
 def restarts(node: Node) -> dict[str, float]:
-    series = fetch(f"http://{node.metrics_host}:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"node {node.name} serves no /metrics at {node.metrics_host}"
     return {dict(labels).get("reason", ""): v for (name, labels), v in series.items()
             if name == "elastic_agent_restarts_total"}
@@ -75,7 +77,7 @@ def test_a_partitioned_node_is_written_off_and_rejoins_after_healing(
     etcd.start()
     try:
         (tmp_path / "netns_ddp.py").write_text(DDP)  # the nodes' working directory: `-m netns_ddp` finds it
-        a, b = (nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, netns=net[name], metrics_port=free_port(),
+        a, b = (nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, netns=net[name], metrics_port=AUTO_METRICS_PORT,
                       module="netns_ddp", module_args=["{progress}"], agent_args=["--lease-ttl", str(LEASE_TTL)],
                       env={"GLOO_SOCKET_IFNAME": net[name].ifname})
                 for name in ("a", "b"))

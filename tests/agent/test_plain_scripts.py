@@ -19,10 +19,12 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 FORM_TIMEOUT = 150
 
@@ -69,11 +71,11 @@ def script(tmp_path: Path) -> Path:
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, script: Path, steps: int,
           agent_args: list[str], env: dict[str, str] | None = None, **kw: object) -> Node:
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), module_args=[str(steps)],
-                 metrics_port=free_port(), agent_args=agent_args, env={"OMP_NUM_THREADS": "1", **(env or {})}, **kw)
+                 metrics_port=AUTO_METRICS_PORT, agent_args=agent_args, env={"OMP_NUM_THREADS": "1", **(env or {})}, **kw)
 
 
 def scrape(node: Node, name: str) -> dict[str, float]:
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"{node.name} serves no /metrics"
     return {dict(labels).get("reason", dict(labels).get("mode", "")): v for (metric, labels), v in series.items()
             if metric == name}

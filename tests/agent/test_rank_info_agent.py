@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Callable
 
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch_samples
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 GPUS = ("GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "GPU-1b2c3d4e-0000-4111-8222-333344445555")
 ENV = {"CUDA_VISIBLE_DEVICES": ",".join(GPUS), "NODE_NAME": "k8s-node-7"}
@@ -26,7 +28,7 @@ ENV = {"CUDA_VISIBLE_DEVICES": ",".join(GPUS), "NODE_NAME": "k8s-node-7"}
 def rank_info(node: Node) -> dict[str, dict[str, str]] | None:
     """By rank, from one scrape; None before the endpoint answers. Fails on a rank shown twice."""
     try:
-        rows = fetch_samples(f"http://127.0.0.1:{node.metrics_port}/metrics").get("elastic_rank_info", [])
+        rows = fetch_samples(metrics_url(node)).get("elastic_rank_info", [])
     except OSError:
         return None
     out: dict[str, dict[str, str]] = {}
@@ -42,7 +44,7 @@ def test_the_agent_exports_rank_info_for_a_script_that_does_not(
     # tiny_ddp: a plain torchrun DDP script, no ElasticRun, so no metrics of its own
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.examples.tiny_ddp",
                  module_args=["--progress", "{progress}"], nnodes="1:1", nproc_per_node=2,
-                 metrics_port=free_port(), env=ENV)
+                 metrics_port=AUTO_METRICS_PORT, env=ENV)
     wait_until(lambda: len(node.progress()) >= 5, 120, "five steps", on_timeout=node.log_tail)
     got = rank_info(node)
     assert got is not None and sorted(got) == ["0", "1"], got
@@ -56,7 +58,7 @@ def test_an_elasticrun_worker_speaks_for_itself(etcd_server: EmbeddedEtcd, run_i
     job = ["--job", "mlp", "--steps", "100000", "--snapshot-dir", str(tmp_path / "snaps"), "--step-sleep", "0.02",
            "--progress", "{progress}"]
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.train", module_args=job,
-                 nnodes="1:1", nproc_per_node=2, metrics_port=free_port(), env=ENV)
+                 nnodes="1:1", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env=ENV)
     wait_until(lambda: len(node.progress()) >= 10, 120, "ten steps", on_timeout=node.log_tail)
     got = rank_info(node)
     assert got is not None and sorted(got) == ["0", "1"]

@@ -16,10 +16,12 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 TINY = ["--step-time", "0.05", "--progress", "{progress}"]
 FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
@@ -29,7 +31,7 @@ LEASE_TTL = 2
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, **kw: object) -> Node:
     kw.setdefault("module_args", TINY)
     agent_args = ["--lease-ttl", str(LEASE_TTL), *kw.pop("agent_args", [])]  # type: ignore[misc]
-    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, metrics_port=free_port(),
+    return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, metrics_port=AUTO_METRICS_PORT,
                  agent_args=agent_args, **kw)
 
 
@@ -39,7 +41,7 @@ def logs(*nodes: Node) -> Callable[[], str]:
 
 def by_label(node: Node, name: str, label: str) -> dict[str, float]:
     """One agent metric's samples by one label, scraped from the node's /metrics."""
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"node {node.name} serves no /metrics"
     return {dict(labels).get(label, ""): v for (metric, labels), v in series.items() if metric == name}
 

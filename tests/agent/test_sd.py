@@ -126,6 +126,7 @@ def test_cli_serves_until_killed(etcd_server: EmbeddedEtcd, register: Callable[.
 
 @pytest.mark.slow  # starts processes
 def test_unreachable_etcd_is_one_error_line() -> None:
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     done = subprocess.run(
         [sys.executable, "-m", "agent.tools.sd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",
          "--rdzv-conf", "connect_timeout=1"],

@@ -26,6 +26,7 @@ from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support import agent_job
 from tests.support.waiting import wait_until
+from tests.support.metrics_url import metrics_url
 
 
 
@@ -63,7 +64,7 @@ def test_a_node_corrupted_twice_is_named_rolled_back_and_kept_out(
     after = time.time()
     train_together(others, tmp_path, 2, steps=8, after=after, timeout=90)
     main = next(n for n in others if rows(n, tmp_path)[-1]["rank"] == 0)
-    series = fetch(f"http://127.0.0.1:{main.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(main), timeout=5)
     assert series is not None
     named_twice = sum(v for (n, labels), v in series.items()
                       if n == "elastic_sdc_mismatches_total" and dict(labels).get("node") == victim.name)

@@ -22,7 +22,8 @@ from typing import Callable
 from torch import nn
 
 from checkpoints import SnapshotStore
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -84,7 +85,7 @@ def test_an_fsdp_script_resumes_from_its_snapshot_at_fewer_shards_when_a_node_is
     env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
            "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), module_args=[str(DATASET)],
-                  nnodes="1:2", nproc_per_node=2, metrics_port=free_port(), env=env,
+                  nnodes="1:2", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env=env,
                   agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(60) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,

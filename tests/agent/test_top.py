@@ -26,6 +26,7 @@ from agent.tools.top_model import (SPARE_NOTE, Exposition, NodeScrape, build_vie
                              quantile)
 from elastic.goodput import Account, Interval, extend
 from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.local.local_node import AUTO_METRICS_PORT
 from agent.rendezvous.registry import NodeLease, NodeRecord
 from agent.rendezvous.signing import StateSigner
 from tests.support.metrics_standin import BATCH, StandinNode
@@ -123,6 +124,7 @@ def test_once_against_live_endpoints(etcd_server: EmbeddedEtcd, etcd_client: Etc
     standins += [a, b]
     urls = {"node-a": a.serve(steps_per_second=20), "node-b": b.serve(steps_per_second=20),
             "node-c": f"http://127.0.0.1:{free_port()}/metrics"}  # registered, but its endpoint is gone
+    # ("node-c": free_port: nothing must listen there, so no bind race to lose (issue 40))
     leases = [NodeLease(etcd_client, "/elastic", run_id,
                         NodeRecord(node=n, host="127.0.0.1", pid=1, metrics_url=u, state="healthy"),
                         StateSigner(KEY), ttl=5).start() for n, u in urls.items()]
@@ -178,7 +180,7 @@ def test_once_against_a_real_two_node_run(etcd_server: EmbeddedEtcd, run_id: str
     job = ["--job", "mlp", "--steps", "100000", "--snapshot-dir", str(snaps), "--snapshot-every-steps", "10",
            "--step-sleep", "0.02", "--progress", "{progress}"]
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.train", module_args=job,
-                  metrics_port=free_port(), agent_args=["--lease-ttl", "2"],
+                  metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", "2"],
                   env={"ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)}) for n in ("node-a", "node-b"))
     wait_until(lambda: len(a.steps_at(2)) >= 20 and len(b.steps_at(2)) >= 20 and any(snaps.glob("step-*")),
                120, "two nodes to train 20 steps together and snapshot", on_timeout=lambda: a.log_tail() + b.log_tail())
@@ -225,6 +227,7 @@ def test_goodput_lines_show_the_share_the_causes_and_the_last_faults_phases() ->
 
 
 def test_unreachable_etcd_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     code = main(["--once", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "r",
                  "--rdzv-conf", "connect_timeout=1"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -20,11 +20,13 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.inplace.support import read_rows
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
 
@@ -57,7 +59,7 @@ USER_SCRIPT = textwrap.dedent('''\
 
 
 def standbys(node: Node) -> float:
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) or {}
+    series = fetch(metrics_url(node), timeout=5) or {}
     return sum(v for (name, _labels), v in series.items() if name == "elastic_agent_standby_workers_ready")
 
 
@@ -66,7 +68,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
     env = {"ROWS": str(tmp_path / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp_path / "snapshots"),
            "OMP_NUM_THREADS": "1"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:2",
-                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", "2", *agent_args])
+                 metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", "2", *agent_args])
 
 
 @pytest.mark.slow

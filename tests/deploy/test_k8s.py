@@ -222,6 +222,7 @@ def test_podmonitor_gives_each_pod_its_run_id_in_a_real_prometheus(tmp_path: Pat
         "resnet-trainjob-node-0-1-xyz": {jobset: "resnet-trainjob"},
         "both-0": {run_id: "ours", jobset: "theirs"},
     }
+    # free_port: nothing must listen there, so no bind race to lose (issue 40) (only the relabelled pod names are checked)
     static = [{"targets": [f"127.0.0.1:{free_port()}"],
                "labels": {"__meta_kubernetes_pod_name": name, **labels}} for name, labels in pods.items()]
     config = {"global": {"scrape_interval": "1h"},

@@ -28,7 +28,8 @@ from typing import Callable
 import pytest
 
 from agent.tools.etcd_args import connect
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.support import dashboard as dash
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.prometheus import RULES, PrometheusServer, ensure_prometheus, http_sd_config, start_sd, value_of
@@ -75,7 +76,7 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
            "--snapshot-every-steps", "10", "--step-sleep", "0.02", "--progress", "{progress}"]
     # The agents as the deploy files run them: the job key from the environment, a short lease.
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, module="elastic.train", module_args=job,
-                  metrics_port=free_port(), agent_args=["--lease-ttl", "2"],
+                  metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", "2"],
                   env={"ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)}) for n in ("a", "b"))
 
     def logs() -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from agent.etcd import free_port
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd
 from tests.support.waiting import wait_until
@@ -26,7 +26,7 @@ def secure_node(nodes: Callable[..., Node], secure_etcd: SecureEtcd, run_id: str
     conf = {"cacert": str(certs / "ca.pem"), "cert": str(certs / "trainer.pem"),
             "key": str(certs / "trainer-key.pem"), "user": "trainer"}
     return nodes(name=name, endpoint=secure_etcd.server.endpoint, run_id=run_id, module_args=TINY, rdzv_conf=conf,
-                 metrics_port=free_port(), agent_args=["--lease-ttl", "2"],
+                 metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", "2"],
                  env={"ELASTIC_ETCD_PASSWORD": TRAINER_PASSWORD, "ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)})
 
 

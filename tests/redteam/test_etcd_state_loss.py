@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from checkpoints import Fence, SnapshotStore
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger
 from tests.elastic.inplace.support import JOB, rows
 from tests.support.nodes import TorchrunNode as Node
@@ -27,7 +28,7 @@ def start(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path
     env = {"PROGRESS": str(tmp / "a.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"), "LEDGER": str(tmp / "ledger.jsonl"),
            "OMP_NUM_THREADS": "1", "SNAPSHOT_EVERY": "5"}
     return nodes(name="a", endpoint=etcd.endpoint, run_id=run_id, script=str(JOB), nnodes="1:1",
-                 metrics_port=free_port(), env=env,
+                 metrics_port=AUTO_METRICS_PORT, env=env,
                  agent_args=["--lease-ttl", "2", "--snapshot-dir", str(tmp / "snapshots")])
 
 

@@ -22,7 +22,8 @@ from typing import Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -105,7 +106,7 @@ def test_elastic_run_on_another_models_snapshots_is_one_line_exit_2_and_no_resta
     assert [p.name for p in snapshots.iterdir() if p.name.startswith("step-")], before
 
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="1:1",
-                 nproc_per_node=2, max_restarts=3, metrics_port=free_port(),
+                 nproc_per_node=2, max_restarts=3, metrics_port=AUTO_METRICS_PORT,
                  env={"WIDTH": "64", "SNAPSHOTS": str(snapshots), "STARTS": str(starts), "OMP_NUM_THREADS": "1"},
                  agent_args=["--lease-ttl", "2", *([] if in_place else ["--no-in-place"])])
     wait_until(lambda: not node.alive(), 120, "the agent to give up", on_timeout=lambda: node.log_tail(60))

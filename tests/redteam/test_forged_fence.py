@@ -15,7 +15,8 @@ from typing import Callable
 
 from checkpoints import Fence, FenceToken, SnapshotStore
 from checkpoints.fence import FENCE_NAME
-from agent.etcd import EmbeddedEtcd, EtcdClient, free_port
+from agent.etcd import EmbeddedEtcd, EtcdClient
+from agent.local.local_node import AUTO_METRICS_PORT
 from agent.rendezvous.rounds import RoundRecord
 from agent.rendezvous.signing import StateSigner
 from tests.elastic.inplace.support import JOB, rows
@@ -31,7 +32,7 @@ def _start(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Pat
     env = {"PROGRESS": str(tmp / "a.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"), "OMP_NUM_THREADS": "1",
            "SNAPSHOT_EVERY": "5", "STEPS": str(STEPS), **env}
     return nodes(name="a", endpoint=etcd.endpoint, run_id=run_id, script=str(JOB), nnodes="1:1",
-                 metrics_port=free_port(), env=env, agent_args=["--lease-ttl", "2", "--snapshot-dir",
+                 metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", "2", "--snapshot-dir",
                                                                 str(tmp / "snapshots")])
 
 

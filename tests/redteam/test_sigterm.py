@@ -21,7 +21,8 @@ from typing import Any, Callable
 import pytest
 
 from checkpoints import SnapshotStore
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger, read_ledger
 from tests.elastic.inplace.support import FORM_TIMEOUT, JOB, read_rows
 from tests.support.nodes import TorchrunNode as Node
@@ -37,7 +38,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
            "LEDGER": str(workdir / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "STEPS": str(steps),
            "SNAPSHOT_EVERY": "100000", "DATASET": str(DATASET), "STEP_SLEEP": "0.02"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(JOB), nnodes=nnodes,
-                 nproc_per_node=nproc, metrics_port=free_port(), env=env, max_restarts=3,
+                 nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env, max_restarts=3,
                  agent_args=["--lease-ttl", "2", "--term-grace", str(GRACE)])
 
 

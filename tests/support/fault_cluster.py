@@ -22,13 +22,15 @@ from agent.local.local_node import LocalNode
 from agent.local.netns import NodeNetwork
 from checkpoints.pids import pid_alive  # noqa: F401  (tests and bench/netns_soak import it from here)
 from elastic import contract
-from agent.etcd import EtcdClient, EtcdError, free_port, parse_endpoints
+from agent.etcd import EtcdClient, EtcdError, parse_endpoints
 from agent.etcd.settings import EtcdSettings
 from elastic.ledger import read_ledger
 from agent.rendezvous.registry import NodeRecord, list_nodes, nodes_prefix, run_prefix
 from agent.rendezvous.rounds import RoundRecord
 from agent.rendezvous.signing import StateSigner
 from tests.elastic.metrics.scrape import fetch
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 DATASET = 512  # 16 steps per epoch at the default global batch of 32
 
@@ -65,7 +67,7 @@ class FaultCluster:
             self.nodes[name] = LocalNode(
                 name=name, endpoint=self.endpoint, run_id=self.run_id, workdir=self.workdir, module="elastic.train",
                 module_args=job_args(self.workdir, self.collective_timeout, self.step_sleep, self.seed),
-                nnodes=f"1:{len(self.names)}", max_restarts=1000, metrics_port=free_port(),
+                nnodes=f"1:{len(self.names)}", max_restarts=1000, metrics_port=AUTO_METRICS_PORT,
                 agent_args=["--lease-ttl", str(self.lease_ttl)], netns=self.net[name], env=dict(env))
         self.signer = StateSigner(self.hmac_key)
         self.client = EtcdClient(EtcdSettings(endpoints=parse_endpoints(self.endpoint), request_timeout=2.0),
@@ -103,7 +105,7 @@ class FaultCluster:
 
     def metric(self, name: str, metric: str, **labels: str) -> float | None:
         node = self.nodes[name]
-        series = fetch(f"http://{node.metrics_host}:{node.metrics_port}/metrics", timeout=3)
+        series = fetch(metrics_url(node), timeout=3)
         if series is None:
             return None
         return sum(v for (n, ls), v in series.items() if n == metric and labels.items() <= dict(ls).items())

@@ -26,6 +26,7 @@ def run_ranks(script: str, tmp_path: Path, codes: list[int | tuple[int, ...]], t
     past ``timeout``."""
     path = tmp_path / "pair_script.py"
     path.write_text(script)
+    # picked ahead, not port 0: every rank needs rank 0's TCPStore port on its command line before any starts
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(path), str(rank), port], stdout=subprocess.PIPE,

@@ -116,6 +116,7 @@ def test_the_real_etcd_warns_once_per_process(etcd_server: EmbeddedEtcd, run_id:
     version._forget()  # other tests of this process connected already
     clients = [EtcdClient(etcd_server.settings(), retry_deadline=5.0) for _ in range(2)]
     # the same member, and a dead one beside it: asked again (a new set), still no second warning
+    # (free_port: nothing must listen there, so no bind race to lose (issue 40))
     with_dead = EtcdClient(EtcdSettings(endpoints=(("127.0.0.1", free_port()), (etcd_server.host,
                                                                                   etcd_server.client_port))),
                            retry_deadline=5.0)
@@ -137,6 +138,7 @@ def test_the_real_etcd_warns_once_per_process(etcd_server: EmbeddedEtcd, run_id:
 def test_a_member_that_cannot_say_its_version_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="agent.etcd.version")
     version._forget()
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     client = EtcdClient(EtcdSettings(endpoints=(("127.0.0.1", free_port()),), request_timeout=0.5),
                         retry_deadline=0.5)
     try:

@@ -10,7 +10,7 @@ from tests.support.waiting import wait_until
 
 
 def test_a_port_nobody_listens_on_is_refused_and_a_listening_one_is_not() -> None:
-    closed = free_port()
+    closed = free_port()  # free_port: nothing must listen there, so no bind race to lose (issue 40)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -19,7 +19,7 @@ def test_a_port_nobody_listens_on_is_refused_and_a_listening_one_is_not() -> Non
 
 
 def test_the_probe_reports_only_proven_deaths_and_never_blocks_the_caller() -> None:
-    probe = DeathProbe()
+    probe = DeathProbe()  # "gone" below: free_port: nothing must listen there, so no bind race to lose (issue 40)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()

@@ -221,7 +221,7 @@ def _params(endpoint: str, run_id: str, **config: str) -> RendezvousParameters:
 
 
 def test_factory_raises_torchs_connection_error_when_etcd_is_unreachable() -> None:
-    started = time.monotonic()
+    started = time.monotonic()  # free_port: nothing must listen there, so no bind race to lose (issue 40)
     with pytest.raises(RendezvousConnectionError) as caught:
         create_backend(_params(f"127.0.0.1:{free_port()}", "unreachable", connect_timeout="1"))
     assert time.monotonic() - started < 10
@@ -239,6 +239,7 @@ def test_the_handler_factories_raise_torchs_connection_error_when_etcd_is_unreac
 
     from agent.rendezvous.dynamic import create_dynamic_handler
 
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     params = RendezvousParameters(backend=backend, endpoint=f"127.0.0.1:{free_port()}", run_id="unreachable",
                                   min_nodes=1, max_nodes=1, connect_timeout="1")
     with pytest.raises(RendezvousConnectionError) as caught:

@@ -50,6 +50,7 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
 
 @pytest.mark.slow  # starts processes
 def test_unreachable_endpoint() -> None:
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     code, output, seconds = torchrun(f"127.0.0.1:{free_port()}", {})
     assert code != 0
     assert seconds < JOIN_TIMEOUT
@@ -59,6 +60,7 @@ def test_unreachable_endpoint() -> None:
 
 @pytest.mark.slow  # starts processes
 def test_bad_tls_path(tmp_path: Path) -> None:
+    # free_port: nothing must listen there, so no bind race to lose (issue 40)
     code, output, seconds = torchrun(f"127.0.0.1:{free_port()}", {"cacert": str(tmp_path / "missing-ca.pem")})
     assert code != 0
     assert seconds < JOIN_TIMEOUT

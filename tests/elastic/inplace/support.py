@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from agent.local.local_node import AUTO_METRICS_PORT
+from tests.support.metrics_url import metrics_url
 
 JOB = Path(__file__).with_name("job.py")
 FORM_TIMEOUT = 150  # cold torch imports on a loaded 2-core machine
@@ -53,7 +55,7 @@ def train_together(group: list[Node], workdir: Path, world: int, steps: int = 8,
 
 
 def metric(node: Node, name: str, **labels: str) -> float:
-    series = fetch(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5)
+    series = fetch(metrics_url(node), timeout=5)
     assert series is not None, f"{node.name} serves no /metrics"
     return sum(v for (n, ls), v in series.items() if n == name and labels.items() <= dict(ls).items())
 
@@ -77,5 +79,5 @@ def start_script(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_
     job_env = {"PROGRESS": str(workdir / f"{name}.rows.jsonl"), "SNAPSHOTS": str(workdir / "snapshots"),
                "LEDGER": str(workdir / "ledger.jsonl"), "OMP_NUM_THREADS": "1", **(env or {})}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes=nnodes,
-                 metrics_port=free_port(), env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args],
+                 metrics_port=AUTO_METRICS_PORT, env=job_env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args],
                  rdzv_conf=dict(rdzv_conf or {}))

@@ -27,7 +27,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from tests.agent.test_spares import is_spare
 from tests.elastic.inplace.support import LEASE_TTL, at_world, logs, metric, read_rows, rows, start_script, \
     train_together
@@ -325,7 +326,7 @@ def test_under_plain_torchrun_a_kill_resumes_from_the_newest_snapshot_at_the_rig
            "SNAPSHOTS": str(tmp_path / "snapshots"), "LEDGER": str(tmp_path / "ledger.jsonl"),
            "OMP_NUM_THREADS": "1", "SLEEP": "0.05"}
     group = [nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="1:2",
-                   launcher="torchrun", metrics_port=free_port(),
+                   launcher="torchrun", metrics_port=AUTO_METRICS_PORT,
                    env={**env, "PROGRESS": str(tmp_path / f"{name}.rows.jsonl")}) for name in ("a", "b")]
     train_together(group, tmp_path, 2, steps=7)
     victim, survivor = group

@@ -14,16 +14,14 @@ from typing import Iterator
 import pytest
 import torch.distributed as dist
 
-from agent.etcd.server import free_port
 from elastic.inplace.round_store import RoundAbandoned, RoundStore, _Caller
 
 
 @pytest.fixture
 def store() -> RoundStore:
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     out = RoundStore(timedelta(seconds=30))
-    out.point_at(f"127.0.0.1:{port}", "round/1/")
+    out.point_at(f"127.0.0.1:{host.port}", "round/1/")  # port 0: the store binds one and says which
     out._host = host  # type: ignore[attr-defined]  # lives as long as the store under test
     return out
 

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import pytest
 
-from agent.etcd import EmbeddedEtcd, free_port
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.contract import SETUP_WORLD_ENV
 from elastic.worker_env import Place, RankEnv, in_setup_world, joins_live_world, update_env
 from tests.elastic.inplace.support import at_world, metric, read_rows, rows, start_script, train_together
@@ -222,7 +223,7 @@ def test_a_joining_node_with_two_workers_sets_up_among_them_and_both_are_healed(
                "LEDGER": str(tmp_path / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
                "EVENTS": str(tmp_path / f"{name}.events.jsonl"), "OWN_GROUP": "1"}
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="1:2",
-                     nproc_per_node=nproc, metrics_port=free_port(), env=env, agent_args=["--lease-ttl", "2"])
+                     nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", "2"])
 
     a, b = node("a", 1), node("b", 2)
     train_together([a, b], tmp_path, 3, steps=6)

@@ -148,7 +148,7 @@ def test_a_real_peer_lost_in_a_users_all_reduce_is_recorded_not_raised(tmp_path:
 
     script = tmp_path / "lost_peer.py"
     script.write_text(LOST_PEER)
-    port = free_port()
+    port = free_port()  # both ranks need rank 0's TCPStore port on their command lines before either starts
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ,
                                                                           "OMP_NUM_THREADS": "1"})
