@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoints import AsyncSnapshotWriter, SnapshotStore  # noqa: E402
 from checkpoints.capture import Stager  # noqa: E402
 from checkpoints.tree import map_state  # noqa: E402
-from agent.etcd.server import free_port  # noqa: E402
 from elastic.inplace.reconfigure import unsupported_reason  # noqa: E402
 
 GB = 1e9
@@ -225,6 +224,17 @@ print(f"overhead: plain {plain * 1e3:.2f} ms/step, prepared {prepared * 1e3:.2f}
       f"{statistics.median(c for _, c in times['plain']) * 1e3:.2f} ms, prepared "
       f"{statistics.median(c for _, c in times['prepared']) * 1e3:.2f} ms", flush=True)
 """
+
+
+def free_port() -> int:
+    """A port for rank 0's TCPStore, handed to every rank on its command line before any
+    starts (so it is picked ahead; the device machine runs nothing else). Not
+    agent.etcd.server.free_port: the lent machine's Python has torch but no etcd3."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def child_env() -> dict[str, str]:

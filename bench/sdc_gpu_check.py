@@ -45,7 +45,7 @@ def main() -> int:
         poison(t, kind)
         fp = fingerprint(model, opt, None)
         names = nonfinite_entries(model, opt, None)
-        v = vote([clean.digests(), fp.digests()], [clean.finite, not fp.finite])
+        v = vote([clean.digests(), fp.digests()], [not clean.finite, not fp.finite])  # nonfinite flags
         print(f"{kind} in {what}: finite={fp.finite} entries={names} verdict suspects={v.suspects} "
               f"majority={v.majority}")
         ok = ok and not fp.finite and names == [what] and v.suspects == (1,)
