@@ -22,6 +22,14 @@ FORMAT_VERSION = 1
 _HMAC_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+#: Manifest keys of a sharded snapshot's DCP files (:mod:`.sharded`): checked, never loaded by the store.
+DCP_PREFIX = "dcp/"
+
+
+def is_dcp_key(key: str) -> bool:
+    return key.startswith(DCP_PREFIX)
+
+
 class ManifestError(ValueError):
     """The manifest cannot be trusted; the message says why (one line)."""
 

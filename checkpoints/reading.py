@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from . import files, layout, signing
 from .errors import SnapshotCorruptError
-from .manifest import FileEntry, Manifest, ManifestError
+from .manifest import FileEntry, Manifest, ManifestError, is_dcp_key
 
 
 
@@ -64,6 +64,22 @@ def info_of(path: Any, m: Manifest) -> SnapshotInfo:
                         size_bytes=m.size_bytes, torch_version=m.torch_version, extra_meta=m.extra_meta)
 
 
+@dataclass(frozen=True)
+class DcpFile:
+    """A sharded snapshot's DCP file, checked but not loaded (``torch.distributed.checkpoint`` reads it)."""
+
+    file: str
+
+
+def checked_dcp_file(size: int, sha256: str, entry: FileEntry, *, verify: bool, corrupted: str) -> DcpFile:
+    """A DCP file's size (and sha256 with ``verify``) against its manifest entry; FileProblem if not."""
+    if size != entry.size:
+        raise FileProblem(f"{entry.file}: size {size} bytes, manifest says {entry.size} (truncated)")
+    if verify and sha256 != entry.sha256:
+        raise FileProblem(f"{entry.file}: sha256 mismatch ({corrupted})")
+    return DcpFile(entry.file)
+
+
 def checked_load(data: bytes | memoryview, entry: FileEntry, *, map_location: Any, verify: bool,
                  corrupted: str) -> Any:
     """Check those very bytes (size; sha256 with ``verify``) and deserialise them with the
@@ -72,11 +88,19 @@ def checked_load(data: bytes | memoryview, entry: FileEntry, *, map_location: An
         raise FileProblem(f"{entry.file}: size {len(data)} bytes, manifest says {entry.size} (truncated)")
     if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
         raise FileProblem(f"{entry.file}: sha256 mismatch ({corrupted})")
+    if is_dcp_key(entry.key):
+        return DcpFile(entry.file)
     try:
         return files.load_bytes(data if isinstance(data, bytes) else bytes(data), map_location)
     except Exception as e:  # noqa: BLE001 - any failure to deserialise is corruption to the user
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise FileProblem(f"{entry.file} does not load ({first})") from None
+
+
+#: The key :meth:`SnapshotReader.load` puts a sharded snapshot's directory under: load it
+#: with ``torch.distributed.checkpoint`` (``elastic.sharded.load_dcp``), never before the
+#: load that returned it verified every file.
+DCP_DIR_KEY = "dcp"
 
 
 class SnapshotReader:
@@ -214,11 +238,15 @@ class SnapshotReader:
                     problems[0], more)
 
     def load(self, info_or_step: SnapshotInfo | int, *, map_location: Any = "cpu",
-             verify: bool = True) -> dict[str, Any]:
+             verify: bool = True, verify_shards: bool = True) -> dict[str, Any]:
         """Load a snapshot into the nested structure that was saved.
 
         With ``verify`` every file's sha256 is checked on the very bytes that are then
         deserialised (read once, hashed, loaded), so a file cannot change in between.
+
+        A sharded snapshot's DCP files are hashed (``verify_shards=False``: not read at all,
+        for ranks whose rank 0 verified them just before) and not loaded: the result holds
+        the snapshot's directory under :data:`DCP_DIR_KEY` instead of ``model``/``optimizer``.
         """
         step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
         path = self._path(step)
@@ -229,10 +257,16 @@ class SnapshotReader:
             raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
         out: dict[str, Any] = {}
         for entry in m.files:
+            if is_dcp_key(entry.key):
+                out[DCP_DIR_KEY] = path
+                if not verify_shards:
+                    continue
             try:
-                out[entry.key] = self._read_file(step, entry, map_location=map_location, verify=verify)
+                value = self._read_file(step, entry, map_location=map_location, verify=verify)
             except FileProblem as e:
                 raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
+            if not is_dcp_key(entry.key):
+                out[entry.key] = value
         return out
 
     def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:

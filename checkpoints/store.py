@@ -54,12 +54,13 @@ from .errors import (
     SnapshotKeyError,
 )
 from .fence import Fence, FenceToken
-from .manifest import FileEntry, Manifest, ManifestError
+from .manifest import DCP_PREFIX, FileEntry, Manifest, ManifestError, is_dcp_key
 from .reading import (  # noqa: F401  (SnapshotInfo, SnapshotStatus: their public import path)
     FileProblem,
     SnapshotInfo,
     SnapshotReader,
     SnapshotStatus,
+    checked_dcp_file,
     checked_load,
     info_of as _info,
     signature_only as _signature_only,
@@ -87,7 +88,14 @@ def _write_durably(fd: int, data: bytes) -> None:
 
 
 def _read_entry(path: Path, entry: FileEntry, *, map_location: Any, verify: bool) -> Any:
-    """Read one snapshot file once, then check and load those very bytes (:func:`.reading.checked_load`)."""
+    """Read one snapshot file once, then check and load those very bytes (:func:`.reading.checked_load`).
+    A file of DCP's (a sharded snapshot's) is hashed as it streams by and never loaded here."""
+    if is_dcp_key(entry.key):
+        try:
+            size, sha = files.hash_file(path / entry.file)
+        except FileNotFoundError:
+            raise FileProblem(f"{entry.file}: missing") from None
+        return checked_dcp_file(size, sha, entry, verify=verify, corrupted="corrupted on disk")
     try:
         data = files.read_bytes(path / entry.file)
     except FileNotFoundError:
@@ -237,6 +245,69 @@ class SnapshotStore(SnapshotReader):
             self.housekeep()
         return info
 
+    # ------------------------------------------------------------------ write, sharded (.sharded)
+
+    def begin_parts(self, step: int) -> str:
+        """The temp dir every rank of a sharded snapshot of ``step`` writes into (its name only:
+        the first rank to write makes it); this process's until :meth:`seal_parts` returns."""
+        name = layout.temp_dirname(layout.check_step(step))
+        with _ACTIVE_LOCK:
+            _ACTIVE_TEMPS.add(name)
+        return name
+
+    def seal_parts(self, step: int, temp_name: str, *, ranks: int, metadata: bytes, state: Mapping[str, Any],
+                   world_size: int, extra_meta: dict[str, Any] | None = None, deadline: float,
+                   abandoned: Any = lambda: False, housekeeping: bool = True) -> SnapshotInfo:
+        """Seal a sharded snapshot (:mod:`.sharded`): DCP's ``.metadata`` and ``state`` (the
+        unsharded rest) written here, every rank's part awaited until ``deadline``
+        (``time.monotonic``), then sealed as :meth:`save` seals. The temp dir goes on any failure."""
+        from . import dcp_private
+        from .sharded import wait_parts, write_bytes
+
+        check_state(state)
+        final = self.root / layout.step_dirname(step)
+        tmp = self.root / temp_name
+        try:
+            try:
+                if final.exists():
+                    existing = self._handle_existing(step, final)
+                    if existing is not None:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        return existing
+                tmp.mkdir(exist_ok=True)
+                meta_size, meta_sha = write_bytes(tmp / dcp_private.METADATA_NAME, metadata)
+                names = [layout.key_filename(i, k) for i, k in enumerate(state)]
+                file_pool, hash_pool = self._get_pools()
+                written = [files.write_file(tmp / name, value, hash_pool, None) for name, value in zip(names, state.values())]
+                records = wait_parts(tmp, ranks, deadline, abandoned)
+                entries = [FileEntry(key=k, file=n, size=size, sha256=sha)
+                           for k, n, (size, sha) in zip(state.keys(), names, written)]
+                entries.append(FileEntry(DCP_PREFIX + dcp_private.METADATA_NAME, dcp_private.METADATA_NAME, meta_size,
+                                         meta_sha))
+                entries += [FileEntry(DCP_PREFIX + r["file"], r["file"], int(r["size"]), r["sha256"])
+                            for r in records if r.get("file")]
+                for entry in os.scandir(tmp):  # the parts said what they had to; the manifest says it now
+                    if entry.name.startswith("part-") or entry.name.startswith(".part-"):
+                        os.unlink(entry.path)
+                info = self._seal(step, entries, world_size, dict(extra_meta or {}), tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        except OSError as e:
+            raise self._os_error(e, step) from None
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE_TEMPS.discard(temp_name)
+        if info.path == final and housekeeping:
+            self.housekeep()
+        return info
+
+    def drop_parts(self, temp_name: str) -> None:
+        """A sharded snapshot abandoned before its seal began: its temp dir goes."""
+        shutil.rmtree(self.root / temp_name, ignore_errors=True)
+        with _ACTIVE_LOCK:
+            _ACTIVE_TEMPS.discard(temp_name)
+
     def housekeep(self) -> None:
         """Prune to ``keep`` and remove stale temp dirs; a failure is logged, not raised, because
         the snapshots are durable and the next save tries again."""
@@ -275,15 +346,20 @@ class SnapshotStore(SnapshotReader):
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
+        entries = [FileEntry(key=k, file=n, size=size, sha256=sha)
+                   for k, n, (size, sha) in zip(state.keys(), names, results)]
+        return self._seal(step, entries, world_size, extra_meta, tmp, final)
+
+    def _seal(self, step: int, entries: list[FileEntry], world_size: int, extra_meta: dict[str, Any], tmp: Path,
+              final: Path) -> SnapshotInfo:
+        """Steps 2 and 3: the manifest over ``entries`` (every file already fsync'd in ``tmp``),
+        then the rename into place, under the fence the snapshot's ``extra_meta`` carries."""
         manifest = Manifest(
             step=step,
             world_size=int(world_size),
             written_at=time.time(),
             torch_version=torch.__version__,
-            files=tuple(
-                FileEntry(key=k, file=n, size=size, sha256=sha)
-                for k, n, (size, sha) in zip(state.keys(), names, results)
-            ),
+            files=tuple(entries),
             extra_meta=dict(extra_meta),
         )
         fd = os.open(tmp / layout.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

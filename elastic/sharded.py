@@ -301,12 +301,66 @@ def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_s
                    options=StateDictOptions(full_state_dict=True))
 
 
+def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts of ``DTensor``s: each rank's own shards, as DCP saves them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .collectives import collective_failures
+
+    with collective_failures():
+        return get_state_dict(module, optimizer)
+
+
+def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any) -> None:
+    """Every rank reads its own shards of a sharded snapshot (:mod:`checkpoints.sharded`),
+    whatever shard and replica count wrote it: DCP reshards. A collective. The caller has
+    verified every file against the signed manifest: DCP unpickles ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .collectives import collective_failures
+
+    model_state, optimizer_state = get_state_dict(module, optimizer)
+    problem = dcp_shape_problem(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata,
+                                {f"model.{k}": tuple(v.shape) for k, v in model_state.items()
+                                 if isinstance(v, torch.Tensor)})
+    if problem is not None:
+        raise ElasticRunError(f"snapshot {path} {problem}; resume with the model that wrote it, or start with an "
+                              "empty snapshot directory")
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        with collective_failures():
+            dcp.load(state, checkpoint_id=str(path))
+    except dcp.api.CheckpointException as e:
+        first = (str(e).strip().splitlines() or ["?"])[0][:200]
+        raise ElasticRunError(f"snapshot {path} does not match this model and optimizer ({first}); resume with "
+                              "the same model and optimizer, or start with an empty snapshot directory") from None
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def dcp_shape_problem(saved: dict[str, Any], wanted: dict[str, tuple[int, ...]]) -> str | None:
+    """Why a snapshot's tensors (DCP's metadata by key) cannot load into ``wanted`` (global
+    shapes by key), in a few words; None: every wanted tensor is there with its shape."""
+    missing = [k for k in wanted if k not in saved]
+    other = [(k, tuple(saved[k].size), shape) for k, shape in wanted.items()
+             if k in saved and hasattr(saved[k], "size") and tuple(saved[k].size) != shape]
+    if other:
+        k, there, here = other[0]
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        return f"holds another model: {k.removeprefix('model.')!r} is {there} there and {here} here{more}"
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"holds another model: it has no {missing[0].removeprefix('model.')!r}{more}"
+    return None
+
+
 def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
     """Each parameter and buffer's global shape, for comparing with a snapshot's."""
     return {name: t.shape for name, t in module.state_dict().items() if isinstance(t, torch.Tensor)}
 
 
-__all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "full_state", "is_sharded", "layout_of", "load_full_state",
+__all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "dcp_shape_problem", "full_state",
+           "load_dcp", "sharded_state", "is_sharded", "layout_of", "load_full_state",
            "restart_reason", "take_over",
            "mesh_problem", "optimizer_problem", "quiet_lost_peer",
            "told_lost_peer"]

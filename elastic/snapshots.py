@@ -33,6 +33,7 @@ from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
 from .plan import StepRecord
 from .run_config import SnapshotConfig, WriterMode
+from .sharded_snapshots import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,17 @@ class Snapshots:
         self._last_time = time.monotonic()
         self._checked_members: tuple[int, int] | None = None
         self._stalled = 0.0  # seconds training waited on snapshots since the last take_stall()
-        self.collective = False  # a sharded model: every rank takes part in rank 0's capture (elastic.sharded)
+        self.collective = False  # a sharded model: every rank takes part in every snapshot (elastic.sharded)
+        self.sharded: ShardedWriter | None = None  # every rank's, when each writes its own shards
+        self._info: DistInfo | None = None  # this rank in the world the sharded writer last attached to
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether every rank writes its own shards (:mod:`checkpoints.sharded`): a sharded
+        model and a directory. An object store still takes the full state, gathered to rank 0."""
+        from checkpoints import dcp_private
+
+        return self.collective and not uses_object_store(self.root) and dcp_private.PROBLEM is None
 
     # ------------------------------------------------------------------ opening, per world
 
@@ -107,12 +118,25 @@ class Snapshots:
             check_shared_dir(self.root, info)
         if self.store is None:
             self.store = open_store(self.root, keep=self.keep, create=False)
+        if self.per_rank:
+            self._attach_sharded(info)
+            return
         if info.is_main and self.writer is None:
             # The writer process imports torch when a worker starts; until it is ready a thread
             # writes, so the first snapshot after a start never waits for that import.
             self.writer = AsyncSnapshotWriter(self.store, overlap_policy="skip",
                                               on_durable=getattr(self.metrics, "snapshot_durable", None),
                                               mode=self.writer_mode)
+
+    def _attach_sharded(self, info: DistInfo) -> None:
+        """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
+        if self.sharded is None:
+            self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None))
+        else:
+            self.sharded.abandon()  # a lost rank's shards will not come: rank 0 gives that snapshot up
+        if info.is_main:
+            self.writer = self.sharded  # type: ignore[assignment]  # what rank 0 flushes, closes and reports
+        self._info = info
 
     def token(self) -> FenceToken | None:
         """This world's fence token: the job's run id and its rendezvous round (None outside
@@ -150,7 +174,8 @@ class Snapshots:
         step = broadcast_int(found[0].step if found else -1, info)
         if step < 0:
             return -1, None, None
-        state = found[1] if found else self.store.load(step)
+        # Rank 0 hashed every shard file just now; the others read only what DCP reads for them.
+        state = found[1] if found else self.store.load(step, verify_shards=False)
         return step, state, (found[0].written_at if found else None)
 
     # ------------------------------------------------------------------ committing
@@ -161,6 +186,10 @@ class Snapshots:
         if self.ledger is not None and record is not None:
             self._write_line(record)
         by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        if self.sharded is not None:
+            if (force or by_steps) and step != 0:
+                self._submit_sharded(step, state(), world_size, {"epoch": epoch, "cursor": cursor, "samples": samples})
+            return
         if self.writer is None:
             if self.collective and (force or by_steps) and step != 0:
                 state()  # this rank's part of rank 0's sharded capture (snapshots are due by steps only)
@@ -183,6 +212,26 @@ class Snapshots:
             self.metrics.snapshot_skipped()
         self._stalled += time.perf_counter() - t_sync
 
+    def _submit_sharded(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> bool:
+        """Every rank: its part of snapshot ``step`` (a collective); rank 0 counts it."""
+        assert self.sharded is not None
+        t0 = time.perf_counter()
+        if self.ledger is not None:
+            self.ledger.sync()
+        meta = {**self.meta, **meta}
+        token = self.token()
+        if token is not None:
+            meta["fence"] = token.to_meta()
+        assert self._info is not None
+        done = self.sharded.submit(step, state, world_size=world_size, info=self._info, extra_meta=meta)
+        if self._info.is_main:
+            if done:
+                self.metrics.snapshot_submitted(time.perf_counter() - t0)
+            else:
+                self.metrics.snapshot_skipped()
+        self._stalled += time.perf_counter() - t0
+        return done
+
     def wait_capture(self) -> None:
         """Before the optimizer step: the snapshot's copy of the parameters must predate it."""
         if self.writer is not None:
@@ -199,7 +248,10 @@ class Snapshots:
 
     def final(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
         """A snapshot of ``step`` (the last one, or the one before a stop), durable on return;
-        not written again if the periodic one of that very step already is."""
+        not written again if the periodic one of that very step already is. Sharded: every
+        rank calls it (each writes its own shards)."""
+        if self.sharded is not None:
+            return self._final_sharded(step, state, world_size, meta)
         if self.writer is None:
             return
         try:
@@ -217,6 +269,27 @@ class Snapshots:
             self._settle(self.writer.flush)
         except SnapshotError as e:  # a full or read-only directory: the steps are trained, their snapshot is not
             raise FinalSnapshotLost(self._lost_line(step, e)) from e
+
+    def _final_sharded(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> None:
+        """:meth:`final` for per-rank shards: whether to write is decided alike on every rank
+        (by what was submitted, never by what one rank saw become durable)."""
+        assert self.sharded is not None
+        error: SnapshotError | None = None
+        try:
+            self._settle(self.sharded.flush)
+        except SnapshotError as e:
+            error = e
+        if self.sharded.last_submitted != step:
+            if self.ledger is not None:
+                self.ledger.sync()
+            self._submit_sharded(step, state, world_size, meta)
+            error = None
+            try:
+                self._settle(self.sharded.flush)
+            except SnapshotError as e:
+                error = e
+        if self._info is not None and self._info.is_main and self.newest_durable != step:
+            raise FinalSnapshotLost(self._lost_line(step, error or SnapshotError("a rank's shards were not written")))
 
     def _lost_line(self, step: int, error: SnapshotError) -> str:
         """One line: the directory, what went wrong, and the newest snapshot that is intact."""
@@ -297,7 +370,9 @@ class Snapshots:
 
     def close(self) -> None:
         try:
-            if self.writer is not None:
+            if self.sharded is not None:
+                self._settle(self.sharded.close)
+            elif self.writer is not None:
                 self._settle(self.writer.close)
         finally:
             if self.ledger is not None:

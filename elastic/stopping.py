@@ -146,10 +146,10 @@ class StopsOnSignal:
             # In place the ranks that stay hold this step in memory: rank 0 staying writes
             # no snapshot for them (it would only make them stand still); one leaving does,
             # and so does rank 0 of torchrun's world, which restarts from disk.
-            if self.dist.is_main and (leaving or self.world.restarts_from_disk):
+            if self.state.sharded:
+                self._sharded_snapshot_before_stopping(step, said, leaving, len(leavers) == self.dist.world_size)
+            elif self.dist.is_main and (leaving or self.world.restarts_from_disk):
                 self._snapshot_before_stopping(step, said)
-            elif self.state.sharded and self.world.restarts_from_disk:
-                self.state.capture()  # rank 0's sharded capture is a collective: this rank's part
         if leaving:
             self._leaving = True
             return
@@ -158,6 +158,23 @@ class StopsOnSignal:
                                              lambda: self._stop_signal)  # torchrun's world: exits
         self.goodput.failed()
         self._form("failure", min_round=min_round, since=started)
+
+    def _sharded_snapshot_before_stopping(self, step: int, said: str, leaving: bool, everyone: bool) -> None:
+        """A sharded snapshot takes every rank: written when every rank stops (or all restart
+        from disk); when only some leave in place, those that stay hold the step in memory."""
+        if not (everyone or self.world.restarts_from_disk):
+            if self.dist.is_main and leaving:
+                log.info("%s %s; no snapshot: a sharded one takes every rank, and the ranks that stay hold step %d "
+                         "in memory", self._where, said, step)
+            return
+        if self.dist.is_main:
+            self._snapshot_before_stopping(step, said)
+        elif self.snapshots.sharded is not None:  # each rank writes its own shards
+            self.snapshots.final(step, self.state.capture(), self.dist.world_size,
+                                 {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
+                                  "samples": self.state.samples})
+        else:
+            self.state.capture()  # rank 0 gathers the full state: this rank's part of that collective
 
     def _snapshot_before_stopping(self, step: int, said: str) -> None:
         """Rank 0: a snapshot of the committed ``step``, durable before this call returns."""

@@ -32,12 +32,17 @@ class TrainState:
         self.samples = 0  # samples those steps consumed
         self.user = UserState()  # what the loop registered (run.register)
         self.sharded = False  # an FSDP2 model: its state is gathered and scattered by every rank at once
+        self.shards_in_snapshots = False  # sharded, and every rank snapshots its own shards (no gather)
 
     def _model_and_optimizer(self, local: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.sharded and local:
             from .inplace.hsdp import capture_local
 
             return capture_local(self.module, self.optimizer)  # this rank's shards, for a peer of the same local rank
+        if self.sharded and self.shards_in_snapshots:
+            from .sharded import sharded_state
+
+            return sharded_state(self.module, self.optimizer)  # DTensors: each rank's own shards, for DCP
         if self.sharded:
             from .sharded import full_state
 
@@ -65,10 +70,18 @@ class TrainState:
     def load(self, state: dict[str, Any], local: bool = False) -> None:
         """Take ``state`` (a snapshot or a replica's; ``local``: a sharded replica's own shards);
         a mismatch is the user's to fix, in one line."""
-        if not (self.sharded and local):
+        from checkpoints.reading import DCP_DIR_KEY
+
+        if DCP_DIR_KEY in state:  # a sharded snapshot, each rank's shards written by itself
+            from .sharded import load_dcp
+
+            load_dcp(self.module, self.optimizer, state[DCP_DIR_KEY])
+        elif not (self.sharded and local):
             check_state_compatible(self.module.state_dict(), state["model"], "model")  # global shapes, if sharded
         try:
-            if self.sharded and local:
+            if DCP_DIR_KEY in state:
+                pass
+            elif self.sharded and local:
                 from .inplace.hsdp import load_local
 
                 load_local(self.module, self.optimizer, state["model"], state["optimizer"])

@@ -7,9 +7,9 @@ prepare lines. No live replica holds a lost node's shards, so this run takes the
 path (HSDP recovers in place: tests/agent/test_hsdp_in_place.py): what is checked is that it
 trains at all (a sharded model crashed in DDP's constructor, and crash-looped in the heal),
 that a killed node costs one line and a resume from the newest snapshot at the smaller
-shard count, the node's return a resume at the larger one, that every sample of each epoch
-is trained once (the ledger), and that the snapshot holds the whole model (it loads
-unsharded)."""
+shard count, the node's return a resume at the larger one (DCP reshards), that every
+sample of each epoch is trained once (the ledger), and that every rank wrote its own shards
+of the snapshot, which loads unsharded with ``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from checkpoints import SnapshotStore
+from checkpoints.reading import DCP_DIR_KEY
 from agent.etcd import EmbeddedEtcd
 from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger
@@ -114,9 +116,14 @@ def test_an_fsdp_script_resumes_from_its_snapshot_at_fewer_shards_when_a_node_is
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
 
-    # The last snapshot holds the full model (not rank 0's shards): it loads, verified, into the
-    # same model unsharded (a shard count of 1), and it is the step the job ended at.
+    # The last snapshot: every rank of the world of 4 wrote its own shards (DCP's files, no
+    # gather), and once the store has verified it, it loads with torch.distributed.checkpoint
+    # into the same model unsharded (a shard count of 1), at the step the job ended at.
     found = SnapshotStore(tmp_path / "snapshots", create=False).load_latest()
     assert found is not None and found[0].step == _rows(rows)[-1]["step"]
+    step_dir = found[1][DCP_DIR_KEY]
+    assert sorted(p.name for p in step_dir.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    plain.load_state_dict(found[1]["model"])  # strict: every key, global shapes
+    target = {"model": plain.state_dict()}
+    dcp.load(target, checkpoint_id=str(step_dir))  # every key, global shapes
+    plain.load_state_dict(target["model"])

@@ -169,27 +169,42 @@ def test_a_lost_peer_in_the_scripts_own_backward_is_one_line_and_anything_else_a
     assert not told_lost_peer(RuntimeError("Connection closed by peer"))
 
 
-def test_a_sharded_snapshot_verified_by_the_store_loads_with_torch_distributed_checkpoint(
+def test_a_sharded_snapshot_is_written_per_rank_in_dcps_layout_and_loads_with_dcp_once_verified(
         world_of_one: None, tmp_path: Path) -> None:
-    """What docs/training.md says to do outside the service: verify and load with the store
-    (checksums, signature, ``weights_only``), then hand the full state to DCP, whose own
-    ``dcp.load`` fills a model of any shard count."""
+    """What docs/training.md says to do outside the service: verify the snapshot with the store
+    (checksums, signature), then ``dcp.load`` it straight from its directory into a model of
+    any shard count; no copy, no gather."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     from checkpoints import SnapshotStore
+    from checkpoints.reading import DCP_DIR_KEY
 
     trained = _sharded()
     _train(trained, tmp_path / "snap", 3, snapshots=SnapshotConfig(every_steps=3, writer="thread"))
-    found = SnapshotStore(tmp_path / "snap", create=False).load_latest()
+    store = SnapshotStore(tmp_path / "snap", create=False)
+    found = store.load_latest()
     assert found is not None and found[0].step == 3
-    dcp.save(found[1]["model"], checkpoint_id=str(tmp_path / "dcp"))
+    step_dir = found[1][DCP_DIR_KEY]
+    assert "model" not in found[1] and {"sampler", "progress", "rng"} <= set(found[1])
+    assert sorted(p.name for p in step_dir.iterdir()) == [".metadata", "000-sampler.pt", "001-progress.pt",
+                                                         "002-rng.pt", "MANIFEST.json", "__0_0.distcp"]
+    assert store.check(3) == []
 
     fresh = _sharded()
-    target = get_model_state_dict(fresh)
-    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
-    set_model_state_dict(fresh, target, options=StateDictOptions())
+    target = {"model": get_model_state_dict(fresh)}
+    dcp.load(target, checkpoint_id=str(step_dir))
+    set_model_state_dict(fresh, target["model"], options=StateDictOptions())
     assert all(torch.equal(a, b) for a, b in zip(_local(trained), _local(fresh)))
+
+    # A flipped byte in a shard file: the store refuses the snapshot before DCP reads it.
+    shard = step_dir / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    problems = store.check(3)
+    assert problems and "__0_0.distcp: sha256 mismatch" in problems[0]
+    assert store.load_latest() is None
 
 
 def test_fsdp2s_timed_collectives_are_installed_without_changing_a_bit(world_of_one: None) -> None:
@@ -231,4 +246,4 @@ def test_a_snapshot_of_another_models_shapes_is_refused_in_one_line(
         _train(wider, tmp_path / "snap", 4, snapshots=config)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "shape mismatch 0.weight (snapshot [16, 8] vs live [32, 8])" in err, err
+    assert err.count("error:") == 1 and "holds another model: '0.weight' is (16, 8) there and (32, 8) here" in err, err

@@ -1,0 +1,165 @@
+"""Every rank's side of a sharded snapshot: a short collective at the step, the disk after.
+
+A sharded model's snapshot (:mod:`checkpoints.sharded`) is written by every rank, so every
+rank holds one :class:`ShardedWriter`, and every decision that decides whether a rank joins
+the snapshot's collectives is taken by all of them alike: a snapshot due while the previous
+one is still being written anywhere is skipped everywhere (one small all-reduce says so),
+never on one rank alone, which would leave the others waiting in ``dcp.save`` for ever.
+
+Call order, on every rank of the world at the same step: :meth:`ShardedWriter.submit` (the
+collective: DCP's plan, then this rank's shards copied into memory), training goes on,
+:meth:`~ShardedWriter.flush` where a snapshot must be durable (the last one, a stop).
+:meth:`~ShardedWriter.abandon` at every new formation: a peer lost with its shards unwritten
+must not hold rank 0's seal until its deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from checkpoints import SnapshotError, SnapshotFencedError, SnapshotStore
+from checkpoints.sharded import DeferredDcpWriter, Part, write_part
+from checkpoints.writer import WriterStats
+
+from .collectives import collective_failures
+from .distributed import DistInfo, collective_device
+
+log = logging.getLogger("elastic.snapshots")
+
+#: The model and optimizer keys of a snapshot go to DCP; the rest (sampler, progress, RNG,
+#: the loop's state) are rank 0's ordinary files.
+DCP_KEYS = ("model", "optimizer")
+
+#: How long rank 0 waits for the slowest rank's shards before it gives the snapshot up.
+PART_TIMEOUT_S = 600.0
+
+
+class ShardedWriter:
+    """One rank's sharded snapshots (see the module docstring for the call order)."""
+
+    def __init__(self, store: SnapshotStore, on_durable: Callable[[WriterStats], None] | None = None,
+                 part_timeout_s: float = PART_TIMEOUT_S) -> None:
+        self.store, self.on_durable, self.part_timeout_s = store, on_durable, part_timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sharded-snapshot")
+        self._future: Future[None] | None = None
+        self._abandoned = threading.Event()
+        self._errors: collections.deque[BaseException] = collections.deque()
+        self._stats = WriterStats()
+        self.pending_step: int | None = None
+        self.last_submitted: int | None = None  # the same on every rank: submits are decided together
+
+    @property
+    def stats(self) -> WriterStats:
+        return dataclasses.replace(self._stats)
+
+    def wait_capture(self) -> None:
+        """Nothing to wait for: :meth:`submit` returns with the copy made."""
+
+    def submit(self, step: int, state: dict[str, Any], *, world_size: int, info: DistInfo,
+               extra_meta: dict[str, Any] | None = None) -> bool:
+        """A collective: every rank, at ``step``. False (on every rank) if skipped because an
+        earlier snapshot is still being written somewhere."""
+        t0 = time.perf_counter()
+        with collective_failures():  # a peer lost here: the step is abandoned, as in its backward
+            return self._submit(step, state, world_size, info, dict(extra_meta or {}), t0)
+
+    def _submit(self, step: int, state: dict[str, Any], world_size: int, info: DistInfo,
+                extra_meta: dict[str, Any], t0: float) -> bool:
+        busy = torch.tensor([int(self._future is not None and not self._future.done())],
+                            device=collective_device(info))
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if int(busy.item()):
+            self._stats.snapshots_skipped += 1
+            if info.is_main:
+                log.info("snapshot step %d skipped: step %s is still being written", step, self.pending_step)
+            return False
+        import torch.distributed.checkpoint as dcp
+
+        writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step))
+        dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer)
+        assert writer.part is not None
+        rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_KEYS}) if info.is_main else None
+        stall = time.perf_counter() - t0
+        self._stats.last_stall_s = stall
+        self._stats.total_stall_s += stall
+        self._abandoned = abandoned = threading.Event()
+        self.pending_step = self.last_submitted = step
+        self._future = self._pool.submit(self._write, step, writer.part, writer.metadata, rest, world_size,
+                                         extra_meta, abandoned, stall)
+        return True
+
+    def _write(self, step: int, part: Part, metadata: bytes | None, rest: dict[str, Any] | None, world_size: int,
+               extra_meta: dict[str, Any], abandoned: threading.Event, stall: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            write_part(self.store.root, part)
+            if rest is None:
+                return
+            assert metadata is not None
+            info = self.store.seal_parts(step, part.temp, ranks=world_size, metadata=metadata, state=rest,
+                                         world_size=world_size, extra_meta=extra_meta,
+                                         deadline=time.monotonic() + self.part_timeout_s,
+                                         abandoned=abandoned.is_set, housekeeping=False)
+        except BaseException as exc:  # noqa: BLE001 - kept for flush, said once here
+            self._stats.errors += 1
+            self._stats.last_error = str(exc)
+            if not isinstance(exc, SnapshotFencedError):
+                log.warning("snapshot step %d not written (%s): %s", step, "sharded" if rest is None else "seal", exc)
+            self._errors.append(exc)
+            if rest is not None:
+                self.store.drop_parts(part.temp)
+            return
+        finally:
+            if self.pending_step == step:
+                self.pending_step = None
+        took = time.perf_counter() - t0
+        s = self._stats
+        s.snapshots_written += 1
+        s.last_capture_s, s.last_write_s, s.last_bytes = stall, took, info.size_bytes
+        s.last_durable_step, s.last_durable_time = info.step, time.time()
+        log.info("snapshot step %d durable: %.1f MB of shards from %d ranks in %.2fs (%.2f GB/s), training stalled "
+                 "%.1f ms", step, info.size_bytes / 1e6, world_size, took, info.size_bytes / max(took, 1e-9) / 1e9,
+                 stall * 1e3)
+        if self.on_durable is not None:
+            try:
+                self.on_durable(self.stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not fail snapshots
+                log.exception("on_durable callback failed")
+        self.store.housekeep()
+
+    def abandon(self) -> None:
+        """The world changed: a snapshot still waiting for a lost rank's shards is given up."""
+        self._abandoned.set()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for this rank's pending write (rank 0: the seal); re-raise a failure."""
+        future = self._future
+        if future is not None:
+            future.result(timeout)
+        errors = []
+        while self._errors:
+            errors.append(self._errors.popleft())
+        if errors:
+            err = errors[-1]
+            if isinstance(err, SnapshotError):
+                raise err
+            raise SnapshotError(f"background snapshot write failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+__all__ = ["DCP_KEYS", "PART_TIMEOUT_S", "ShardedWriter"]
