@@ -98,7 +98,9 @@ class Snapshots:
         problem = ""
         if info.is_main and self.writer is None:
             try:
-                self.store = open_store(self.root, keep=self.keep)
+                # A sharded snapshot's temp dir is made by whichever rank writes first, never a
+                # recycled spare: no spare is kept for it.
+                self.store = open_store(self.root, keep=self.keep, **self._store_options())
                 if self.ledger_path is not None and self.ledger is None:
                     self.ledger = Ledger(self.ledger_path)
             except (SnapshotError, LedgerError) as e:
@@ -117,7 +119,7 @@ class Snapshots:
         if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
             check_shared_dir(self.root, info)
         if self.store is None:
-            self.store = open_store(self.root, keep=self.keep, create=False)
+            self.store = open_store(self.root, keep=self.keep, create=False, **self._store_options())
         if self.per_rank:
             self._attach_sharded(info)
             return
@@ -127,6 +129,9 @@ class Snapshots:
             self.writer = AsyncSnapshotWriter(self.store, overlap_policy="skip",
                                               on_durable=getattr(self.metrics, "snapshot_durable", None),
                                               mode=self.writer_mode)
+
+    def _store_options(self) -> dict[str, Any]:
+        return {"recycle": False} if self.per_rank else {}
 
     def _attach_sharded(self, info: DistInfo) -> None:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
