@@ -126,6 +126,7 @@ def test_a_torn_or_forged_shard_is_refused_before_anything_is_read_and_the_previ
     assert store.load_latest() is None
 
 
+@pytest.mark.slow  # runs the CLI as a process
 def test_ls_verify_and_prune_treat_a_sharded_snapshot_like_any_other(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, keep=2, key=None, recycle=False)  # as the run opens it for shards
     for step in (2, 4, 6):
