@@ -18,12 +18,13 @@ The order of one snapshot (the rank side is :class:`DeferredDcpWriter`, the seal
 :meth:`checkpoints.store.SnapshotStore.seal_parts`):
 
 1. every rank, at the same step, inside ``dcp.save``: DCP plans who writes what (replicated
-   chunks once, spread over the ranks), and this writer serialises this rank's items into
-   memory; that copy is the whole stall;
-2. every rank, in the background: its file into the temp dir, fsync'd, then a small
-   ``part-<rank>.json`` (its file, size, sha256) written atomically;
-3. rank 0, in the background: ``.metadata`` and the other files, then waits for every
-   rank's part, then the manifest and the fenced rename. A rank that never delivers (lost
+   chunks once, spread over the ranks), and this writer copies this rank's items to the
+   CPU; that plan and that copy are the whole stall;
+2. every rank, in the background: its items serialised into its file in the temp dir,
+   fsync'd, then a small ``part-<rank>.json`` (its file, size, sha256, and where each item
+   lies in it) written atomically;
+3. rank 0, in the background: the other files, then waits for every rank's part, then
+   DCP's ``.metadata`` (completed from the parts), the manifest and the fenced rename. A rank that never delivers (lost
    meanwhile) leaves the temp dir unsealed: no snapshot, and a later save cleans it up.
 """
 
@@ -42,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -68,22 +69,21 @@ class ShardTarget:
 
 @dataclass
 class Part:
-    """One rank's serialised shards: its file name and bytes (empty: nothing fell to it)."""
+    """One rank's share of a snapshot, copied at the step: each DCP item's index and its data
+    (a tensor on the CPU, or bytes); none when nothing fell to this rank."""
 
     rank: int
     temp: str
     file: str
-    data: io.BytesIO
-
-    @property
-    def size(self) -> int:
-        return self.data.getbuffer().nbytes
+    items: list[tuple[MetadataIndex, torch.Tensor | bytes]]
 
 
 class DeferredDcpWriter(FileSystemWriter):
-    """``dcp.save``'s storage writer that copies this rank's items into memory during the call
-    and leaves the disk to the background (:func:`write_part`): the call returns as soon as
-    the copy is made, with the offsets DCP's metadata needs already known.
+    """``dcp.save``'s storage writer that copies this rank's items during the call and leaves
+    serialising and the disk to the background (:func:`write_part`): the call returns as soon
+    as the copy is made. Where each item lands in its file is known only once it is written,
+    so each rank's part record carries it and rank 0 completes DCP's metadata at the seal
+    (:func:`metadata_bytes`).
 
     ``temp_name`` (called on the coordinator only) names the temp dir every rank writes into.
     """
@@ -92,7 +92,7 @@ class DeferredDcpWriter(FileSystemWriter):
         super().__init__(root, single_file_per_rank=True, sync_files=True, overwrite=True)
         self._temp_name = temp_name
         self.part: Part | None = None
-        self.metadata: bytes | None = None  # the coordinator's pickled ``.metadata``
+        self.metadata: Metadata | None = None  # the coordinator's, without where each item lies yet
         self._rank = 0
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -109,60 +109,92 @@ class DeferredDcpWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: ShardTarget = plan.storage_data
         file = f"{target.prefix}0{dcp_private.SUFFIX}"
-        buf = io.BytesIO()
+        items: list[tuple[MetadataIndex, torch.Tensor | bytes]] = []
         results = []
-        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as DCP orders them
-        for item in items:
+        for item in sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO):  # as DCP orders them
             data = planner.resolve_data(item)
-            offset = buf.tell()
             if item.type == WriteItemType.BYTE_IO:
-                buf.write(data.getbuffer())
-            else:
+                items.append((item.index, data.getvalue()))
+            else:  # a copy now: the step may change the tensor once the call returns
                 tensor = data.detach()
-                if tensor.device.type != "cpu":
-                    tensor = tensor.to("cpu")
-                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                    tensor = tensor.clone()  # a view: save its elements, not its whole storage
-                torch.save(tensor, buf)  # serialised now: the step may change the tensor after the call
-            length = buf.tell() - offset
-            results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=dcp_private.storage_info(file, offset, length)))
-        self.part = Part(self._rank, target.temp, file, buf)
+                items.append((item.index, tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone()))
+            results.append(WriteResult(index=item.index, size_in_bytes=0,
+                                       storage_data=dcp_private.storage_info(file, -1, -1)))  # rank 0 fills it in
+        self.part = Part(self._rank, target.temp, file, items)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """On the coordinator: the metadata as FileSystemWriter would write it, kept for the seal."""
+        """On the coordinator: the metadata, kept for the seal (:func:`metadata_bytes`)."""
         metadata.version = dcp_private.VERSION
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.storage_meta = self.storage_meta()
-        self.metadata = pickle.dumps(metadata)
+        self.metadata = metadata
 
 
 def write_part(root: Path, part: Part) -> None:
-    """Step 2: this rank's file into the temp dir, fsync'd, then its ``part-<rank>.json``."""
+    """Step 2: this rank's items serialised into its file in the temp dir, fsync'd, then its
+    ``part-<rank>.json``: the file's size and sha256, and where each item lies in it."""
     temp = root / part.temp
     temp.mkdir(exist_ok=True)
-    view = part.data.getbuffer()
-    size, sha = write_bytes(temp / part.file, view) if part.size else (0, "")
-    record = {"rank": part.rank, "file": part.file if size else None, "size": size, "sha256": sha}
+    placed = []
+    size, sha = 0, ""
+    if part.items:
+        digest = hashlib.sha256()
+        fd = os.open(temp / part.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            for index, data in part.items:
+                if isinstance(data, torch.Tensor):
+                    buf = io.BytesIO()
+                    torch.save(data if data.untyped_storage().nbytes() == data.numel() * data.element_size()
+                               else data.clone(), buf)  # a view: its elements, not its whole storage
+                    blob = buf.getbuffer()
+                else:
+                    blob = memoryview(data)
+                _write_all(fd, blob)
+                digest.update(blob)
+                placed.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
+                               "index": index.index, "at": size, "length": len(blob)})
+                size += len(blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        sha = digest.hexdigest()
+    record = {"rank": part.rank, "file": part.file if size else None, "size": size, "sha256": sha, "items": placed}
     tmp = temp / f".{part_name(part.rank)}.tmp"
     write_bytes(tmp, json.dumps(record).encode())
     os.rename(tmp, temp / part_name(part.rank))
+
+
+def metadata_bytes(metadata: Metadata, records: list[dict[str, Any]]) -> bytes:
+    """DCP's ``.metadata``, pickled as FileSystemWriter writes it: the plan's metadata with
+    where every rank's part record says each item lies."""
+    storage = {}
+    for record in records:
+        for item in record.get("items", ()):
+            index = MetadataIndex(item["fqn"], None if item["offset"] is None else torch.Size(item["offset"]),
+                                  item["index"])
+            storage[index] = dcp_private.storage_info(record["file"], int(item["at"]), int(item["length"]))
+    metadata.storage_data = storage
+    return pickle.dumps(metadata)
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    off = 0
+    while off < len(view):
+        off += os.write(fd, view[off:off + (64 << 20)])
 
 
 def write_bytes(path: Path, data: Any) -> tuple[int, str]:
     """A new file holding ``data``, fsync'd; (size, sha256)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        view = memoryview(data)
-        off = 0
-        while off < len(view):
-            off += os.write(fd, view[off:off + (64 << 20)])
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+    view = memoryview(data).cast("B")
     return len(view), hashlib.sha256(view).hexdigest()
 
 
@@ -188,5 +220,5 @@ def wait_parts(temp: Path, ranks: int, deadline: float, abandoned: Callable[[], 
         pause = min(pause * 2, 0.1)
 
 
-__all__ = ["DCP_PREFIX", "DeferredDcpWriter", "Part", "ShardTarget", "is_dcp_key", "part_name", "wait_parts",
-           "write_part"]
+__all__ = ["DCP_PREFIX", "DeferredDcpWriter", "Part", "ShardTarget", "is_dcp_key", "metadata_bytes", "part_name",
+           "wait_parts", "write_part"]

@@ -255,14 +255,15 @@ class SnapshotStore(SnapshotReader):
             _ACTIVE_TEMPS.add(name)
         return name
 
-    def seal_parts(self, step: int, temp_name: str, *, ranks: int, metadata: bytes, state: Mapping[str, Any],
+    def seal_parts(self, step: int, temp_name: str, *, ranks: int, metadata: Any, state: Mapping[str, Any],
                    world_size: int, extra_meta: dict[str, Any] | None = None, deadline: float,
                    abandoned: Any = lambda: False, housekeeping: bool = True) -> SnapshotInfo:
-        """Seal a sharded snapshot (:mod:`.sharded`): DCP's ``.metadata`` and ``state`` (the
-        unsharded rest) written here, every rank's part awaited until ``deadline``
-        (``time.monotonic``), then sealed as :meth:`save` seals. The temp dir goes on any failure."""
+        """Seal a sharded snapshot (:mod:`.sharded`): ``state`` (the unsharded rest) written
+        here, every rank's part awaited until ``deadline`` (``time.monotonic``), DCP's
+        ``.metadata`` (``metadata``: DCP's Metadata of the plan) completed from them, then
+        sealed as :meth:`save` seals. The temp dir goes on any failure."""
         from . import dcp_private
-        from .sharded import wait_parts, write_bytes
+        from .sharded import metadata_bytes, wait_parts, write_bytes
 
         check_state(state)
         final = self.root / layout.step_dirname(step)
@@ -275,11 +276,11 @@ class SnapshotStore(SnapshotReader):
                         shutil.rmtree(tmp, ignore_errors=True)
                         return existing
                 tmp.mkdir(exist_ok=True)
-                meta_size, meta_sha = write_bytes(tmp / dcp_private.METADATA_NAME, metadata)
                 names = [layout.key_filename(i, k) for i, k in enumerate(state)]
                 file_pool, hash_pool = self._get_pools()
                 written = [files.write_file(tmp / name, value, hash_pool, None) for name, value in zip(names, state.values())]
                 records = wait_parts(tmp, ranks, deadline, abandoned)
+                meta_size, meta_sha = write_bytes(tmp / dcp_private.METADATA_NAME, metadata_bytes(metadata, records))
                 entries = [FileEntry(key=k, file=n, size=size, sha256=sha)
                            for k, n, (size, sha) in zip(state.keys(), names, written)]
                 entries.append(FileEntry(DCP_PREFIX + dcp_private.METADATA_NAME, dcp_private.METADATA_NAME, meta_size,

@@ -98,7 +98,7 @@ class ShardedWriter:
                                          extra_meta, abandoned, stall)
         return True
 
-    def _write(self, step: int, part: Part, metadata: bytes | None, rest: dict[str, Any] | None, world_size: int,
+    def _write(self, step: int, part: Part, metadata: Any, rest: dict[str, Any] | None, world_size: int,
                extra_meta: dict[str, Any], abandoned: threading.Event, stall: float) -> None:
         t0 = time.perf_counter()
         try:

@@ -10,7 +10,6 @@ torch's stock reader loads what the deferred writer wrote (the guard on the priv
 
 from __future__ import annotations
 
-import io
 import pickle
 import subprocess
 import sys
@@ -46,7 +45,7 @@ def _sharded(store: SnapshotStore, step: int, seed: int, *, other_ranks: int = 0
     assert writer.part is not None and writer.metadata is not None
     write_part(store.root, writer.part)
     for rank in range(1, 1 + other_ranks):
-        write_part(store.root, Part(rank, writer.part.temp, f"__{rank}_0.distcp", io.BytesIO()))
+        write_part(store.root, Part(rank, writer.part.temp, f"__{rank}_0.distcp", []))
     store.seal_parts(step, writer.part.temp, ranks=1 + other_ranks, metadata=writer.metadata,
                      state={"progress": {"step": step}}, world_size=1 + other_ranks,
                      deadline=time.monotonic() + 5)
