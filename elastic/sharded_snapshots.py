@@ -32,7 +32,7 @@ from checkpoints.sharded import DeferredDcpWriter, Part, write_part
 from checkpoints.writer import WriterStats
 
 from .collectives import collective_failures
-from .distributed import DistInfo, collective_device
+from .distributed import DistInfo
 
 log = logging.getLogger("elastic.snapshots")
 
@@ -55,6 +55,7 @@ class ShardedWriter:
         self._abandoned = threading.Event()
         self._errors: collections.deque[BaseException] = collections.deque()
         self._stats = WriterStats()
+        self._group: Any = None  # the snapshots' own gloo group in this world (formed)
         self.pending_step: int | None = None
         self.last_submitted: int | None = None  # the same on every rank: submits are decided together
 
@@ -64,6 +65,20 @@ class ShardedWriter:
 
     def wait_capture(self) -> None:
         """Nothing to wait for: :meth:`submit` returns with the copy made."""
+
+    def formed(self, own_group: bool) -> None:
+        """A new world formed (every rank, at the same point): any snapshot still waiting for
+        a lost rank is given up, and ``own_group``: the snapshots' collectives get a group of
+        their own.
+
+        A world of fresh processes (the restart path) takes one: on the default group they
+        met FSDP2's own collectives (a 1-D mesh over the world runs on that very group) and a
+        rank took one collective's answer for another's (seen: a rank returned from
+        ``dcp.save`` without its write phase). In place, new groups are named by a counter
+        that a joiner's fresh process does not share, so the world's default group serves;
+        there the model's collectives run on the mesh's own groups."""
+        self.abandon()
+        self._group = dist.new_group(backend="gloo") if own_group else None
 
     def submit(self, step: int, state: dict[str, Any], *, world_size: int, info: DistInfo,
                extra_meta: dict[str, Any] | None = None) -> bool:
@@ -75,9 +90,8 @@ class ShardedWriter:
 
     def _submit(self, step: int, state: dict[str, Any], world_size: int, info: DistInfo,
                 extra_meta: dict[str, Any], t0: float) -> bool:
-        busy = torch.tensor([int(self._future is not None and not self._future.done())],
-                            device=collective_device(info))
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        busy = torch.tensor([int(self._future is not None and not self._future.done())])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._group)
         if int(busy.item()):
             self._stats.snapshots_skipped += 1
             if info.is_main:
@@ -86,7 +100,7 @@ class ShardedWriter:
         import torch.distributed.checkpoint as dcp
 
         writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step))
-        dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer)
+        dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer, process_group=self._group)
         assert writer.part is not None
         rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_KEYS}) if info.is_main else None
         stall = time.perf_counter() - t0

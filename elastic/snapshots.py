@@ -80,6 +80,7 @@ class Snapshots:
         self.collective = False  # a sharded model: every rank takes part in every snapshot (elastic.sharded)
         self.sharded: ShardedWriter | None = None  # every rank's, when each writes its own shards
         self._info: DistInfo | None = None  # this rank in the world the sharded writer last attached to
+        self.own_group = False  # sharded snapshots' collectives on a group of their own (fresh processes only)
 
     @property
     def per_rank(self) -> bool:
@@ -137,8 +138,7 @@ class Snapshots:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
         if self.sharded is None:
             self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None))
-        else:
-            self.sharded.abandon()  # a lost rank's shards will not come: rank 0 gives that snapshot up
+        self.sharded.formed(self.own_group)  # a lost rank's shards will not come: that snapshot is given up
         if info.is_main:
             self.writer = self.sharded  # type: ignore[assignment]  # what rank 0 flushes, closes and reports
         self._info = info
