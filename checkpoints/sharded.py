@@ -88,9 +88,11 @@ class DeferredDcpWriter(FileSystemWriter):
     ``temp_name`` (called on the coordinator only) names the temp dir every rank writes into.
     """
 
-    def __init__(self, root: Path, temp_name: Callable[[], str]) -> None:
+    def __init__(self, root: Path, temp_name: Callable[[], str],
+                 stage: Callable[[MetadataIndex, torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__(root, single_file_per_rank=True, sync_files=True, overwrite=True)
         self._temp_name = temp_name
+        self._stage = stage or _copy
         self.part: Part | None = None
         self.metadata: Metadata | None = None  # the coordinator's, without where each item lies yet
         self._rank = 0
@@ -116,8 +118,7 @@ class DeferredDcpWriter(FileSystemWriter):
             if item.type == WriteItemType.BYTE_IO:
                 items.append((item.index, data.getvalue()))
             else:  # a copy now: the step may change the tensor once the call returns
-                tensor = data.detach()
-                items.append((item.index, tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone()))
+                items.append((item.index, self._stage(item.index, data.detach())))
             results.append(WriteResult(index=item.index, size_in_bytes=0,
                                        storage_data=dcp_private.storage_info(file, -1, -1)))  # rank 0 fills it in
         self.part = Part(self._rank, target.temp, file, items)
@@ -130,6 +131,11 @@ class DeferredDcpWriter(FileSystemWriter):
         metadata.version = dcp_private.VERSION
         metadata.storage_meta = self.storage_meta()
         self.metadata = metadata
+
+
+def _copy(index: MetadataIndex, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU (the default stage; the run's reuses pinned buffers for a GPU)."""
+    return tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone()
 
 
 def write_part(root: Path, part: Part) -> None:

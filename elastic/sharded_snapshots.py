@@ -44,6 +44,40 @@ DCP_KEYS = ("model", "optimizer")
 PART_TIMEOUT_S = 600.0
 
 
+class PinnedStage:
+    """Where a GPU's shards are copied at the step: pinned host buffers, one per item, kept
+    from one snapshot to the next (a snapshot is taken only once the previous one is written,
+    so they are free again), filled by non-blocking copies on the current stream. The step
+    then waits only for the copies to be queued; the optimizer's kernels queue behind them,
+    and the background writer waits for :meth:`copied`'s event before it reads a buffer.
+    CPU tensors are cloned. Host memory: one copy of this rank's shards, pinned."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._pending = False
+
+    def stage(self, index: Any, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor.clone()
+        key = (index.fqn, tuple(index.offset or ()))
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._buffers[key] = buf
+        buf.copy_(tensor, non_blocking=True)
+        self._pending = True
+        return buf
+
+    def copied(self) -> Any:
+        """An event recorded behind this snapshot's copies (None: nothing was on a GPU)."""
+        if not self._pending:
+            return None
+        self._pending = False
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
 class ShardedWriter:
     """One rank's sharded snapshots (see the module docstring for the call order)."""
 
@@ -56,6 +90,7 @@ class ShardedWriter:
         self._errors: collections.deque[BaseException] = collections.deque()
         self._stats = WriterStats()
         self._group: Any = None  # the snapshots' own gloo group in this world (formed)
+        self._pinned = PinnedStage()
         self.pending_step: int | None = None
         self.last_submitted: int | None = None  # the same on every rank: submits are decided together
 
@@ -99,9 +134,10 @@ class ShardedWriter:
             return False
         import torch.distributed.checkpoint as dcp
 
-        writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step))
+        writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step), self._pinned.stage)
         dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer, process_group=self._group)
         assert writer.part is not None
+        copied = self._pinned.copied()  # the device-to-host copies run on; the writer waits for them
         rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_KEYS}) if info.is_main else None
         stall = time.perf_counter() - t0
         self._stats.last_stall_s = stall
@@ -109,13 +145,15 @@ class ShardedWriter:
         self._abandoned = abandoned = threading.Event()
         self.pending_step = self.last_submitted = step
         self._future = self._pool.submit(self._write, step, writer.part, writer.metadata, rest, world_size,
-                                         extra_meta, abandoned, stall)
+                                         extra_meta, abandoned, stall, copied)
         return True
 
     def _write(self, step: int, part: Part, metadata: Any, rest: dict[str, Any] | None, world_size: int,
-               extra_meta: dict[str, Any], abandoned: threading.Event, stall: float) -> None:
+               extra_meta: dict[str, Any], abandoned: threading.Event, stall: float, copied: Any) -> None:
         t0 = time.perf_counter()
         try:
+            if copied is not None:
+                copied.synchronize()
             write_part(self.store.root, part)
             if rest is None:
                 return
