@@ -223,11 +223,26 @@ def gpus(csv: str | None, error: str = "") -> Check:
 # ------------------------------------------------------------------------------ the look-ups
 
 
+SIOCGIFFLAGS = 0x8913
+
+
 def net_flags(name: str) -> int | None:
+    """The interface's flags as the kernel reports them to ``ip link`` (SIOCGIFFLAGS, in this
+    process's network namespace); None if there is no such interface.
+
+    Not ``/sys/class/net/NAME/flags``: that file holds the administrative flags only, never
+    IFF_RUNNING (the kernel computes it from the carrier when asked), so every real link read
+    as down there; and ``/sys`` shows the namespace it was mounted in, not necessarily ours."""
+    import fcntl
+    import socket
+    import struct
+
     try:
-        return int(Path(f"/sys/class/net/{name}/flags").read_text().strip(), 16)
-    except (OSError, ValueError):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            answer = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack("16sH", name.encode()[:15], 0))
+    except OSError:
         return None
+    return int(struct.unpack("16sH", answer[:18])[1])
 
 
 def etcd_skew(endpoints: Iterable[tuple[str, int]], cacert: str | None = None, cert: str | None = None,

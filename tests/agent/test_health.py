@@ -51,6 +51,17 @@ def test_an_interface_must_exist_and_be_up() -> None:
     assert health.interface((), flags).ok
 
 
+def test_the_kernels_own_flags_say_a_live_link_is_running() -> None:
+    """The real look-up: loopback is up and running as the kernel reports it to ``ip link``.
+    ``/sys/class/net/lo/flags`` reads 0x9 (no IFF_RUNNING, which the kernel computes on
+    demand), so every real link read as down there and no node of a job that named its
+    interface (GLOO_SOCKET_IFNAME) ever joined (the namespaced tests showed it)."""
+    flags = health.net_flags("lo")
+    assert flags is not None and flags & health.IFF_UP and flags & health.IFF_RUNNING, flags
+    assert health.interface(("lo",), health.net_flags).ok
+    assert health.net_flags("no-such-if0") is None
+
+
 def test_gpus_with_ecc_errors_or_pending_retired_pages_fail() -> None:
     h200 = "0, 00000000:00:06.0, 0, [N/A]\n"  # nvidia-smi's answer on an H200 (the device machine, 2026-11-28)
     assert health.gpus(h200).ok and "1 GPU(s)" in health.gpus(h200).detail
