@@ -36,7 +36,7 @@ def test_sdc_is_a_chaos_kind_only_when_asked_for() -> None:
 def test_elastic_local_injects_an_sdc_and_the_summary_says_it_was_caught(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "ELASTIC_CHECK_EVERY_STEPS"}
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "150",
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "400",
                              "--chaos", "sdc", "--faults", "1", "--first-fault-after", "2", "--run-dir", str(run_dir),
                              "--timeout", "300"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
