@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping
 
 import torch
 
@@ -228,19 +228,8 @@ class SnapshotStore(SnapshotReader):
             if existing is not None:
                 return existing
         tmp = self.root / layout.temp_dirname(step)
-        with _ACTIVE_LOCK:
-            _ACTIVE_TEMPS.add(tmp.name)
-        try:
-            try:
-                info = self._write(step, state, world_size, extra_meta or {}, tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        except OSError as e:
-            raise self._os_error(e, step) from None
-        finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE_TEMPS.discard(tmp.name)
+        with self._writing(tmp, step):
+            info = self._write(step, state, world_size, extra_meta or {}, tmp, final)
         if info.path == final and housekeeping:  # else it lost a race with another writer of the step
             self.housekeep()
         return info
@@ -268,37 +257,28 @@ class SnapshotStore(SnapshotReader):
         check_state(state)
         final = self.root / layout.step_dirname(step)
         tmp = self.root / temp_name
-        try:
-            try:
-                if final.exists():
-                    existing = self._handle_existing(step, final)
-                    if existing is not None:
-                        shutil.rmtree(tmp, ignore_errors=True)
-                        return existing
-                tmp.mkdir(exist_ok=True)
-                names = [layout.key_filename(i, k) for i, k in enumerate(state)]
-                file_pool, hash_pool = self._get_pools()
-                written = [files.write_file(tmp / name, value, hash_pool, None) for name, value in zip(names, state.values())]
-                records = wait_parts(tmp, ranks, deadline, abandoned)
-                meta_size, meta_sha = write_bytes(tmp / dcp_private.METADATA_NAME, metadata_bytes(metadata, records))
-                entries = [FileEntry(key=k, file=n, size=size, sha256=sha)
-                           for k, n, (size, sha) in zip(state.keys(), names, written)]
-                entries.append(FileEntry(DCP_PREFIX + dcp_private.METADATA_NAME, dcp_private.METADATA_NAME, meta_size,
-                                         meta_sha))
-                entries += [FileEntry(DCP_PREFIX + r["file"], r["file"], int(r["size"]), r["sha256"])
-                            for r in records if r.get("file")]
-                for entry in os.scandir(tmp):  # the parts said what they had to; the manifest says it now
-                    if entry.name.startswith("part-") or entry.name.startswith(".part-"):
-                        os.unlink(entry.path)
-                info = self._seal(step, entries, world_size, dict(extra_meta or {}), tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        except OSError as e:
-            raise self._os_error(e, step) from None
-        finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE_TEMPS.discard(temp_name)
+        with self._writing(tmp, step):
+            if final.exists():
+                existing = self._handle_existing(step, final)
+                if existing is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return existing
+            tmp.mkdir(exist_ok=True)
+            names = [layout.key_filename(i, k) for i, k in enumerate(state)]
+            file_pool, hash_pool = self._get_pools()
+            written = [files.write_file(tmp / name, value, hash_pool, None) for name, value in zip(names, state.values())]
+            records = wait_parts(tmp, ranks, deadline, abandoned)
+            meta_size, meta_sha = write_bytes(tmp / dcp_private.METADATA_NAME, metadata_bytes(metadata, records))
+            entries = [FileEntry(key=k, file=n, size=size, sha256=sha)
+                       for k, n, (size, sha) in zip(state.keys(), names, written)]
+            entries.append(FileEntry(DCP_PREFIX + dcp_private.METADATA_NAME, dcp_private.METADATA_NAME, meta_size,
+                                     meta_sha))
+            entries += [FileEntry(DCP_PREFIX + r["file"], r["file"], int(r["size"]), r["sha256"])
+                        for r in records if r.get("file")]
+            for entry in os.scandir(tmp):  # the parts said what they had to; the manifest says it now
+                if entry.name.startswith("part-") or entry.name.startswith(".part-"):
+                    os.unlink(entry.path)
+            info = self._seal(step, entries, world_size, dict(extra_meta or {}), tmp, final)
         if info.path == final and housekeeping:
             self.housekeep()
         return info
@@ -308,6 +288,24 @@ class SnapshotStore(SnapshotReader):
         shutil.rmtree(self.root / temp_name, ignore_errors=True)
         with _ACTIVE_LOCK:
             _ACTIVE_TEMPS.discard(temp_name)
+
+    @contextlib.contextmanager
+    def _writing(self, tmp: Path, step: int) -> Iterator[None]:
+        """A write into temp dir ``tmp``: the name is this process's while it lasts (no
+        clean-up takes it), the dir goes on any failure, and an OSError leaves as one line."""
+        with _ACTIVE_LOCK:
+            _ACTIVE_TEMPS.add(tmp.name)
+        try:
+            try:
+                yield
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        except OSError as e:
+            raise self._os_error(e, step) from None
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE_TEMPS.discard(tmp.name)
 
     def housekeep(self) -> None:
         """Prune to ``keep`` and remove stale temp dirs; a failure is logged, not raised, because
