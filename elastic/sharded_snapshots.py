@@ -101,19 +101,14 @@ class ShardedWriter:
     def wait_capture(self) -> None:
         """Nothing to wait for: :meth:`submit` returns with the copy made."""
 
-    def formed(self, own_group: bool) -> None:
-        """A new world formed (every rank, at the same point): any snapshot still waiting for
-        a lost rank is given up, and ``own_group``: the snapshots' collectives get a group of
-        their own.
-
-        A world of fresh processes (the restart path) takes one: on the default group they
-        met FSDP2's own collectives (a 1-D mesh over the world runs on that very group) and a
-        rank took one collective's answer for another's (seen: a rank returned from
-        ``dcp.save`` without its write phase). In place, new groups are named by a counter
-        that a joiner's fresh process does not share, so the world's default group serves;
-        there the model's collectives run on the mesh's own groups."""
+    def formed(self) -> None:
+        """A new world formed (every rank, at the same point, in fresh processes): any
+        snapshot still waiting for a lost rank is given up, and the snapshots' collectives
+        get a gloo group of their own. On the default group they met FSDP2's own (a 1-D mesh
+        over the world runs on that very group) and a rank took one collective's answer for
+        another's (seen: a rank returned from ``dcp.save`` without its write phase)."""
         self.abandon()
-        self._group = dist.new_group(backend="gloo") if own_group else None
+        self._group = dist.new_group(backend="gloo")
 
     def submit(self, step: int, state: dict[str, Any], *, world_size: int, info: DistInfo,
                extra_meta: dict[str, Any] | None = None) -> bool:

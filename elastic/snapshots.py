@@ -142,7 +142,7 @@ class Snapshots:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
         if self.sharded is None:
             self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None))
-        self.sharded.formed(own_group=True)  # a lost rank's shards will not come: that snapshot is given up
+        self.sharded.formed()  # a lost rank's shards will not come: that snapshot is given up
         if info.is_main:
             self.writer = self.sharded  # type: ignore[assignment]  # what rank 0 flushes, closes and reports
         self._info = info
