@@ -17,11 +17,10 @@ import sys
 import time
 from typing import Sequence
 
-from agent.rendezvous.registry import list_nodes
 from agent.rendezvous.signing import SignatureError, StateSigner
 
 from agent.node.commands import CHECK, check_result_key, send
-from agent.tools.etcd_args import add_etcd_arguments, connect
+from agent.tools.etcd_args import NoLiveNode, add_etcd_arguments, connect, live_node
 
 POLL_S = 0.2
 
@@ -49,11 +48,10 @@ def main(argv: Sequence[str]) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    nodes = sorted(n.node for n in list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True))
-    node = args.node or (nodes[0] if nodes else None)
-    if node is None or node not in nodes:
-        what = f"no live node {node!r}" if node else "no live node"
-        print(f"error: {what} in run {etcd.run_id!r}; live: {', '.join(nodes) or 'none'}", file=sys.stderr)
+    try:
+        node = live_node(etcd, args.node or None)[0].node
+    except NoLiveNode as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     result_key = check_result_key(etcd.key_prefix, etcd.run_id, node)
     issued_at = send(etcd.client, etcd.signer, etcd.key_prefix, etcd.run_id, node, CHECK)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from elastic import contract
 from agent.etcd import EtcdClient, settings_from_options
+from agent.rendezvous.registry import NodeRecord, list_nodes
 from agent.rendezvous.signing import StateSigner, load_hmac_key
 
 DEFAULT_ENDPOINT = "localhost:2379"
@@ -61,3 +62,21 @@ def connect(args: argparse.Namespace) -> EtcdTarget:
     signer = StateSigner(load_hmac_key(conf.get("hmac_key_file")))
     return EtcdTarget(client, signer, conf.get("key_prefix", "/elastic").rstrip("/") or "/elastic",
                       args.rdzv_id or "")
+
+
+class NoLiveNode(Exception):
+    """The node a tool was pointed at holds no live lease in the run; the message is its one line."""
+
+
+def live_node(etcd: EtcdTarget, wanted: str | None) -> tuple[NodeRecord, list[NodeRecord]]:
+    """The live node named ``wanted`` (the first in name order when None) and every live node.
+
+    One place for the check each tool makes before it acts, so that every tool refuses a
+    name that is not live with the same line, naming the ones that are."""
+    nodes = list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True)
+    if not nodes:
+        raise NoLiveNode(f"no live nodes in run {etcd.run_id!r}; check --rdzv-id and --rdzv-endpoint")
+    found = nodes[0] if wanted is None else next((n for n in nodes if n.node == wanted), None)
+    if found is None:
+        raise NoLiveNode(f"no live node {wanted!r} in run {etcd.run_id!r}; live: {', '.join(n.node for n in nodes)}")
+    return found, nodes

@@ -17,10 +17,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from agent.rendezvous.registry import list_nodes
 
 from agent.node.commands import MAX_WHAT, SDC, send
-from agent.tools.etcd_args import add_etcd_arguments, connect
+from agent.tools.etcd_args import NoLiveNode, add_etcd_arguments, connect, live_node
 
 
 def _tensor(text: str) -> str:
@@ -47,10 +46,10 @@ def main(argv: Sequence[str]) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    nodes = [n.node for n in list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True)]
-    if args.node not in nodes:
-        print(f"error: no live node {args.node!r} in run {etcd.run_id!r}; live: {', '.join(nodes) or 'none'}",
-              file=sys.stderr)
+    try:
+        live_node(etcd, args.node)
+    except NoLiveNode as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     send(etcd.client, etcd.signer, etcd.key_prefix, etcd.run_id, args.node, SDC, what=args.tensor, kind=args.kind)
     done = "flip a bit of" if args.kind == "bit" else f"write a {'NaN' if args.kind == 'nan' else 'Inf'} into"

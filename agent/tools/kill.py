@@ -24,11 +24,10 @@ import socket
 import sys
 from typing import Sequence
 
-from agent.rendezvous.registry import list_nodes
 
 # freeze_for, ThawError and THAW_MARK live with the command they carry out; imported from here too
 from agent.node.commands import FREEZE, KILL, MAX_FREEZE_S, THAW_MARK, ThawError, freeze_for, send, valid_freeze  # noqa: F401
-from agent.tools.etcd_args import add_etcd_arguments, connect
+from agent.tools.etcd_args import NoLiveNode, add_etcd_arguments, connect, live_node
 from agent.node.proc_identity import identify
 from agent.node.proctree import kill_tree
 
@@ -63,20 +62,13 @@ def main(argv: Sequence[str]) -> int:
     except argparse.ArgumentTypeError as exc:  # --rdzv-conf that is not key=value,...
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    nodes = list_nodes(etcd.client, etcd.run_id, etcd.signer, etcd.key_prefix, strict=True)
-    if not nodes:
-        print(f"error: no live nodes in run {etcd.run_id!r} at {args.rdzv_endpoint}; "
-              "check --rdzv-id and --rdzv-endpoint", file=sys.stderr)
+    try:
+        victim, nodes = live_node(etcd, None if args.random else args.node)
+    except NoLiveNode as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.random:
         victim = random.choice(nodes)
-    else:
-        found = [n for n in nodes if n.node == args.node]
-        if not found:
-            print(f"error: no live node {args.node!r} in run {etcd.run_id!r}; live: "
-                  f"{', '.join(n.node for n in nodes)}", file=sys.stderr)
-            return 2
-        victim = found[0]
     action = FREEZE if args.freeze else KILL
     why = "--via-etcd" if args.via_etcd else identify(victim, etcd.run_id)
     if why is not None and not args.via_etcd and victim.host == socket.gethostname():
