@@ -33,6 +33,7 @@ from elastic import contract
 from agent.etcd import EmbeddedEtcd
 
 from agent.local.local_node import Crash, LocalNode
+from agent.node.policy import SCRIPT_ERROR_WORDS
 
 KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE = "kill", "freeze", "kill-rank0-snapshot", "etcd-outage"
 KINDS = (KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE)
@@ -320,11 +321,16 @@ class Cluster:
 
 
 def _why_failed(failed: list[ClusterNode]) -> str:
-    """One line: the node whose agent gave up first, with its workers' last error and its log."""
-    gave_up = sorted(((c.at, i, n, c) for i, n in enumerate(failed) for c in n.node.crashes() if c.gave_up),
-                     key=lambda t: (t[0], t[1]))
+    """One line: the node whose agent gave up first, with its workers' last error and its log.
+
+    A job-wide verdict that the script itself is broken comes before any other: the agents of
+    such a job give up within moments of each other, and one that ran out of restarts first
+    says less (its peer's crash had not reached it yet)."""
+    gave_up = sorted(((SCRIPT_ERROR_WORDS not in c.gave_up, c.at, i, n, c)
+                      for i, n in enumerate(failed) for c in n.node.crashes() if c.gave_up),
+                     key=lambda t: (t[0], t[1], t[2]))
     if gave_up:
-        _, _, n, crash = gave_up[0]
+        *_, n, crash = gave_up[0]
         count = len(n.node.crashes())
         return (f"the job failed: {n.node.name} gave up ({crash.gave_up}) after {count} worker "
                 f"{'crash' if count == 1 else 'crashes'}; last: {crash.describe()}; log: {n.node.log_path}")

@@ -51,6 +51,9 @@ from elastic import contract
 USER_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
 FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the end, its final snapshot unwritable
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
+# the words of the job-wide verdict that the script itself is broken (elastic local prefers it
+# to a peer's "no restarts left" given up at the same moment: it names the cause)
+SCRIPT_ERROR_WORDS = "failed right after their start with the same error, the script's own"
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 # What a worker's last line says when a peer broke its collective (ElasticRun's restart path
 # says "lost a peer"; a plain script's traceback ends with gloo's or NCCL's own words).
@@ -322,9 +325,8 @@ def _workers_and_round(obs: Observation) -> Decision:
     shared = script_error(crash_report(obs.failures), obs.peer_crashes) if own_quick else None
     if shared is not None:
         return Decision(Action.FAIL, Reason.SCRIPT_ERROR, failed=failed,
-                        detail=f"the workers of every node ({len(obs.peer_crashes or ()) + 1}) failed right after "
-                               f"their start with the same error, the script's own (no restart or keep-out can fix "
-                               f"it): {shared}")
+                        detail=f"the workers of every node ({len(obs.peer_crashes or ()) + 1}) {SCRIPT_ERROR_WORDS} "
+                               f"(no restart or keep-out can fix it): {shared}")
     if own_quick and obs.crash_streak >= CRASH_LOOP_TRIES and obs.nodes_without_us is not None:
         ranks = sorted(failed)
         cause = last_words({r: f for r, f in obs.failures.items() if r in failed})

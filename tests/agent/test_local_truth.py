@@ -32,7 +32,9 @@ from typing import Iterator
 import pytest
 
 from agent.local.local_cluster import parse_args
-from agent.local.local_node import NodeLog
+from agent.local.local_faults import Cluster, ClusterNode
+from agent.local.local_node import LocalNode, NodeLog
+from agent.node.policy import SCRIPT_ERROR_WORDS
 from agent.node.proctree import process_tree
 from tests.support.waiting import wait_until
 
@@ -310,3 +312,23 @@ def test_a_crash_loop_with_too_few_nodes_left_is_the_agent_giving_up(tmp_path: P
     (crash,) = log.read()
     assert crash.gave_up.startswith("crashed 3 times right after starting")
     assert crash.describe() == "worker exit 1: NameError: name 'undefined_name' is not defined"
+
+
+def test_the_job_wide_verdict_on_a_broken_script_is_the_why_though_a_peer_gave_up_a_moment_before(
+        tmp_path: Path) -> None:
+    """Both agents of a job whose script fails everywhere give up within moments. One whose
+    restart raced its peer's crash runs out of restarts first and says only that; the line
+    why names the other's verdict, which names the script (seen in a loaded whole-suite run)."""
+    verdict = (f"the workers of every node (2) {SCRIPT_ERROR_WORDS} (no restart or keep-out can fix it): "
+               "NameError: name 'undefined_name' is not defined")
+    nodes = []
+    for name, second, message in (("node-0", 6, f"the job failed: {verdict}; the traceback: above"),
+                                  ("node-1", 5, "no restarts left")):
+        node = LocalNode(name=name, endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
+        node.log_path.write_text("\n".join([*TRACEBACK, AGENT.format(s=second, n=name, level="ERROR",
+                                                                     message=f"{message}: the job fails")]) + "\n")
+        nodes.append(ClusterNode(node=node, exited=1))
+    ok, why = Cluster(nodes, tmp_path, 1).outcome(None)
+    assert not ok and why.startswith("the job failed: node-0 gave up") and SCRIPT_ERROR_WORDS in why, why
+    ok, why = Cluster(nodes[1:], tmp_path, 1).outcome(None)  # alone, the earliest give-up is still the why
+    assert not ok and why.startswith("the job failed: node-1 gave up (no restarts left)"), why
