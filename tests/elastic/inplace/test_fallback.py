@@ -9,6 +9,7 @@ its workers alike. Everything else is real: etcd, agents, the SIGKILL, the resto
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,8 @@ for _name in ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure"
     if hasattr(_dist, _name):
         delattr(_dist, _name)
 """
+SAID = "in-place recovery off: this torch"
+_RESTARTED = re.compile(r"elastic\.agent: \[\S+\] restart \(")
 
 
 @pytest.mark.slow
@@ -40,8 +43,10 @@ def test_a_torch_without_the_reconfigure_api_gets_the_restart_path_with_one_log_
     train_together([a, b], tmp_path, 2, steps=15)  # past the first snapshot (every 10 steps)
     rank0 = a if rows(a, tmp_path)[-1]["rank"] == 0 else b
     victim = b if rank0 is a else a
-    said = "in-place recovery off: this torch"
-    assert rank0.log_path.read_text().count(said) == 1, rank0.log_tail(40)
+    # once per worker start, no more: under load one node may form the first round alone, and
+    # the other's join then restarts the workers (the restart path) before the kill below
+    starts_before = worker_starts(rank0)
+    assert starts_before >= 1 and rank0.log_path.read_text().count(SAID) == starts_before, rank0.log_tail(40)
     assert "has no process-group reconfigure API" in rank0.log_path.read_text()
     pid = rows(rank0, tmp_path)[-1]["pid"]
 
@@ -53,4 +58,10 @@ def test_a_torch_without_the_reconfigure_api_gets_the_restart_path_with_one_log_
     wait_until(lambda: metric(rank0, "elastic_agent_restarts_total", reason="peer_lost") >= 1, 10,
                "the restart to be counted", on_timeout=logs(rank0))
     assert metric(rank0, "elastic_restores_total", source="disk") >= 1  # the new worker read the snapshot
-    assert rank0.log_path.read_text().count(said) == 2  # once per worker start: the first and the restart
+    assert worker_starts(rank0) > starts_before, rank0.log_tail(40)  # the restart
+    assert rank0.log_path.read_text().count(SAID) == worker_starts(rank0), rank0.log_tail(40)
+
+
+def worker_starts(node: Node) -> int:
+    """The node's worker starts so far: the first, and one per restart its agent logged."""
+    return 1 + len(_RESTARTED.findall(node.log_path.read_text()))
