@@ -12,6 +12,14 @@ stands at its own token:
 * ``.fence.lock``: ``flock``: raising takes it exclusively, a commit shared, so a commit
   and a raise never interleave and the commit order on disk is the fence order.
 
+A lock is waited for :data:`LOCK_WAIT_S` at most. Rank 0 commits a ledger line under it
+every step, so a node frozen (SIGSTOP) inside that commit would hold it for as long as it
+stays frozen, and the survivors' new rank 0, raising the fence for their round, would wait
+with it: a frozen node stalling the survivors (seen as a 30 s hang and a timeout). Going on
+without the lock is safe: its holder was admitted by the fence before the raise, and its
+commit, if it ever completes, is one that came just before the raise (the step it records
+was trained by its group); any commit that checks the fence after the raise is refused.
+
 A round may only raise the fence, never lower it; a token of another run takes the
 directory over (a new job on an old directory), and the old run's groups are then stale.
 A commit refused raises :class:`SnapshotFencedError`: the group that holds it is stale
@@ -34,6 +42,7 @@ import hmac
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -45,6 +54,7 @@ log = logging.getLogger(__name__)
 
 FENCE_NAME = ".fence"
 LOCK_NAME = ".fence.lock"
+LOCK_WAIT_S = 0.5  # a commit takes milliseconds; longer, its holder is frozen or stuck (see above)
 _DOMAIN = b"elastic-snapshot-fence/v1"
 _warned: set[tuple[str, bytes]] = set()  # (fence path, content) already reported as not verifying
 
@@ -115,9 +125,13 @@ class Fence:
 
     @contextlib.contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
+        """The lock in ``mode``, or after :data:`LOCK_WAIT_S` none (see the module's doc)."""
         fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, mode)
+            if not _flock_within(fd, mode, LOCK_WAIT_S):
+                log.warning("snapshot dir %s: the fence's lock was held by another process for %.1f s (a frozen or "
+                            "stopped process of an older group, or a stuck disk); going on without it", self.root,
+                            LOCK_WAIT_S)
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -150,6 +164,21 @@ class Fence:
                 assert current is not None
                 raise _fenced(token, current, self.path)
             yield
+
+
+def _flock_within(fd: int, mode: int, seconds: float) -> bool:
+    """``flock(fd, mode)`` if it can be had within ``seconds``; False otherwise."""
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
 
 def _fenced(token: FenceToken, current: FenceToken, path: Path | None = None) -> SnapshotFencedError:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from checkpoints import Fence, FenceToken, SnapshotFencedError, SnapshotStore
+from checkpoints.fence import LOCK_NAME, LOCK_WAIT_S
 from ckpt_testutil import state_for
+from tests.support.waiting import wait_until
 
 RUN = "job1"
 
@@ -61,3 +70,84 @@ def test_a_stale_groups_snapshot_never_becomes_the_newest(tmp_path: Path) -> Non
     assert newest is not None and newest.step == 10
     assert [p.name for p in store.root.iterdir() if p.name.startswith(".tmp")] == []  # no temp dir left
     store.save(30, state_for(30), world_size=2)  # a snapshot without a token (no rendezvous) is not fenced
+
+
+FROZEN_COMMIT = textwrap.dedent("""
+    import os, signal, sys
+    from checkpoints import Fence, FenceToken, SnapshotFencedError
+    fence = Fence(sys.argv[1])
+    with fence.holding(FenceToken("job1", 1)):  # rank 0 appending a step's ledger line...
+        print("holding", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # ...when its node is frozen
+    try:
+        with fence.holding(FenceToken("job1", 1)):
+            print("committed after the raise", flush=True)
+    except SnapshotFencedError:
+        print("refused", flush=True)
+""")
+FROZEN_RAISE = textwrap.dedent("""
+    import fcntl, os, signal, sys
+    fd = os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what Fence.raise_to holds while it writes
+    print("holding", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _frozen_holder(script: str, *args: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+    wait_until(lambda: _stopped(child.pid), 10, "the lock holder to be stopped")
+    return child
+
+
+def test_a_process_frozen_inside_a_commit_does_not_stall_the_next_rounds_raise(tmp_path: Path) -> None:
+    """A frozen rank 0 inside its ledger commit held the lock the survivors' new rank 0 must
+    take to raise the fence: the survivors waited for as long as it stayed frozen. The raise
+    now waits the lock's bound, and the thawed holder's next commit is refused."""
+    fence = Fence(tmp_path)
+    fence.raise_to(FenceToken(RUN, 1))
+    child = _frozen_holder(FROZEN_COMMIT, str(tmp_path))
+    try:
+        started = time.monotonic()
+        fence.raise_to(FenceToken(RUN, 2))
+        took = time.monotonic() - started
+        assert LOCK_WAIT_S <= took < LOCK_WAIT_S + 5, took
+        assert fence.current() == FenceToken(RUN, 2)
+        with fence.holding(FenceToken(RUN, 2)):
+            pass  # the new round commits while the old holder is still frozen
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate(timeout=30)
+        assert out.strip() == "refused", out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_process_frozen_inside_a_raise_does_not_stall_the_commits(tmp_path: Path) -> None:
+    fence = Fence(tmp_path)
+    fence.raise_to(FenceToken(RUN, 3))
+    child = _frozen_holder(FROZEN_RAISE, str(tmp_path), LOCK_NAME)
+    try:
+        started = time.monotonic()
+        with fence.holding(FenceToken(RUN, 3)):
+            took = time.monotonic() - started
+        assert LOCK_WAIT_S <= took < LOCK_WAIT_S + 5, took
+        with pytest.raises(SnapshotFencedError):
+            with fence.holding(FenceToken(RUN, 2)):  # the check itself still stands without the lock
+                pass
+    finally:
+        child.kill()
+        child.wait()
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the killed holder's lock went with it
+    finally:
+        os.close(fd)
