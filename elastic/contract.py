@@ -253,6 +253,8 @@ SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
                           "seconds within which a node named the outlier twice by replica votes is kept out")
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
+HEAL_IFNAME_ENV = _setting("ELASTIC_HEAL_IFNAME", "the network interface heals send state over (default: the "
+                                                   "collectives' own group; elastic.inplace.heal_link)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.node.freeze)")
 HEALTH_ENV = _setting("ELASTIC_HEALTH", "`off`: no node health checks (agent.node.health)")
 HEALTH_MIN_FREE_ENV = _setting("ELASTIC_HEALTH_MIN_FREE_MB", "MiB a node needs free in its snapshot and agent dirs")

@@ -31,11 +31,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ContextManager, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import torch
 
 from .distributed import DistInfo
+
+if TYPE_CHECKING:
+    from .inplace.heal_link import Wire
 
 
 class Source(str, Enum):
@@ -103,17 +106,17 @@ class StatePlan:
                          local_shards=self.local_shards)
 
 
-def heal(plan: StatePlan, info: DistInfo, device: torch.device, capture: Callable[[], Any],
+def heal(plan: StatePlan, info: DistInfo, wire: Wire, capture: Callable[[], Any],
          load: Callable[[Any], None], recent: Callable[[], Any], load_recent: Callable[[Any], None]) -> int:
-    """Send or receive the whole state (and the recent batches' record), as ``plan`` says;
-    returns the tensor bytes this rank moved."""
+    """Send or receive the whole state (and the recent batches' record), as ``plan`` says,
+    over ``wire`` (:meth:`TrainingWorld.heal_wire`); returns the tensor bytes this rank moved."""
     from checkpoints.tree import iter_tensors
 
     from .inplace.transfer import recv_state, send_state
 
     rank, moved = info.rank, 0
     if rank in plan.sources:
-        payload = recv_state(plan.sources[rank], device)
+        payload = recv_state(plan.sources[rank], wire.device, wire)
         load(payload["state"])
         load_recent(payload["recent"])
         moved = sum(t.numel() * t.element_size() for t in iter_tensors(payload["state"]))
@@ -122,7 +125,7 @@ def heal(plan: StatePlan, info: DistInfo, device: torch.device, capture: Callabl
         if needy:
             payload = {"state": capture(), "recent": recent()}
             for target in needy:
-                moved += send_state(payload, target, device)
+                moved += send_state(payload, target, wire.device, wire)
     return moved
 
 
@@ -167,6 +170,14 @@ class TrainingWorld(ABC):
     def formed(self, joined: Joined, reason: str, where: str, at_step: int, seconds: float, note: str,
                is_main: bool) -> None:
         """The world formed and every rank stands on ``at_step`` (``note``: how, in a few words)."""
+
+    def heal_wire(self, sources: Mapping[int, int], info: DistInfo, device: torch.device) -> Wire:
+        """What this rank's part in a heal goes over (``sources``: receiver -> sender): the
+        world's own group here; a world that can open a group of the heal's own on the
+        operator's interface does (:mod:`elastic.inplace.heal_link`)."""
+        from .inplace.heal_link import GroupWire, collectives_link
+
+        return GroupWire(device, collectives_link(info.backend))
 
     def enter_loop(self, local_rank: int, waiting: Callable[[], ContextManager[None]]) -> bool:
         """At the loop's first batch: a joiner leaves its set-up world for the one that trains

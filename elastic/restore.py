@@ -103,20 +103,28 @@ class FormsWorlds:
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
                     self.metrics.state_from(Source.DISK.value)
-            elif plan.sources and self.dist.is_main:  # says why the world stands still during a long transfer
-                log.info("%s round %d: healing rank(s) %s from %s at step %d", self._where, self.world.round,
-                         plan.healed, plan.senders(), plan.step)
             t_heal = time.perf_counter()
+            wire = self.world.heal_wire(plan.sources, self.dist, collective_device(self.dist)) if plan.sources \
+                else None
+            if wire is not None and plan.source is not Source.DISK and self.dist.is_main:
+                # says why the world stands still during a long transfer, and over which network
+                log.info("%s round %d: healing rank(s) %s from %s at step %d %s", self._where, self.world.round,
+                         plan.healed, plan.senders(), plan.step, wire.over)
             local = plan.local_shards  # HSDP: this rank's own shards, for the same local rank elsewhere
-            moved = heal(plan, self.dist, collective_device(self.dist), lambda: self.state.capture(local=local),
-                         lambda state: self.state.load(state, local=local), self.plan.recent_state,
-                         self.plan.load_recent) if plan.sources else 0
+            try:
+                moved = heal(plan, self.dist, wire, lambda: self.state.capture(local=local),
+                             lambda state: self.state.load(state, local=local), self.plan.recent_state,
+                             self.plan.load_recent) if wire is not None else 0
+            finally:
+                if wire is not None:
+                    wire.close()
             t_heal = time.perf_counter() - t_heal
             if self.dist.rank in plan.sources:
                 self.metrics.state_from(Source.REPLICA.value)
                 self.goodput.healed_from_replica()
             if plan.sources and plan.source is Source.REPLICA:
-                note = f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s)"
+                note = (f", ranks {plan.healed} healed from {plan.senders()} ({moved / 1e6:.1f} MB in {t_heal:.2f} s "
+                        f"{wire.over if wire is not None else ''})")
         except RuntimeError as exc:
             if is_collective_failure(exc):
                 raise CollectiveFailure(first_line(exc)) from exc

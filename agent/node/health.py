@@ -173,15 +173,18 @@ def clock(skew: float | None, uncertainty: float, max_skew: float, source: str) 
     return Check("clock", True, f"{skew:+.1f} s against etcd (±{uncertainty:.1f} s)")
 
 
-def interface(names: Sequence[str], flags: Callable[[str], int | None]) -> Check:
-    """The interfaces the workers' collectives bind (``GLOO_SOCKET_IFNAME``): there and up.
-    ``flags(name)``: the interface's flags (``/sys/class/net/NAME/flags``), None if absent."""
+def interface(names: Sequence[str], flags: Callable[[str], int | None],
+              chosen_by: Mapping[str, str] | None = None) -> Check:
+    """The interfaces the workers bind (the collectives' ``GLOO_SOCKET_IFNAME``, the heals'
+    ``ELASTIC_HEAL_IFNAME``): there and up. ``flags(name)``: the interface's flags, None if
+    absent; ``chosen_by``: name -> the variable that named it (default GLOO_SOCKET_IFNAME)."""
     if not names:
         return Check("interface", True, "no interface chosen: not checked")
     for name in names:
         value = flags(name)
         if value is None:
-            return Check("interface", False, f"network interface {name} (GLOO_SOCKET_IFNAME) does not exist",
+            variable = (chosen_by or {}).get(name, "GLOO_SOCKET_IFNAME")
+            return Check("interface", False, f"network interface {name} ({variable}) does not exist",
                          "name one that `ip link` lists, or unset it")
         if not value & IFF_UP or not value & IFF_RUNNING:
             return Check("interface", False, f"network interface {name} is down (flags {value:#x})",

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from agent.rendezvous.keepout import KeepOut, backoff
 
+from elastic import contract
 from agent.node import health
 from agent.node.health import Check, HealthReport, Limits
 
@@ -37,8 +38,15 @@ class HealthWatch:
         self.dirs = {"agent_dir": Path(work_dir)}
         if snapshot_dir is not None and not str(snapshot_dir).startswith(("s3://", "S3://")):
             self.dirs = {"snapshot_dir": Path(snapshot_dir), **self.dirs}
-        names = worker_env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", "")
-        self.interfaces = tuple(n.strip() for n in names.split(",") if n.strip())
+        self.chosen_by: dict[str, str] = {}
+        chosen = {"GLOO_SOCKET_IFNAME": worker_env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                  contract.HEAL_IFNAME_ENV: worker_env.get(contract.HEAL_IFNAME_ENV)
+                  or os.environ.get(contract.HEAL_IFNAME_ENV, "")}
+        for variable, names in chosen.items():
+            for name in (n.strip() for n in names.split(",")):
+                if name:
+                    self.chosen_by.setdefault(name, variable)
+        self.interfaces = tuple(self.chosen_by)
         self.etcd, self.gauge = etcd, gauge
         self.limits = limits or Limits.from_env(os.environ)
         self.interval = self.limits.interval_s
@@ -63,7 +71,7 @@ class HealthWatch:
                 s.endpoints, str(s.cacert) if s.cacert else None, str(s.cert) if s.cert else None,
                 str(s.key) if s.key else None)
             found.append(health.clock(skew, uncertainty, self.limits.max_skew_s, source))
-        found.append(health.interface(self.interfaces, health.net_flags))
+        found.append(health.interface(self.interfaces, health.net_flags, self.chosen_by))
         found.append(health.gpus(*health.gpu_query()))
         return HealthReport(tuple(found), at=time.time())
 

@@ -23,6 +23,7 @@ import contextlib
 import os
 import socket
 import threading
+from typing import Iterator
 
 _FD_DIR = "/proc/self/fd"
 
@@ -79,6 +80,17 @@ class SocketFence:
                  if self._before.get(fd) != target and target[8:-1] in tcp}
         with self._lock:
             self._current, self.tripped = fresh, False
+
+    @contextlib.contextmanager
+    def adding(self) -> Iterator[None]:
+        """Sockets opened inside also belong to the current world (a heal's group of its own):
+        a trip shuts them down with the rest."""
+        before = socket_fds()
+        yield
+        now, tcp = socket_fds(), _tcp_inodes()
+        fresh = {fd: target for fd, target in now.items() if before.get(fd) != target and target[8:-1] in tcp}
+        with self._lock:
+            self._current.update(fresh)
 
     def armed(self) -> int:
         return len(self._current)

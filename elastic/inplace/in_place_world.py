@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ from ..own_group import own_backend, release_default_group
 from ..formation import Holding, Joined, Source, StatePlan, TrainingWorld
 from .. import worker_env
 from ..contract import WorkerMode
-from . import agreement
+from . import agreement, heal_link
 from .channel import WorkerChannel, WorkerStatus
+from .heal_link import Wire
 from .membership import Membership, World
 
 log = logging.getLogger("elastic.trainer")  # the run's lines, whichever world says them
@@ -144,6 +145,15 @@ class InPlaceWorld(TrainingWorld):
     def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
         """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
         return plan if self.hsdp is None else self.hsdp.pair(plan, reports)
+
+    def heal_wire(self, sources: Mapping[int, int], info: DistInfo, device: torch.device) -> Wire:
+        """A group of the heal's own on ``ELASTIC_HEAL_IFNAME`` when set (through the round's
+        store); its sockets join the fence's, so a peer frozen mid-heal trips them too."""
+        if not heal_link.heal_interface():
+            return super().heal_wire(sources, info, device)
+        with self.membership.fence.adding():
+            return heal_link.open_wire(sources, info.rank, device, info.backend, self.membership.store,
+                                       f"{self.membership.round}", self.timeout)
 
     def incomplete(self, noticed: str) -> int:
         """A member died meanwhile: the next round leaves it out."""

@@ -14,6 +14,9 @@ shapes and dtypes come in the header. What costs time is copying, not framing, s
   buckets, so that they cost a handful of messages rather than hundreds;
 * every send and receive is posted at once (``isend``/``irecv``), so packing the next
   bucket overlaps the wire, and gloo keeps the pair busy.
+
+Both ends go over a :class:`~.heal_link.Wire`: the world's group by default, or a group of
+the heal's own on the interface the operator chose (:mod:`.heal_link`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from checkpoints.wire import decode, encode
+from .heal_link import GroupWire, Wire
 
 BUCKET_BYTES = 32 << 20
 DIRECT_BYTES = 1 << 20
@@ -51,8 +54,11 @@ def plan(sizes: list[int]) -> tuple[list[int], list[list[int]]]:
     return direct, [g for g in groups if g]
 
 
-def send_state(state: Any, dst: int, device: torch.device) -> int:
-    """Send ``state`` to rank ``dst``; returns the tensor bytes sent."""
+def send_state(state: Any, dst: int, device: torch.device, wire: Wire | None = None) -> int:
+    """Send ``state`` to rank ``dst`` over ``wire`` (default: the world's group, tensors on
+    ``device``); returns the tensor bytes sent."""
+    wire = wire or GroupWire(device, "")
+    device = wire.device
     tensors: list[torch.Tensor] = []
 
     def index(t: torch.Tensor) -> int:
@@ -62,8 +68,8 @@ def send_state(state: Any, dst: int, device: torch.device) -> int:
     tree = encode(state, index)
     header = json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
                                                     for t in tensors]}).encode()
-    dist.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst)
+    wire.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst)
+    wire.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst)
     sizes = [t.numel() * t.element_size() for t in tensors]
     direct, buckets = plan(sizes)
     works, keep = [], []  # keep: the buffers stay alive until their sends complete
@@ -74,21 +80,24 @@ def send_state(state: Any, dst: int, device: torch.device) -> int:
             buffer[offset:offset + sizes[i]].copy_(tensors[i].contiguous().reshape(-1).view(torch.uint8))
             offset += _padded(sizes[i])
         keep.append(buffer)
-        works.append(dist.isend(buffer, dst))
+        works.append(wire.isend(buffer, dst))
     for i in direct:
-        keep.append(tensors[i].contiguous().reshape(-1))
-        works.append(dist.isend(keep[-1], dst))
+        keep.append(tensors[i].contiguous().reshape(-1).to(device))
+        works.append(wire.isend(keep[-1], dst))
     for work in works:
         work.wait()
     return sum(sizes)
 
 
-def recv_state(src: int, device: torch.device) -> Any:
-    """Receive what :func:`send_state` sent; tensors land on ``device``, each in its own storage."""
+def recv_state(src: int, device: torch.device, wire: Wire | None = None) -> Any:
+    """Receive what :func:`send_state` sent; tensors land on the wire's device (default: the
+    world's group, ``device``), each in its own storage."""
+    wire = wire or GroupWire(device, "")
+    device = wire.device
     length = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(length, src)
+    wire.recv(length, src)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.recv(raw, src)
+    wire.recv(raw, src)
     header = json.loads(raw.cpu().numpy().tobytes())
     specs = [(getattr(torch, dtype), tuple(shape)) for dtype, shape in header["tensors"]]
     tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
@@ -96,8 +105,8 @@ def recv_state(src: int, device: torch.device) -> Any:
     direct, buckets = plan(sizes)
     buffers = [torch.empty(sum(_padded(sizes[i]) for i in group), dtype=torch.uint8, device=device)
                for group in buckets]
-    works = [dist.irecv(buffer, src) for buffer in buffers]
-    works += [dist.irecv(tensors[i].reshape(-1), src) for i in direct]
+    works = [wire.irecv(buffer, src) for buffer in buffers]
+    works += [wire.irecv(tensors[i].reshape(-1), src) for i in direct]
     for work in works[:len(buffers)]:
         work.wait()
     for buffer, group in zip(buffers, buckets):  # unpacked while the large tensors still arrive

@@ -49,6 +49,8 @@ def test_an_interface_must_exist_and_be_up() -> None:
     assert "eth1 is down" in health.interface(("eth1",), flags).detail
     assert "does not exist" in health.interface(("ib0",), flags).detail
     assert health.interface((), flags).ok
+    heal = health.interface(("eth0", "ib0"), flags, {"eth0": "GLOO_SOCKET_IFNAME", "ib0": "ELASTIC_HEAL_IFNAME"})
+    assert not heal.ok and heal.detail == "network interface ib0 (ELASTIC_HEAL_IFNAME) does not exist", heal.detail
 
 
 def test_the_kernels_own_flags_say_a_live_link_is_running() -> None:
