@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import errors, sched, wire
+from . import errors, fence, sched, wire
 from .capture import Capture
 from .errors import SnapshotError
 from .store import SnapshotInfo, SnapshotStore
@@ -203,7 +203,8 @@ class WriterProcess:
         except (TypeError, ValueError) as e:  # e.g. extra_meta that JSON cannot carry
             raise SnapshotError(f"snapshot step {step} cannot be sent to the writer process: {e}") from None
         if reply["op"] == "error":
-            cls = getattr(errors, str(reply.get("kind")), SnapshotError)
+            kind = str(reply.get("kind"))  # the child's exception type, so a fence refusal stays one
+            cls = getattr(errors, kind, None) or getattr(fence, kind, SnapshotError)
             raise (cls if isinstance(cls, type) and issubclass(cls, SnapshotError) else SnapshotError)(reply["message"])
         info = SnapshotInfo(
             step=reply["step"], path=Path(reply["path"]), world_size=reply["world_size"],

@@ -154,6 +154,10 @@ class AsyncSnapshotWriter:
         self._queue: queue.SimpleQueue[_Job | _Probe | OneShot | None] = queue.SimpleQueue()
         self._logs = LogPump(log, "snapshot-writer-log")  # the writer thread's lines (.oneshot)
         self._fenced_said: str | None = None  # the last fence refusal logged (each fence is said once)
+        # The newest round whose fence this process raised (-1: none). Rank 0 that goes on into
+        # a new round in place raises it while its writer may still hold the old round's
+        # snapshot: that one is then refused, which is the fence at work on our own behalf.
+        self.own_round = -1
         self._proc: WriterProcess | None = None
         self._io: DaemonPool | None = None
         if mode == "process":
@@ -340,12 +344,18 @@ class AsyncSnapshotWriter:
             try:
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - reported through flush() and stats
+                # a fenced write is the round protocol at work, not a disk fault; said once per fence
+                fenced = isinstance(e, SnapshotFencedError)
+                taken_in = _round_of(job.extra_meta)
+                if fenced and 0 <= taken_in < self.own_round:  # our own newer round's fence: no failure
+                    self._logs.log(logging.INFO, "snapshot step %d not committed: it was taken in round %d, and "
+                                   "this rank went on into round %d in place, whose fence it raised; the next "
+                                   "snapshot is that round's", job.step, taken_in, self.own_round)
+                    continue
                 self._errors.append(e)
                 with self._lock:
                     self._stats.errors += 1
                     self._stats.last_error = str(e)
-                # a fenced write is the round protocol at work, not a disk fault; said once per fence
-                fenced = isinstance(e, SnapshotFencedError)
                 again = fenced and str(e) == self._fenced_said
                 self._fenced_said = str(e) if fenced else self._fenced_said
                 self._logs.log(logging.DEBUG if again else logging.WARNING if fenced else logging.ERROR,
@@ -423,3 +433,12 @@ class AsyncSnapshotWriter:
                 self.on_durable(snapshot)
             except Exception:  # noqa: BLE001 - a metrics bug must not fail snapshots
                 self._logs.log(logging.ERROR, "on_durable callback failed:\n%s", traceback.format_exc())
+
+
+def _round_of(extra_meta: Mapping[str, Any] | None) -> int:
+    """The fence round a snapshot job was taken in (-1: not fenced)."""
+    fence = (extra_meta or {}).get("fence")
+    try:
+        return int(fence["round"]) if isinstance(fence, Mapping) else -1
+    except (KeyError, TypeError, ValueError):
+        return -1

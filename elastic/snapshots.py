@@ -165,6 +165,8 @@ class Snapshots:
         try:
             self.fence = self.fence or open_fence(self.root, self.store)
             self.fence.raise_to(token)
+            if self.writer is not None:  # its snapshot of an older round in flight is then ours to drop
+                self.writer.own_round = max(self.writer.own_round, token.round)
         except SnapshotFencedError as e:
             return str(e)
         except OSError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import AsyncSnapshotWriter, SnapshotError, SnapshotStore, WriterStats
+from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore, WriterStats
 from checkpoints.wire import decode, encode
 from ckpt_testutil import LineReader, assert_equal_state, assert_pending_flushed, pruning_held, start_child, stop_child
 from tests.support.waiting import wait_until
@@ -202,3 +203,35 @@ def test_snapshots_do_not_wait_for_the_writer_process_to_start(tmp_path: Path) -
         writer.flush()
         assert writer.stats.last_write_cpu_s is not None  # now the process writes
     assert first < 30 and [i.step for i in store.list()] == [1, 2]
+
+
+@pytest.mark.slow  # starts the writer process
+def test_a_fenced_write_stays_a_fence_refusal_and_our_own_newer_round_is_no_failure(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 that goes on into round 8 in place raises its fence while its writer still holds
+    round 7's snapshot: that one is refused, and said as what it is (INFO, no failure). A
+    refusal by a round raised elsewhere is the stale-group error, of its own type, from the
+    writer process too (it came back as a plain SnapshotError: an ERROR line at every join)."""
+    store = SnapshotStore(tmp_path, keep=5)
+    fence = Fence(tmp_path)
+    fence.raise_to(FenceToken("job", 7))
+    taken_in_7 = {"fence": FenceToken("job", 7).to_meta()}
+    with AsyncSnapshotWriter(store) as writer:
+        first_snapshot_by_the_writer_process(writer)
+        fence.raise_to(FenceToken("job", 8))
+        writer.own_round = 8
+        with caplog.at_level(logging.INFO, logger="checkpoints.writer"):
+            assert writer.submit(2, {"model": {"w": torch.ones(4)}}, world_size=1, extra_meta=taken_in_7)
+            writer.flush()  # no failure
+            # the writer's lines go through its log pump, a thread of its own: a moment later
+            said = wait_until(lambda: [r for r in caplog.records if "snapshot step 2" in r.getMessage()], 10,
+                              "the writer's line on step 2")
+        assert [r.levelno for r in said] == [logging.INFO], [r.getMessage() for r in said]
+        assert "taken in round 7, and this rank went on into round 8 in place" in said[0].getMessage()
+        assert writer.stats.errors == 0
+
+        writer.own_round = -1  # round 8 is someone else's: this writer's group is stale
+        assert writer.submit(3, {"model": {"w": torch.ones(4)}}, world_size=1, extra_meta=taken_in_7)
+        with pytest.raises(SnapshotFencedError):
+            writer.flush()
+    assert [i.step for i in store.list()] == [1]
