@@ -30,6 +30,12 @@ from tests.support.waiting import wait_until
 
 DATASET = 512  # 32 steps of 16 per epoch
 GRACE = 20  # --term-grace: the test also checks the exit came well before it
+# A leaving node says so (its lease is not waited for), so the TTL only has to outlast a loaded
+# machine. At 2 s a whole-suite run once found steps 1-109 twice in the ledger; what fits it
+# (its logs were gone) is the lone first node's keep-alive starved, its lease lost (its
+# workers SIGKILLed, as they must be), and the second node's world started from scratch (no
+# snapshot yet): the right outcome of a lost lease, and not what this test is about.
+LEASE_TTL = 10
 
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, workdir: Path,
@@ -39,7 +45,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
            "SNAPSHOT_EVERY": "100000", "DATASET": str(DATASET), "STEP_SLEEP": "0.02"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(JOB), nnodes=nnodes,
                  nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env, max_restarts=3,
-                 agent_args=["--lease-ttl", "2", "--term-grace", str(GRACE)])
+                 agent_args=["--lease-ttl", str(LEASE_TTL), "--term-grace", str(GRACE)])
 
 
 def rows(workdir: Path, name: str = "rows") -> list[dict[str, Any]]:
