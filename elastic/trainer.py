@@ -290,6 +290,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward, sharded=self.mesh is not None)
             self.hsdp = sharded.take_over(self.state.module, self.mesh, self.world, self.sync)  # HSDP in place
+            if self.hsdp is not None:  # its all-reduce across replicas, timed like DDP's
+                self.hsdp.timer = getattr(self.metrics, "replicate_timer", lambda: None)()
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded snapshot

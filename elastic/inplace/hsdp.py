@@ -35,6 +35,7 @@ from torch import nn
 
 from ..distributed import DistInfo, ElasticRunError
 from ..grad_sync import is_collective_failure
+from ..metrics.comm_hook import CollectiveTimer, timed_all_reduce
 from . import fsdp_private
 from .agreement import HealPlan, Report
 
@@ -73,6 +74,9 @@ class HsdpInPlace:
         self.replicate_group: Any = None
         self.replicas = 1
         self.failure: str | None = None  # the replicate all-reduce that failed in this step's backward
+        # times the replicate all-reduce into elastic_collective_duration_seconds{op="allreduce"}
+        # (the run's metrics set it; None: collective metrics off)
+        self.timer: CollectiveTimer | None = None
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():
@@ -125,7 +129,10 @@ class HsdpInPlace:
         if self.replicas <= 1 or self.sink.failure is not None:
             return
         try:
-            dist.all_reduce(grad, group=self.replicate_group)
+            if self.timer is not None:
+                timed_all_reduce(self.timer, grad, self.replicate_group)
+            else:
+                dist.all_reduce(grad, group=self.replicate_group)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise

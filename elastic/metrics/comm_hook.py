@@ -83,6 +83,31 @@ class CollectiveTimer:
         self._pending.append((start, end))
 
 
+def timed_all_reduce(state: CollectiveTimer, tensor: torch.Tensor, group: Any) -> None:
+    """A synchronous all-reduce of ``tensor`` over ``group``, timed and counted as the hook's
+    are (HSDP's all-reduce across replicas, which the run issues itself): host time on gloo,
+    CUDA events on a GPU backend (read later by :meth:`CollectiveTimer.drain`)."""
+    state.bytes.inc(tensor.numel() * tensor.element_size())
+    on_gpu = tensor.is_cuda and state.backend != "gloo"
+    start: Any = None
+    if on_gpu:
+        state.drain()
+        start = state._event()
+        start.record()
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(tensor, group=group)
+    except Exception:
+        state.errors.inc()
+        raise
+    if on_gpu:
+        end = state._event()
+        end.record()
+        state._timed_on_gpu(start, end)
+    else:
+        state.observe(time.perf_counter() - t0)
+
+
 def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's all-reduce of one bucket (averaging unless ``state.average`` is off), timed and counted."""
     tensor = bucket.buffer()

@@ -10,7 +10,9 @@ and error counters, as the all-reduce hook does. Timing is host wall time throug
 future, which on gloo completes when the collective has; on NCCL it would time the enqueue
 (not measured here, for lack of a GPU).
 
-HSDP's all-reduce across replicas runs inside FSDP2 with no such seam, so it is not timed.
+HSDP's all-reduce across replicas runs inside FSDP2 with no such seam, so it is not timed
+here; in place the run issues it itself and times it there (:mod:`elastic.inplace.hsdp`,
+:func:`elastic.metrics.comm_hook.timed_all_reduce`).
 """
 
 from __future__ import annotations

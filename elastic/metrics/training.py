@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import contract
 from ..distributed import DistInfo
-from .comm_hook import CollectiveTimer, register_comm_hook
+from .comm_hook import OP_ALLREDUCE, CollectiveTimer, register_comm_hook
 from .export import Export, start_export
 from .rank_info import RankInfo, dcgm_hostname, gpu_uuid_label, visible_token
 from .worker import DurableStats, WorkerMetrics
@@ -137,6 +137,7 @@ class TrainingMetrics:
         self.backend = info.backend
         self.collectives: CollectiveTimer | None = None
         self._sharded: list[CollectiveTimer] = []  # a sharded model's all-gather and reduce-scatter
+        self._replicate: CollectiveTimer | None = None  # HSDP's all-reduce across replicas (in place)
         self._loss = LossReader()
         self._stall: float | None = None  # submit time of the snapshot whose capture is in flight
         self._collective_seen = 0.0  # the comm hook's total at the previous step
@@ -163,6 +164,15 @@ class TrainingMetrics:
             from .fsdp_timing import time_fsdp_collectives
 
             self._sharded = time_fsdp_collectives(model, self.backend)
+
+    def replicate_timer(self) -> CollectiveTimer | None:
+        """A timer for HSDP's all-reduce across replicas, which the run issues itself
+        (:class:`elastic.inplace.hsdp.HsdpInPlace`); None with collective metrics off."""
+        if not collective_metrics_enabled():
+            return None
+        if self._replicate is None:
+            self._replicate = CollectiveTimer(self.backend, op=OP_ALLREDUCE)
+        return self._replicate
 
     def rank_changed(self, rank: int, world_size: int) -> None:
         """In-place recovery gave this process ``rank`` of ``world_size``: its per-rank series follow."""
@@ -211,7 +221,8 @@ class TrainingMetrics:
                   loss: torch.Tensor | None, tokens: int | None) -> None:
         """``loss`` None: a loop that runs its own backward (elastic.prepare); elastic_loss stays unset."""
         collective = 0.0
-        timers = ([self.collectives] if self.collectives is not None else []) + self._sharded
+        timers = ([self.collectives] if self.collectives is not None else []) + self._sharded + \
+            ([self._replicate] if self._replicate is not None else [])
         if timers:
             for timer in timers:
                 timer.drain()

@@ -27,6 +27,9 @@ from tests.support.waiting import wait_until
 
 FORM_TIMEOUT = 150
 DATASET = 768
+# a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
+# (at 2 s a whole-suite run starved a survivor's keep-alive, and its workers were restarted)
+LEASE_TTL = 5
 
 HSDP = textwrap.dedent('''\
     import hashlib, json, os, sys, time
@@ -86,10 +89,13 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
            "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
     a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), module_args=[str(DATASET)],
                   nnodes="1:2", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env={**env, "NODE": n},
-                  agent_args=["--lease-ttl", "2"]) for n in ("a", "b"))
+                  agent_args=["--lease-ttl", str(LEASE_TTL)]) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
                "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
+    for op in ("allgather", "reducescatter", "allreduce"):  # FSDP2's own and the all-reduce across replicas
+        wait_until(lambda: (a.metric("elastic_collective_duration_seconds_count", op=op) or 0) > 0, 30,
+                   f"node a to export {op} timings", on_timeout=both)
     first = next(r["node"] for r in _rows(rows) if r["world"] == 4 and r["rank"] == 0)  # the round decides
     lost, kept = (a, b) if (first == "a") == (victim == "rank0") else (b, a)
     survivors = {r["pid"] for r in _rows(rows) if r["node"] == kept.name}
@@ -146,7 +152,7 @@ def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_l
     def node(name: str, count: int) -> Node:
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script),
                      module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=AUTO_METRICS_PORT,
-                     env={**env, "NODE": name}, agent_args=["--lease-ttl", "2"])
+                     env={**env, "NODE": name}, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
     a = node("a", 2)
     wait_until(lambda: len({r["step"] for r in _rows(rows)}) >= 4, FORM_TIMEOUT, "node a to train alone",
