@@ -69,7 +69,8 @@ def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: 
         return None
     from .inplace.hsdp import HsdpInPlace
 
-    world.hsdp = HsdpInPlace(module, layout.shard_size, sync)  # its formations re-form the mesh and pair heals
+    # its formations re-form the mesh (the mesh's groups on the world's socket fence) and pair heals
+    world.hsdp = HsdpInPlace(module, layout.shard_size, sync, fence=world.membership.fence)
     return world.hsdp
 
 

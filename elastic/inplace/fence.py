@@ -28,7 +28,13 @@ from typing import Iterator
 _FD_DIR = "/proc/self/fd"
 
 
+_LISTEN = "0A"  # /proc/net/tcp's state of a listening socket
+
+
 def _tcp_inodes() -> set[str]:
+    """The inodes of this process's connected TCP sockets. Listening ones are left out: a
+    gloo device's listener shut down makes gloo's accept fail with EINVAL, and gloo
+    terminates the process (seen when a new group's sockets were put on the fence)."""
     inodes: set[str] = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -36,7 +42,7 @@ def _tcp_inodes() -> set[str]:
                 next(f, None)
                 for line in f:
                     fields = line.split()
-                    if len(fields) > 9:
+                    if len(fields) > 9 and fields[3] != _LISTEN:
                         inodes.add(fields[9])
         except OSError:
             continue

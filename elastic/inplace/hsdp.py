@@ -26,6 +26,7 @@ What needs torch's private attributes is in :mod:`.fsdp_private` (and its test).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ from ..grad_sync import is_collective_failure
 from ..metrics.comm_hook import CollectiveTimer, timed_all_reduce
 from . import fsdp_private
 from .agreement import HealPlan, Report
+from .fence import SocketFence
 
 log = logging.getLogger("elastic.trainer")
 
@@ -63,10 +65,10 @@ def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
 class HsdpInPlace:
     """The takeover of one HSDP model's mesh: :meth:`rebuild` at every formation."""
 
-    def __init__(self, model: nn.Module, shard_size: int, sync: Any = None) -> None:
+    def __init__(self, model: nn.Module, shard_size: int, sync: Any = None, fence: SocketFence | None = None) -> None:
         from torch.distributed.tensor import DTensor
 
-        self.model, self.shard_size = model, shard_size
+        self.model, self.shard_size, self.fence = model, shard_size, fence
         self.sink: Any = sync if sync is not None else self  # where a failure is recorded (the run's GradSync)
         mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
         self.mesh, self.names = mesh, tuple(mesh.mesh_dim_names or ("replicate", "shard"))
@@ -91,8 +93,6 @@ class HsdpInPlace:
         A node whose local rank count is not the mesh's shard size cannot hold whole shards:
         its ranks leave with one line and exit code 2 (they hold nothing yet: nothing is lost),
         and every other rank waits for the round without it (:class:`CollectiveFailure`)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         device = info.device if getattr(info, "backend", "gloo") == "nccl" else torch.device("cpu")
         rows = _all_gather_ints([fsdp_private.group_count(), self.shard_size, int(has_state)], info.world_size,
                                 device)
@@ -110,16 +110,37 @@ class HsdpInPlace:
 
             raise CollectiveFailure(f"refused a node: {line}")
         fsdp_private.set_group_count(max(count for count, _, _ in rows))  # every rank names the new groups alike
-        world, local = info.world_size, self.shard_size
-        fresh = DeviceMesh(self.device_type, torch.arange(world).reshape(world // local, local),
-                           mesh_dim_names=self.names)
+        fresh = self._fresh_mesh(info.rank, info.world_size, self.shard_size)
         fsdp_private.swap_mesh(self.mesh, fresh)
         info_ = fsdp_private.shard_only(self.mesh, SHARD)
         for group in fsdp_private.param_groups(self.model):
             fsdp_private.point_at(group, info_)
-        self.replicas = world // local
+        self.replicas = info.world_size // self.shard_size
         self.replicate_group = self.mesh.get_group(REPLICATE)
         self.sink.failure = None
+
+    def _fresh_mesh(self, rank: int, world: int, local: int) -> Any:
+        """``(world / local, local)`` over the current world, its groups made here (every rank
+        makes every group, in one order, as ``new_group`` asks).
+
+        The groups across replicas go on the world's socket fence: a peer frozen in the
+        all-reduce across replicas then gets the survivors out at once when the agents write
+        it off, as in a DDP step (without it they waited for gloo's timeout, and the hang
+        watchdog restarted them first). A node's own shard group stays off it: its peers are
+        this node's ranks, and shutting its sockets would fail FSDP2's all-gathers in the
+        script's own forward."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = torch.arange(world).reshape(world // local, local)
+        mine: list[Any] = [None, None]
+        with self.fence.adding() if self.fence is not None else contextlib.nullcontext():
+            for ranks in layout.t().tolist():  # local rank i of every node
+                group = dist.new_group(ranks=ranks)
+                mine[REPLICATE] = group if rank in ranks else mine[REPLICATE]
+        for ranks in layout.tolist():  # one node's ranks
+            group = dist.new_group(ranks=ranks)
+            mine[SHARD] = group if rank in ranks else mine[SHARD]
+        return DeviceMesh.from_group(mine, self.device_type, mesh=layout, mesh_dim_names=self.names)
 
     # ------------------------------------------------------------------ every step
 

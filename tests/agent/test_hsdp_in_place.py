@@ -3,8 +3,9 @@ node and gets it back without restarting the survivors.
 
 The script is written as FSDP2's docs write it (``init_device_mesh`` with replicas across
 nodes and shards inside one, ``fully_shard`` per block and on the root, AdamW after
-sharding) plus the prepare lines. 2 nodes x 2 local ranks: one node's whole process tree is
-SIGKILLed (rank 0's node, or the other); the survivor's workers keep their pids, the
+sharding) plus the prepare lines. 2 nodes x 2 local ranks: rank 0's node's whole process tree
+is SIGKILLed, or the other node's is frozen (SIGSTOP) and thawed once the survivor trained
+without it; the survivor's workers keep their pids, the
 replicate dimension shrinks to 1, the step that failed is not applied and none is rolled
 back. The node comes back and its local rank i is healed from the survivor's local rank i
 (shards, not the disk): from then on both nodes' shards of each local rank are bitwise equal
@@ -80,9 +81,11 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-@pytest.mark.parametrize("victim", ["rank0", "other"], ids=["rank0-node", "other-node"])
+@pytest.mark.parametrize(("victim", "fault"), [("rank0", "kill"), ("other", "freeze")],
+                         ids=["rank0-node-killed", "other-node-frozen"])
 def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a_live_replica(
-        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str) -> None:
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str,
+        fault: str) -> None:
     script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     script.write_text(HSDP)
     env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
@@ -91,8 +94,9 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
                   nnodes="1:2", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env={**env, "NODE": n},
                   agent_args=["--lease-ttl", str(LEASE_TTL)]) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
-    wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
-               "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
+    # a freeze after the stall rule has the job's pace (a few steady steps), as in a real job
+    wait_until(lambda: any(r["world"] == 4 and r["step"] >= (6 if fault == "kill" else 14) for r in _rows(rows)),
+               FORM_TIMEOUT, "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
     for op in ("allgather", "reducescatter", "allreduce"):  # FSDP2's own and the all-reduce across replicas
         wait_until(lambda: (a.metric("elastic_collective_duration_seconds_count", op=op) or 0) > 0, 30,
                    f"node a to export {op} timings", on_timeout=both)
@@ -101,11 +105,21 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     survivors = {r["pid"] for r in _rows(rows) if r["node"] == kept.name}
     assert len(survivors) == 2, survivors
 
+    stale = {r["pid"] for r in _rows(rows) if r["node"] == lost.name}
     killed_at = time.time()
-    lost.kill()
+    if fault == "kill":
+        lost.kill()
+    else:
+        lost.freeze()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
                f"node {kept.name} to train on alone, in place (1 replica x 2 shards)", on_timeout=both)
-    lost.start()
+    alone_at = min(r["time"] for r in _rows(rows) if r["world"] == 2 and r["time"] > killed_at)
+    if fault == "freeze":  # written off well within its lease: a frozen node stalls no one
+        assert alone_at - killed_at < LEASE_TTL, f"first step without the frozen node {alone_at - killed_at:.1f} s on"
+    if fault == "kill":
+        lost.start()
+    else:
+        lost.thaw()  # its agent finds itself written off, stops its stale workers and rejoins
     back_at = time.time()
     wait_until(lambda: any(r["world"] == 4 and r["node"] == lost.name and r["time"] > back_at
                            for r in _rows(rows)),
@@ -116,6 +130,8 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
 
     every = _rows(rows)
     assert {r["pid"] for r in every if r["node"] == kept.name} == survivors, "a survivor's worker was restarted"
+    # a frozen node's workers, thawed, train nothing more (its agent stops them: they were written off)
+    assert not [r for r in every if r["pid"] in stale and r["time"] > back_at], "a stale worker trained on"
     for pid in survivors:  # 0 steps rolled back: a survivor's committed step never goes down
         steps = [r["step"] for r in every if r["pid"] == pid]
         assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
@@ -151,7 +167,7 @@ def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_l
 
     def node(name: str, count: int) -> Node:
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script),
-                     module_args=["256"], nnodes="1:2", nproc_per_node=count, metrics_port=AUTO_METRICS_PORT,
+                     module_args=[str(DATASET)], nnodes="1:2", nproc_per_node=count, metrics_port=AUTO_METRICS_PORT,
                      env={**env, "NODE": name}, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
     a = node("a", 2)
