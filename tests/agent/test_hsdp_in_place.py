@@ -4,8 +4,9 @@ node and gets it back without restarting the survivors.
 The script is written as FSDP2's docs write it (``init_device_mesh`` with replicas across
 nodes and shards inside one, ``fully_shard`` per block and on the root, AdamW after
 sharding) plus the prepare lines. 2 nodes x 2 local ranks: rank 0's node's whole process tree
-is SIGKILLed, or the other node's is frozen (SIGSTOP) and thawed once the survivor trained
-without it; the survivor's workers keep their pids, the
+is SIGKILLed or SIGTERMed (pre-empted: it leaves at a step boundary), or the other node's is
+frozen (SIGSTOP) and thawed once the survivor trained without it; the survivor's workers keep
+their pids, the
 replicate dimension shrinks to 1, the step that failed is not applied and none is rolled
 back. The node comes back and its local rank i is healed from the survivor's local rank i
 (shards, not the disk): from then on both nodes' shards of each local rank are bitwise equal
@@ -14,6 +15,7 @@ at every step. Every sample of each epoch is trained once (the ledger)."""
 from __future__ import annotations
 
 import json
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -81,8 +83,8 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-@pytest.mark.parametrize(("victim", "fault"), [("rank0", "kill"), ("other", "freeze")],
-                         ids=["rank0-node-killed", "other-node-frozen"])
+@pytest.mark.parametrize(("victim", "fault"), [("rank0", "kill"), ("other", "freeze"), ("rank0", "sigterm")],
+                         ids=["rank0-node-killed", "other-node-frozen", "rank0-node-sigtermed"])
 def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a_live_replica(
         etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str,
         fault: str) -> None:
@@ -109,14 +111,19 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     killed_at = time.time()
     if fault == "kill":
         lost.kill()
-    else:
+    elif fault == "freeze":
         lost.freeze()
+    else:  # pre-empted: it leaves at a step boundary, the survivor goes on in place
+        assert lost.process is not None
+        lost.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: not lost.alive(), FORM_TIMEOUT, f"node {lost.name} to leave after SIGTERM", on_timeout=both)
+        assert lost.process.returncode == 128 + signal.SIGTERM, both()
     wait_until(lambda: any(r["world"] == 2 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
                f"node {kept.name} to train on alone, in place (1 replica x 2 shards)", on_timeout=both)
     alone_at = min(r["time"] for r in _rows(rows) if r["world"] == 2 and r["time"] > killed_at)
     if fault == "freeze":  # written off well within its lease: a frozen node stalls no one
         assert alone_at - killed_at < LEASE_TTL, f"first step without the frozen node {alone_at - killed_at:.1f} s on"
-    if fault == "kill":
+    if fault in ("kill", "sigterm"):
         lost.start()
     else:
         lost.thaw()  # its agent finds itself written off, stops its stale workers and rejoins
