@@ -64,7 +64,9 @@ training, the clock from the kill to node a's first step in a world of 2:
 * ``hsdp-kill``: HSDP (``init_device_mesh((nodes, 2), ("replicate", "shard"))``), in place;
 * ``ddp-prepared-kill``: the same model under DDP, in place (the anchor: goal within 20 %);
 * ``hsdp-restart-kill``: HSDP with ``--no-in-place``: the restart path, resumed from the
-  newest snapshot, as torchrun's restart-from-DCP would.
+  newest snapshot, as torchrun's restart-from-DCP would;
+* ``hsdp-freeze``, ``ddp-prepared-freeze``: node b frozen (SIGSTOP) instead of killed, HSDP
+  against the same model under DDP, both in place.
 
 Joins (no fault: how long the first node's training stood still while another joined):
 
@@ -113,7 +115,8 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "ours-join", "c10d-tuned-join", "c10d-default-join", "ours-join-resnet",
            "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
            "freeze-host-spare", "freeze-host-spare-early", "freeze-host-joining", "ours-kill-joining",
-           "ours-stop-joining", "ours-kill-joining-lease", "hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill")
+           "ours-stop-joining", "ours-kill-joining-lease", "hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill",
+           "hsdp-freeze", "ddp-prepared-freeze")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -471,7 +474,8 @@ def script_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, gi
 
 def sharded_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> float | None:
     """Two nodes x 2 local ranks, the prepared script (HSDP or DDP); node b SIGKILLed after
-    10 s of steady training; seconds to node a's first step in a world of 2."""
+    10 s of steady training (frozen, for a ``-freeze`` config); seconds to node a's first step
+    in a world of 2."""
     script = work / "prepared_train.py"
     script.write_text(PREPARED_SCRIPT)
     kind = "ddp" if config.startswith("ddp") else "hsdp"
@@ -484,7 +488,10 @@ def sharded_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, g
         if not _steady(nodes, 4, 10, 180) or not _trained_for(a, 4, STEADY_S, 0.0, 180):
             return None
         fault_at = time.time()
-        b.kill()
+        if config.endswith("-freeze"):
+            b.freeze()  # cleanup's SIGKILL ends the frozen tree too
+        else:
+            b.kill()
         while time.time() - fault_at < give_up:
             rows = a.steps_at(2, after=fault_at)
             if rows:
@@ -680,7 +687,8 @@ def main() -> int:
                         values = churn(config, work, etcd, args.lease_ttl, args.churn)
                     else:
                         continue
-                elif config in ("hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill"):
+                elif config in ("hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill", "hsdp-freeze",
+                                "ddp-prepared-freeze"):
                     values = [sharded_trial(config, work, etcd, args.lease_ttl, args.give_up)]
                 elif config.startswith(("script", "torchrun-script")):
                     values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
