@@ -534,14 +534,14 @@ def cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in list(os.environ):
         if name.startswith(("ELASTIC_", "PET_")):
             monkeypatch.delenv(name)
+    import agent.tools.etcd_args
     import agent.tools.etcd_cmd
-    import agent.tools.kill
     import agent.node.launch
     import agent.local.local_cluster
     import agent.tools.sd
     import agent.tools.top
 
-    for module, name in [(agent.node.launch, "_run"), (agent.tools.kill, "list_nodes"), (agent.tools.top, "connect"),
+    for module, name in [(agent.node.launch, "_run"), (agent.tools.etcd_args, "list_nodes"), (agent.tools.top, "connect"),
                          (agent.tools.sd, "connect"), (agent.local.local_cluster, "Console"),
                          (agent.tools.etcd_cmd, "_usable_data_dir"), (agent.tools.etcd_cmd, "EmbeddedEtcd")]:
         monkeypatch.setattr(module, name, _guard)

@@ -105,8 +105,11 @@ def test_sigkill_survivors_keep_their_processes_and_retrain_no_step_and_the_node
             assert metric(n, "elastic_agent_restarts_total") == restarts[n.name]
             assert metric(n, "elastic_agent_inplace_reforms_total") >= 1
         new_rank0 = next(n for n in survivors if at_world(n, tmp_path, 2, killed_at)[-1]["rank"] == 0)
-        before = [r["step"] for r in rows(new_rank0, tmp_path) if r["time"] < killed_at]
-        first_after = at_world(new_rank0, tmp_path, 2, killed_at)[0]["step"]
+        first = at_world(new_rank0, tmp_path, 2, killed_at)[0]
+        # its last step in the world of 3: under load the world of 3 may still finish a step or
+        # two between the test's clock reading and the kill reaching the victim's whole tree
+        before = [r["step"] for r in rows(new_rank0, tmp_path) if r["time"] < first["time"]]
+        first_after = first["step"]
         assert first_after in (before[-1] + 1, before[-1] + 2), (before[-1], first_after)  # nothing trained twice
 
         back_at = time.time()
