@@ -77,6 +77,26 @@ class CollectiveTimer:
         except IndexError:
             return torch.cuda.Event(enable_timing=True)
 
+    def begin(self, tensor: torch.Tensor) -> tuple[Any, float]:
+        """Count ``tensor``'s bytes and start its clock: (a recorded CUDA start event on a GPU
+        backend, else None; the host time). :meth:`end` takes both."""
+        self.bytes.inc(tensor.numel() * tensor.element_size())
+        start: Any = None
+        if tensor.is_cuda and self.backend != "gloo":
+            self.drain()
+            start = self._event()
+            start.record()
+        return start, time.perf_counter()
+
+    def end(self, start: Any, t0: float) -> None:
+        """The collective begun with ``(start, t0)`` completed (on a GPU: on this stream)."""
+        if start is not None:
+            end = self._event()
+            end.record()
+            self._timed_on_gpu(start, end)
+        else:
+            self.observe(time.perf_counter() - t0)
+
     def _timed_on_gpu(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         if len(self._pending) >= _MAX_PENDING:
             self._pending.popleft()
@@ -87,25 +107,13 @@ def timed_all_reduce(state: CollectiveTimer, tensor: torch.Tensor, group: Any) -
     """A synchronous all-reduce of ``tensor`` over ``group``, timed and counted as the hook's
     are (HSDP's all-reduce across replicas, which the run issues itself): host time on gloo,
     CUDA events on a GPU backend (read later by :meth:`CollectiveTimer.drain`)."""
-    state.bytes.inc(tensor.numel() * tensor.element_size())
-    on_gpu = tensor.is_cuda and state.backend != "gloo"
-    start: Any = None
-    if on_gpu:
-        state.drain()
-        start = state._event()
-        start.record()
-    t0 = time.perf_counter()
+    start, t0 = state.begin(tensor)
     try:
         dist.all_reduce(tensor, group=group)
     except Exception:
         state.errors.inc()
         raise
-    if on_gpu:
-        end = state._event()
-        end.record()
-        state._timed_on_gpu(start, end)
-    else:
-        state.observe(time.perf_counter() - t0)
+    state.end(start, t0)
 
 
 def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -113,14 +121,7 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
     tensor = bucket.buffer()
     if state.average and state.world_size > 1:  # x * 1.0 is x: skip a pass over the bucket
         tensor.mul_(state.scale)
-    state.bytes.inc(tensor.numel() * tensor.element_size())
-    on_gpu = tensor.is_cuda and state.backend != "gloo"
-    start: Any = None
-    if on_gpu:
-        state.drain()
-        start = state._event()
-        start.record()
-    t0 = time.perf_counter()
+    start, t0 = state.begin(tensor)
     try:
         fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
     except Exception:
@@ -133,12 +134,7 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
         except Exception:
             state.errors.inc()
             raise
-        if on_gpu:
-            end = state._event()
-            end.record()  # this callback's stream already waits for the NCCL work
-            state._timed_on_gpu(start, end)
-        else:
-            state.observe(time.perf_counter() - t0)
+        state.end(start, t0)  # on a GPU, this callback's stream already waits for the NCCL work
         return result
 
     return fut.then(done)

@@ -79,6 +79,17 @@ def _worker(rank: int, tmp: str) -> None:
     register_comm_hook(summing, "gloo", average=False)
     result["summed"] = _grads_after(summing, rank)
 
+    # HSDP's all-reduce across replicas, which the run issues itself: counted as the hook's are
+    from elastic.metrics.comm_hook import timed_all_reduce
+
+    counted = _series("elastic_collective_duration_seconds_count", **labels)
+    sent = _series("elastic_collective_bytes_total", **labels)
+    mine = torch.full((5,), float(rank + 1))
+    timed_all_reduce(timer, mine, None)
+    result["timed"] = mine.tolist()
+    result["timed_count"] = _series("elastic_collective_duration_seconds_count", **labels) - counted
+    result["timed_bytes"] = _series("elastic_collective_bytes_total", **labels) - sent
+
     # A peer that is gone makes the next all-reduce fail; the hook counts it on the survivors.
     dist.barrier()
     if rank == WORLD - 1:
@@ -148,3 +159,10 @@ def test_a_collective_that_fails_is_counted_as_an_error(results: list[dict]) -> 
     for rank, r in enumerate(results[:-1]):
         assert "raised" in r, f"rank {rank}: all-reduce with a dead peer did not fail"
         assert r["errors_after"] >= 1, f"rank {rank}: the failed all-reduce was not counted"
+
+
+@pytest.mark.slow  # starts processes
+def test_an_all_reduce_the_run_issues_itself_is_timed_and_counted_as_the_hooks_are(results: list[dict]) -> None:
+    total = float(sum(range(1, WORLD + 1)))
+    for r in results:
+        assert r["timed"] == [total] * 5 and r["timed_count"] == 1 and r["timed_bytes"] == 5 * 4, r
