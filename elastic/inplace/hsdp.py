@@ -110,7 +110,7 @@ class HsdpInPlace:
 
             raise CollectiveFailure(f"refused a node: {line}")
         fsdp_private.set_group_count(max(count for count, _, _ in rows))  # every rank names the new groups alike
-        fresh = self._fresh_mesh(info.rank, info.world_size, self.shard_size)
+        fresh = self._fresh_mesh(dist.get_rank(), info.world_size, self.shard_size)
         fsdp_private.swap_mesh(self.mesh, fresh)
         info_ = fsdp_private.shard_only(self.mesh, SHARD)
         for group in fsdp_private.param_groups(self.model):
