@@ -77,7 +77,8 @@ def test_a_node_with_a_full_snapshot_disk_does_not_join_until_space_is_freed(
     assert "ERROR" in line and str(disk) in line and ("free space" in line), line
     wait_until(lambda: node.metric("elastic_agent_health_check_failing", check="snapshot_dir_writable") == 1, 30,
                "the metric", on_timeout=node.log_tail)
-    assert node.metric("elastic_agent_kept_out") == 1
+    # set a moment after the check's own gauge (the keep-out is the agent's act on it): polled
+    wait_until(lambda: node.metric("elastic_agent_kept_out") == 1, 30, "the kept-out gauge", on_timeout=node.log_tail)
     assert not node.progress() and "closed in" not in _log(node)  # it joined no round, trained nothing
     (disk / "filler").unlink()
     wait_until(lambda: not node.alive(), 90, "the job to train to its end", on_timeout=node.log_tail)
