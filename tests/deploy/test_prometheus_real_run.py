@@ -126,7 +126,8 @@ def test_real_prometheus_scrapes_a_real_run_through_elastic_sd(
         assert bad == [], "rules that failed to evaluate on a real run"
         # One worker per node: global ranks 0 and 1, each on its own node, each with a straggler ratio.
         ratio_rule = f"rank:elastic_step_duration_seconds:straggler_ratio_rate1m{{{run}}}"
-        ratios = wait_until(lambda: len(rows := value_of(prom.query(ratio_rule))) == 2 and rows, 30,
+        # a rate over 1m needs two scrapes of each rank's series: on a loaded machine that took over 30 s
+        ratios = wait_until(lambda: len(rows := value_of(prom.query(ratio_rule))) == 2 and rows, 90,
                             "straggler ratios of both ranks", on_timeout=lambda: str(prom.query(ratio_rule)))
         assert sorted(k[2] for k in ratios) == ["0", "1"] and {k[1] for k in ratios} == {"a", "b"}, ratios
 
