@@ -53,6 +53,9 @@ class GradSync:
         self.averages = True  # does DDP average (True) or does the loss carry 1/world (False)?
         self.grad_scale = 1.0  # user_backward: each bucket is multiplied by it (the step's loss scale)
         self.failure: str | None = None  # user_backward: the first gradient all-reduce of the step that failed
+        # HSDP in place: the ranks agree on whether the step's all-reduces across replicas all
+        # succeeded (see agree_on_failure); set by the run when it takes the mesh over
+        self.agree_each_step = False
         self._buffers = [b for b in module.buffers()]
         self._info: DistInfo | None = None
         self._buckets_settled = False
@@ -116,9 +119,28 @@ class GradSync:
     def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
         with collective_failures():
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        if self.sharded and self.failure is not None:  # HSDP in place: its replicate all-reduce recorded it
-            raise CollectiveFailure(self.take_failure() or "")
+        if self.sharded:  # HSDP in place: its replicate all-reduce recorded a failure, on any rank
+            recorded = self.agree_on_failure(self.take_failure()) if self.agree_each_step else self.take_failure()
+            if recorded is not None:
+                raise CollectiveFailure(recorded)
         self.settle_buckets()
+
+    def agree_on_failure(self, recorded: str | None) -> str | None:
+        """Every rank's verdict on the step, after its backward: a failure if any rank recorded one.
+
+        HSDP's all-reduces across replicas run on disjoint groups (local rank i of each node),
+        so a node lost mid-step can fail one local rank's all-reduce and not another's; that
+        rank committed the step while its node's other rank abandoned it and went to join the
+        next world, and the committer waited for it in the next step's all-gather (seen: a
+        survivor that never trained again). One tiny all-reduce over the world makes the
+        verdict every rank's; if it fails itself, a peer is gone and every rank abandons."""
+        assert self._info is not None
+        flag = torch.tensor([int(recorded is not None)], dtype=torch.int64, device=collective_device(self._info))
+        with collective_failures():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if recorded is None and int(flag.item()):
+            return "a peer's all-reduce across replicas failed in this step"
+        return recorded
 
     def scale_sharded_grads(self, world_size: int) -> None:
         """``user_backward`` with a sharded model: no comm hook scales the buckets, so the step's

@@ -292,6 +292,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.hsdp = sharded.take_over(self.state.module, self.mesh, self.world, self.sync)  # HSDP in place
             if self.hsdp is not None:  # its all-reduce across replicas, timed like DDP's
                 self.hsdp.timer = getattr(self.metrics, "replicate_timer", lambda: None)()
+                self.sync.agree_each_step = True  # ... and on disjoint groups: the ranks agree on each step
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded snapshot
@@ -574,6 +575,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             try:
                 if failure is not None:
                     raise failure
+                if self.sync.agree_each_step:  # HSDP in place: every rank's verdict on the step
+                    recorded = self.sync.agree_on_failure(recorded)
                 if recorded is not None:
                     raise CollectiveFailure(recorded)
                 self.sync.settle_buckets()
