@@ -107,6 +107,7 @@ def _frozen_holder(script: str, *args: str) -> subprocess.Popen[str]:
     return child
 
 
+@pytest.mark.slow  # starts a process and SIGSTOPs it
 def test_a_process_frozen_inside_a_commit_does_not_stall_the_next_rounds_raise(tmp_path: Path) -> None:
     """A frozen rank 0 inside its ledger commit held the lock the survivors' new rank 0 must
     take to raise the fence: the survivors waited for as long as it stayed frozen. The raise
@@ -131,6 +132,7 @@ def test_a_process_frozen_inside_a_commit_does_not_stall_the_next_rounds_raise(t
             child.wait()
 
 
+@pytest.mark.slow  # starts a process and SIGSTOPs it
 def test_a_process_frozen_inside_a_raise_does_not_stall_the_commits(tmp_path: Path) -> None:
     fence = Fence(tmp_path)
     fence.raise_to(FenceToken(RUN, 3))

@@ -34,6 +34,7 @@ PEER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts the sending process
 def test_the_state_arrives_whole_over_a_group_bound_to_the_named_interface(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELASTIC_HEAL_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
