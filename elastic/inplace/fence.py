@@ -66,6 +66,12 @@ def socket_fds() -> dict[int, str]:
     return found
 
 
+def _tcp_opened_since(before: dict[int, str]) -> dict[int, str]:
+    """This process's connected TCP sockets that were not open at ``before`` (fd -> target)."""
+    tcp = _tcp_inodes()
+    return {fd: target for fd, target in socket_fds().items() if before.get(fd) != target and target[8:-1] in tcp}
+
+
 class SocketFence:
     """Records the sockets a reconfigure opens; ``trip()`` shuts them down."""
 
@@ -80,10 +86,7 @@ class SocketFence:
 
     def after_connect(self) -> None:
         """Everything new since :meth:`before_connect` that is TCP belongs to the new world."""
-        now = socket_fds()
-        tcp = _tcp_inodes()
-        fresh = {fd: target for fd, target in now.items()
-                 if self._before.get(fd) != target and target[8:-1] in tcp}
+        fresh = _tcp_opened_since(self._before)
         with self._lock:
             self._current, self.tripped = fresh, False
 
@@ -93,8 +96,7 @@ class SocketFence:
         a trip shuts them down with the rest."""
         before = socket_fds()
         yield
-        now, tcp = socket_fds(), _tcp_inodes()
-        fresh = {fd: target for fd, target in now.items() if before.get(fd) != target and target[8:-1] in tcp}
+        fresh = _tcp_opened_since(before)
         with self._lock:
             self._current.update(fresh)
 
