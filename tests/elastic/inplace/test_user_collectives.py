@@ -223,7 +223,8 @@ def test_a_joining_node_with_two_workers_sets_up_among_them_and_both_are_healed(
                "LEDGER": str(tmp_path / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
                "EVENTS": str(tmp_path / f"{name}.events.jsonl"), "OWN_GROUP": "1"}
         return nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="1:2",
-                     nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", "2"])
+                     nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", "5"],
+                     rdzv_conf={"last_call_timeout": "60"})  # the first world holds both nodes (see start())
 
     a, b = node("a", 1), node("b", 2)
     train_together([a, b], tmp_path, 3, steps=6)
