@@ -114,6 +114,8 @@ def how_noticed(message: str, replaced: bool = False) -> str:
     text = message.lower()
     if replaced or "replaces this world" in text:
         return BY_THE_AGENTS
+    if "of this node abandoned" in text:  # elastic.inplace.node_verdict
+        return "a rank of its node abandoned the step"
     if any(word in text for word in _CLOSED):
         return "its connection closed"
     if any(word in text for word in _TIMED_OUT):

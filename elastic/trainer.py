@@ -107,6 +107,7 @@ from .goodput.recorder import GoodputLog
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
+from .inplace import node_verdict
 from .inplace.user_collectives import Guard, owned
 from .log import show_library_lines
 from . import sharded
@@ -293,6 +294,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             if self.hsdp is not None:  # its all-reduce across replicas, timed like DDP's
                 self.hsdp.timer = getattr(self.metrics, "replicate_timer", lambda: None)()
                 self.sync.agree_each_step = True  # ... and on disjoint groups: the ranks agree on each step
+            # HSDP in place: a node applies each step on all of its ranks or on none
+            self._node_verdict = node_verdict.for_this_node(self.hsdp.shard_size) if self.hsdp is not None else None
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded snapshot
@@ -590,6 +593,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         """A collective of the step failed: nothing of it is applied, the world re-forms, and
         the result says the step was not trained (``step`` is the one that would have been)."""
         abandoned = StepResult(False, self.state.step + 1, self.epoch)
+        if self._node_verdict is not None:
+            self._node_verdict.abandon(self.round, self.state.step + 1)
         with owned():  # re-entrant: the callers in backward already hold it
             self._recover(exc)
         return abandoned
@@ -617,6 +622,10 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         except CollectiveFailure as exc:  # a sharded capture gathers over the mesh: a peer lost there
             return self._abandon(exc)
         self.metrics.commit_took(time.perf_counter() - committing)
+        if self._node_verdict is not None:  # the step's last collective: its node's others completed it too?
+            why = self._node_verdict.agree(self.round, self.state.step + 1)
+            if why is not None:
+                return self._abandon(CollectiveFailure(why))
         if self.max_grad_norm is not None:
             if self.state.scaler is not None:
                 self.state.scaler.unscale_(self.state.optimizer)

@@ -12,6 +12,11 @@ of the agreed step, spread over the holders so no one sender carries every trans
 Nothing completed by a survivor is thrown away. Only when nobody holds state (every
 replica gone, or the job's first round) does the world read the newest snapshot on disk.
 
+HSDP (:func:`pair_shards`): a rank holds only its own shards, so a healed rank's source
+must be a rank of the same local index on another node. The node's verdict
+(:mod:`.node_verdict`) makes a node apply each step on all of its ranks or on none, so a
+node that holds the agreed step holds every shard of it.
+
 Pure: no torch, no I/O; the trainer all-gathers the reports and carries the plan out.
 """
 
@@ -50,6 +55,27 @@ def plan(reports: Sequence[Report]) -> HealPlan:
     sources = sorted(r.rank for r in holders if r.step == agreed)
     needy = sorted(r.rank for r in reports if not (r.has_state and r.step == agreed))
     return HealPlan(step=agreed, sources={rank: sources[i % len(sources)] for i, rank in enumerate(needy)})
+
+
+def pair_shards(plan: HealPlan, reports: Sequence[Report], local: int) -> HealPlan:
+    """``plan`` for HSDP (``local`` ranks per node, one shard each): each healed rank's source
+    a holder of the same local rank on another node, spread over them. From disk when some
+    local rank has no holder left."""
+    if plan.from_disk or not plan.sources:
+        return plan
+    holders = [r.rank for r in reports if r.has_state and r.step == plan.step]
+    if not holders:  # the job's start: rank 0's node holds the fresh state
+        holders = list(range(local))
+    sources: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for rank in sorted(r.rank for r in reports if r.rank not in holders):
+        same = sorted(h for h in holders if h % local == rank % local)
+        if not same:
+            return HealPlan(step=-1, from_disk=True)
+        turn = used.get(rank % local, 0)
+        used[rank % local] = turn + 1
+        sources[rank] = same[turn % len(same)]
+    return HealPlan(step=plan.step, sources=sources)
 
 
 def fresh_plan(world_size: int) -> HealPlan:

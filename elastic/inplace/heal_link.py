@@ -18,6 +18,7 @@ frozen during a heal gets the others out at once, as in a step.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .. import contract
+from . import gloo_private
+
+log = logging.getLogger("elastic.trainer")
+_warned = False  # the fallback's warning, once per process
 
 
 class Wire(Protocol):
@@ -86,10 +91,7 @@ class InterfaceWire:
         self.device = torch.device("cpu")
         self.over = f"over {interface}"
         self._index = {r: i for i, r in enumerate(members)}
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
-        options._timeout = timeout
-        self._group = dist.ProcessGroupGloo(store, self._index[rank], len(members), options)
+        self._group = gloo_private.group_on(store, self._index[rank], len(members), interface, timeout)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.isend(tensor, dst).wait()
@@ -119,6 +121,14 @@ def open_wire(sources: Mapping[int, int], rank: int, device: torch.device, backe
     ``key``: unique to this heal within it (the same on every member)."""
     interface = heal_interface()
     if not interface or store is None or rank not in heal_members(sources):
+        return GroupWire(device, collectives_link(backend))
+    why = gloo_private.unsupported_reason()
+    if why is not None:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning("%s=%s is not used: %s; heals go over the collectives' own link",
+                        contract.HEAL_IFNAME_ENV, interface, why)
         return GroupWire(device, collectives_link(backend))
     return InterfaceWire(dist.PrefixStore(f"elastic/heal/{key}/", store), heal_members(sources), rank, interface,
                          timeout)

@@ -38,7 +38,7 @@ from ..distributed import DistInfo, ElasticRunError
 from ..grad_sync import is_collective_failure
 from ..metrics.comm_hook import CollectiveTimer, timed_all_reduce
 from . import fsdp_private
-from .agreement import HealPlan, Report
+from .agreement import HealPlan, Report, pair_shards
 from .fence import SocketFence
 
 log = logging.getLogger("elastic.trainer")
@@ -169,24 +169,8 @@ class HsdpInPlace:
 
     def pair(self, plan: HealPlan, reports: Sequence[Report]) -> HealPlan:
         """``plan`` with each healed rank's source a holder of the same local rank (the same
-        shards) on another node; from disk when some local rank has no holder left."""
-        if plan.from_disk or not plan.sources:
-            return plan
-        local = self.shard_size
-        holders = [r.rank for r in reports if r.has_state and r.step == plan.step]
-        if not holders:  # the job's start: rank 0's node holds the fresh state
-            holders = list(range(local))
-        needy = sorted(r.rank for r in reports if r.rank not in holders)
-        sources: dict[int, int] = {}
-        used: dict[int, int] = {}
-        for rank in needy:
-            same = [h for h in holders if h % local == rank % local]
-            if not same:
-                return HealPlan(step=-1, from_disk=True)
-            turn = used.get(rank % local, 0)
-            used[rank % local] = turn + 1
-            sources[rank] = same[turn % len(same)]
-        return HealPlan(step=plan.step, sources=sources)
+        shards) on another node (:func:`.agreement.pair_shards`)."""
+        return pair_shards(plan, reports, self.shard_size)
 
 
 def refused_shard_size(rows: Sequence[tuple[int, bool]]) -> int | None:
