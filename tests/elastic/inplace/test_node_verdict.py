@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from elastic.inplace.node_verdict import NodeVerdict, Outcome, decode, encode, outcome
 
 A, X = Outcome.APPLIES, Outcome.ABANDONS
@@ -74,3 +76,11 @@ def test_a_new_process_in_a_local_ranks_place_starts_with_no_posts(tmp_path: Pat
     old.abandon(1, 4)  # the replaced process's last word
     NodeVerdict(tmp_path, 1, 2)  # its replacement
     assert decode((tmp_path / "verdict-1").read_bytes())[1] == []
+
+
+def test_a_torn_record_is_not_a_decision() -> None:
+    whole = encode(7, [(1, 2, A)])
+    with pytest.raises(ValueError):
+        decode(whole[:100] + b"x" * (len(whole) - 100))  # a read that met a write half-way
+    with pytest.raises(ValueError):
+        decode(whole[:-1])
