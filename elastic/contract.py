@@ -152,6 +152,7 @@ NCCL_ASYNC_ERROR_HANDLING_ENV = _torchrun("TORCH_NCCL_ASYNC_ERROR_HANDLING",
 OFFER_FILE = "round.json"  # agent writes the round to reconfigure into; workers poll it
 WORKER_STATUS_FILE = "worker-{local_rank}.json"  # each worker writes its pid, mode, round, re-form request
 WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agent waits on it
+WHOLE_NODE_KEY = "whole_node"  # in a worker status's extra: start this node's ranks again together (HSDP)
 NODE_VERDICT_FILE = "verdict-{local_rank}"  # HSDP: each worker's outcome of its last steps, for its node's others
 
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.node.watchdog reads and clears):

@@ -71,6 +71,7 @@ def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: 
 
     # its formations re-form the mesh (the mesh's groups on the world's socket fence) and pair heals
     world.hsdp = HsdpInPlace(module, layout.shard_size, sync, fence=world.membership.fence)
+    world.membership.whole_node = True  # a node's shards are one unit: its agent starts its ranks again together
     return world.hsdp
 
 

@@ -54,7 +54,7 @@ class Observer:
         exits = self.workers.exits()
         membership, self.kept_out_peers = self.rdzv.membership(run.round)
         stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
-        in_place, reform = self._in_place_statuses()
+        in_place, reform, whole_node = self._in_place_statuses()
         self.rdzv.publish(in_place=self._holds_state)
         failures = self.seen_failures = self._failures(exits)
         report = crash_report(failures)
@@ -69,6 +69,7 @@ class Observer:
         suspect = self.sdc.look() or ""
         return Observation(
             exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
+            whole_node=whole_node,
             restarts_left=run.remaining_restarts, failures=failures,
             crash_streak=next_streak(run.crash_streak, failures.values()),
             nodes_without_us=len(run.round.others(self.node)) if self.rdzv.can_keep_out else None,
@@ -117,8 +118,9 @@ class Observer:
                                 progressed=self.watch.progressed_since_start(rank))
         return out
 
-    def _in_place_statuses(self) -> tuple[bool, bool]:
-        """(every running local worker runs in place, one asked for a new round)."""
+    def _in_place_statuses(self) -> tuple[bool, bool, bool]:
+        """(every running local worker runs in place, one asked for a new round, one said its
+        node's ranks are one unit of state)."""
         run = self.run
         self._holds_state = False
         statuses, starting = [], False
@@ -126,7 +128,7 @@ class Observer:
             status = self.channel.status(rank)
             if status is None or status.pid != pid:
                 if pid not in run.joiner_pids:
-                    return False, False
+                    return False, False, False
                 # Started into a world that trains in place, and not heard from yet: it takes
                 # the newest offer at its first batch, so a round that comes meanwhile is
                 # offered to it (restarting it would throw its start-up away, standby and all).
@@ -140,7 +142,8 @@ class Observer:
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
         asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= run.round.number]
         self.reform_why = asking[0].reason if asking else ""
-        return in_place, bool(asking)
+        whole_node = any(isinstance(s.extra, dict) and s.extra.get(contract.WHOLE_NODE_KEY) for s in statuses)
+        return in_place, bool(asking), whole_node
 
 
 __all__ = ["Observer"]

@@ -213,6 +213,7 @@ class Observation:
     frozen: tuple[str, ...] = ()  # agent.node.freeze, survivor side: peers whose agents did not answer
     frozen_detail: str = ""  # ... and what the log line says about them
     unusable_round: Reason | None = None  # the last rejoin or replace (for this reason) got no round to hand over
+    whole_node: bool = False  # a worker said its node's ranks are one unit of state (HSDP): replaced together
 
 
 @dataclass(frozen=True)
@@ -341,7 +342,7 @@ def _workers_and_round(obs: Observation) -> Decision:
         if obs.restarts_left <= 0:
             return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=failed, detail="no restarts left")
         if obs.in_place:
-            return Decision(Action.REPLACE, Reason.WORKER_FAILED, ranks=tuple(sorted(failed)), failed=failed)
+            return Decision(Action.REPLACE, Reason.WORKER_FAILED, ranks=_replaced(obs, failed), failed=failed)
         return Decision(Action.RESTART, Reason.WORKER_FAILED, failed=failed)
 
     # 5. Someone else's doing: a peer lost or a node joining. Never counted.
@@ -359,10 +360,17 @@ def _workers_and_round(obs: Observation) -> Decision:
             return Decision(Action.FAIL, Reason.HANG, dump_stacks=True, detail="hung, and no restarts left")
         running = tuple(sorted(rank for rank, code in obs.exits.items() if code is None))
         if obs.in_place:
-            return Decision(Action.REPLACE, Reason.HANG, ranks=running, dump_stacks=True)
+            return Decision(Action.REPLACE, Reason.HANG, ranks=_replaced(obs, running), dump_stacks=True)
         return Decision(Action.RESTART, Reason.HANG, dump_stacks=True)
 
     return CONTINUE
+
+
+def _replaced(obs: Observation, ranks: Iterable[int]) -> tuple[int, ...]:
+    """The local ranks a replace starts again: ``ranks``, or every one of the node when its
+    ranks hold one unit of state (HSDP: a lone new rank cannot build the node's shard group,
+    and its node's others lose their peer in FSDP2's collectives anyway)."""
+    return tuple(sorted(obs.exits)) if obs.whole_node else tuple(sorted(ranks))
 
 
 def stop_signal(reason: Reason | None, progressed: bool) -> int:

@@ -109,6 +109,7 @@ class Membership:
         self._pace = StallRule()  # steady step intervals: when a step counts as stuck (.stall)
         self._steady = False  # False until the first step after a join: that interval is not steady
         self._stalled = 0  # how far the step in flight was reported stalled (.stall: 1 slow, 2 stuck)
+        self.whole_node = False  # HSDP: this node's ranks are one unit of state (set when the run takes the mesh over)
         self._stop = threading.Event()
         self._joining = False
         self._joining_round = -1
@@ -245,10 +246,18 @@ class Membership:
         try:
             self.channel.report(WorkerStatus(pid=os.getpid(), mode=WorkerMode.IN_PLACE, round=self.round, state=state,
                                              step=self.step, want_round_after=self._want_after, reason=self._why,
-                                             stalled=self._stalled, extra=self._stall_extra()),
+                                             stalled=self._stalled, extra=self._extra()),
                                 wake=wake)
         except OSError as exc:
             log.warning("cannot report to the agent: %s", exc)
+
+    def _extra(self) -> dict[str, float]:
+        """``whole_node`` when its node's ranks hold one unit of state (HSDP: a node's shards),
+        so its agent starts them again together (agent.node.policy); and :meth:`_stall_extra`."""
+        extra = self._stall_extra()
+        if self.whole_node:
+            extra[contract.WHOLE_NODE_KEY] = 1
+        return extra
 
     def _stall_extra(self) -> dict[str, float]:
         """When the step before the stalled one ended (wall clock), for the agent's log line;

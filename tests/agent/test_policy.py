@@ -67,6 +67,16 @@ def test_in_place_only_the_dead_worker_is_started_again() -> None:
     assert decision.action is Action.REPLACE and decision.ranks == (1, 3) and decision.counted
 
 
+def test_under_hsdp_a_dead_worker_starts_its_whole_node_again() -> None:
+    # a lone new rank cannot build the node's shard group, and its node's others lose their
+    # peer in FSDP2's collectives anyway: the node's ranks go together, healed from a replica
+    decision = decide(obs(exits={0: None, 1: -9}, in_place=True, whole_node=True))
+    assert decision.action is Action.REPLACE and decision.ranks == (0, 1) and decision.counted
+    assert decision.failed == {1: -9}
+    hung = decide(obs(exits={0: None, 1: None}, stalled_for=75.0, in_place=True, whole_node=True))
+    assert hung.action is Action.REPLACE and hung.ranks == (0, 1)
+
+
 def test_a_failure_outranks_a_membership_change_seen_in_the_same_look() -> None:
     decision = decide(obs(exits={0: 1, 1: None}, membership=Reason.PEER_LOST))
     assert decision.action is Action.RESTART and decision.reason is Reason.WORKER_FAILED
