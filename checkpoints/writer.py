@@ -346,7 +346,7 @@ class AsyncSnapshotWriter:
             except BaseException as e:  # noqa: BLE001 - reported through flush() and stats
                 # a fenced write is the round protocol at work, not a disk fault; said once per fence
                 fenced = isinstance(e, SnapshotFencedError)
-                taken_in = _round_of(job.extra_meta)
+                taken_in = round_taken_in(job.extra_meta)
                 if fenced and 0 <= taken_in < self.own_round:  # our own newer round's fence: no failure
                     self._logs.log(logging.INFO, "snapshot step %d not committed: it was taken in round %d, and "
                                    "this rank went on into round %d in place, whose fence it raised; the next "
@@ -435,7 +435,7 @@ class AsyncSnapshotWriter:
                 self._logs.log(logging.ERROR, "on_durable callback failed:\n%s", traceback.format_exc())
 
 
-def _round_of(extra_meta: Mapping[str, Any] | None) -> int:
+def round_taken_in(extra_meta: Mapping[str, Any] | None) -> int:
     """The fence round a snapshot job was taken in (-1: not fenced)."""
     fence = (extra_meta or {}).get("fence")
     try:

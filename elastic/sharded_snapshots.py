@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from checkpoints import SnapshotError, SnapshotFencedError, SnapshotStore
 from checkpoints.sharded import DeferredDcpWriter, Part, write_part
-from checkpoints.writer import WriterStats
+from checkpoints.writer import WriterStats, round_taken_in
 
 from .collectives import collective_failures
 from .distributed import DistInfo
@@ -82,8 +82,9 @@ class ShardedWriter:
     """One rank's sharded snapshots (see the module docstring for the call order)."""
 
     def __init__(self, store: SnapshotStore, on_durable: Callable[[WriterStats], None] | None = None,
-                 part_timeout_s: float = PART_TIMEOUT_S) -> None:
+                 part_timeout_s: float = PART_TIMEOUT_S, fence: Any = None) -> None:
         self.store, self.on_durable, self.part_timeout_s = store, on_durable, part_timeout_s
+        self.fence = fence  # in place: the world's socket fence (elastic.inplace.fence), which the group joins
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sharded-snapshot")
         self._future: Future[None] | None = None
         self._abandoned = threading.Event()
@@ -93,6 +94,9 @@ class ShardedWriter:
         self._pinned = PinnedStage()
         self.pending_step: int | None = None
         self.last_submitted: int | None = None  # the same on every rank: submits are decided together
+        # rank 0 in place: the newest round whose fence it raised; its seal of an older round's
+        # snapshot is then refused by that fence, on its own behalf (as AsyncSnapshotWriter's)
+        self.own_round = -1
 
     @property
     def stats(self) -> WriterStats:
@@ -102,13 +106,27 @@ class ShardedWriter:
         """Nothing to wait for: :meth:`submit` returns with the copy made."""
 
     def formed(self) -> None:
-        """A new world formed (every rank, at the same point, in fresh processes): any
-        snapshot still waiting for a lost rank is given up, and the snapshots' collectives
-        get a gloo group of their own. On the default group they met FSDP2's own (a 1-D mesh
-        over the world runs on that very group) and a rank took one collective's answer for
-        another's (seen: a rank returned from ``dcp.save`` without its write phase)."""
+        """A new world formed (every rank, at the same point): any snapshot still waiting for
+        a lost rank is given up, and the next one makes the snapshots' collectives a gloo
+        group of their own in this world (:meth:`_own_group`)."""
         self.abandon()
-        self._group = dist.new_group(backend="gloo")
+        self._group = None
+
+    def _own_group(self) -> Any:
+        """The snapshots' gloo group in this world, made at its first snapshot (every rank, at
+        the same step). On the default group they met FSDP2's own (a 1-D mesh over the world
+        runs on that very group) and a rank took one collective's answer for another's (seen:
+        a rank returned from ``dcp.save`` without its write phase). Made here rather than at
+        the formation: in place, the run agrees on the name of the world's next group only
+        as it builds HSDP's mesh, after the snapshots attach, and a joiner named it apart
+        from the survivors. In place it goes on the world's socket fence: a peer frozen in
+        ``dcp.save`` gets the others out at once, as in a step."""
+        if self._group is None:
+            import contextlib
+
+            with self.fence.adding() if self.fence is not None else contextlib.nullcontext():
+                self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def submit(self, step: int, state: dict[str, Any], *, world_size: int, info: DistInfo,
                extra_meta: dict[str, Any] | None = None) -> bool:
@@ -120,8 +138,9 @@ class ShardedWriter:
 
     def _submit(self, step: int, state: dict[str, Any], world_size: int, info: DistInfo,
                 extra_meta: dict[str, Any], t0: float) -> bool:
+        group = self._own_group()
         busy = torch.tensor([int(self._future is not None and not self._future.done())])
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
         if int(busy.item()):
             self._stats.snapshots_skipped += 1
             if info.is_main:
@@ -130,7 +149,7 @@ class ShardedWriter:
         import torch.distributed.checkpoint as dcp
 
         writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step), self._pinned.stage)
-        dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer, process_group=self._group)
+        dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer, process_group=group)
         assert writer.part is not None
         copied = self._pinned.copied()  # the device-to-host copies run on; the writer waits for them
         rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_KEYS}) if info.is_main else None
@@ -158,6 +177,13 @@ class ShardedWriter:
                                          deadline=time.monotonic() + self.part_timeout_s,
                                          abandoned=abandoned.is_set, housekeeping=False)
         except BaseException as exc:  # noqa: BLE001 - kept for flush, said once here
+            taken_in = round_taken_in(extra_meta)
+            if isinstance(exc, SnapshotFencedError) and 0 <= taken_in < self.own_round:
+                log.info("snapshot step %d not committed: it was taken in round %d, and this rank went on into "
+                         "round %d in place, whose fence it raised; the next snapshot is that round's", step,
+                         taken_in, self.own_round)
+                self.store.drop_parts(part.temp)
+                return
             self._stats.errors += 1
             self._stats.last_error = str(exc)
             if not isinstance(exc, SnapshotFencedError):

@@ -80,19 +80,16 @@ class Snapshots:
         self.collective = False  # a sharded model: every rank takes part in every snapshot (elastic.sharded)
         self.sharded: ShardedWriter | None = None  # every rank's, when each writes its own shards
         self._info: DistInfo | None = None  # this rank in the world the sharded writer last attached to
-        self.fresh_processes = False  # every formation starts new processes (the restart path)
+        self.socket_fence: Any = None  # in place: the world's socket fence, for the sharded snapshots' group
 
     @property
     def per_rank(self) -> bool:
         """Whether every rank writes its own shards (:mod:`checkpoints.sharded`): a sharded
-        model, a directory, and a world of fresh processes (the restart path). An object
-        store still takes the full state gathered to rank 0, and so does HSDP in place: a
-        peer lost in the middle of a per-rank save left the survivors unable to form their
-        next world in one run of three under load, not yet understood."""
+        model and a directory, on the restart path and in place (HSDP). An object store
+        still takes the full state gathered to rank 0."""
         from checkpoints import dcp_private
 
-        return (self.collective and self.fresh_processes and not uses_object_store(self.root)
-                and dcp_private.PROBLEM is None)
+        return self.collective and not uses_object_store(self.root) and dcp_private.PROBLEM is None
 
     # ------------------------------------------------------------------ opening, per world
 
@@ -141,7 +138,8 @@ class Snapshots:
     def _attach_sharded(self, info: DistInfo) -> None:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
         if self.sharded is None:
-            self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None))
+            self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None),
+                                         fence=self.socket_fence)
         self.sharded.formed()  # a lost rank's shards will not come: that snapshot is given up
         if info.is_main:
             self.writer = self.sharded  # type: ignore[assignment]  # what rank 0 flushes, closes and reports

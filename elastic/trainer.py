@@ -299,7 +299,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded snapshot
-            self.snapshots.fresh_processes = self.world.restarts_from_disk
+            # in place, the sharded snapshots' own group joins the world's socket fence
+            self.snapshots.socket_fence = getattr(getattr(self.world, "membership", None), "fence", None)
             self.state.shards_in_snapshots = self.snapshots.per_rank  # ... each writing its own shards
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again

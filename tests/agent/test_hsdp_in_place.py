@@ -3,7 +3,8 @@ node and gets it back without restarting the survivors.
 
 The script is written as FSDP2's docs write it (``init_device_mesh`` with replicas across
 nodes and shards inside one, ``fully_shard`` per block and on the root, AdamW after
-sharding) plus the prepare lines. 2 nodes x 2 local ranks: rank 0's node's whole process tree
+sharding) plus the prepare lines, with collectives of its own as real scripts have (a set-up
+barrier, a metric all-reduce in the loop body). 2 nodes x 2 local ranks: rank 0's node's whole process tree
 is SIGKILLed or SIGTERMed (pre-empted: it leaves at a step boundary), or the other node's is
 frozen (SIGSTOP) and thawed once the survivor trained without it; the survivor's workers keep
 their pids, the
@@ -24,6 +25,8 @@ from typing import Callable
 import pytest
 from agent.etcd import EmbeddedEtcd
 from agent.local.local_node import AUTO_METRICS_PORT
+from checkpoints import SnapshotStore
+from checkpoints.reading import DCP_DIR_KEY
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
@@ -63,17 +66,22 @@ HSDP = textwrap.dedent('''\
     loader = torch.utils.data.DataLoader(Data(int(sys.argv[1])), batch_size=4)
     ft = elastic.Elastic(snapshots=elastic.SnapshotConfig(every_steps=4, ledger=os.environ["LEDGER"]))  # + the prepare lines
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    dist.barrier()  # the script's own set-up collective, as real scripts have
     rows = open(os.environ["ROWS"], "a")
     for epoch in ft.epochs(2):
         for x, y in loader:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
+            seen = torch.ones(1)
+            if ft.step_count % 3 == 0:
+                dist.all_reduce(seen)  # the script's own metric all-reduce, in the loop body
             shards = hashlib.sha1(b"".join(p.to_local().detach().numpy().tobytes()
                                            for p in model.parameters())).hexdigest()[:16]
             rows.write(json.dumps({"step": ft.step_count, "world": ft.world_size, "rank": ft.rank,
                                    "local": int(os.environ["LOCAL_RANK"]), "node": os.environ["NODE"],
-                                   "pid": os.getpid(), "time": time.time(), "shards": shards}) + "\\n")
+                                   "pid": os.getpid(), "time": time.time(), "shards": shards,
+                                   "seen": seen.item()}) + "\\n")
             rows.flush()
             time.sleep(0.05 if ft.world_size == 4 else 0.2)  # alone, slower: outlast node b's return
 ''')
@@ -153,12 +161,21 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
             compared += 1
     assert compared > 0, f"no step of node {lost.name}'s after its return to compare with the survivor's"
 
+    # the script's own all-reduce spans the world it ran in, before the fault and after it
+    assert any(r["seen"] == 4.0 for r in every if r["world"] == 4), "the metric all-reduce never spanned 4 ranks"
+    assert any(r["seen"] == 2.0 for r in every if r["world"] == 2), "the metric all-reduce never spanned 2 ranks"
     log = a.log_tail(400) + b.log_tail(400)
     assert "in-place recovery off" not in log, log
     assert f"lost node {lost.name}" in log and "re-formed in place" in log, log
     assert "healed from" in log and "Traceback" not in log, log
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
+    # in place too, every rank wrote its own shards of each snapshot (no gather to rank 0):
+    # the newest verifies (manifest, sizes, sha256) and holds one DCP file per rank that wrote
+    newest = SnapshotStore(tmp_path / "snapshots", create=False).load_latest()
+    assert newest is not None, "no snapshot verifies"
+    files = sorted(p.name for p in newest[1][DCP_DIR_KEY].glob("*.distcp"))
+    assert len(files) >= 2 and files == [f"__{r}_0.distcp" for r in range(len(files))], files
 
 
 def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_line(
