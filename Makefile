@@ -28,10 +28,12 @@ $(STAMP): pyproject.toml
 PYTEST_ARGS ?=
 test: lint
 	sh deploy/prometheus/ensure-prometheus.sh
+	sh tests/support/ensure-libfaketime.sh
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-serial: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
+	sh tests/support/ensure-libfaketime.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # ruff (bugs: pyflakes, bugbear, ...) and mypy, configured in pyproject.toml; `make test` runs

@@ -117,7 +117,8 @@ def test_a_snapshot_dir_gone_read_only_while_training_puts_its_node_out_and_back
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FAKETIME.exists(), reason="libfaketime is not installed (apt-get install libfaketime)")
+@pytest.mark.skipif(not FAKETIME.exists(),
+                    reason="libfaketime is not installed (make test installs it: tests/support/ensure-libfaketime.sh)")
 def test_a_node_whose_clock_is_an_hour_off_does_not_join(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
 ) -> None:

@@ -16,6 +16,7 @@ at every step. Every sample of each epoch is trained once (the ledger)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import textwrap
 import time
@@ -72,9 +73,9 @@ HSDP = textwrap.dedent('''\
         for x, y in loader:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            optimizer.step()
+            trained = optimizer.step()
             seen = torch.ones(1)
-            if ft.step_count % 3 == 0:
+            if trained and ft.step_count % 3 == 0:  # as documented: at the same step on every rank
                 dist.all_reduce(seen)  # the script's own metric all-reduce, in the loop body
             shards = hashlib.sha1(b"".join(p.to_local().detach().numpy().tobytes()
                                            for p in model.parameters())).hexdigest()[:16]
@@ -176,6 +177,47 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     assert newest is not None, "no snapshot verifies"
     files = sorted(p.name for p in newest[1][DCP_DIR_KEY].glob("*.distcp"))
     assert len(files) >= 2 and files == [f"__{r}_0.distcp" for r in range(len(files))], files
+
+
+def test_a_worker_killed_alone_takes_its_nodes_other_rank_with_it_and_both_are_healed_in_place(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    """One worker process SIGKILLed, its node alive: a lone new rank could not build its
+    node's shard group (it was refused as a node of the wrong shard size, and the job ended),
+    so its agent starts the node's two ranks again together; they set up among themselves
+    and are healed from the other node's replicas. The other node's workers keep their pids."""
+    script, rows, ledger = tmp_path / "hsdp.py", tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
+    script.write_text(HSDP)
+    env = {"OMP_NUM_THREADS": "1", "ROWS": str(rows), "LEDGER": str(ledger),
+           "ELASTIC_SNAPSHOT_DIR": str(tmp_path / "snapshots")}
+    a, b = (nodes(name=n, endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), module_args=[str(DATASET)],
+                  nnodes="2:2", nproc_per_node=2, metrics_port=AUTO_METRICS_PORT, env={**env, "NODE": n},
+                  agent_args=["--lease-ttl", str(LEASE_TTL)]) for n in ("a", "b"))
+    both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
+    wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
+               "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
+    first = next(r["node"] for r in _rows(rows) if r["world"] == 4 and r["rank"] == 0)
+    hit, other = (b, a) if first == "a" else (a, b)
+    kept = {r["pid"] for r in _rows(rows) if r["node"] == other.name}
+    old = {r["local"]: r["pid"] for r in _rows(rows) if r["node"] == hit.name}
+    assert len(kept) == 2 and len(old) == 2, (kept, old)
+    killed_at = time.time()
+    os.kill(old[1], signal.SIGKILL)  # local rank 1 alone; its node and agent live on
+    wait_until(lambda: {r["pid"] for r in _rows(rows) if r["node"] == hit.name and r["world"] == 4
+                        and r["time"] > killed_at} - set(old.values()), FORM_TIMEOUT,
+               f"node {hit.name}'s ranks started again and training in the world of 4", on_timeout=both)
+    wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
+    assert a.process is not None and a.process.returncode == 0, both()
+    assert b.process is not None and b.process.returncode == 0, both()
+
+    every = _rows(rows)
+    assert {r["pid"] for r in every if r["node"] == other.name} == kept, "the other node's workers were restarted"
+    after = {r["local"]: r["pid"] for r in every if r["node"] == hit.name and r["time"] > killed_at}
+    assert set(after) == {0, 1} and not set(after.values()) & set(old.values()), (old, after)
+    log = hit.log_tail(400)
+    assert "starting local rank(s) [0, 1] again" in log and "mesh shards over" not in log, both()
+    assert "healed from" in a.log_tail(400) + log, both()
+    report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
+    assert report.ok, report.violations
 
 
 def test_a_node_whose_local_rank_count_is_not_the_shard_size_is_refused_in_one_line(
