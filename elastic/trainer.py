@@ -598,6 +598,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self._node_verdict.abandon(self.round, self.state.step + 1)
         with owned():  # re-entrant: the callers in backward already hold it
             self._recover(exc)
+        self._guard.after_abandoned = True  # the loop body's own collectives, until the next batch
         return abandoned
 
     def _after_backward(self, pending: _Pending) -> int:
@@ -665,6 +666,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
     def _at_step_boundary(self) -> None:
         """The loop's code for the step has run: do what the ranks agreed on in its run.step."""
         action, self._between_steps = self._between_steps, None
+        self._guard.after_abandoned = False  # the abandoned step's loop body is over
         failure = self._guard.take()  # the script's own collective after run.step lost a peer
         with owned():
             if failure is not None and action != self._stop_after_step:

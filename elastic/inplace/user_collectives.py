@@ -14,6 +14,12 @@ constructor until the run is closed):
   lost peer makes them fail (:func:`elastic.collectives.is_collective_failure`) **return**
   instead of raising: their outputs are left as they were, and the failure is recorded;
 * once one failed, the next ones return at once without touching the broken group;
+* after a step the run abandoned (the world formed again inside ``run.step`` or the prepared
+  ``optimizer.step()``), the ones the loop body issues before its next batch return at once
+  too (:attr:`Guard.after_abandoned`), with one line the first time: every rank that
+  abandoned the step skips them alike, while a joiner healed meanwhile never runs that
+  step's loop body, so an unguarded ``if step % N == 0: dist.all_reduce(...)`` after the
+  step met the joiner's next step and gloo aborted on the mismatched sizes;
 * the run takes the failure (:meth:`Guard.take`) at its next ``run.step`` or ``next()``
   and treats it as a failure of that step: abandoned, and the world re-formed in place;
 * ``async_op=True`` returns a work whose ``wait()`` follows the same rule; its
@@ -67,6 +73,8 @@ class Guard:
     def __init__(self) -> None:
         self.failure: CollectiveFailure | None = None
         self.where = ""  # the function that failed first, for the log
+        self.after_abandoned = False  # set by the run after an abandoned step, until its next batch
+        self._said_skip = False
 
     def install(self) -> None:
         global _active
@@ -92,6 +100,13 @@ class Guard:
     def take(self) -> CollectiveFailure | None:
         failure, self.failure = self.failure, None
         return failure
+
+    def skipped(self, name: str) -> None:
+        if not self._said_skip:
+            self._said_skip = True
+            log.info("your dist.%s after a step the run abandoned (the world formed again) was skipped, as every "
+                     "collective of the loop body is until the next batch: issue per-step collectives only after a "
+                     "trained step (if run.step(loss): / if optimizer.step():)", name)
 
     def record(self, name: str, exc: BaseException) -> None:
         if self.failure is None:
@@ -163,6 +178,9 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if group is not None and group is not dist.group.WORLD:
             return original(*args, **kwargs)
         async_op = bool(async_arg.of(args, kwargs))
+        if guard.after_abandoned:  # the abandoned step's loop body: no rank of the new world meets it
+            guard.skipped(name)
+            return _DoneWork() if async_op else None
         if guard.failure is not None:  # the group is broken: do not wait on it again
             return _DoneWork() if async_op else None
         _depth += 1

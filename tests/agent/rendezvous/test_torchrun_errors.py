@@ -14,7 +14,10 @@ from agent.etcd import free_port
 from tests.support.nodes import TORCHRUN
 from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd, start_secure_etcd
 
-JOIN_TIMEOUT = 30
+# Long, so that "it failed before the join timeout" tells a quick refusal (7 s on an idle
+# machine, the torch import included) from a wait for the timeout even on a loaded one: at
+# 30 s a whole-suite run's refusal took 31 s, all of it start-up and the 3 s connect timeout.
+JOIN_TIMEOUT = 120
 
 
 def torchrun(endpoint: str, conf: dict[str, str], env: dict[str, str] | None = None) -> tuple[int, str, float]:

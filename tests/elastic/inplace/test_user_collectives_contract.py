@@ -61,6 +61,25 @@ def test_wrapped_collectives_return_what_torch_returns(world_of_one: None) -> No
     assert guard.take() is None
 
 
+def test_after_an_abandoned_step_the_loop_bodys_collectives_return_at_once_until_the_next_batch(
+        world_of_one: None, caplog: pytest.LogCaptureFixture) -> None:
+    guard = Guard()
+    guard.install()
+    guard.after_abandoned = True  # what the run sets when run.step / optimizer.step() abandoned the step
+    t = torch.tensor([3.0])
+    with caplog.at_level("INFO", logger=user_collectives.__name__):
+        assert dist.all_reduce(t) is None and dist.barrier() is None  # skipped: no rank of the new world meets them
+        assert dist.all_reduce(t, async_op=True).wait() and guard.take() is None  # skipped is not failed
+    said = [r.getMessage() for r in caplog.records if "after a step the run abandoned" in r.getMessage()]
+    assert len(said) == 1 and "your dist.all_reduce" in said[0], said
+    with owned():
+        assert dist.all_reduce(t) is None  # the run's own collectives are not skipped (a world of one: x1)
+    guard.after_abandoned = False  # the next batch
+    t.fill_(5.0)
+    dist.all_reduce(t)
+    assert t.item() == 5.0
+
+
 def _fake_all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
     raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:1")
 
