@@ -50,13 +50,19 @@ def test_elastic_kill_names_the_live_nodes_when_the_target_is_unknown(etcd_serve
 
 @pytest.mark.slow  # starts processes
 def test_elastic_etcd_serves_in_the_foreground_until_sigterm(tmp_path: Path) -> None:
-    # etcd cannot bind port 0 from its command line, so this one is picked ahead (a lost race fails here)
-    port = free_port()
-    proc = subprocess.Popen([*ELASTIC, "etcd", "--data-dir", str(tmp_path / "data"), "--client-port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    # etcd cannot bind port 0 from its command line, so the port is picked ahead; a lost race
+    # (it exits at once) is tried again on another, and a loaded machine gets 90 s to start it
+    for _attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen([*ELASTIC, "etcd", "--data-dir", str(tmp_path / "data"), "--client-port", str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         client = EtcdClient(EtcdSettings(endpoints=(("127.0.0.1", port),), request_timeout=1.0), retry_deadline=1.0)
-        wait_until(lambda: _answers(client), 30, "elastic etcd to serve")
+        if wait_until(lambda: _answers(client) or proc.poll() is not None, 90, "elastic etcd to serve or exit") \
+                and proc.poll() is None:
+            break
+        proc.wait()
+    try:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         client.call(lambda c: c.put("/probe", "1"))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
