@@ -36,6 +36,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Sequence
 
+from checkpoints.pids import pid_alive
+
 from .. import contract
 
 KEPT = 4  # posts each rank keeps: a peer can be at most two ahead of one that reads (see outcome)
@@ -87,23 +89,12 @@ def decode(data: bytes) -> tuple[int, list[Post]]:
     return pid, posts
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class NodeVerdict:
     """One rank's side: :meth:`agree` where it would apply a step, :meth:`abandon` where it does not."""
 
     def __init__(self, directory: Path, local_rank: int, local_world: int) -> None:
         self.directory, self.local_rank, self.local_world = directory, local_rank, local_world
         self.posts: list[Post] = []
-        self.waited_s = 0.0  # the time spent waiting for the node's others, in all
         self._fd = os.open(self._file(local_rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # This process's record, empty, before it can be in any world: a peer never reads the
         # posts of the process it replaced (dead, which would read as abandoning).
@@ -125,20 +116,18 @@ class NodeVerdict:
         why not (then this rank abandons it as well)."""
         self._post(round_, step, Outcome.APPLIES)
         waiting = [r for r in range(self.local_world) if r != self.local_rank]
-        started, polls = time.perf_counter(), 0
+        polls = 0
         while waiting:
             for peer in list(waiting):
                 said = self._read(peer, round_, step)
                 if said is Outcome.ABANDONS:
                     self.abandon(round_, step)
-                    self.waited_s += time.perf_counter() - started
                     return f"local rank {peer} of this node abandoned step {step}"
                 if said is Outcome.APPLIES:
                     waiting.remove(peer)
             if waiting:
                 time.sleep(POLL_S[min(polls // 50, len(POLL_S) - 1)])
                 polls += 1
-        self.waited_s += time.perf_counter() - started
         return None
 
     def _read(self, peer: int, round_: int, step: int) -> Outcome | None:
@@ -146,7 +135,7 @@ class NodeVerdict:
             pid, posts = decode(self._file(peer).read_bytes())
         except (OSError, ValueError, IndexError):
             return None  # not posted yet (or a record being written)
-        return outcome(posts, round_, step, _alive(pid))
+        return outcome(posts, round_, step, pid_alive(pid))
 
 
 def for_this_node(local_world: int) -> NodeVerdict | None:
