@@ -86,8 +86,9 @@ def test_goodput_of_a_run_with_a_kill_and_a_freeze_adds_up(
     # Fault 1, a kill: SIGKILL of the node without rank 0; it comes back and joins.
     first = newest(a, b)
     keeper, victim = (a, b) if first["node"] == "a" else (b, a)
+    killed_at = time.time()  # rows alone before the other node joined are not the survivor's
     victim.kill()
-    wait_until(lambda: len(keeper.steps_at(1, after=time.time() - 1)) >= 10, 60,
+    wait_until(lambda: len(keeper.steps_at(1, after=killed_at)) >= 10, 60,
                "the survivor to train alone after the kill", on_timeout=logs(keeper))
     victim.start()
     wait_until(lambda: whole(a, b, after=first["round"]), FORM_TIMEOUT, "the killed node to rejoin",
@@ -181,8 +182,9 @@ def test_a_kill_on_the_restart_path_costs_detection_rendezvous_start_restore_and
     wait_until(lambda: whole(a, b, after=-1, steps=10), FORM_TIMEOUT, "two agents to train in a world of 2",
                on_timeout=logs(a, b))
     keeper, victim = (a, b) if newest(a, b)["node"] == "a" else (b, a)
+    killed_at = time.time()  # a node that formed alone first has world-of-1 rows from before the join
     victim.kill()
-    wait_until(lambda: len(keeper.steps_at(1, after=time.time() - 1)) >= 10, 90,
+    wait_until(lambda: len(keeper.steps_at(1, after=killed_at)) >= 10, 90,
                "the survivor to train alone after the kill", on_timeout=logs(keeper))
     stop(keeper)
     account = read_account(etcd_client, StateSigner(None), "/elastic", run_id)
