@@ -163,7 +163,7 @@ class NodeAgent(ElasticAgent):
                                    metrics=metrics, rdzv=self.rdzv, watch=self.watch, workers=self.workers,
                                    observer=self.observer)
         self.spares = SpareAhead(run, self, node=self.node, nproc=spec.nproc, workers=self.workers,
-                                 rdzv=self.rdzv, channel=self.channel, metrics=metrics)
+                                 rdzv=self.rdzv, channel=self.channel, metrics=metrics, watch=self.watch)
         self.acts = Acts(run, self, node=self.node, settings=settings, metrics=metrics, workers=self.workers,
                          watch=self.watch, rdzv=self.rdzv, goodput=self.goodput, sdc=self.sdc, pace=self.pace,
                          freeze=self.freeze, channel=self.channel, pool=self.pool, observer=self.observer,
@@ -306,8 +306,8 @@ class NodeAgent(ElasticAgent):
 
     def start_group(self) -> None:
         """Start every local worker into the current round (or adopt a spare's workers started ahead)."""
-        self.watch.reset()
         adopted = self.spares.take()
+        self.watch.reset(keep_files=adopted is not None)  # the spare's workers beat into the files they opened
         if adopted is None:
             for rank in range(self.spec.nproc):
                 self.channel.forget(rank)

@@ -18,6 +18,7 @@ from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun
 from agent.node.nulls import NoChannel
 from agent.node.rendezvous_api import AgentRendezvous
+from agent.node.watchdog import HangWatch
 from agent.node.workers import LocalWorkers
 
 log = logging.getLogger("elastic.agent")
@@ -25,9 +26,10 @@ log = logging.getLogger("elastic.agent")
 
 class SpareAhead:
     def __init__(self, run: NodeRun, group: Group, *, node: str, nproc: int, workers: LocalWorkers,
-                 rdzv: AgentRendezvous, channel: AgentChannel | NoChannel, metrics: AgentMetrics) -> None:
+                 rdzv: AgentRendezvous, channel: AgentChannel | NoChannel, metrics: AgentMetrics,
+                 watch: HangWatch) -> None:
         self.run, self.group, self.node, self.nproc = run, group, node, nproc
-        self.workers, self.rdzv, self.channel, self.metrics = workers, rdzv, channel, metrics
+        self.workers, self.rdzv, self.channel, self.metrics, self.watch = workers, rdzv, channel, metrics, watch
         self.prestarted: dict[int, int] = {}  # local rank -> pid: workers started while a spare
 
     def start_ahead(self) -> None:
@@ -46,6 +48,7 @@ class SpareAhead:
         self.channel.withdraw()
         for rank in range(self.nproc):
             self.channel.forget(rank)
+        self.watch.reset()  # an older group's beats go now: adopted, these workers keep the files they open
         self.prestarted = self.workers.start_all(self.group.launches(joining=list(range(self.nproc))))
         self.run.joiner_pids = set(self.prestarted.values())
         modes = sorted({w.mode for w in self.workers.workers.values()})

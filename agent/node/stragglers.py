@@ -85,27 +85,31 @@ class StragglerWatch:
         self._last: dict[str, int] = {}  # node -> step of its figure in the last window counted
         self._suspect: str | None = None
         self._count = 0
+        self._verdict: Straggler | None = None  # the last window's, standing until the next window counts
 
     def observe(self, paces: Mapping[str, Pace | None]) -> Straggler | None:
         """``paces``: every member of the current world (None: no figure yet). Returns the
         straggler once it has been slow :attr:`windows` windows in a row, in every window after."""
         members = frozenset(paces)
         if members != self._members:  # another world: start counting again
-            self._members, self._last, self._suspect, self._count = members, {}, None, 0
+            self._members, self._last, self._suspect, self._count, self._verdict = members, {}, None, 0, None
         if any(p is None for p in paces.values()):
             return None
         known = {n: p for n, p in paces.items() if p is not None}
         if self._last and any(p.step < self._last.get(n, -1) + self.min_steps for n, p in known.items()):
-            return None  # not a new window for every member yet
+            # not a new window for every member yet: the last one's verdict stands (a look
+            # between windows once un-named the straggler, and named it again a look later)
+            return self._verdict
         self._last = {n: p.step for n, p in known.items()}
         found = slowest({n: p.compute for n, p in known.items()}, self.factor)
         if found is None:
-            self._suspect, self._count = None, 0
+            self._suspect, self._count, self._verdict = None, 0, None
             return None
         node, compute, others = found
         self._count = self._count + 1 if node == self._suspect else 1
         self._suspect = node
-        return Straggler(node, compute, others, self._count) if self._count >= self.windows else None
+        self._verdict = Straggler(node, compute, others, self._count) if self._count >= self.windows else None
+        return self._verdict
 
 
 def eviction(straggler: Straggler, world: int, min_nodes: int, spares: int) -> str | None:

@@ -53,11 +53,16 @@ class HangWatch:
         self._said_off = self._said_linger = False
         self.reset()
 
-    def reset(self) -> None:
-        """A new worker group: forget old beats (a new group's first beat must be its own)."""
+    def reset(self, keep_files: bool = False) -> None:
+        """A new worker group: forget old beats (a new group's first beat must be its own).
+        ``keep_files``: the group's workers are running already (a spare's, started ahead
+        after a reset of their own) and write to the files they opened; unlinking those would
+        leave them beating into files no one reads, and the node without a hang watch or a pace."""
         self._group_started = self._quiet_from = time.time()
         self._last.clear()
         self._said_off = self._said_linger = False
+        if keep_files:
+            return
         for path in self.directory.glob(contract.HEARTBEAT_PREFIX + "*"):
             path.unlink(missing_ok=True)
 

@@ -76,7 +76,10 @@ HSDP = textwrap.dedent('''\
     for epoch in ft.epochs(2):
         for x, y in loader:
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            if os.path.exists(os.environ.get("SLOW_FLAG", "/nonexistent")):
+                time.sleep(0.15)  # this node straggles: a throttled GPU, its own work takes longer
+            loss.backward()
             trained = optimizer.step()
             seen = torch.ones(1)
             # as documented (after a trained step, keyed on the run's count), or as many scripts are
@@ -89,7 +92,8 @@ HSDP = textwrap.dedent('''\
                                    "pid": os.getpid(), "time": time.time(), "shards": shards,
                                    "seen": seen.item()}) + "\\n")
             rows.flush()
-            time.sleep(0.05 if ft.world_size == int(os.environ.get("WHOLE", "4")) else 0.2)  # short, slower: outlast returns
+            time.sleep(float(os.environ.get("STEP_S", "0.05")) if ft.world_size == int(os.environ.get("WHOLE", "4"))
+                       else 0.2)  # short, slower: outlast returns
     if "FINALS" in os.environ:  # this rank's shards of the trained model
         torch.save({n: p.to_local().detach().clone() for n, p in model.named_parameters()},
                    os.path.join(os.environ["FINALS"], f"{os.environ['NODE']}-{os.environ['LOCAL_RANK']}.pt"))
@@ -352,3 +356,79 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
             assert all(torch.equal(tensor, other[name]) for other in mine[1:]), f"{name}: the replicas differ"
             assert torch.allclose(tensor, reference[f"r-{local}"][name], rtol=0, atol=1e-6), \
                 (name, (tensor - reference[f"r-{local}"][name]).abs().max().item())
+
+
+def test_hsdp_spares_take_a_killed_nodes_and_a_stragglers_place_and_the_model_equals_an_undisturbed_run_bit_for_bit(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    """``--nnodes 2:2`` and a third agent, a warm spare. A member's whole tree is SIGKILLed: the
+    spare's two ranks, started ahead, take its place, healed shard by shard from the survivor.
+    The killed node comes back as the next spare. Then a member straggles (0.15 s more a step):
+    its agent names it and evicts it, and the spare takes its place. The replica count never
+    changes, so the trained model equals an undisturbed 2 x 2 run's bit for bit; the node that
+    stayed keeps its workers' pids, none rolls a step back and every sample is trained once."""
+    dataset = 2560  # 160 steps an epoch: time for a killed node to come back as a spare, and a straggler
+    runs = {name: tmp_path / name for name in ("calm", "faulty")}
+    for folder in runs.values():
+        (folder / "finals").mkdir(parents=True)
+    flags = {name: tmp_path / f"{name}.slow" for name in ("a", "b", "c")}
+
+    def node(name: str, run: str, **extra: str) -> Node:
+        return _node(nodes, etcd_server, f"{run_id}{run}", runs[run], name, nnodes="2:2", dataset=dataset,
+                     FINALS=str(runs[run] / "finals"), **extra)
+
+    calm = [node(n, "calm", STEP_S="0") for n in ("p", "q")]
+    group = {n: node(n, "faulty", SLOW_FLAG=str(flags[n]), ELASTIC_STRAGGLER_PERIOD_S="0.5") for n in ("a", "b", "c")}
+    rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
+    every_log = lambda: "\n".join(n.log_tail(60) for n in (*group.values(), *calm))  # noqa: E731
+
+    def trained_by(after: float) -> set[str]:
+        return {r["node"] for r in _rows(rows) if r["time"] > after and r["world"] == 4}
+
+    wait_until(lambda: len(trained_by(0.0)) == 2 and max(r["step"] for r in _rows(rows)) >= 8, FORM_TIMEOUT,
+               "two of three nodes to train", on_timeout=every_log)
+    spare = next(n for name, n in group.items() if name not in trained_by(0.0))
+    victim, keeper = sorted((n for n in group.values() if n is not spare), key=lambda n: n.name)
+    kept = {r["pid"] for r in _rows(rows) if r["node"] == keeper.name}
+    killed_at = time.time()
+    victim.kill()
+    # (the victim may write a row in the milliseconds its tree takes to die)
+    wait_until(lambda: spare.name in trained_by(killed_at), FORM_TIMEOUT,
+               f"the spare {spare.name} to train in {victim.name}'s place", on_timeout=every_log)
+    victim.start()
+    wait_until(lambda: victim.metric("elastic_agent_spare_workers_ready") == 2, FORM_TIMEOUT,
+               f"{victim.name} back as the next spare, its workers started ahead", on_timeout=every_log)
+
+    # the member without rank 0 straggles (as in the DDP test): rank 0's node stays the round's host
+    host = next(r["node"] for r in reversed(_rows(rows)) if r["world"] == 4 and r["rank"] == 0)
+    slow, fast = (spare, keeper) if host == keeper.name else (keeper, spare)
+    slowed_at = time.time()
+    flags[slow.name].touch()
+    wait_until(lambda: victim.name in trained_by(slowed_at), FORM_TIMEOUT,
+               f"the straggler {slow.name} evicted and the spare {victim.name} in its place", on_timeout=every_log)
+    admitted_at = min(r["time"] for r in _rows(rows) if r["node"] == victim.name and r["time"] > slowed_at)
+    assert slow.metric("elastic_agent_straggler_evictions_total") == 1, every_log()
+    wait_until(lambda: not any(n.alive() for n in (fast, victim, *calm)), FORM_TIMEOUT, "both runs to finish",
+               on_timeout=every_log)
+    for n in (fast, victim, *calm):
+        assert n.process is not None and n.process.returncode == 0, every_log()
+
+    every = _rows(rows)
+    assert {r["world"] for r in every} == {4}, "the world shrank: a spare did not take the place in place"
+    assert not [r for r in every if r["node"] == slow.name and r["time"] > admitted_at], "the straggler trained on"
+    if fast is keeper:
+        assert {r["pid"] for r in every if r["node"] == keeper.name} == kept, "the survivor's workers restarted"
+    for pid in {r["pid"] for r in every}:
+        steps = [r["step"] for r in every if r["pid"] == pid]
+        assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
+    for admitted, lost in ((spare, victim), (victim, slow)):
+        said = admitted.log_path.read_text()
+        assert f"in the place of {lost.name}" in said and "the workers started while a spare take the place" in said, \
+            said
+    assert f"node {slow.name} is a straggler" in slow.log_path.read_text(), every_log()
+    report = check_ledger(ledger, dataset_size=dataset, expect_epochs=2)
+    assert report.ok, report.violations
+    faulty, reference = _finals(runs["faulty"] / "finals"), _finals(runs["calm"] / "finals")
+    assert sorted(faulty) == sorted(f"{n.name}-{i}" for n in (fast, victim) for i in (0, 1)), sorted(faulty)
+    for name, shards in faulty.items():  # local rank i holds the same shards on every replica
+        twin = reference["p" + name[-2:]]
+        assert all(torch.equal(t, twin[k]) for k, t in shards.items()), f"{name} differs from the undisturbed run"

@@ -93,6 +93,18 @@ def test_a_window_counts_only_once_every_member_stepped_on() -> None:
     assert watch.observe({"a": Pace(0.1, 20), "b": Pace(0.3, 20)}) is not None
 
 
+def test_a_named_straggler_stays_named_between_windows() -> None:
+    """A look that finds no new window (the agent looks more often than members step) keeps
+    the last verdict: returning None there logged "no longer lags" and named it again a
+    look later, over and over."""
+    watch = StragglerWatch(windows=2)
+    assert watch.observe({"a": Pace(0.1, 10), "b": Pace(0.3, 10)}) is None
+    named = watch.observe({"a": Pace(0.1, 20), "b": Pace(0.3, 20)})
+    assert named is not None and named.node == "b"
+    assert watch.observe({"a": Pace(0.1, 22), "b": Pace(0.3, 21)}) == named  # no new window yet
+    assert watch.observe({"a": Pace(0.1, 30), "b": Pace(0.1, 30)}) is None  # a window: it caught up
+
+
 def test_a_member_without_a_figure_and_a_new_world_start_the_count_again() -> None:
     watch = StragglerWatch(windows=2)
     assert watch.observe({"a": Pace(0.1, 10), "b": Pace(0.3, 10)}) is None

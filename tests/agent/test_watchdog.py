@@ -79,3 +79,21 @@ def test_lingering_after_the_script_returned_is_said_once(tmp_path: Path, clock:
         clock.now += 2
         assert watch.stalled() is None and watch.stalled() is None
     assert caplog.text.count("have not exited") == 1
+
+
+def test_a_spares_workers_adopted_keep_the_heartbeat_files_they_opened(tmp_path: Path, clock: Clock) -> None:
+    """A spare's workers, started ahead, opened their files before the round admitted them:
+    a reset that unlinked those left them beating into files no one reads, so the node had
+    no hang watch and no pace (it was never named a straggler). An older group's go."""
+    watch = HangWatch(tmp_path, timeout=2.0)
+    beat(tmp_path, 0, 7, 1000.0)
+    watch.reset()
+    assert not list(tmp_path.glob("rank-*")), "an older group's beat outlived a new group's start"
+    beat(tmp_path, 0, 1, 1000.5)  # the spare's worker, started ahead
+    watch.reset(keep_files=True)  # admitted: the same workers go on
+    assert [p.name for p in tmp_path.glob("rank-*")] == ["rank-0"]
+    beat(tmp_path, 0, 2, 1001.0)
+    clock.now = 1002.5
+    assert watch.stalled() is None  # its beat is read
+    clock.now = 1003.5
+    assert watch.stalled() == pytest.approx(2.5)
