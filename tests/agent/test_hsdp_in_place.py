@@ -295,8 +295,8 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
     a, b, c = (node(n, "faulty", "1:3", whole) for n in ("a", "b", "c"))
     rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
     every_log = lambda: "\n".join(n.log_tail(60) for n in (a, b, c, calm))  # noqa: E731
-    wait_until(lambda: any(r["world"] == whole and r["step"] >= 14 for r in _rows(rows)), FORM_TIMEOUT,
-               "HSDP over 3 nodes x 2 ranks to train", on_timeout=every_log)
+    wait_until(lambda: any(r["world"] == whole and r["rank"] == 0 and r["step"] >= 14 for r in _rows(rows)),
+               FORM_TIMEOUT, "HSDP over 3 nodes x 2 ranks to train", on_timeout=every_log)
     by_name = {n.name: n for n in (a, b, c)}
 
     def holder_of_rank0(world: int, after: float) -> str:
@@ -307,7 +307,8 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
     assert all(len(p) == 2 for p in pids.values()), pids
     killed_at = time.time()
     killed.kill()
-    wait_until(lambda: any(r["world"] == 4 and r["time"] > killed_at for r in _rows(rows)), FORM_TIMEOUT,
+    wait_until(lambda: any(r["world"] == 4 and r["rank"] == 0 and r["time"] > killed_at for r in _rows(rows)),
+               FORM_TIMEOUT,
                f"two nodes to train on without {killed.name}, in place", on_timeout=every_log)
     # freeze the node that does not hold rank 0 now: the other one keeps the job going alone
     host = holder_of_rank0(4, killed_at)
