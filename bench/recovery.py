@@ -71,6 +71,9 @@ training, the clock from the kill to node a's first step in a world of 2:
 Joins (no fault: how long the first node's training stood still while another joined):
 
 * ``ours-join`` / ``c10d-tuned-join`` / ``c10d-default-join``: the ``mlp`` job;
+* ``hsdp-join-large``: HSDP with a wider model (205 MB of parameters and AdamW state), node a
+  alone, node b joins; a's stand-still and rank 0's pair's transfer, against raw gloo
+  send/recv of the same bytes over two pairs at once, measured after the job;
 * ``ours-join-resnet``: three nodes... two train ResNet-50 + Adam (307 MB of state), a third
   joins; the figure is the survivors' stand-still (their re-formation, transfer included)
   beside the transfer alone and a raw gloo broadcast of the same bytes in the same run.
@@ -116,7 +119,7 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
            "freeze-host-spare", "freeze-host-spare-early", "freeze-host-joining", "ours-kill-joining",
            "ours-stop-joining", "ours-kill-joining-lease", "hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill",
-           "hsdp-freeze", "ddp-prepared-freeze")
+           "hsdp-freeze", "ddp-prepared-freeze", "hsdp-join-large")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -153,7 +156,8 @@ PREPARED_SCRIPT = textwrap.dedent('''\
     sharded = sys.argv[2] == "hsdp"
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    width = int(sys.argv[3]) if len(sys.argv) > 3 else 256  # hsdp-join-large: shards worth timing a heal of
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -545,8 +549,10 @@ def join_pause(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give
 # ------------------------------------------------------------------ a ResNet-50 joiner
 
 
-_REFORMED = re.compile(r"round (\d+) \(join\): world of (\d+), at step \d+, ranks \[[\d, ]+\] healed from "
-                       r"\[[\d, ]+\] \(([\d.]+) MB in ([\d.]+) s\) in ([\d.]+) s")
+# rank 0's line (elastic.restore / world.formed): "node c joined; re-formed in place in 0.49 s, warm (...): world
+# of 2 -> 3 at step 40, ranks [2] healed from [0] (282.6 MB in 0.43 s over gloo (eth0)), round 3"
+_JOINED = re.compile(r"joined; re-formed in place in ([\d.]+) s.*?healed from \[[\d, ]+\] \(([\d.]+) MB in "
+                     r"([\d.]+) s")
 
 
 def join_resnet(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) -> dict[str, float] | None:
@@ -567,17 +573,73 @@ def join_resnet(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float) 
         deadline = time.time() + give_up + 120
         while time.time() < deadline:
             for node in (a, b):
-                match = _REFORMED.search(node.log_path.read_text(errors="replace"))
+                match = _JOINED.search(node.log_path.read_text(errors="replace"))
                 if match:
-                    stall = float(match.group(5))
+                    stall = float(match.group(1))
                     steps = [r["time"] for r in a.progress()]
-                    return {"stall": stall, "mb": float(match.group(3)), "transfer": float(match.group(4)),
+                    return {"stall": stall, "mb": float(match.group(2)), "transfer": float(match.group(3)),
                             "joined_after": time.time() - joined_at, "steps": len(steps)}
             time.sleep(0.2)
         return None
     finally:
         for n in nodes:
             n.cleanup()
+
+
+HEAL_WIDTH = 4096  # hsdp-join-large: 17.1 M parameters, 205 MB of them and AdamW's state, in two shards
+
+
+def hsdp_join(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float,
+              width: int = HEAL_WIDTH) -> dict[str, float] | None:
+    """HSDP, node a (2 local ranks) trains alone; node b joins and its local rank i is healed
+    from a's local rank i, both pairs at once. Rank 0 logs the re-formation (a's stand-still)
+    and its own pair's transfer (half the shards)."""
+    script = work / "prepared_train.py"
+    script.write_text(PREPARED_SCRIPT)
+    nodes = make_nodes("hsdp-join-large", ("a", "b"), work, etcd, lease_ttl, job=["{progress}", "hsdp", str(width)],
+                       script=str(script), nproc=2)
+    a, b = nodes
+    try:
+        a.start()
+        if not _steady([a], 2, 5, 300):
+            return None
+        b.start()
+        deadline = time.time() + give_up + 120
+        while time.time() < deadline:
+            match = _JOINED.search(a.log_path.read_text(errors="replace"))
+            if match:
+                return {"stall": float(match.group(1)), "mb": float(match.group(2)), "transfer": float(match.group(3))}
+            time.sleep(0.2)
+        return None
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def raw_pairs_seconds(nbytes: int, work: Path) -> float:
+    """Raw gloo send/recv of ``nbytes`` over two pairs at once (ranks 0 -> 2 and 1 -> 3), as an
+    HSDP heal moves a node's shards: the anchor of ``hsdp-join-large``."""
+    import subprocess
+
+    code = textwrap.dedent(f'''\
+        import sys, time, torch, torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", store=dist.FileStore({str(work / f"pairs-store-{time.time_ns()}")!r}, 4), rank=rank, world_size=4)
+        flat = torch.empty({nbytes}, dtype=torch.uint8)
+        times = []
+        for _ in range(3):
+            dist.barrier(); t0 = time.perf_counter()
+            dist.send(flat, rank + 2) if rank < 2 else dist.recv(flat, rank - 2)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        if rank == 0: print(sorted(times)[1])
+    ''')
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True)
+             for r in range(4)]
+    out = procs[0].communicate(timeout=300)[0]
+    for p in procs[1:]:
+        p.wait(timeout=60)
+    return float(out.strip())
 
 
 def raw_broadcast_seconds(nbytes: int, work: Path) -> float:
@@ -692,6 +754,12 @@ def main() -> int:
                     values = [sharded_trial(config, work, etcd, args.lease_ttl, args.give_up)]
                 elif config.startswith(("script", "torchrun-script")):
                     values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
+                elif config == "hsdp-join-large":
+                    found = hsdp_join(work, etcd, args.lease_ttl, args.give_up)
+                    if found is not None:
+                        found["raw"] = raw_pairs_seconds(int(found["mb"] * 1e6), work)
+                        extra.setdefault(config, []).append(found)
+                    values = [found["stall"] if found else None]
                 elif config == "ours-join-resnet":
                     found = join_resnet(work, etcd, args.lease_ttl, args.give_up)
                     if found is not None:
@@ -717,6 +785,12 @@ def main() -> int:
               f"{found['transfer']:.2f} s = {found['mb'] / 1e3 / found['transfer']:.2f} GB/s; raw gloo broadcast of the "
               f"same bytes {found['raw']:.2f} s = {found['mb'] / 1e3 / found['raw']:.2f} GB/s; ours at "
               f"{found['raw'] / found['transfer']:.0%} of the raw broadcast's throughput (goal >= 50%)")
+    for found in extra.get("hsdp-join-large", []):
+        print(f"\nhsdp-join-large: node a stood still {found['stall']:.2f} s while node b joined; rank 0's pair moved "
+              f"{found['mb']:.1f} MB of shards in {found['transfer']:.2f} s = {found['mb'] / 1e3 / found['transfer']:.2f} "
+              f"GB/s ({found['transfer'] / found['mb'] * 1e3:.2f} s per GB per pair; both pairs at once); raw gloo "
+              f"send/recv of the same bytes over two pairs {found['raw']:.2f} s = {found['mb'] / 1e3 / found['raw']:.2f} "
+              f"GB/s; the heal at {found['raw'] / found['transfer']:.0%} of raw")
     frozen, lease = _median(results.get("freeze", [])), _median(results.get("freeze-lease", []))
     if frozen is not None and lease:
         print(f"\nfreeze: SIGSTOP to the first step without the node {frozen:.2f} s (median; goal <= 1.0 s) beside "
