@@ -8,9 +8,9 @@ AdamW) on the same data, in the same two processes, in blocks that alternate (A 
 * **dcp**: the same loop plus ``torch.distributed.checkpoint.async_save`` of model and
   optimizer every ``--every`` steps, waiting for the previous save before the next (DCP's
   documented pattern): what a torchrun job would do;
-* **elastic**: ``ElasticRun`` on the same model, a snapshot every ``--every`` steps (rank 0
-  gathers the full state through DCP's ``get_state_dict`` and its background writer writes
-  it, checksummed, atomically; ``elastic/sharded.py``).
+* **elastic**: ``ElasticRun`` on the same model, a snapshot every ``--every`` steps (every
+  rank copies its own shards at the step and writes them in the background as DCP files,
+  checksummed; rank 0 seals the manifest: ``elastic/sharded_snapshots.py``).
 
 Prints the median step time of each, and each snapshot loop's stall per snapshot: the
 extra time of its blocks over the plain loop's, divided by the snapshots they took. On
