@@ -619,46 +619,35 @@ def hsdp_join(work: Path, etcd: EmbeddedEtcd, lease_ttl: int, give_up: float,
 def raw_pairs_seconds(nbytes: int, work: Path) -> float:
     """Raw gloo send/recv of ``nbytes`` over two pairs at once (ranks 0 -> 2 and 1 -> 3), as an
     HSDP heal moves a node's shards: the anchor of ``hsdp-join-large``."""
+    return _raw_gloo_seconds(4, nbytes, "dist.send(flat, rank + 2) if rank < 2 else dist.recv(flat, rank - 2)", work)
+
+
+def raw_broadcast_seconds(nbytes: int, work: Path) -> float:
+    """A raw gloo broadcast of ``nbytes`` from rank 0 to two others, as the join's anchor."""
+    return _raw_gloo_seconds(3, nbytes, "dist.broadcast(flat, 0)", work)
+
+
+def _raw_gloo_seconds(world: int, nbytes: int, move: str, work: Path) -> float:
+    """The median of three timings of ``move`` (a statement over ``flat``, ``nbytes`` bytes) in
+    ``world`` fresh processes on one gloo group, between barriers."""
     import subprocess
 
     code = textwrap.dedent(f'''\
         import sys, time, torch, torch.distributed as dist
         rank = int(sys.argv[1])
-        dist.init_process_group("gloo", store=dist.FileStore({str(work / f"pairs-store-{time.time_ns()}")!r}, 4), rank=rank, world_size=4)
+        dist.init_process_group("gloo", store=dist.FileStore({str(work / f"raw-store-{time.time_ns()}")!r}, {world}),
+                                rank=rank, world_size={world})
         flat = torch.empty({nbytes}, dtype=torch.uint8)
         times = []
         for _ in range(3):
             dist.barrier(); t0 = time.perf_counter()
-            dist.send(flat, rank + 2) if rank < 2 else dist.recv(flat, rank - 2)
+            {move}
             dist.barrier()
             times.append(time.perf_counter() - t0)
         if rank == 0: print(sorted(times)[1])
     ''')
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True)
-             for r in range(4)]
-    out = procs[0].communicate(timeout=300)[0]
-    for p in procs[1:]:
-        p.wait(timeout=60)
-    return float(out.strip())
-
-
-def raw_broadcast_seconds(nbytes: int, work: Path) -> float:
-    """A raw gloo broadcast of ``nbytes`` from rank 0 to two others, as the join's anchor."""
-    import subprocess
-
-    code = textwrap.dedent(f'''\
-        import sys, time, torch, torch.distributed as dist
-        rank = int(sys.argv[1])
-        dist.init_process_group("gloo", store=dist.FileStore({str(work / f"raw-store-{time.time_ns()}")!r}, 3), rank=rank, world_size=3)
-        flat = torch.empty({nbytes}, dtype=torch.uint8)
-        times = []
-        for _ in range(3):
-            dist.barrier(); t0 = time.perf_counter(); dist.broadcast(flat, 0); dist.barrier()
-            times.append(time.perf_counter() - t0)
-        if rank == 0: print(sorted(times)[1])
-    ''')
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True)
-             for r in range(3)]
+             for r in range(world)]
     out = procs[0].communicate(timeout=300)[0]
     for p in procs[1:]:
         p.wait(timeout=60)
@@ -754,16 +743,12 @@ def main() -> int:
                     values = [sharded_trial(config, work, etcd, args.lease_ttl, args.give_up)]
                 elif config.startswith(("script", "torchrun-script")):
                     values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
-                elif config == "hsdp-join-large":
-                    found = hsdp_join(work, etcd, args.lease_ttl, args.give_up)
+                elif config in ("hsdp-join-large", "ours-join-resnet"):  # a join, then its raw anchor
+                    join, raw = (hsdp_join, raw_pairs_seconds) if config == "hsdp-join-large" else \
+                        (join_resnet, raw_broadcast_seconds)
+                    found = join(work, etcd, args.lease_ttl, args.give_up)
                     if found is not None:
-                        found["raw"] = raw_pairs_seconds(int(found["mb"] * 1e6), work)
-                        extra.setdefault(config, []).append(found)
-                    values = [found["stall"] if found else None]
-                elif config == "ours-join-resnet":
-                    found = join_resnet(work, etcd, args.lease_ttl, args.give_up)
-                    if found is not None:
-                        found["raw"] = raw_broadcast_seconds(int(found["mb"] * 1e6), work)
+                        found["raw"] = raw(int(found["mb"] * 1e6), work)
                         extra.setdefault(config, []).append(found)
                     values = [found["stall"] if found else None]
                 else:
