@@ -92,8 +92,11 @@ class WorkerMetrics:
         f = self.families
         self._steps = f.steps.labels(label)
         self._samples = f.samples.labels(label)
-        self._step_duration = f.step_duration.labels(label)
-        self._data_wait = f.data_wait.labels(label)
+        # histograms at the first step under this rank: a joiner's set-up world is rank 0 for a
+        # moment, and a histogram bound then read 0/0 under rank 0 for good (a NaN row in the
+        # p50 and straggler-ratio rules beside the rank that does train there)
+        self._step_duration: Any = None
+        self._data_wait: Any = None
         self._split_label = label  # the split's gauges are bound at its first figure: no 0 that reads as a pace
         self._compute: Any = None
         self._collective_wait: Any = None
@@ -147,6 +150,9 @@ class WorkerMetrics:
             self._collective_wait.set(split.collective)
         if local_samples:
             self._samples.inc(local_samples)
+        if self._step_duration is None:
+            self._step_duration = self.families.step_duration.labels(self._split_label)
+            self._data_wait = self.families.data_wait.labels(self._split_label)
         self._step_duration.observe(step_seconds)
         self._data_wait.observe(data_wait_seconds)
         self._last_step.set(time.time())

@@ -147,8 +147,10 @@ def test_registered_loop_state_heals_into_the_joiner_and_rank_0_moves_with_its_l
 ) -> None:
     script = write_script(tmp_path, "ported_tutorial.py", PORTED_TUTORIAL)
     env = {"DATASET": str(DATASET), "MAIN": str(tmp_path / "main.jsonl")}
-    group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="1:2", env=env)
-             for name in ("a", "b")]
+    # a kill is seen at once (the connection resets): the lease only has to outlast a loaded
+    # machine (at 2 s a whole-suite run starved the survivor's keep-alive and restarted it)
+    group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="1:2", env=env,
+                          agent_args=["--lease-ttl", "5"]) for name in ("a", "b")]
     train_together(group, tmp_path, 2, steps=6)
     victim = next(n for n in group if rows(n, tmp_path)[-1]["rank"] == 0)
     survivor = next(n for n in group if n is not victim)

@@ -120,3 +120,20 @@ def test_ranks_swapped_in_place_show_each_rank_once() -> None:
                claim(101, RankInfo(1, 1, "n", "h"), 0.0), claim(101, b_now)]
     got = ranks(rank_info_samples(written, {}))
     assert (got["0"]["local_rank"], got["1"]["local_rank"]) == ("1", "0")
+
+
+def test_a_rank_that_never_stepped_has_no_step_histogram() -> None:
+    """A joiner's set-up world is rank 0 for a moment, then it joins as another rank: no
+    histogram under rank 0 (it read 0/0, a NaN row in the p50 and straggler-ratio rules,
+    beside the node's real rank, for as long as the process lived)."""
+    from elastic.metrics.catalogue import families
+    from elastic.metrics.worker import WorkerMetrics
+
+    fam = families.__wrapped__()
+    worker = WorkerMetrics(0, 1, backend="gloo", device="cpu", torch_version="x", restart_count=0, fam=fam)
+    worker.rank_changed(1, 2)  # joined before any step of its set-up world
+    worker.step_done(16, 0.30, 0.05)
+    count = lambda rank: fam.registry.get_sample_value(  # noqa: E731
+        "elastic_step_duration_seconds_count", {"rank": rank})
+    assert count("0") is None and count("1") == 1
+    assert fam.registry.get_sample_value("elastic_data_wait_seconds_count", {"rank": "0"}) is None
