@@ -91,11 +91,15 @@ class Acts:
 
     # ------------------------------------------------------------------ a new group
 
-    def restart(self, decision: Decision) -> None:
+    def restart(self, decision: Decision, joined_from: tuple[str, ...] | None = None) -> None:
+        """Stop the local workers, take part in the next round, start them anew in it.
+        ``joined_from``: this node already took part in the round (an in-place rejoin that
+        found it forming afresh), whose members before it were these."""
         run = self.run
         reason = decision.reason or Reason.SCALE_UP
         acted_at = time.time()
-        log.warning("[%s] %s: stopping local workers now", self.node, self.reporting.describe(decision))
+        if joined_from is None:
+            log.warning("[%s] %s: stopping local workers now", self.node, self.reporting.describe(decision))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         sig = stop_signal(reason, self.watch.progressed())
@@ -106,7 +110,8 @@ class Acts:
             self.rdzv.publish(fault=f"etcd lease lost: {self.reporting.describe(decision)}"[:300])  # agent.node.fault_cause
         cause = timeline_reason(reason.value, [f.message for f in self.observer.seen_failures.values()])
         self.goodput.acted(cause, at=acted_at)
-        self.rdzv.publish(state=NodeState.STOPPING)
+        if joined_from is None:  # else the round it takes part in has closed: it is "running" in it
+            self.rdzv.publish(state=NodeState.STOPPING)
         self.metrics.set_state(AgentState.STOPPED)
         if reason is not Reason.LEASE_LOST:
             self.group.stop(sig, grace)
@@ -115,10 +120,12 @@ class Acts:
         if decision.counted:
             run.remaining_restarts -= 1
         run.restart_count += 1
-        previous = run.round.participants
+        previous = run.round.participants if joined_from is None else joined_from
         if reason is Reason.WORKER_FAILED:
             self.rdzv.report_unreachable()  # a peer cut off from us fails our workers, its lease intact
-        self.group.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST) else RoundCause.FAILURE)
+        if joined_from is None:
+            self.group.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST)
+                                  else RoundCause.FAILURE)
         if refunded(reason, previous, run.round.participants):
             reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
             run.remaining_restarts += 1
@@ -153,6 +160,8 @@ class Acts:
             self.rdzv.report_unreachable()  # so the next round can leave out a member nobody reaches
         self.group.rendezvous(RoundCause.JOIN if decision.reason is Reason.SCALE_UP else RoundCause.FAILURE,
                               offered=True)
+        if self._formed_afresh(decision, before):
+            return
         if run.round.offer is None:
             log.warning("[%s] no usable round for in-place workers", self.node)
             self._unusable(Reason.PEER_LOST)
@@ -188,7 +197,10 @@ class Acts:
         self.goodput.workers_stopped(ranks)
         if decision.counted:
             run.remaining_restarts -= 1
+        before_round = run.round.participants
         self.group.rendezvous(RoundCause.FAILURE, offered=True)
+        if self._formed_afresh(decision, before_round):
+            return
         if run.round.offer is None:
             self._unusable(decision.reason or Reason.WORKER_FAILED)
             return
@@ -205,6 +217,19 @@ class Acts:
         modes = sorted({self.workers.workers[rank].mode for rank in started if rank in self.workers.workers})
         log.info("[%s] round %d: local rank(s) %s started again (%s), %d restarts left", self.node,
                  run.round.number, ranks, " and ".join(modes) or "?", run.remaining_restarts)
+
+    def _formed_afresh(self, decision: Decision, before: tuple[str, ...]) -> bool:
+        """After an in-place rejoin or replace: a round that closed while no member's workers
+        held state yet (this node's had gone in place but not trained a step) forms afresh,
+        every member starting its workers anew, as its closer recorded for all of them alike.
+        This node's workers cannot follow it in place: they start again in it (True)."""
+        if not self.run.round.fresh_world:
+            return False
+        log.info("[%s] round %d formed afresh (no member's workers had trained a step in place when it closed): "
+                 "starting local workers anew in it", self.node, self.run.round.number)
+        self.restart(Decision(Action.RESTART, Reason.SCALE_UP if decision.reason is Reason.SCALE_UP
+                              else Reason.PEER_LOST), joined_from=before)
+        return True
 
     def _unusable(self, reason: Reason) -> None:
         """The round came without an offer: the next look carries it to the policy (agent.node.policy, 1b)."""

@@ -62,6 +62,9 @@ class Round:
     master_port: int = 0
     offer: RoundOffer | None = None
     live_world: bool = False  # its other members already train in place: this node's workers join them
+    # In place: no member's workers held state when it closed, so every member starts its
+    # workers afresh into it, a node whose workers went in place a moment ago included.
+    fresh_world: bool = False
 
     def others(self, node: str) -> list[str]:
         return [n for n in self.participants if n != node]
@@ -259,8 +262,8 @@ class EtcdRendezvous(AgentRendezvous):
         ranks = assign_ranks(participants, self.node, nprocs)
         if ranks is not None:
             rank_base, world_size = ranks
-        live = self.in_place and joins_live_world(
-            {n: bool(r.extra.get("in_place")) for n, r in records.items() if n in participants}, self.node)
+        # decided by the round's closer for every member alike (RoundRecord.in_place)
+        live = self.in_place and record is not None and record.live_world_for(self.node)
         offer = None
         if self.in_place:
             offer = make_offer(number, participants, self.node, nprocs,
@@ -268,7 +271,8 @@ class EtcdRendezvous(AgentRendezvous):
                                record.cause if record is not None else JOIN)
         return Round(number=number, participants=participants, group_rank=info.rank, group_world=info.world_size,
                      rank_base=rank_base, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                     offer=offer, live_world=live)
+                     offer=offer, live_world=live,
+                     fresh_world=self.in_place and record is not None and not record.in_place)
 
     def _refuse_a_finished_job(self) -> None:
         """A node whose workers succeeded trained the job's last step (``ElasticRun``: every
@@ -285,9 +289,7 @@ class EtcdRendezvous(AgentRendezvous):
         """Whether this node's workers may read MASTER_ADDR in ``record``'s round: not when they
         join a world that already trains in place (they start in a set-up world of their own),
         so the rendezvous need not wait for rank 0 to publish it."""
-        records = self._handler.node_records()
-        return not joins_live_world({n: bool(r.extra.get("in_place")) for n, r in records.items()
-                                     if n in record.participants}, self.node)
+        return not record.live_world_for(self.node)
 
     def live_world_ahead(self) -> bool:
         records = self._handler.node_records()

@@ -186,7 +186,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                      self.node, time.monotonic() - self.spares.first, record.round,
                      ", ".join(replaced) or "a lost member")
         store = dist.PrefixStore(f"round/{record.round}", self._store)
-        needed = self.bootstrap and (self.bootstrap_needed is None or self.bootstrap_needed(record))
+        # In-place workers that go on need no bootstrap, unless nobody held state at the close:
+        # then every member starts its workers afresh, this one's too (agent.node.acts.rejoin).
+        needed = (self.bootstrap or not record.in_place) and \
+            (self.bootstrap_needed is None or self.bootstrap_needed(record))
         bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if needed or rank == 0 else None
         for callback in list(self.on_round):
             callback(record)
@@ -378,7 +381,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 vouched = self.late.vouched(record, joined, entries, live, dead, first_seen.get(record.round))
                 if self.node in joined and should_close(record, joined, live, self.timings, waited, dead, vouched):
                     participants = rank_order(joined, record.previous, self.timings.max_nodes)
-                    if self.writer.swap(round_rev, record.closed_with(participants)):
+                    holding = [n for n, r in self.view.records(entries).items() if r.extra.get("in_place")]
+                    if self.writer.swap(round_rev, record.closed_with(participants, holding)):
                         self.writer.forget(record.round - 2)
                     continue
                 self.mirror.wait(revision, _TICK_S)

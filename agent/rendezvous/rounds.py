@@ -28,6 +28,12 @@ class RoundRecord:
     opened_at: float = field(default_factory=time.time)
     closed_at: float | None = None
     cause: str = JOIN  # in place, survivors interrupt their collectives only for a broken world
+    # In place: the participants whose workers held state in place when the round closed.
+    # Read once, by the node that closed it, so that every member decides alike whether
+    # the round joins a live world (its others' workers heal the rest) or forms afresh
+    # (every member starts its workers anew): two agents reading the registry a moment
+    # apart once chose differently and each waited for the other's kind of start.
+    in_place: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -50,16 +56,26 @@ class RoundRecord:
         opened_at, closed_at = data.get("opened_at", 0.0), data.get("closed_at")
         if not _is_time(opened_at) or not (closed_at is None or _is_time(closed_at)):
             raise ValueError(f"opened_at {opened_at!r:.40} / closed_at {closed_at!r:.40} are not times")
-        return cls(round=number, state=state, participants=_names(data.get("participants", [])),
+        participants, in_place = _names(data.get("participants", [])), _names(data.get("in_place", []))
+        if not set(in_place) <= set(participants):
+            raise ValueError(f"in_place {list(in_place)!r:.60} names nodes outside the round")
+        return cls(round=number, state=state, participants=participants,
                    previous=_names(data.get("previous", [])), opened_at=float(opened_at),
-                   closed_at=None if closed_at is None else float(closed_at), cause=cause)
+                   closed_at=None if closed_at is None else float(closed_at), cause=cause, in_place=in_place)
 
     def next_open(self, cause: str = JOIN) -> "RoundRecord":
         return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause)
 
-    def closed_with(self, participants: Iterable[str]) -> "RoundRecord":
-        return RoundRecord(self.round, CLOSED, tuple(participants), self.previous, self.opened_at, time.time(),
-                           self.cause)
+    def closed_with(self, participants: Iterable[str], in_place: Collection[str] = ()) -> "RoundRecord":
+        """Closed with ``participants``; ``in_place``: those of them whose workers train in place now."""
+        members = tuple(participants)
+        return RoundRecord(self.round, CLOSED, members, self.previous, self.opened_at, time.time(), self.cause,
+                           tuple(n for n in members if n in in_place))
+
+    def live_world_for(self, node: str) -> bool:
+        """Whether ``node``'s workers, started now into this round, join a world that trains in
+        place (another member's workers held state at the close), rather than forming it afresh."""
+        return any(n != node for n in self.in_place)
 
 
 def _is_int(value: object) -> bool:

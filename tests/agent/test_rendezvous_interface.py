@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import inspect
 import re
+import socket
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed import HashStore
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
+from agent.etcd import EmbeddedEtcd
 from agent.node import nulls
 from agent.node.commands import CommandWatch
 from agent.node.fork_server import ForkServer
@@ -19,7 +23,9 @@ from agent.node.pace import PaceMonitor
 from agent.node.policy import Reason
 from agent.node.rendezvous_api import Round, TorchRendezvous, agent_rendezvous
 from agent.node.states import RoundCause
+from agent.rendezvous import create_handler
 from elastic.inplace.channel import AgentChannel
+from tests.support.waiting import wait_until
 
 AGENT = Path(__file__).resolve().parents[2] / "agent" / "node"
 
@@ -95,3 +101,55 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
                 assert name == "node_agent" and "use_agent_store" in line, f"{name}: {line.strip()}"
         assert " is None" not in re.sub(r"#.*", "", "\n".join(
             line for line in text.splitlines() if re.search(r"self\.(pace|freeze|commands|channel|pool|ours)\b", line)))
+
+
+def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
+        etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """Node b formed the job alone; its workers went in place but had not trained a step
+    when node a arrived, and said they hold state just after the round closed, before a
+    read it. Both must read the round alike: it forms afresh (a starts its workers fresh,
+    b starts its own again in it). a once read the registry itself a moment later than
+    b's agent had, judged that it joined b's live world, and each waited for the other
+    (an in-place join against a fresh start): every round failed after 30 s."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
+    b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=1, in_place=True) for n in ("b", "a"))
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # a live agent's port answers its peers' probe
+    for node, store in zip((b, a), stores):
+        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
+                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
+                    while_spare=lambda: None)
+    try:
+        first = b.next_round(RoundCause.JOIN, Round(world_size=1))
+        assert first.participants == ("b",) and not first.live_world and first.fresh_world
+        b.publish(in_place=False)  # its workers went in place, but hold no state yet
+
+        def b_trains_now(record: Any) -> None:  # as round 1 closes: b's workers say they hold state
+            b.publish(in_place=True)
+            wait_until(lambda: a.peers()["b"].extra.get("in_place") is True, 10, "a to see b's new word")
+
+        a._handler.on_round.append(b_trains_now)  # type: ignore[attr-defined]
+        results: dict[str, Any] = {}
+        joiner = threading.Thread(target=lambda: results.update(a=a.next_round(RoundCause.JOIN, Round())), daemon=True)
+        joiner.start()
+        joined = f"/elastic/{run_id}/rdzv/join/1/a"
+        wait_until(lambda: joined in a._handler.mirror.entries()[0], 30, "a to open round 1")  # type: ignore[attr-defined]
+        results["b"] = b.next_round(RoundCause.JOIN, first, offered=True)
+        joiner.join(timeout=30)
+        ra, rb = results["a"], results["b"]
+        assert ra.number == rb.number == 1 and ra.participants == rb.participants == ("b", "a")
+        assert rb.offer is not None and ra.offer is not None
+        assert not ra.live_world and rb.fresh_world, (ra, rb)  # both: a fresh world, whatever was said after
+        # once b's workers held state at a close, a later round joins their live world, for both alike
+        again = threading.Thread(target=lambda: results.update(a2=a.next_round(RoundCause.FAILURE, ra, offered=True)),
+                                 daemon=True)
+        a._handler.on_round.clear()  # type: ignore[attr-defined]
+        again.start()
+        results["b2"] = b.next_round(RoundCause.FAILURE, rb, offered=True)
+        again.join(timeout=30)
+        assert results["a2"].live_world and not results["b2"].fresh_world and not results["b2"].live_world
+    finally:
+        for node in (a, b):
+            node._handler.close()  # type: ignore[attr-defined]
+        for store in stores:
+            store.close()
