@@ -101,6 +101,9 @@ def checked_load(data: bytes | memoryview, entry: FileEntry, *, map_location: An
 #: with ``torch.distributed.checkpoint`` (``elastic.sharded.load_dcp``), never before the
 #: load that returned it verified every file.
 DCP_DIR_KEY = "dcp"
+#: ... and each of its DCP files (relative to that directory) as the signed manifest records it,
+#: ``name -> (size, sha256)``: a reader that fetches them later checks against these.
+DCP_FILES_KEY = "dcp_files"
 
 
 class SnapshotReader:
@@ -258,7 +261,9 @@ class SnapshotReader:
         out: dict[str, Any] = {}
         for entry in m.files:
             if is_dcp_key(entry.key):
-                out[DCP_DIR_KEY] = path
+                where, _, name = entry.file.rpartition("/")  # an object store's are under their writer's name
+                out[DCP_DIR_KEY] = path / where if where else path
+                out.setdefault(DCP_FILES_KEY, {})[name] = (entry.size, entry.sha256)
                 if not verify_shards:
                     continue
             try:

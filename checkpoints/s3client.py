@@ -175,6 +175,30 @@ class S3Objects:
                 raise FileNotFoundError(self.loc.key(rel)) from None
             raise
 
+    def get_range(self, rel: str, start: int, length: int, *, if_match: str | None = None) -> bytes:
+        """``length`` bytes at ``start`` of one object (a ranged GET); ``if_match``: only of
+        the object with that ETag (PreconditionFailed if it changed since)."""
+        _, _, exc = _boto()
+        kw: dict[str, Any] = {"Range": f"bytes={start}-{start + length - 1}"}
+        if if_match is not None:
+            kw["IfMatch"] = if_match
+
+        def fetch() -> bytes:
+            body: bytes = self.client.get_object(Bucket=self.loc.bucket, Key=self.loc.key(rel), **kw)["Body"].read()
+            return body
+        try:
+            data = self.call(fetch) if length > 0 else b""
+        except exc.ClientError as e:
+            if error_code(e) in _PRECONDITION_CODES:
+                raise PreconditionFailed(f"{self.loc.key(rel)}: {error_code(e)}") from None
+            if is_missing(e):
+                raise FileNotFoundError(self.loc.key(rel)) from None
+            raise
+        if len(data) != length:
+            raise SnapshotError(f"{self.loc.key(rel)}: {len(data)} bytes at {start}, not {length} (shorter than its "
+                                "record says)")
+        return data
+
     def download(self, rel: str, sink: BinaryIO) -> None:
         """Into ``sink``, as parallel ranged GETs for large objects."""
         def fetch() -> None:

@@ -47,6 +47,7 @@ from .location import S3Location, parse_s3
 from .manifest import FileEntry, Manifest, ManifestError
 from .s3client import PreconditionFailed, S3Objects
 from .s3fence import S3Fence, stale_commit
+from .s3parts import S3ShardedParts, writer_name
 from .reading import FileProblem, SnapshotInfo, SnapshotReader, checked_load
 from .reading import info_of as _info
 from .reading import signature_only as _signature_only
@@ -72,10 +73,6 @@ class ObjectPath(str):
         return ObjectPath(f"{self.rstrip('/')}/{other}")
 
 
-def writer_name() -> str:
-    return f"{layout.host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def _writer_gone(writer: str, age_s: float, grace_s: float) -> bool:
     """Whether the files (or upload) of ``writer`` can no longer become part of a snapshot."""
     m = _WRITER_RE.match(writer)
@@ -92,7 +89,7 @@ def _age(when: dt.datetime | None) -> float:
     return max(0.0, time.time() - when.timestamp())
 
 
-class S3SnapshotStore(SnapshotReader):
+class S3SnapshotStore(S3ShardedParts, SnapshotReader):
     """The snapshot store (same interface as :class:`.store.SnapshotStore`) in an object store.
 
     ``create`` (the writer's side) checks at once that the bucket exists, the credentials are
@@ -192,14 +189,17 @@ class S3SnapshotStore(SnapshotReader):
                           lambda _spool, where: self._upload_copies(src, manifest.files, where))
 
     def _save(self, step: int, world_size: int, extra_meta: dict[str, Any], housekeeping: bool,
-              upload: Callable[[Path, str], list[FileEntry]]) -> SnapshotInfo:
+              upload: Callable[[Path, str], list[FileEntry]], writer: str | None = None) -> SnapshotInfo:
         """The commit protocol around ``upload(spool, "<step dir>/<writer>")``, which puts the
-        files under the writer's own name and returns their manifest entries."""
+        files under the writer's own name and returns their manifest entries (``writer``: the
+        name a sharded snapshot's ranks uploaded under, :mod:`.s3parts`)."""
         sdir = layout.step_dirname(step)
         existing = self._handle_existing(step)
         if existing is not None:
+            if writer is not None:
+                self._delete_quietly([f"{sdir}/{writer}/"])
             return existing
-        writer = writer_name()
+        writer = writer or writer_name()
         with self._lock:
             self._writing.add(writer)
         spool = Path(tempfile.mkdtemp(prefix=".snapshot-spool-", dir=self.spool_dir))

@@ -143,11 +143,24 @@ def write_part(root: Path, part: Part) -> None:
     ``part-<rank>.json``: the file's size and sha256, and where each item lies in it."""
     temp = root / part.temp
     temp.mkdir(exist_ok=True)
+    record = serialise_part(part, temp / part.file)
+    tmp = temp / f".{part_name(part.rank)}.tmp"
+    write_bytes(tmp, part_record_bytes(record))
+    os.rename(tmp, temp / part_name(part.rank))
+
+
+def part_record_bytes(record: dict[str, Any]) -> bytes:
+    return json.dumps(record).encode()
+
+
+def serialise_part(part: Part, path: Path) -> dict[str, Any]:
+    """This rank's items serialised into the file ``path`` (none made when it has no item),
+    fsync'd; returns its part record: the file, its size and sha256, where each item lies."""
     placed = []
     size, sha = 0, ""
     if part.items:
         digest = hashlib.sha256()
-        fd = os.open(temp / part.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             for index, data in part.items:
                 if isinstance(data, torch.Tensor):
@@ -166,10 +179,7 @@ def write_part(root: Path, part: Part) -> None:
         finally:
             os.close(fd)
         sha = digest.hexdigest()
-    record = {"rank": part.rank, "file": part.file if size else None, "size": size, "sha256": sha, "items": placed}
-    tmp = temp / f".{part_name(part.rank)}.tmp"
-    write_bytes(tmp, json.dumps(record).encode())
-    os.rename(tmp, temp / part_name(part.rank))
+    return {"rank": part.rank, "file": part.file if size else None, "size": size, "sha256": sha, "items": placed}
 
 
 def metadata_bytes(metadata: Metadata, records: list[dict[str, Any]]) -> bytes:
@@ -207,24 +217,40 @@ def write_bytes(path: Path, data: Any) -> tuple[int, str]:
 def wait_parts(temp: Path, ranks: int, deadline: float, abandoned: Callable[[], bool]) -> list[dict[str, Any]]:
     """Every rank's part record, once all ``ranks`` are there; SnapshotError naming the ranks
     missing when ``deadline`` (time.monotonic) passes or the snapshot is abandoned."""
-    pause = 0.005
+    def read(rank: int) -> bytes | None:
+        try:
+            return (temp / part_name(rank)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    return await_parts(temp.name, ranks, read, deadline, abandoned)
+
+
+def await_parts(name: str, ranks: int, read: Callable[[int], bytes | None], deadline: float,
+                abandoned: Callable[[], bool], pause: float = 0.005, most: float = 0.1) -> list[dict[str, Any]]:
+    """:func:`wait_parts` over any storage: ``read(rank)`` gives a part record's bytes or None."""
+    found: dict[int, dict[str, Any]] = {}
     while True:
-        found = {}
         for rank in range(ranks):
+            if rank in found:
+                continue
+            raw = read(rank)
+            if raw is None:
+                continue
             try:
-                found[rank] = json.loads((temp / part_name(rank)).read_bytes())
-            except (FileNotFoundError, ValueError):
+                found[rank] = json.loads(raw)
+            except ValueError:
                 pass
         if len(found) == ranks:
             return [found[r] for r in range(ranks)]
         if abandoned() or time.monotonic() > deadline:
             missing = sorted(set(range(ranks)) - set(found))
             why = "the world changed" if abandoned() else "they did not arrive in time"
-            raise SnapshotError(f"rank(s) {missing} never wrote their shards of {temp.name} ({why}); "
+            raise SnapshotError(f"rank(s) {missing} never wrote their shards of {name} ({why}); "
                                 "it is not a snapshot, and the next one takes its place")
         time.sleep(pause)
-        pause = min(pause * 2, 0.1)
+        pause = min(pause * 2, most)
 
 
-__all__ = ["DCP_PREFIX", "DeferredDcpWriter", "Part", "ShardTarget", "is_dcp_key", "metadata_bytes", "part_name",
-           "wait_parts", "write_part"]
+__all__ = ["DCP_PREFIX", "DeferredDcpWriter", "Part", "ShardTarget", "await_parts", "is_dcp_key", "metadata_bytes",
+           "part_name", "part_record_bytes", "serialise_part", "wait_parts", "write_part"]

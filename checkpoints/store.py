@@ -244,6 +244,12 @@ class SnapshotStore(SnapshotReader):
             _ACTIVE_TEMPS.add(name)
         return name
 
+    def write_part(self, part: Any) -> None:
+        """Every rank, in the background: its shards into the temp dir (:func:`.sharded.write_part`)."""
+        from .sharded import write_part
+
+        write_part(self.root, part)
+
     def seal_parts(self, step: int, temp_name: str, *, ranks: int, metadata: Any, state: Mapping[str, Any],
                    world_size: int, extra_meta: dict[str, Any] | None = None, deadline: float,
                    abandoned: Any = lambda: False, housekeeping: bool = True) -> SnapshotInfo:

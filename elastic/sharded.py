@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -313,17 +313,30 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
         return get_state_dict(module, optimizer)
 
 
-def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any) -> None:
+def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any,
+             files: Mapping[str, tuple[int, str]] | None = None) -> None:
     """Every rank reads its own shards of a sharded snapshot (:mod:`checkpoints.sharded`),
     whatever shard and replica count wrote it: DCP reshards. A collective. The caller has
-    verified every file against the signed manifest: DCP unpickles ``.metadata``."""
+    verified every file against the signed manifest: DCP unpickles ``.metadata``. In an
+    object store (``s3://``) each rank fetches only its shards' byte ranges, each checked
+    against ``files``, the manifest's record (:mod:`checkpoints.s3dcp`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from checkpoints.location import is_remote
+    from checkpoints.s3dcp import unwrapped
+
     from .collectives import collective_failures
 
+    reader: Any
+    if is_remote(str(path)):
+        from checkpoints.s3dcp import S3DcpReader
+
+        reader = S3DcpReader(str(path), files or {})
+    else:
+        reader = dcp.FileSystemReader(str(path))
     model_state, optimizer_state = get_state_dict(module, optimizer)
-    problem = dcp_shape_problem(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata,
+    problem = dcp_shape_problem(reader.read_metadata().state_dict_metadata,
                                 {f"model.{k}": tuple(v.shape) for k, v in model_state.items()
                                  if isinstance(v, torch.Tensor)})
     if problem is not None:
@@ -332,8 +345,11 @@ def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any) -> 
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         with collective_failures():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=reader)
     except dcp.api.CheckpointException as e:
+        corrupt = unwrapped(e)
+        if corrupt is not None:  # what a rank fetched is not what the manifest verified (checkpoints.s3dcp)
+            raise corrupt from None
         first = (str(e).strip().splitlines() or ["?"])[0][:200]
         raise ElasticRunError(f"snapshot {path} does not match this model and optimizer ({first}); resume with "
                               "the same model and optimizer, or start with an empty snapshot directory") from None

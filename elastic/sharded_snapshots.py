@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoints import SnapshotError, SnapshotFencedError, SnapshotStore
-from checkpoints.sharded import DeferredDcpWriter, Part, write_part
+from checkpoints.sharded import DeferredDcpWriter, Part
 from checkpoints.writer import WriterStats, round_taken_in
 
 from .collectives import collective_failures
@@ -168,7 +168,7 @@ class ShardedWriter:
         try:
             if copied is not None:
                 copied.synchronize()
-            write_part(self.store.root, part)
+            self.store.write_part(part)  # into the snapshot's temp dir, or uploaded (checkpoints.s3parts)
             if rest is None:
                 return
             assert metadata is not None

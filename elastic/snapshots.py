@@ -85,11 +85,13 @@ class Snapshots:
     @property
     def per_rank(self) -> bool:
         """Whether every rank writes its own shards (:mod:`checkpoints.sharded`): a sharded
-        model and a directory, on the restart path and in place (HSDP). An object store
-        still takes the full state gathered to rank 0."""
+        model, on the restart path and in place (HSDP), into a directory or an object store
+        (:mod:`checkpoints.s3parts`). Two tiers still take the full state gathered to rank
+        0: their first tier is each node's own disk, which no other rank can write to."""
         from checkpoints import dcp_private
+        from checkpoints.location import split_tiers
 
-        return self.collective and not uses_object_store(self.root) and dcp_private.PROBLEM is None
+        return self.collective and split_tiers(str(self.root)) is None and dcp_private.PROBLEM is None
 
     # ------------------------------------------------------------------ opening, per world
 

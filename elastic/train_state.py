@@ -70,12 +70,12 @@ class TrainState:
     def load(self, state: dict[str, Any], local: bool = False) -> None:
         """Take ``state`` (a snapshot or a replica's; ``local``: a sharded replica's own shards);
         a mismatch is the user's to fix, in one line."""
-        from checkpoints.reading import DCP_DIR_KEY
+        from checkpoints.reading import DCP_DIR_KEY, DCP_FILES_KEY
 
         if DCP_DIR_KEY in state:  # a sharded snapshot, each rank's shards written by itself
             from .sharded import load_dcp
 
-            load_dcp(self.module, self.optimizer, state[DCP_DIR_KEY])
+            load_dcp(self.module, self.optimizer, state[DCP_DIR_KEY], state.get(DCP_FILES_KEY))
         elif not (self.sharded and local):
             check_state_compatible(self.module.state_dict(), state["model"], "model")  # global shapes, if sharded
         try:

@@ -2,23 +2,27 @@
 replica count and another shard count, from DCP's own files.
 
 Real processes, real gloo worlds under plain env:// (no agent), an HSDP model trained by
-``ElasticRun`` as FSDP2's docs build it. World ``a`` (2 replicas x 2 shards) trains to
-step 8 with a snapshot every 4 steps; its snapshot directory is then resumed, copied, by
-``b`` (1 replica x 2 shards: another replica count) and by ``c`` (one rank: 1 shard,
-another shard count, with ``a``'s newest shard file torn so that ``c`` must fall
-back to step 4). Both train on to step 12 and must end where an undisturbed run ``r`` ends
-(float tolerance: another mesh sums in another order). The snapshot loads
-with ``torch.distributed.checkpoint`` outside the service once the store has verified it.
+``ElasticRun`` as FSDP2's docs build it, snapshots in a real S3 server (SeaweedFS): each
+rank uploads its own shards, rank 0 commits the manifest, no gather. World ``a`` (2
+replicas x 2 shards) trains to step 8 with a snapshot every 4 steps; its bucket prefix is
+then resumed, copied, by ``b`` (1 replica x 2 shards: another replica count) and by ``c``
+(one rank: 1 shard, another shard count, with ``a``'s newest shard object torn so that
+``c`` must fall back to step 4), each rank reading only its own byte ranges. Both train on
+to step 12 and must end where an undisturbed run ``r`` ends (float tolerance: another mesh
+sums in another order). The snapshot loads with ``torch.distributed.checkpoint`` straight
+from the bucket outside the service once the store has verified it. (A directory's
+sharded snapshots, written by the ranks of several nodes under the agents, are
+tests/agent/test_sharded_restart.py's.)
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.elastic import test_replica_check as ddp
+from tests.support.s3server import SeaweedS3
 
 STEPS = 12
 
@@ -64,7 +69,7 @@ SCRIPT = textwrap.dedent('''\
 ''')
 
 
-def _world(tmp: Path, tag: str, mesh: str, steps: int, snapshots: Path,
+def _world(tmp: Path, tag: str, mesh: str, steps: int, snapshots: Path | str,
            stores: list[dist.TCPStore]) -> list[subprocess.Popen[bytes]]:
     """A gloo world of ``mesh``'s ranks (``RxS``: 2 local ranks per node; ``N``: one per node)."""
     shape = [int(n) for n in mesh.split("x")]
@@ -92,41 +97,52 @@ def _final(tmp: Path, tag: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_every_rank_writes_its_shards_and_the_job_resumes_at_other_replica_and_shard_counts(tmp_path: Path) -> None:
+def test_every_rank_uploads_its_shards_and_the_job_resumes_at_other_replica_and_shard_counts(
+        tmp_path: Path, s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from checkpoints import SnapshotStore
-    from checkpoints.reading import DCP_DIR_KEY
+    from checkpoints.reading import DCP_DIR_KEY, DCP_FILES_KEY
+    from checkpoints.s3dcp import S3DcpReader
+    from checkpoints.s3store import S3SnapshotStore
 
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)  # the worlds inherit them
+    bucket = s3_server.bucket(f"sharded-worlds-{os.getpid()}")
+    url = lambda tag: f"s3://{bucket}/snap-{tag}"  # noqa: E731
     (tmp_path / "job.py").write_text(SCRIPT)
     stores: list[dist.TCPStore] = []
-    first = _world(tmp_path, "a", "2x2", 8, tmp_path / "snap-a", stores)
+    first = _world(tmp_path, "a", "2x2", 8, url("a"), stores)
     reference = _world(tmp_path, "r", "1x2", STEPS, tmp_path / "snap-r", stores)
     ddp._wait(first + reference, tmp_path, timeout=240)
 
-    store = SnapshotStore(tmp_path / "snap-a", create=False)
+    store = S3SnapshotStore(url("a"), create=False)
     assert [s.step for s in store.list()] == [4, 8]
     newest = store.load_latest()
     assert newest is not None and newest[0].step == 8
-    step_dir = newest[1][DCP_DIR_KEY]
-    shard_files = sorted(p.name for p in step_dir.glob("*.distcp"))
-    assert shard_files == [f"__{r}_0.distcp" for r in range(4)]  # every rank wrote its own part, no gather
-    assert not list(tmp_path.glob("snap-a/.tmp-*")) and not list(step_dir.glob("part-*"))
+    step_dir = str(newest[1][DCP_DIR_KEY])
+    where = step_dir[len(url("a")) + 1:]  # step-<8>/<writer>: the prefix every rank uploaded under
+    names = sorted(o["Key"].rsplit("/", 1)[-1] for o in store.objects.list(where + "/"))
+    assert [n for n in names if n.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]  # no gather
+    assert not [n for n in names if n.startswith("part-")]  # the ranks' records went once the manifest said it
 
-    # Outside the service: verified by the store above, then dcp.load into a plain model.
+    # Outside the service: verified by the store above, then dcp.load from the bucket into a plain model.
     plain = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     target = {"model": plain.state_dict()}
-    dcp.load(target, checkpoint_id=str(step_dir))
+    dcp.load(target, storage_reader=S3DcpReader(step_dir, newest[1][DCP_FILES_KEY]))
     assert set(target["model"]) == set(_final(tmp_path, "a"))
     for name, tensor in _final(tmp_path, "a").items():
         assert torch.equal(target["model"][name], tensor), name
 
-    shutil.copytree(tmp_path / "snap-a", tmp_path / "snap-b")
-    shutil.copytree(tmp_path / "snap-a", tmp_path / "snap-c")
-    torn = tmp_path / "snap-c" / step_dir.name / "__2_0.distcp"
-    torn.write_bytes(torn.read_bytes()[:-100])  # a torn shard: the whole step is refused, step 4 used
-    resumed = _world(tmp_path, "b", "1x2", STEPS, tmp_path / "snap-b", stores)
-    resharded = _world(tmp_path, "c", "1", STEPS, tmp_path / "snap-c", stores)
+    client: Any = s3_server.client()
+    for o in client.list_objects_v2(Bucket=bucket, Prefix="snap-a/")["Contents"]:
+        for tag in ("b", "c"):
+            client.copy_object(Bucket=bucket, Key=o["Key"].replace("snap-a/", f"snap-{tag}/", 1),
+                               CopySource={"Bucket": bucket, "Key": o["Key"]})
+    torn = f"snap-c/{where}/__2_0.distcp"
+    body = client.get_object(Bucket=bucket, Key=torn)["Body"].read()
+    client.put_object(Bucket=bucket, Key=torn, Body=body[:-100])  # a torn shard: the whole step is refused
+    resumed = _world(tmp_path, "b", "1x2", STEPS, url("b"), stores)
+    resharded = _world(tmp_path, "c", "1", STEPS, url("c"), stores)
     ddp._wait(resumed + resharded, tmp_path, timeout=240)
 
     assert "RESUMED_FROM 8" in ddp._log(tmp_path, "b")
