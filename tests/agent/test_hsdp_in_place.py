@@ -13,7 +13,8 @@ both, the workers of a node that stayed keep their pids, the replicate dimension
 the step that failed is not applied and none is rolled back; a returning node's local rank
 i is healed from a live replica's local rank i (shards, not the disk), and from then on the
 replicas' shards are bitwise equal at every step. Every sample of each epoch is trained
-once (the ledger). At 3 nodes the trained model also equals an undisturbed run's."""
+once (the ledger). At 3 nodes the trained model also equals an undisturbed run's. The
+SIGTERM case snapshots to a real S3 server (SeaweedFS): every rank uploads its own shards."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ import pytest
 import torch
 from agent.etcd import EmbeddedEtcd
 from agent.local.local_node import AUTO_METRICS_PORT
-from checkpoints import SnapshotStore
 from checkpoints.reading import DCP_DIR_KEY
+from checkpoints.s3store import S3SnapshotStore
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
+from tests.support.s3server import SeaweedS3
 from tests.support.waiting import wait_until
 
 FORM_TIMEOUT = 150
@@ -107,7 +109,8 @@ def _rows(path: Path) -> list[dict]:
 
 def _node(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path, name: str, nnodes: str = "1:2",
           nproc: int = 2, dataset: int = DATASET, **extra: str) -> Node:
-    """One node of the HSDP job: the script, its rows, the ledger and the snapshots in ``tmp``."""
+    """One node of the HSDP job: the script, its rows, the ledger and the snapshots in ``tmp``
+    (or where ``ELASTIC_SNAPSHOT_DIR`` in ``extra`` says)."""
     script = tmp / "hsdp.py"
     if not script.exists():
         script.write_text(HSDP)
@@ -122,9 +125,13 @@ def _node(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path
 @pytest.mark.parametrize(("victim", "fault"), [("rank0", "sigterm")], ids=["rank0-node-sigtermed"])
 def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a_live_replica(
         etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path, victim: str,
-        fault: str) -> None:
+        fault: str, s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its snapshots go to a real S3 server: every rank of each world uploads its own shards,
+    in place too, and rank 0 of the round commits (checkpoints/s3parts.py)."""
     rows, ledger = tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
-    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n) for n in ("a", "b"))
+    bucket = f"s3://{s3_server.bucket(f'hsdp-{os.getpid()}-{run_id}'.lower()[:60])}/job"
+    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n, ELASTIC_SNAPSHOT_DIR=bucket, **s3_server.env())
+            for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     # a freeze after the stall rule has the job's pace (a few steady steps), as in a real job
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= (6 if fault == "kill" else 14) for r in _rows(rows)),
@@ -192,11 +199,15 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     assert "healed from" in log and "Traceback" not in log, log
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
-    # in place too, every rank wrote its own shards of each snapshot (no gather to rank 0):
+    # in place too, every rank uploaded its own shards of each snapshot (no gather to rank 0):
     # the newest verifies (manifest, sizes, sha256) and holds one DCP file per rank that wrote
-    newest = SnapshotStore(tmp_path / "snapshots", create=False).load_latest()
+    for k, v in s3_server.env().items():  # this process reads the bucket too
+        monkeypatch.setenv(k, v)
+    store = S3SnapshotStore(bucket, create=False)
+    newest = store.load_latest()
     assert newest is not None, "no snapshot verifies"
-    files = sorted(p.name for p in newest[1][DCP_DIR_KEY].glob("*.distcp"))
+    where = str(newest[1][DCP_DIR_KEY])[len(bucket) + 1:]
+    files = sorted(o["Key"].rsplit("/", 1)[-1] for o in store.objects.list(where + "/") if o["Key"].endswith(".distcp"))
     assert len(files) >= 2 and files == [f"__{r}_0.distcp" for r in range(len(files))], files
 
 
