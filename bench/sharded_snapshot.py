@@ -18,6 +18,7 @@ this machine's 2 shared cores the figures are noisy; say so wherever they are qu
 
     python bench/sharded_snapshot.py            # ~2 min
     python bench/sharded_snapshot.py --quick    # smoke run
+    python bench/sharded_snapshot.py --loops plain,elastic,elastic-s3   # the same into s3:// (SeaweedFS here)
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ class _Elastic:
 
 
 def _worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    loops: dict[str, Any] = {"plain": _Plain(None, args.every), "dcp": _Plain(os.path.join(tmp, "dcp"), args.every),
-                             "elastic": _Elastic(os.path.join(tmp, "elastic"), args.every)}
-    loops = {n: loops[n] for n in args.loops.split(",")}
+    makers: dict[str, Any] = {"plain": lambda: _Plain(None, args.every),
+                              "dcp": lambda: _Plain(os.path.join(tmp, "dcp"), args.every),
+                              "elastic": lambda: _Elastic(os.path.join(tmp, "elastic"), args.every),
+                              "elastic-s3": lambda: _Elastic(args.s3_url, args.every)}
+    loops = {n: makers[n]() for n in args.loops.split(",")}
     for loop in loops.values():
         loop.block(args.every + 2)  # warm: first snapshot taken, writer started
         loop.saves = 0
@@ -136,8 +139,9 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
             times[name].append(loop.block(args.block))
     if "dcp" in loops and loops["dcp"].pending is not None:
         loops["dcp"].pending.result()
-    if "elastic" in loops:
-        loops["elastic"].run.close()
+    for name in ("elastic", "elastic-s3"):
+        if name in loops:
+            loops[name].run.close()
     return {"times": times, "saves": {n: loops[n].saves for n in loops if n != "plain"},
             "state_mb": sum(p.numel() * 4 * 3 for p in loops["plain"].model.parameters()) * 2 / 1e6}
 
@@ -147,20 +151,33 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=40, help="steps per block")
     parser.add_argument("--repeats", type=int, default=8, help="blocks per loop")
     parser.add_argument("--every", type=int, default=10, help="steps between snapshots")
-    parser.add_argument("--loops", default="plain,dcp,elastic", help="which loops (plain always first)")
+    parser.add_argument("--loops", default="plain,dcp,elastic",
+                        help="which loops (plain always first); elastic-s3: ElasticRun into SeaweedFS on this host")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.block, args.repeats = 20, 2
     print(steady_allocator())
     with tempfile.TemporaryDirectory(prefix="sharded-bench-") as tmp:
-        out = run_two_ranks(_worker, args, tmp)
+        server = None
+        if "elastic-s3" in args.loops.split(","):  # each rank uploads its own shards to a real S3 server
+            from tests.support.s3server import SeaweedS3
+
+            server = SeaweedS3(Path(tmp) / "s3")
+            server.start()
+            os.environ.update(server.env())  # the spawned ranks inherit them
+            args.s3_url = f"s3://{server.bucket('sharded-bench')}/job"
+        try:
+            out = run_two_ranks(_worker, args, tmp)
+        finally:
+            if server is not None:
+                server.stop()
     times, saves = out["times"], out["saves"]
     per_step = {n: statistics.median(t) / args.block for n, t in times.items()}
     print(f"FSDP2 over 2 ranks (gloo, CPU), state (params + AdamW) {out['state_mb']:.1f} MB, block {args.block} "
           f"steps x {args.repeats}, a snapshot every {args.every} steps")
     for name in times:
-        line = f"  {name:8s} median step {per_step[name] * 1e3:7.2f} ms"
+        line = f"  {name:10s} median step {per_step[name] * 1e3:7.2f} ms"
         if name != "plain":
             extra = sum(times[name]) - sum(times["plain"])
             n = max(1, saves[name])
