@@ -1,10 +1,31 @@
 from __future__ import annotations
 
+import itertools
+import os
 import subprocess
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from tests.support.s3server import SeaweedS3
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server: SeaweedS3, request: pytest.FixtureRequest) -> str:
+    """A bucket of the session's S3 server for this test module alone."""
+    module = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    return s3_server.bucket(f"{module}-{os.getpid()}"[:63])
+
+
+@pytest.fixture
+def s3(s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh prefix's URL, with the server's endpoint and credentials in the AWS variables."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{bucket}/job-{next(_prefixes)}"
 
 
 def _mount(args: list[str]) -> str | None:

@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -24,20 +23,6 @@ from checkpoints.stores import open_store
 from tests.support.s3server import SeaweedS3
 
 KEY = b"k" * 32
-_n = iter(range(10**6))
-
-
-@pytest.fixture(scope="module")
-def bucket(s3_server: SeaweedS3) -> str:
-    return s3_server.bucket(f"ckpt-tests-{os.getpid()}")
-
-
-@pytest.fixture
-def s3(s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A fresh prefix's URL, with the server's endpoint and credentials in the AWS variables."""
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    yield f"s3://{bucket}/job-{next(_n)}"
 
 
 def _state(step: int, n: int = 1000) -> dict:

@@ -6,7 +6,6 @@ one when it is back; training steps do not wait for it; nothing partial is ever 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Iterator
@@ -21,12 +20,6 @@ from tests.support.faulty_proxy import FaultyProxy
 from tests.support.s3server import SeaweedS3
 
 KEY = b"k" * 32
-_n = iter(range(10**6))
-
-
-@pytest.fixture(scope="module")
-def bucket(s3_server: SeaweedS3) -> str:
-    return s3_server.bucket(f"ckpt-faults-{os.getpid()}")
 
 
 @pytest.fixture
@@ -36,10 +29,9 @@ def proxy(s3_server: SeaweedS3) -> Iterator[FaultyProxy]:
 
 
 @pytest.fixture
-def url(s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return f"s3://{bucket}/job-{next(_n)}"
+def url(s3: str) -> str:
+    """A fresh prefix, the server's variables set (tests/checkpoints/conftest.py's ``s3``)."""
+    return s3
 
 
 def _direct(url: str, **kw: object) -> S3SnapshotStore:

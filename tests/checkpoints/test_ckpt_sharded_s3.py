@@ -9,9 +9,7 @@ tests/elastic/test_sharded_snapshots.py."""
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Iterator
 
 import pytest
 import torch
@@ -27,19 +25,6 @@ from checkpoints.errors import SnapshotCorruptError
 from tests.support.s3server import SeaweedS3
 
 KEY = b"k" * 32
-_n = iter(range(10**6))
-
-
-@pytest.fixture(scope="module")
-def bucket(s3_server: SeaweedS3) -> str:
-    return s3_server.bucket(f"sharded-{os.getpid()}")
-
-
-@pytest.fixture
-def s3(s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    yield f"s3://{bucket}/job-{next(_n)}"
 
 
 def _model_state(seed: int) -> dict[str, torch.Tensor]:

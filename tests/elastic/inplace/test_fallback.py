@@ -43,10 +43,11 @@ def test_a_torch_without_the_reconfigure_api_gets_the_restart_path_with_one_log_
     train_together([a, b], tmp_path, 2, steps=15)  # past the first snapshot (every 10 steps)
     rank0 = a if rows(a, tmp_path)[-1]["rank"] == 0 else b
     victim = b if rank0 is a else a
-    # once per worker start, no more: under load one node may form the first round alone, and
-    # the other's join then restarts the workers (the restart path) before the kill below
-    starts_before = worker_starts(rank0)
-    assert starts_before >= 1 and rank0.log_path.read_text().count(SAID) == starts_before, rank0.log_tail(40)
+    # once per worker start at most: under load one node may form the first round alone, and
+    # the other's join then restarts the workers (the restart path) before the kill below,
+    # maybe before that first worker got as far as saying it (seen: stopped 0.1 s after its start)
+    starts_before, said_before = worker_starts(rank0), rank0.log_path.read_text().count(SAID)
+    assert 1 <= said_before <= starts_before, rank0.log_tail(40)
     assert "has no process-group reconfigure API" in rank0.log_path.read_text()
     pid = rows(rank0, tmp_path)[-1]["pid"]
 
@@ -59,7 +60,9 @@ def test_a_torch_without_the_reconfigure_api_gets_the_restart_path_with_one_log_
                "the restart to be counted", on_timeout=logs(rank0))
     assert metric(rank0, "elastic_restores_total", source="disk") >= 1  # the new worker read the snapshot
     assert worker_starts(rank0) > starts_before, rank0.log_tail(40)  # the restart
-    assert rank0.log_path.read_text().count(SAID) == worker_starts(rank0), rank0.log_tail(40)
+    # the restarted worker lived to say it, once
+    assert rank0.log_path.read_text().count(SAID) - said_before == worker_starts(rank0) - starts_before, \
+        rank0.log_tail(40)
 
 
 def worker_starts(node: Node) -> int:
