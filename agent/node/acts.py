@@ -220,13 +220,13 @@ class Acts:
 
     def _formed_afresh(self, decision: Decision, before: tuple[str, ...]) -> bool:
         """After an in-place rejoin or replace: a round that closed while no member's workers
-        held state yet (this node's had gone in place but not trained a step) forms afresh,
-        every member starting its workers anew, as its closer recorded for all of them alike.
-        This node's workers cannot follow it in place: they start again in it (True)."""
+        ran in place (this node's said so just after) forms afresh, every member starting its
+        workers anew, as its closer recorded for all of them alike. This node's workers
+        cannot follow it in place: they start again in it (True)."""
         if not self.run.round.fresh_world:
             return False
-        log.info("[%s] round %d formed afresh (no member's workers had trained a step in place when it closed): "
-                 "starting local workers anew in it", self.node, self.run.round.number)
+        log.info("[%s] round %d formed afresh (no member's workers ran in place when it closed): starting local "
+                 "workers anew in it", self.node, self.run.round.number)
         self.restart(Decision(Action.RESTART, Reason.SCALE_UP if decision.reason is Reason.SCALE_UP
                               else Reason.PEER_LOST), joined_from=before)
         return True

@@ -44,7 +44,9 @@ class Observer:
         self.seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
         self.reform_why = ""  # what the worker asking for a new round said
         self.frozen: Any = None  # the freeze watch's last finding (agent.node.freeze.Frozen), for the act
-        self._holds_state = False  # what this node's registry record says: its workers train in place
+        # what this node's registry record says: its workers run in place (they hold state, or
+        # are joiners starting that take the next offer); a round's closer reads it (rounds.py)
+        self._runs_in_place = False
         self._said_in_place = False
         self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.node.oom)
         self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
@@ -55,7 +57,7 @@ class Observer:
         membership, self.kept_out_peers = self.rdzv.membership(run.round)
         stalled = self.watch.stalled() if all(code is None for code in exits.values()) else None
         in_place, reform, whole_node = self._in_place_statuses()
-        self.rdzv.publish(in_place=self._holds_state)
+        self.rdzv.publish(in_place=self._runs_in_place)
         failures = self.seen_failures = self._failures(exits)
         report = crash_report(failures)
         if report:  # tell the other nodes what this node's workers failed with right after their start
@@ -122,7 +124,7 @@ class Observer:
         """(every running local worker runs in place, one asked for a new round, one said its
         node's ranks are one unit of state)."""
         run = self.run
-        self._holds_state = False
+        self._runs_in_place = False
         statuses, starting = [], False
         for rank, pid in self.workers.pids().items():
             status = self.channel.status(rank)
@@ -136,7 +138,7 @@ class Observer:
                 continue
             statuses.append(status)
         in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
-        self._holds_state = in_place and not starting and all(s.round >= 0 for s in statuses)
+        self._runs_in_place = in_place
         if in_place and not self._said_in_place:
             self._said_in_place = True
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)

@@ -61,9 +61,11 @@ class Round:
     master_addr: str = ""
     master_port: int = 0
     offer: RoundOffer | None = None
-    live_world: bool = False  # its other members already train in place: this node's workers join them
-    # In place: no member's workers held state when it closed, so every member starts its
-    # workers afresh into it, a node whose workers went in place a moment ago included.
+    # In place: a member's workers ran in place when it closed, so workers started now join
+    # it through its offer from a set-up world of their own (agent.rendezvous.rounds)...
+    live_world: bool = False
+    # ... or none did, so every member starts its workers afresh into it, a node whose
+    # workers went in place a moment after the close included.
     fresh_world: bool = False
 
     def others(self, node: str) -> list[str]:
@@ -263,7 +265,7 @@ class EtcdRendezvous(AgentRendezvous):
         if ranks is not None:
             rank_base, world_size = ranks
         # decided by the round's closer for every member alike (RoundRecord.in_place)
-        live = self.in_place and record is not None and record.live_world_for(self.node)
+        live = self.in_place and record is not None and record.forms_in_place
         offer = None
         if self.in_place:
             offer = make_offer(number, participants, self.node, nprocs,
@@ -289,7 +291,7 @@ class EtcdRendezvous(AgentRendezvous):
         """Whether this node's workers may read MASTER_ADDR in ``record``'s round: not when they
         join a world that already trains in place (they start in a set-up world of their own),
         so the rendezvous need not wait for rank 0 to publish it."""
-        return not record.live_world_for(self.node)
+        return not record.forms_in_place
 
     def live_world_ahead(self) -> bool:
         records = self._handler.node_records()

@@ -186,7 +186,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                      self.node, time.monotonic() - self.spares.first, record.round,
                      ", ".join(replaced) or "a lost member")
         store = dist.PrefixStore(f"round/{record.round}", self._store)
-        # In-place workers that go on need no bootstrap, unless nobody held state at the close:
+        # In-place workers that go on need no bootstrap, unless none ran in place at the close:
         # then every member starts its workers afresh, this one's too (agent.node.acts.rejoin).
         needed = (self.bootstrap or not record.in_place) and \
             (self.bootstrap_needed is None or self.bootstrap_needed(record))
@@ -381,8 +381,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 vouched = self.late.vouched(record, joined, entries, live, dead, first_seen.get(record.round))
                 if self.node in joined and should_close(record, joined, live, self.timings, waited, dead, vouched):
                     participants = rank_order(joined, record.previous, self.timings.max_nodes)
-                    holding = [n for n, r in self.view.records(entries).items() if r.extra.get("in_place")]
-                    if self.writer.swap(round_rev, record.closed_with(participants, holding)):
+                    running = [n for n, r in self.view.records(entries).items() if r.extra.get("in_place")]
+                    if self.writer.swap(round_rev, record.closed_with(participants, running)):
                         self.writer.forget(record.round - 2)
                     continue
                 self.mirror.wait(revision, _TICK_S)

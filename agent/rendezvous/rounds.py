@@ -28,11 +28,13 @@ class RoundRecord:
     opened_at: float = field(default_factory=time.time)
     closed_at: float | None = None
     cause: str = JOIN  # in place, survivors interrupt their collectives only for a broken world
-    # In place: the participants whose workers held state in place when the round closed.
-    # Read once, by the node that closed it, so that every member decides alike whether
-    # the round joins a live world (its others' workers heal the rest) or forms afresh
-    # (every member starts its workers anew): two agents reading the registry a moment
-    # apart once chose differently and each waited for the other's kind of start.
+    # In place: the participants whose workers ran in place when the round closed (they
+    # hold state, or are starting and will take the round's offer). Read once, by the node
+    # that closed it, so that every member decides alike whether the round forms in place
+    # (workers that go on take its offer, new ones start in set-up worlds of their own and
+    # join through it) or afresh (every member starts its workers anew, as torchrun does):
+    # two agents reading the registry a moment apart once chose differently, and each
+    # waited for the other's kind of start.
     in_place: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
@@ -67,15 +69,16 @@ class RoundRecord:
         return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause)
 
     def closed_with(self, participants: Iterable[str], in_place: Collection[str] = ()) -> "RoundRecord":
-        """Closed with ``participants``; ``in_place``: those of them whose workers train in place now."""
+        """Closed with ``participants``; ``in_place``: those of them whose workers run in place now."""
         members = tuple(participants)
         return RoundRecord(self.round, CLOSED, members, self.previous, self.opened_at, time.time(), self.cause,
                            tuple(n for n in members if n in in_place))
 
-    def live_world_for(self, node: str) -> bool:
-        """Whether ``node``'s workers, started now into this round, join a world that trains in
-        place (another member's workers held state at the close), rather than forming it afresh."""
-        return any(n != node for n in self.in_place)
+    @property
+    def forms_in_place(self) -> bool:
+        """Whether workers started now into this round join it in place (a member's workers
+        ran in place at its close), rather than forming it afresh with every other member."""
+        return bool(self.in_place)
 
 
 def _is_int(value: object) -> bool:

@@ -105,12 +105,12 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
 
 def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
-    """Node b formed the job alone; its workers went in place but had not trained a step
-    when node a arrived, and said they hold state just after the round closed, before a
-    read it. Both must read the round alike: it forms afresh (a starts its workers fresh,
-    b starts its own again in it). a once read the registry itself a moment later than
-    b's agent had, judged that it joined b's live world, and each waited for the other
-    (an in-place join against a fresh start): every round failed after 30 s."""
+    """Node b formed the job alone; its workers had not yet said they run in place when
+    node a arrived, and said so just after the round closed, before a read it. Both must
+    read the round alike: it forms afresh (a starts its workers fresh, b starts its own
+    again in it). The agents once read the registry each for itself, a moment apart, took
+    the round for a fresh one on one side and an in-place one on the other, and each
+    waited for the other's kind of start: every round failed after 30 s."""
     params = lambda name: RendezvousParameters(  # noqa: E731
         "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
     b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=1, in_place=True) for n in ("b", "a"))
@@ -122,9 +122,9 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
     try:
         first = b.next_round(RoundCause.JOIN, Round(world_size=1))
         assert first.participants == ("b",) and not first.live_world and first.fresh_world
-        b.publish(in_place=False)  # its workers went in place, but hold no state yet
+        b.publish(in_place=False)  # its workers have not said they run in place yet
 
-        def b_trains_now(record: Any) -> None:  # as round 1 closes: b's workers say they hold state
+        def b_trains_now(record: Any) -> None:  # as round 1 closes: b's workers say they run in place
             b.publish(in_place=True)
             wait_until(lambda: a.peers()["b"].extra.get("in_place") is True, 10, "a to see b's new word")
 
@@ -140,14 +140,14 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         assert ra.number == rb.number == 1 and ra.participants == rb.participants == ("b", "a")
         assert rb.offer is not None and ra.offer is not None
         assert not ra.live_world and rb.fresh_world, (ra, rb)  # both: a fresh world, whatever was said after
-        # once b's workers held state at a close, a later round joins their live world, for both alike
+        # once b's workers ran in place at a close, a later round forms in place, for both alike
         again = threading.Thread(target=lambda: results.update(a2=a.next_round(RoundCause.FAILURE, ra, offered=True)),
                                  daemon=True)
         a._handler.on_round.clear()  # type: ignore[attr-defined]
         again.start()
         results["b2"] = b.next_round(RoundCause.FAILURE, rb, offered=True)
         again.join(timeout=30)
-        assert results["a2"].live_world and not results["b2"].fresh_world and not results["b2"].live_world
+        assert results["a2"].live_world and results["b2"].live_world and not results["b2"].fresh_world
     finally:
         for node in (a, b):
             node._handler.close()  # type: ignore[attr-defined]

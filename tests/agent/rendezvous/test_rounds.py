@@ -103,12 +103,11 @@ def test_round_record_round_trips_through_json() -> None:
     assert again.next_open().previous == ("b", "a")
 
 
-def test_a_round_records_who_trained_in_place_at_its_close_and_refuses_strangers_in_that_list() -> None:
+def test_a_round_records_who_ran_in_place_at_its_close_and_refuses_strangers_in_that_list() -> None:
     closed = LATER.closed_with(["b", "a"], in_place={"b", "c"})  # c is not a member: it holds no place in it
     again = RoundRecord.from_json(closed.to_json())
-    assert again.in_place == ("b",)
-    assert again.live_world_for("a") and not again.live_world_for("b")  # b's own workers hold the state
-    assert not LATER.closed_with(["b", "a"]).live_world_for("a")  # nobody held state: it forms afresh
+    assert again.in_place == ("b",) and again.forms_in_place  # a's new workers join through its offer
+    assert not LATER.closed_with(["b", "a"]).forms_in_place  # nobody ran in place: it forms afresh
     assert RoundRecord.from_json(b'{"round": 1, "state": "closed", "participants": ["a"]}').in_place == ()
     with pytest.raises(ValueError, match="outside the round"):
         RoundRecord.from_json(b'{"round": 1, "state": "closed", "participants": ["a"], "in_place": ["z"]}')
