@@ -366,9 +366,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._joined_at = time.monotonic()
             else:
                 excluded = self.reachability.excluded(record, entries)
-                joined = {n: rev for n, rev in self.view.joined(entries, record.round).items() if n not in excluded}
+                keys = self.view.joined(entries, record.round)
+                joined = {n: rev for n, rev in keys.items() if n not in excluded}
                 live = self.view.live(entries)
-                if self.node not in joined and revision >= join_revision:
+                # our join key itself gone, not left out of this round (a keep-out that still
+                # stands for it: rejoining would only write the key again, thousands of times)
+                if self.node not in keys and revision >= join_revision:
                     # our join key went with a lost lease (a freeze, a starved keep-alive)
                     log.warning("[%s] our join of round %d vanished with our lease; joining again",
                                 self.node, record.round)
