@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -10,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from agent.etcd import EmbeddedEtcd
 from agent.rendezvous import create_handler
+from agent.rendezvous.keepout import ReachReport
 from agent.rendezvous.rounds import (CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, lost_members, rank_order,
                                      should_close, waits_as_spare)
 from tests.support.waiting import wait_until
@@ -173,3 +176,44 @@ def _try(call: Callable[[], object]) -> object:
         return call()
     except Exception as exc:  # noqa: BLE001 - the test asserts on it
         return exc
+
+
+def test_a_node_back_from_its_keep_out_waits_for_the_next_round_without_rewriting_its_join(
+        etcd_server: EmbeddedEtcd, run_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Round 0 (a, b) failed and a could not reach b, so round 1 leaves b out. b sits out its
+    back-off, reaches a again, and joins round 1, which still leaves it out (it waits for a
+    third node). Its join key is there, only left out: it must wait for the next round, not
+    take the key for lost and write it again (it once did, 2095 times in 13 s)."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 2, 3, node_name=name, lease_ttl="5", last_call_timeout="0.1")
+    a, b = create_handler(params("a")), create_handler(params("b"))
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # each agent's port answers probes
+    for handler, store in zip((a, b), stores):
+        handler.lease.update(store_addr=f"127.0.0.1:{store.getsockname()[1]}")
+    results: dict[str, object] = {}
+    try:
+        first = threading.Thread(target=lambda: results.update(a0=a.next_rendezvous().world_size), daemon=True)
+        first.start()
+        results["b0"] = b.next_rendezvous().world_size
+        first.join(30)
+        assert results == {"a0": 2, "b0": 2}
+        assert a.reachability.record(ReachReport("a", 0, ("b",))) is not False  # round 0 failed; a could not reach b
+        threading.Thread(target=lambda: results.update(a1=_try(a.next_rendezvous)), daemon=True).start()
+        wait_until(lambda: f"/elastic/{run_id}/rdzv/join/1/a" in a.mirror.entries()[0], 30, "a to open round 1")
+        with caplog.at_level("INFO", logger="agent.rendezvous"):
+            threading.Thread(target=lambda: results.update(b1=_try(b.next_rendezvous)), daemon=True).start()
+            key = f"/elastic/{run_id}/rdzv/join/1/b"
+            wait_until(lambda: key in b.mirror.entries()[0], 30, "b to sit out its back-off and join round 1")
+            written = b.mirror.entries()[0][key].mod_revision
+            # a spin writes the key again within milliseconds; a second shows it, or that it waits
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                assert b.mirror.entries()[0][key].mod_revision == written, "b wrote its join of round 1 again"
+                time.sleep(0.01)
+        assert "kept out of round 1" in caplog.text and "vanished" not in caplog.text, caplog.text
+        assert "a1" not in results and "b1" not in results  # round 1 still waits for a second node it may take
+    finally:
+        a.close()
+        b.close()
+        for store in stores:
+            store.close()
