@@ -97,11 +97,6 @@ class S3ShardedParts:
         check_state(state)
         writer = temp_name.rsplit("/", 1)[-1]
         try:
-            existing = self._handle_existing(step)
-            if existing is not None:
-                self.drop_parts(temp_name)
-                return existing
-
             def upload(spool: Path, where: str) -> list[FileEntry]:
                 entries = self._upload_files(state, spool, where)
                 records = self._await_records(temp_name, ranks, deadline, abandoned)
@@ -115,6 +110,7 @@ class S3ShardedParts:
                 self.objects.delete([f"{where}/{part_name(r)}" for r in range(ranks)])  # said; the manifest says it now
                 return entries
 
+            # a step already committed: _save keeps it and drops this writer's uploads
             return self._save(step, world_size, dict(extra_meta or {}), housekeeping, upload, writer=writer)
         finally:
             with self._lock:
