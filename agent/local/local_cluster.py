@@ -45,6 +45,7 @@ from agent.local.local_faults import (  # noqa: F401  (re-exported: bench/chaos_
     kill_during_snapshot,
 )
 from agent.local.local_node import AUTO_METRICS_PORT, LocalNode
+from agent.local.zygote import Zygote
 from agent.local.local_summary import job_goodput, summary  # noqa: F401
 from agent.local.local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
 from agent.node.signal_flag import SignalFlag
@@ -291,11 +292,12 @@ def _nodes(args: argparse.Namespace, job: dict[str, Any], run_dir: Path, etcd: E
         env["OMP_NUM_THREADS"] = _worker_threads(args)
     if SDC in args.kinds and contract.CHECK_EVERY_STEPS_ENV not in os.environ:
         env[contract.CHECK_EVERY_STEPS_ENV] = str(SDC_CHECK_EVERY)  # a flip is caught within a short run
+    zygote = Zygote()  # every node's agent a fork of one torch import (agent/local/zygote.py)
     return [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="local", workdir=run_dir, cwd=Path.cwd(),
         nnodes=f"1:{args.nodes}", nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
         rdzv_conf={"last_call_timeout": "5"}, metrics_port=AUTO_METRICS_PORT, env=env,
-        agent_args=agent_args, netns=net[f"node-{i}"] if net else None, **job,
+        agent_args=agent_args, netns=net[f"node-{i}"] if net else None, zygote=zygote, **job,
     )) for i in range(args.nodes)]
 
 

@@ -35,6 +35,8 @@ from elastic import contract
 from agent.node.fault_cause import attribute
 from agent.node.proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
+from agent.local.zygote import ForkedProcess, Zygote, ZygoteGone
+
 if TYPE_CHECKING:
     from agent.local.netns import Namespace
 
@@ -77,7 +79,8 @@ class LocalNode:
     metrics_port: int = 0  # AUTO_METRICS_PORT: the agent binds a free one and says which (bound_metrics_port)
     netns: Namespace | None = None  # run inside this network namespace (agent.local.netns), at its address
     cwd: Path | None = None  # where the agent and its workers run; None: workdir
-    process: subprocess.Popen[bytes] | None = None
+    zygote: Zygote | None = None  # fork the agent from this pre-imported process (agent.local.zygote)
+    process: subprocess.Popen[bytes] | ForkedProcess | None = None
     frozen: list[int] = field(default_factory=list)
     _rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
     _read_to: int = field(default=0, repr=False)  # bytes of the progress file already parsed
@@ -129,9 +132,16 @@ class LocalNode:
         if self._log is not None:
             self._log.started_again()
         env = {**os.environ, contract.NODE_NAME_ENV: self.name, "PYTHONUNBUFFERED": "1", **self.env}
+        command = self.command()
+        if self.zygote is not None and self.launcher == "elastic" and self.netns is None:
+            try:  # the same `elastic agent` command line, run in a fork of a pre-imported process
+                self.process = self.zygote.fork("agent.cli", command[len(ELASTIC) - 1:], env, self.cwd or self.workdir, self.log_path)
+                return self
+            except ZygoteGone:
+                pass  # started by exec below, as without a zygote
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=self.cwd or self.workdir, start_new_session=True,
             )
         return self

@@ -14,6 +14,7 @@ starts later), not long before.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 from pathlib import Path
 from typing import Sequence
@@ -63,7 +64,13 @@ def _cmdline(pid: int) -> list[str]:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    parts = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    if len(parts) == 1 and " " in parts[0]:  # a title set by setproctitle (a forked agent): one string
+        try:
+            return shlex.split(parts[0])
+        except ValueError:
+            return parts[0].split()
+    return parts
 
 
 def _started(pid: int) -> float | None:
