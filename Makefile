@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-serial test-fast lint venv clean
+.PHONY: demo test test-serial test-fast test-profile lint venv clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,22 @@ test-serial: $(STAMP)
 	sh deploy/prometheus/ensure-prometheus.sh
 	sh tests/support/ensure-libfaketime.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# What each test costs: wall, CPU of everything it started (a cgroup per test), processes
+# started and torch imports (a .pth hook in the venv, inert unless the profile sets its log),
+# summed by kind into PROFILE_DIR/report.md (docs/BENCHMARKS.md keeps the latest).
+# `python -m tests.support.test_profile asserts --compare REV` lists any check dropped since REV.
+PROFILE_DIR ?= /tmp/elastic-test-profile
+SITE := $(VENV)/lib/python3.11/site-packages
+test-profile: $(STAMP)
+	sh deploy/prometheus/ensure-prometheus.sh
+	sh tests/support/ensure-libfaketime.sh
+	cp tests/support/proc_probe.py $(SITE)/_elastic_proc_probe.py
+	echo "import _elastic_proc_probe" > $(SITE)/elastic-proc-probe.pth
+	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)
+	ELASTIC_PROFILE_OUT=$(PROFILE_DIR) $(PY) -m pytest -q -p no:cacheprovider -p tests.support.profile_plugin \
+		-n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || true
+	$(PY) -m tests.support.test_profile report $(PROFILE_DIR) | tee $(PROFILE_DIR)/report.md
 
 # ruff (bugs: pyflakes, bugbear, ...) and mypy, configured in pyproject.toml; `make test` runs
 # it first. A few seconds once mypy's cache (.mypy_cache) is warm.
