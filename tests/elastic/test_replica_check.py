@@ -11,8 +11,6 @@ bitwise those of an undisturbed run at the same world size, on every rank.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.elastic.trainer_support import assert_state_equal, read_jsonl
+from tests.support.spawn import Process, python
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 22, 4
@@ -70,7 +69,7 @@ SCRIPT = textwrap.dedent('''\
 
 
 def _world(tmp: Path, tag: str, world: int, flips: str,
-           stores: list[dist.TCPStore], **extra: str) -> list[subprocess.Popen[bytes]]:
+           stores: list[dist.TCPStore], **extra: str) -> list[Process]:
     """``world`` worker processes, nodes ``{tag}0..``: a gloo world under plain env:// (no agent).
 
     The world's store is hosted here on a port the kernel picks, read back, and every rank is
@@ -89,13 +88,11 @@ def _world(tmp: Path, tag: str, world: int, flips: str,
                "SNAPSHOTS": str(out / "snapshots"), "LEDGER": str(out / "ledger.jsonl"), "OUT": str(out),
                "PYTHONPATH": str(ROOT), "TORCHELASTIC_USE_AGENT_STORE": "True", **extra}
         env.pop("ELASTIC_HEARTBEAT_DIR", None)
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, str(tmp / "job.py")], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=out))
+        procs.append(python([str(tmp / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
     return procs
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], tmp: Path, timeout: float = 120.0) -> None:
+def _wait(procs: list[Process], tmp: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     try:
         for p in procs:

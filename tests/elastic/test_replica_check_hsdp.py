@@ -13,8 +13,6 @@ shard are bitwise equal.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch.distributed as dist
 
 from tests.elastic import test_replica_check as ddp
 from tests.elastic.trainer_support import assert_state_equal
+from tests.support.spawn import Process, python
 
 NODES, LOCAL = 3, 2
 
@@ -69,7 +68,7 @@ SCRIPT = textwrap.dedent('''\
 ''')
 
 
-def _world(tmp: Path, tag: str, flips: str, stores: list[dist.TCPStore]) -> list[subprocess.Popen[bytes]]:
+def _world(tmp: Path, tag: str, flips: str, stores: list[dist.TCPStore]) -> list[Process]:
     """NODES x LOCAL ranks, nodes ``{tag}0..``, under plain env:// (no agent), as
     :func:`tests.elastic.test_replica_check._world` starts them."""
     out = tmp / tag
@@ -85,9 +84,7 @@ def _world(tmp: Path, tag: str, flips: str, stores: list[dist.TCPStore]) -> list
                "SNAPSHOTS": str(out / "snapshots"), "LEDGER": str(out / "ledger.jsonl"), "OUT": str(out),
                "PYTHONPATH": str(ddp.ROOT), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         env.pop("ELASTIC_HEARTBEAT_DIR", None)
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, str(tmp / "job.py")], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=out))
+        procs.append(python([str(tmp / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
     return procs
 
 

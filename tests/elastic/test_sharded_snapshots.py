@@ -18,8 +18,6 @@ tests/agent/test_sharded_restart.py's.)
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from torch import nn
 
 from tests.elastic import test_replica_check as ddp
 from tests.support.s3server import SeaweedS3
+from tests.support.spawn import Process, python
 
 STEPS = 12
 
@@ -70,7 +69,7 @@ SCRIPT = textwrap.dedent('''\
 
 
 def _world(tmp: Path, tag: str, mesh: str, steps: int, snapshots: Path | str,
-           stores: list[dist.TCPStore]) -> list[subprocess.Popen[bytes]]:
+           stores: list[dist.TCPStore]) -> list[Process]:
     """A gloo world of ``mesh``'s ranks (``RxS``: 2 local ranks per node; ``N``: one per node)."""
     shape = [int(n) for n in mesh.split("x")]
     world, local = (shape[0] * shape[1], shape[1]) if len(shape) == 2 else (shape[0], 1)
@@ -86,9 +85,7 @@ def _world(tmp: Path, tag: str, mesh: str, steps: int, snapshots: Path | str,
                "OMP_NUM_THREADS": "1", "STEPS": str(steps), "MESH": mesh, "SNAPSHOTS": str(snapshots),
                "OUT": str(out), "PYTHONPATH": str(ddp.ROOT), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         env.pop("ELASTIC_HEARTBEAT_DIR", None)
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, str(tmp / "job.py")], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=out))
+        procs.append(python([str(tmp / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
     return procs
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 from agent.etcd.server import free_port
+from tests.support.spawn import python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,19 +30,21 @@ def run_ranks(script: str, tmp_path: Path, codes: list[int | tuple[int, ...]], t
     # picked ahead, not port 0: every rank needs rank 0's TCPStore port on its command line before any starts
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(path), str(rank), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL)
-             for rank in range(len(codes))]
-    outs: list[str] = []
+    logs = [tmp_path / f"pair_rank{rank}.log" for rank in range(len(codes))]
+    procs = [python([str(path), str(rank), port], logs[rank], env=env) for rank in range(len(codes))]
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out)
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break  # the rest are killed below, and the exit codes say which ran over
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    outs = [log.read_text(errors="replace") for log in logs]
     got = [p.returncode for p in procs]
     allowed = [c if isinstance(c, tuple) else (c,) for c in codes]
     assert all(g in a for g, a in zip(got, allowed)), f"exit codes {got}, expected {codes}\n" + "\n---\n".join(outs)
