@@ -54,6 +54,7 @@ from agent.local.local_cluster import (  # noqa: E402
     ETCD_OUTAGE, FREEZE, KILL, KILL_SNAPSHOT, KINDS, SDC, SDC_CHECK_EVERY, Cluster, ClusterNode, Fault, job_goodput,
 )
 from agent.local.local_node import AUTO_METRICS_PORT, LocalNode  # noqa: E402
+from agent.local.zygote import Zygote  # noqa: E402
 from agent.etcd import EmbeddedEtcd  # noqa: E402
 from elastic.goodput import Account, describe  # noqa: E402
 from elastic.ledger import check_ledger  # noqa: E402
@@ -164,12 +165,13 @@ def job_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 
 def make_cluster(args: argparse.Namespace, run_dir: Path, etcd: EmbeddedEtcd) -> Cluster:
+    zygote = Zygote()  # the agents forked from one torch import, as elastic local's (agent/local/zygote.py)
     nodes = [ClusterNode(LocalNode(
         name=f"node-{i}", endpoint=etcd.endpoint, run_id="soak", workdir=run_dir, module="elastic.train",
         script=str(PLAIN_JOB) if args.job == "plain" else None, module_args=job_args(args, run_dir), nnodes=f"1:{NODES}", max_restarts=1000,
         metrics_port=AUTO_METRICS_PORT,
         agent_args=["--lease-ttl", str(args.lease_ttl), *([] if args.in_place else ["--no-in-place"])],
-        env={"ELASTIC_CHECK_EVERY_STEPS": str(SDC_CHECK_EVERY)} if args.sdc else {},
+        env={"ELASTIC_CHECK_EVERY_STEPS": str(SDC_CHECK_EVERY)} if args.sdc else {}, zygote=zygote,
     )) for i in range(NODES)]
     return Cluster(nodes, run_dir, 1, etcd=etcd, snapshot_every=args.snapshot_every_steps)
 

@@ -49,8 +49,32 @@ START_TIMEOUT_S = 120.0  # an import of torch on a loaded 2-core machine; never 
 REPLY_TIMEOUT_S = 10.0  # a fork takes milliseconds
 
 
+# Read by the dynamic loader or the interpreter when a process starts: a fork cannot honour a
+# value the zygote did not start with (libfaketime's LD_PRELOAD, a PYTHONHASHSEED...), so such a
+# process is started by exec. PYTHONPATH is honoured by adding its entries to sys.path, unless an
+# entry brings a sitecustomize or usercustomize, which only a start runs.
+_EXEC_TIME = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "FAKETIME", "PYTHONHOME", "PYTHONHASHSEED",
+              "PYTHONOPTIMIZE", "PYTHONDONTWRITEBYTECODE", "PYTHONMALLOC", "PYTHONDEVMODE", "PYTHONUTF8",
+              "PYTHONWARNINGS", "PYTHONSTARTUP", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR",
+              "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC", "PYTHONIOENCODING", "PYTHONLEGACYWINDOWSSTDIO")
+
+
 class ZygoteGone(RuntimeError):
-    """The zygote is not there to fork (it said unsafe, died, or never answered)."""
+    """The zygote is not there to fork (it said unsafe, died, or never answered), or cannot
+    start this process as an exec would (:data:`_EXEC_TIME`)."""
+
+
+def exec_only_reason(env: dict[str, str], started_with: dict[str, str]) -> str:
+    """Why a process with ``env`` must be started by exec, not forked from a zygote started with
+    ``started_with``; '' if a fork gives it what an exec would."""
+    for name in _EXEC_TIME:
+        if env.get(name) != started_with.get(name):
+            return f"{name} differs from the zygote's"
+    for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+        for hook in ("sitecustomize.py", "usercustomize.py"):
+            if os.path.exists(os.path.join(entry, hook)) and entry not in started_with.get("PYTHONPATH", ""):
+                return f"PYTHONPATH brings {os.path.join(entry, hook)}, which only a start runs"
+    return ""
 
 
 class Zygote:
@@ -64,6 +88,7 @@ class Zygote:
         self._replies: list[str] = []
         self._process: subprocess.Popen[bytes] | None = None
         self._broken = ""
+        self._started_with: dict[str, str] = {}
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self._broken:
@@ -74,6 +99,7 @@ class Zygote:
             self._broken = f"the agent zygote exited ({self._process.returncode})"
             raise ZygoteGone(self._broken)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._started_with = env
         self._process = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -130,6 +156,10 @@ class Zygote:
         with self._lock:
             process = self._ensure()
             assert process.stdin is not None
+            why = exec_only_reason(env, self._started_with)
+            if why:
+                raise ZygoteGone(why)  # this one only: the zygote serves the next
+            open(log, "ab").close()  # there as soon as we return, as an exec'd process's redirected log is
             request = {"id": next(self._ids), "kind": kind, "module": module, "argv": list(argv), "env": env,
                        "cwd": str(cwd), "log": str(log), "cgroup": _cpuacct_procs(os.getpid())}
             try:
@@ -316,6 +346,9 @@ def _become(request: dict[str, Any], fds: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        for entry in reversed([e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)  # the _run below puts argv[0]'s directory in front, as a start does
         _join_cgroup(request.get("cgroup"))
         probe = sys.modules.get("_elastic_proc_probe")  # `make test-profile`'s counter, where installed
         if probe is not None:
