@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import errors, fence, sched, wire
+from . import errors, fence, procstub, sched, wire
 from .capture import Capture
 from .errors import SnapshotError
 from .store import SnapshotInfo, SnapshotStore
@@ -75,7 +75,7 @@ class WriterProcess:
         self._boosted = False
         self._ready = False  # the child said "ready": its bootstrap will not change its priority again
         self._hurried = False  # raised while starting because a snapshot was due
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | procstub.StubProcess | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: object | None = None
         self._boost_refused_logged = False
@@ -102,6 +102,18 @@ class WriterProcess:
                 self._sock = None
         if self._proc is not None:
             return
+        stub = procstub.take()
+        if stub is not None:  # forked ahead by this worker (checkpoints/procstub.py): no import to wait for
+            try:
+                procstub.go(stub[1], self.priority)
+            except OSError:
+                stub[0].kill()
+                stub[1].close()
+            else:
+                self._proc, self._sock = stub
+                self._ready = False
+                self._arena_sent = None
+                return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:

@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from checkpoints import procstub
 from elastic import contract
 
 from agent.worker import worker_boot
@@ -68,6 +69,7 @@ def become(spec: dict[str, Any], parent_pid: int | None = None) -> None:
     _show_as_worker(spec)
     _apply_thread_count()
     worker_boot.prepare(parent_pid)
+    procstub.prefork()  # one thread still: the snapshot writer forked now costs a fork, not an import
     worker_boot.run(spec)
 
 

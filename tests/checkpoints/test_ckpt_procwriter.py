@@ -235,3 +235,52 @@ def test_a_fenced_write_stays_a_fence_refusal_and_our_own_newer_round_is_no_fail
         with pytest.raises(SnapshotFencedError):
             writer.flush()
     assert [i.step for i in store.list()] == [1]
+
+
+STUB_CHILD = """\
+import os, sys
+from checkpoints import procstub
+assert procstub.prefork()  # as a warm worker does before its script runs (agent/worker/warm_worker.py)
+stub_pid = procstub._stub[0]
+print("stub", stub_pid, flush=True)
+if sys.argv[2] == "die":
+    sys.stdin.readline()  # the test kills us here
+import torch
+from checkpoints import AsyncSnapshotWriter, SnapshotStore
+with AsyncSnapshotWriter(SnapshotStore(sys.argv[1]), priority="idle") as writer:
+    assert writer.wait_writer_process()
+    assert writer.submit(1, {"model": {"w": torch.ones(4)}}, world_size=1)
+    writer.flush()
+    print("writer", writer.writer_pid, flush=True)
+"""
+
+
+@pytest.mark.slow  # starts processes
+def test_a_writer_forked_ahead_is_the_writer_process_and_writes_a_valid_snapshot(tmp_path: Path) -> None:
+    from ckpt_testutil import REPO_ROOT, child_env
+
+    done = subprocess.run([sys.executable, "-c", STUB_CHILD, str(tmp_path), "write"], capture_output=True, text=True,
+                          env=child_env(), cwd=str(REPO_ROOT), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = dict(line.split() for line in done.stdout.splitlines())
+    assert said["writer"] == said["stub"], "the writer process was started by exec, not taken from the stub"
+    info = SnapshotStore(tmp_path).newest_valid(full=True)
+    assert info is not None and info.step == 1
+
+
+@pytest.mark.slow  # starts processes
+def test_a_writer_stub_never_taken_dies_with_its_worker(tmp_path: Path) -> None:
+    from ckpt_testutil import REPO_ROOT, child_env
+
+    proc = subprocess.Popen([sys.executable, "-c", STUB_CHILD, str(tmp_path), "die"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=child_env(), cwd=str(REPO_ROOT))
+    try:
+        out = LineReader(proc)
+        stub = int(out.wait_for("stub ", timeout=60).split()[1])
+        wait_until(lambda: b"snapshot writer" in Path(f"/proc/{stub}/cmdline").read_bytes(), 30,
+                   "the stub to show itself as the snapshot writer, not as its worker")
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        stop_child(proc)
+    assert _pid_gone(stub, timeout=30), "the writer stub outlived its worker"
