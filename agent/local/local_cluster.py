@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from checkpoints.location import uses_object_store
+from checkpoints.location import MisspeltLocationError, check_spelling, uses_object_store
 from elastic import contract
 from agent.etcd import EmbeddedEtcd
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL
@@ -174,6 +174,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
     if not kinds or any(k not in ALL_KINDS for k in kinds):
         p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(ALL_KINDS)}")
+    if args.snapshot_dir:
+        try:  # s3:/x would be a directory ./s3:/x (exit 0, the bucket never written)
+            check_spelling(args.snapshot_dir)
+        except MisspeltLocationError as exc:
+            p.exit(2, f"error: --snapshot-dir {exc.location}: {exc.why}\n")
     if args.snapshot_dir and uses_object_store(args.snapshot_dir):
         if KILL_SNAPSHOT in kinds:
             p.error(f"--chaos {KILL_SNAPSHOT} watches a snapshot directory's temp dirs; not with an s3:// "

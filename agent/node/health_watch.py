@@ -27,6 +27,17 @@ log = logging.getLogger("elastic.agent")
 _RECHECK_S = 0.5
 
 
+def _snapshot_disk(snapshot_dir: Path | str | None) -> Path | None:
+    """The directory of this node's snapshots to check: the location itself, the first tier
+    of ``DIR,s3://...`` (not a directory named ``DIR,s3:``), none for an object store."""
+    from checkpoints.location import is_remote, split_tiers
+
+    if snapshot_dir is None or is_remote(snapshot_dir):
+        return None
+    tiers = split_tiers(snapshot_dir)
+    return Path(tiers[0] if tiers is not None else snapshot_dir)
+
+
 class HealthWatch:
     """The checks of one node. ``etcd``: its :class:`~agent.etcd.settings.EtcdSettings`
     (the clock is compared with etcd's), None without etcd; ``gauge``: a Prometheus gauge
@@ -36,8 +47,9 @@ class HealthWatch:
                  etcd: Any = None, gauge: Any = None, limits: Limits | None = None) -> None:
         self.node = node
         self.dirs = {"agent_dir": Path(work_dir)}
-        if snapshot_dir is not None and not str(snapshot_dir).startswith(("s3://", "S3://")):
-            self.dirs = {"snapshot_dir": Path(snapshot_dir), **self.dirs}
+        disk = _snapshot_disk(snapshot_dir)
+        if disk is not None:
+            self.dirs = {"snapshot_dir": disk, **self.dirs}
         self.chosen_by: dict[str, str] = {}
         chosen = {"GLOO_SOCKET_IFNAME": worker_env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", ""),
                   contract.HEAL_IFNAME_ENV: worker_env.get(contract.HEAL_IFNAME_ENV)
