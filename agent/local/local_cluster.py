@@ -23,6 +23,7 @@ import contextlib
 import os
 import random
 import secrets
+import shlex
 import signal
 import select
 import sys
@@ -171,9 +172,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     problem = bad_value(args)
     if problem:
         p.error(problem)
-    kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
-    if not kinds or any(k not in ALL_KINDS for k in kinds):
-        p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(ALL_KINDS)}")
+    kinds, problem = chaos_kinds(args.chaos)
+    if problem:
+        p.exit(2, f"error: --chaos {shlex.quote(args.chaos)}: {problem}\n")
     if args.snapshot_dir:
         try:  # s3:/x would be a directory ./s3:/x (exit 0, the bucket never written)
             check_spelling(args.snapshot_dir)
@@ -195,6 +196,20 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                 "example jobs only")
     args.kinds = kinds
     return args, job_args
+
+
+def chaos_kinds(text: str) -> tuple[list[str], str]:
+    """``--chaos``'s kinds, and why they cannot be used ('' if they can): an empty entry
+    (``kill,,freeze``, a trailing comma) is a typo whose missing kind would silently never
+    run, and an unknown one a kind that does not exist."""
+    kinds = [k.strip() for k in text.split(",")]
+    fix = f"give a comma-separated list of {', '.join(ALL_KINDS)}"
+    if any(not k for k in kinds):
+        return [], f"an empty entry; {fix}, without empty entries"
+    unknown = [k for k in kinds if k not in ALL_KINDS]
+    if unknown:
+        return [], f"unknown kind{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; {fix}"
+    return kinds, ""
 
 
 def bad_value(args: argparse.Namespace) -> str:
