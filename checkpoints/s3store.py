@@ -429,6 +429,20 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
 
     _read_file = _read_entry
 
+    def _bind(self, step: int, entries: list[FileEntry]) -> dict[str, str]:
+        """Each DCP file's ETag from one listing, as the load verifies the manifest: every
+        ranged read of it (:mod:`.s3dcp`) asks for that object (If-Match), so one replaced
+        afterwards is refused. "" for a file missing or of another size now: refused at its
+        first read, inside ``dcp.load``, which every rank then fails alike."""
+        if not entries:
+            return {}
+        objs = self._objects_of(step)
+        out = {}
+        for entry in entries:
+            o = objs.get(entry.file)
+            out[entry.file] = str(o.get("ETag", "")) if o is not None and int(o["Size"]) == entry.size else ""
+        return out
+
     def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
         return self._read_manifest(step, authenticate=authenticate)
 

@@ -82,10 +82,12 @@ class TieredStore:
         self.local.housekeep()
         self.remote.housekeep()
 
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
-        """Newest step that loads with full verification from either tier; local first on a tie."""
+    def load_latest(self, *, map_location: Any = "cpu",
+                    before: int | None = None) -> tuple[SnapshotInfo, dict[str, Any]] | None:
+        """Newest step (below ``before``, if given) that loads with full verification from
+        either tier; local first on a tie."""
         local_steps, remote_steps = set(self.local._steps()), set(self.remote._steps())
-        for step in sorted(local_steps | remote_steps, reverse=True):
+        for step in sorted((s for s in local_steps | remote_steps if before is None or s < before), reverse=True):
             for tier, steps in ((self.local, local_steps), (self.remote, remote_steps)):
                 if step not in steps or tier.verify(step, full=False):
                     continue  # not there, or its manifest or sizes already say no
