@@ -379,7 +379,8 @@ def main(argv: Sequence[str]) -> int:
             EmbeddedEtcd(data_dir=run_dir / "etcd", host=net.central_addr if net else "127.0.0.1") as etcd:
         _header(console, etcd, args, what, run_dir, key)
         cluster = Cluster(_nodes(args, job, run_dir, etcd, net, key), run_dir, args.nproc_per_node, etcd=etcd,
-                          snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0)
+                          snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0,
+                          snapshots=snapshots_of(args, run_dir))
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
         try:
