@@ -36,7 +36,7 @@ from torch.futures import Future
 
 from . import dcp_private
 from .errors import SnapshotCorruptError
-from .location import parse_s3
+from .location import LocationError, is_remote, parse_s3
 
 
 class S3DcpReader(StorageReader):
@@ -105,7 +105,10 @@ class S3DcpReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id).startswith("s3://")
+        try:
+            return is_remote(str(checkpoint_id))  # the one parse of a location
+        except LocationError:
+            return False
 
     # ------------------------------------------------------------------ fetching, checked
 
