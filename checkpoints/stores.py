@@ -24,13 +24,19 @@ Location = Union[str, "os.PathLike[str]"]
 def open_store(location: Location, **kwargs: Any) -> Any:
     """:class:`SnapshotStore` for a directory, :class:`.s3store.S3SnapshotStore` for ``s3://``,
     :class:`.tiered.TieredStore` for ``LOCAL_DIR,s3://...``; a location that cannot be used
-    (a bad bucket name, a misspelt ``s3://``) is :class:`SnapshotDirError`, one line."""
+    (a bad bucket name, a misspelt ``s3://``) is :class:`SnapshotDirError`, one line.
+
+    The local tier of two tiers is node-local scratch: it is created (``mkdir -p``) wherever
+    it is opened, ``create=False`` too, so a node whose disk lacks it (a new node, a wiped
+    disk) writes there instead of crash-looping on "does not exist" while the other nodes
+    train on; one that cannot be created is :class:`SnapshotDirError`, one line."""
     try:
         tiers = split_tiers(location)
         if tiers is not None:
             from .tiered import TieredStore
 
-            return TieredStore(SnapshotStore(tiers[0], **kwargs), open_store(tiers[1], **kwargs))
+            local = SnapshotStore(tiers[0], **{**kwargs, "create": True})
+            return TieredStore(local, open_store(tiers[1], **kwargs))
         if is_remote(location):
             from .s3store import S3SnapshotStore  # boto3 only when an object store is used
 
