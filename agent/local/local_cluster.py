@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from checkpoints.location import MisspeltLocationError, check_spelling, uses_object_store
+from checkpoints.location import MisspeltLocationError, check_spelling, is_remote, split_tiers, uses_object_store
 from elastic import contract
 from agent.etcd import EmbeddedEtcd
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL
@@ -250,9 +250,13 @@ def _network(nodes: int, netns: bool) -> Iterator[Any]:
 
 
 def snapshots_of(args: argparse.Namespace, run_dir: Path) -> str:
-    """The job's snapshot location: ``--snapshot-dir`` (a directory or s3://), else the run's snapshots/."""
+    """The job's snapshot location: ``--snapshot-dir`` (a directory, s3://, or two tiers with
+    the local one made absolute, as a lone directory is), else the run's snapshots/."""
     if args.snapshot_dir:
-        return args.snapshot_dir if uses_object_store(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
+        tiers = split_tiers(args.snapshot_dir)
+        if tiers is not None:
+            return f"{Path(tiers[0]).resolve()},{tiers[1]}"
+        return args.snapshot_dir if is_remote(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
     return str(run_dir / "snapshots")
 
 
