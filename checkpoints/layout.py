@@ -104,6 +104,20 @@ def key_filename(index: int, key: str) -> str:
     return f"{index:03d}-{safe}.pt"
 
 
+# Every name a writer gives a file inside a step: the manifest (and the signing tool's temp
+# file beside it), key files (key_filename), and a sharded snapshot's DCP files, part records
+# and their temp files (.sharded). Prune and clean-up delete only these: a step directory
+# may hold a user's own file (notes, a README), which no tool of this store made.
+_STORE_FILE_RE = re.compile(
+    r"^(?:%s|\.%s\.signing-\d+|\d{3,}-[A-Za-z0-9_.-]+\.pt|\.metadata|__\d+_\d+\.distcp|\.?part-\d+\.json(?:\.tmp)?)$"
+    % (re.escape(MANIFEST_NAME), re.escape(MANIFEST_NAME)))
+
+
+def is_store_file(name: str) -> bool:
+    """Whether ``name`` (one path component) is a file name this store writes in a step."""
+    return bool(_STORE_FILE_RE.match(name))
+
+
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (creates, renames, unlinks) durable, not just its files."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -3,6 +3,11 @@
 One parse, used by every entry point (``--snapshot-dir``, ``ElasticRun``/``Elastic``,
 ``python -m checkpoints``, ``elastic local``), so they cannot disagree about what counts as
 a bucket. Pure string handling: no client is created here.
+
+The scheme is exactly ``s3://``. Anything else that starts like it (``s3:/x``, ``S3://x``,
+``s3:x``, ``s3//x``), alone or as the second tier, is refused (:class:`MisspeltLocationError`)
+by every predicate here: taken as a directory, it trained and snapshotted into ``./s3:/x/``
+and exited 0, the bucket never written. A directory of such a name is ``./s3:x``.
 """
 
 from __future__ import annotations
@@ -15,10 +20,45 @@ S3_SCHEME = "s3://"
 # S3's bucket naming rules (3-63 chars, lowercase letters, digits, dots, hyphens); SeaweedFS
 # and MinIO follow them too.
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+# What a slip of the hand makes of "s3://": any case, one slash or none, a missing colon.
+_ALMOST_S3_RE = re.compile(r"^s3(?::|//)/*", re.IGNORECASE)
 
 
 class LocationError(ValueError):
     """A snapshot location that cannot be used; ``str()`` is the one line to show."""
+
+
+class MisspeltLocationError(LocationError):
+    """A location that looks like a misspelt ``s3://`` URL; ``why`` reads after the location
+    and names the spelling meant (``meant``)."""
+
+    def __init__(self, location: str, meant: str) -> None:
+        self.location, self.meant = location, meant
+        escape = f" (a local directory of that name: ./{location})" if "," not in location else ""
+        self.why = f"looks like a misspelt s3:// URL, so it is not taken as a directory; did you mean {meant}?{escape}"
+        super().__init__(f"snapshot location {location}: {self.why}")
+
+
+def _misspelt(text: str) -> str | None:
+    """The ``s3://`` URL ``text`` likely means, if it looks like a misspelt one; else None."""
+    m = _ALMOST_S3_RE.match(text)
+    if m is None or (text.startswith(S3_SCHEME) and not text.startswith(S3_SCHEME + "/")):
+        return None
+    return S3_SCHEME + text[m.end():]
+
+
+def check_spelling(location: str | os.PathLike[str]) -> None:
+    """Raise :class:`MisspeltLocationError` for a near miss of ``s3://`` (alone or as the second
+    tier of ``DIR,s3://...``). Every predicate below calls it, so no reader can take one for a
+    directory."""
+    text = os.fspath(location)
+    meant = _misspelt(text)
+    if meant is not None:
+        raise MisspeltLocationError(text, meant)
+    local, sep, remote = text.rpartition(",")
+    meant = _misspelt(remote) if sep else None
+    if meant is not None:
+        raise MisspeltLocationError(text, f"{local},{meant}")
 
 
 @dataclass(frozen=True)
@@ -34,12 +74,16 @@ class S3Location:
 
 
 def is_remote(location: str | os.PathLike[str]) -> bool:
-    """Whether ``location`` names an object store rather than a directory."""
-    return isinstance(location, str) and location.lower().startswith(S3_SCHEME)
+    """Whether ``location`` names an object store rather than a directory (exactly ``s3://``);
+    :class:`MisspeltLocationError` for a near miss."""
+    check_spelling(location)
+    return isinstance(location, str) and location.startswith(S3_SCHEME)
 
 
 def split_tiers(location: str | os.PathLike[str]) -> tuple[str, str] | None:
-    """``(local_dir, s3_url)`` for two tiers, ``LOCAL_DIR,s3://bucket/prefix``; None otherwise."""
+    """``(local_dir, s3_url)`` for two tiers, ``LOCAL_DIR,s3://bucket/prefix``; None otherwise
+    (:class:`MisspeltLocationError` for a near miss)."""
+    check_spelling(location)
     if not isinstance(location, str):
         return None
     local, sep, remote = location.rpartition(",")

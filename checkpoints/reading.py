@@ -102,7 +102,9 @@ def checked_load(data: bytes | memoryview, entry: FileEntry, *, map_location: An
 #: load that returned it verified every file.
 DCP_DIR_KEY = "dcp"
 #: ... and each of its DCP files (relative to that directory) as the signed manifest records it,
-#: ``name -> (size, sha256)``: a reader that fetches them later checks against these.
+#: ``name -> (size, sha256)``, with a third element in an object store: the ETag of the object
+#: the load verified ("" if it was missing or of another size then), which every later ranged
+#: read must match (:mod:`.s3dcp`), so an object replaced since is refused, not read.
 DCP_FILES_KEY = "dcp_files"
 
 
@@ -152,6 +154,11 @@ class SnapshotReader:
 
     def _before_load(self, step: int) -> Any:
         return None
+
+    def _bind(self, step: int, entries: list[FileEntry]) -> dict[str, str]:
+        """Each DCP file's version as the load verifies it, for later reads to match (an
+        object store's ETags; a directory's files are read once, whole: none)."""
+        return {}
 
     def _after_load(self, step: int, token: Any) -> None:
         pass
@@ -259,11 +266,14 @@ class SnapshotReader:
         except ManifestError as e:
             raise SnapshotCorruptError(f"snapshot {path}: {e}") from None
         out: dict[str, Any] = {}
+        bound = self._bind(step, [e for e in m.files if is_dcp_key(e.key)])  # before any is read: what was verified
         for entry in m.files:
             if is_dcp_key(entry.key):
                 where, _, name = entry.file.rpartition("/")  # an object store's are under their writer's name
                 out[DCP_DIR_KEY] = path / where if where else path
-                out.setdefault(DCP_FILES_KEY, {})[name] = (entry.size, entry.sha256)
+                record = (entry.size, entry.sha256) if entry.file not in bound else (
+                    entry.size, entry.sha256, bound[entry.file])
+                out.setdefault(DCP_FILES_KEY, {})[name] = record
                 if not verify_shards:
                     continue
             try:
@@ -274,16 +284,19 @@ class SnapshotReader:
                 out[entry.key] = value
         return out
 
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
+    def load_latest(self, *, map_location: Any = "cpu",
+                    before: int | None = None) -> tuple[SnapshotInfo, dict[str, Any]] | None:
         """Newest snapshot that loads with full verification, hashing each file exactly once.
 
         This is what a restarting worker should call: ``newest_valid()`` followed by
         ``load(verify=True)`` would hash the candidate twice. It applies :meth:`check`'s
-        test, fused with the load, so ``ls`` names the step this returns.
+        test, fused with the load, so ``ls`` names the step this returns. ``before``: only
+        steps below it (a resume falling back past a snapshot whose shards were replaced
+        after this load verified them).
         """
         unsigned = 0  # skipped for their signature alone: one line for all of them, at the end
         scan = self._scan()
-        for step in reversed(self._steps()):
+        for step in reversed([s for s in self._steps() if before is None or s < before]):
             m, problems = self._quick_check(step, scan)
             if problems or m is None:
                 if signature_only(problems):

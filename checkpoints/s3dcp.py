@@ -7,14 +7,18 @@ whole snapshot. What it fetches is checked against the signed manifest first:
 
 * ``.metadata`` is fetched whole and its sha256 compared with the manifest's before it is
   unpickled (DCP unpickles it; a forged one must never get that far);
-* every shard file's ETag is read once, and each ranged GET asks for that ETag
-  (``If-Match``), so a file replaced after the manifest was verified is refused rather than
-  read; its items are loaded with ``torch.load(weights_only=True)``, as DCP's own reader does.
+* every shard file's ETag is the one the store's load bound when it verified the manifest
+  (the third element of each ``DCP_FILES_KEY`` record, from one listing), and each ranged GET
+  asks for it (``If-Match``), so a file replaced after that verification is refused rather
+  than read, even before its first read; its items are loaded with
+  ``torch.load(weights_only=True)``, as DCP's own reader does. A record of two elements (a
+  caller's own ``(size, sha256)``) has no ETag bound: this reader binds the one its first
+  read meets (a file replaced before that is not caught).
 
 Give it what :meth:`.reading.SnapshotReader.load` returned: the directory
 (``DCP_DIR_KEY``) and the manifest's record of each file (``DCP_FILES_KEY``). A refusal is a
 :class:`.errors.SnapshotCorruptError`, which ``dcp.load`` wraps in its CheckpointException
-(:func:`unwrapped` finds it).
+(:func:`unwrapped` finds it); every rank of ``dcp.load`` raises it, whichever rank met it.
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ from torch.futures import Future
 
 from . import dcp_private
 from .errors import SnapshotCorruptError
-from .location import parse_s3
+from .location import LocationError, is_remote, parse_s3
 
 
 class S3DcpReader(StorageReader):
     """``dcp.load(state, storage_reader=S3DcpReader(url, files))``; ``files``: name ->
-    (size, sha256) from the verified manifest."""
+    (size, sha256, etag) from the verified manifest, as the store's load returns it (or
+    (size, sha256): the ETag of the first read is bound then)."""
 
-    def __init__(self, url: str, files: Mapping[str, tuple[int, str]], **s3_options: Any) -> None:
+    def __init__(self, url: str, files: Mapping[str, tuple[int, str] | tuple[int, str, str]],
+                 **s3_options: Any) -> None:
         from .s3client import S3Objects
 
         super().__init__()
@@ -47,7 +53,8 @@ class S3DcpReader(StorageReader):
         self.files = dict(files)
         self.objects = S3Objects(parse_s3(self.url), **s3_options)
         self.storage_data: dict[Any, Any] = {}
-        self._etags: dict[str, str] = {}
+        # bound when the manifest was verified ("": missing, or another size, then)
+        self._etags: dict[str, str] = {name: str(r[2]) for name, r in self.files.items() if len(r) > 2}
 
     # ------------------------------------------------------------------ DCP's contract
 
@@ -98,7 +105,10 @@ class S3DcpReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id).startswith("s3://")
+        try:
+            return is_remote(str(checkpoint_id))  # the one parse of a location
+        except LocationError:
+            return False
 
     # ------------------------------------------------------------------ fetching, checked
 
@@ -122,8 +132,11 @@ class S3DcpReader(StorageReader):
             raise SnapshotCorruptError(f"{self.url}/{name}: an item at {start}+{length} lies outside its "
                                        f"{size} bytes")
         etag = self._etags.get(name)
-        if etag is None:
+        if etag is None:  # a caller's record without one: the first read's
             etag = self._etags[name] = self._head_etag(name, size)
+        if not etag:
+            raise SnapshotCorruptError(f"{self.url}/{name}: missing, or not the size the signed manifest says, "
+                                       "when the snapshot was verified; not read")
         from .s3client import PreconditionFailed
 
         try:
@@ -147,7 +160,7 @@ class S3DcpReader(StorageReader):
     def _record(self, name: str) -> tuple[int, str]:
         if name not in self.files:
             raise SnapshotCorruptError(f"{self.url}: {name!r} is not in the snapshot's signed manifest; not read")
-        size, sha = self.files[name]
+        size, sha = self.files[name][:2]
         return int(size), str(sha)
 
 

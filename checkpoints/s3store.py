@@ -15,7 +15,9 @@ Write protocol (a step without a manifest that verifies does not exist, exactly 
 Each writer's files live under its own name, so a stale or racing writer can never write
 over the files of a committed snapshot; what it leaves behind is referenced by no manifest,
 and prune removes it (and aborts incomplete multipart uploads) once its writer is dead or
-the grace period is over, never anything a manifest names.
+the grace period is over, never anything a manifest names. Prune and clean-up delete only
+keys this store writes (the manifest; its file names under a writer's name), never a user's
+object that happens to lie under a step's prefix.
 
 Reading, verifying, signing and pruning mean exactly what :class:`.store.SnapshotStore`
 means by them (same manifest, same signature binding to ``step-<n>``, same loader with
@@ -81,6 +83,16 @@ def _writer_gone(writer: str, age_s: float, grace_s: float) -> bool:
     if m.group(1) == layout.host_tag() and not layout.pid_alive(int(m.group(2))):
         return True
     return age_s > grace_s
+
+
+def _ours(rel: str) -> bool:
+    """Whether ``rel`` (a key relative to its step's prefix) is one this store writes there:
+    the manifest, or a file of the store's names under a writer's name. Prune and clean-up
+    delete nothing else: another job's prune deleted a user's ``step-.../notes.txt``."""
+    if rel == layout.MANIFEST_NAME:
+        return True
+    writer, sep, name = rel.partition("/")
+    return bool(sep) and _WRITER_RE.match(writer) is not None and layout.is_store_file(name)
 
 
 def _age(when: dt.datetime | None) -> float:
@@ -417,6 +429,20 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
 
     _read_file = _read_entry
 
+    def _bind(self, step: int, entries: list[FileEntry]) -> dict[str, str]:
+        """Each DCP file's ETag from one listing, as the load verifies the manifest: every
+        ranged read of it (:mod:`.s3dcp`) asks for that object (If-Match), so one replaced
+        afterwards is refused. "" for a file missing or of another size now: refused at its
+        first read, inside ``dcp.load``, which every rank then fails alike."""
+        if not entries:
+            return {}
+        objs = self._objects_of(step)
+        out = {}
+        for entry in entries:
+            o = objs.get(entry.file)
+            out[entry.file] = str(o.get("ETag", "")) if o is not None and int(o["Size"]) == entry.size else ""
+        return out
+
     def _manifest(self, step: int, *, authenticate: bool = True) -> Manifest:
         return self._read_manifest(step, authenticate=authenticate)
 
@@ -452,15 +478,29 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
             return []
         doomed = [s for s in steps if s < kept[-1]]
         doomed = [s for s in doomed if not _signature_only(self._quick_check(s)[1])]
-        for s in doomed:
-            sdir = layout.step_dirname(s)
-            self.objects.delete([f"{sdir}/{layout.MANIFEST_NAME}"])
-            self.objects.delete([o["Key"] for o in self.objects.list(f"{sdir}/")])
-            with self._lock:
-                self._own.pop(s, None)
-        if doomed:
-            log.info("pruned snapshots %s from %s (keep=%d)", doomed, self.root, keep)
-        return doomed
+        removed = [s for s in doomed if self._remove_step(s)]
+        if removed:
+            log.info("pruned snapshots %s from %s (keep=%d)", removed, self.root, keep)
+        return removed
+
+    def _remove_step(self, step: int) -> bool:
+        """Delete what this store wrote under ``step``, manifest first (a half-deleted step is
+        never a snapshot); a user's objects stay, named once. False: nothing of ours was there."""
+        sdir = layout.step_dirname(step)
+        objs = self._objects_of(step)
+        ours = [f"{sdir}/{rel}" for rel in objs if _ours(rel)]
+        with self._lock:
+            self._own.pop(step, None)
+        if not ours:
+            return False
+        manifest = f"{sdir}/{layout.MANIFEST_NAME}"
+        self.objects.delete([manifest])
+        self.objects.delete([k for k in ours if k != manifest])
+        foreign = sorted(rel for rel in objs if not _ours(rel))
+        if foreign:
+            log.warning("pruned %s but left %d object(s) there that this store did not write (e.g. %r); "
+                        "they are yours to keep or delete", self.root / sdir, len(foreign), foreign[0])
+        return True
 
     def _trusted_problems(self, step: int, trust_own: bool) -> list[str]:
         with self._lock:
@@ -486,13 +526,13 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
             objs = self._objects_of(step)
             named = self._named_files(step, objs)
             for rel, o in objs.items():
-                if rel == layout.MANIFEST_NAME or rel in named or "/" not in rel:
-                    continue
+                if rel == layout.MANIFEST_NAME or rel in named or not _ours(rel):
+                    continue  # a committed file, or nothing a writer of this store left
                 w = rel.split("/", 1)[0]
                 found[(step, w)] = min(found.get((step, w), 1e18), _age(o.get("LastModified")))
         for u in self.objects.multipart_uploads():
             parts = u["Key"].split("/")
-            step = layout.parse_step_dirname(parts[0]) if len(parts) >= 3 else None
+            step = layout.parse_step_dirname(parts[0]) if len(parts) == 3 and _ours("/".join(parts[1:])) else None
             if step is not None:
                 found[(step, parts[1])] = min(found.get((step, parts[1]), 1e18), _age(u.get("Initiated")))
         out = []
@@ -524,14 +564,14 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
             return []
         for u in self.objects.multipart_uploads():
             parts = u["Key"].split("/")
-            if len(parts) >= 3 and (layout.parse_step_dirname(parts[0]), parts[1]) in stale:
+            if len(parts) == 3 and _ours("/".join(parts[1:])) and (layout.parse_step_dirname(parts[0]), parts[1]) in stale:
                 self.objects.abort_upload(u["Key"], u["UploadId"])
         removed = []
         for step, w in sorted(stale):
             sdir = layout.step_dirname(step)
             objs = self._objects_of(step)
             named = self._named_files(step, objs)
-            doomed = [f"{sdir}/{rel}" for rel in objs if rel.startswith(w + "/") and rel not in named]
+            doomed = [f"{sdir}/{rel}" for rel in objs if rel.startswith(w + "/") and rel not in named and _ours(rel)]
             self.objects.delete(doomed)
             removed.append(self.root / f"{sdir}/{w}")
         log.info("removed %d dead writer(s)' leftovers (unreferenced objects, incomplete uploads) in %s",

@@ -634,30 +634,34 @@ class SnapshotStore(SnapshotReader):
         doomed = [s for s in steps if s < kept[-1]]
         if self._key is not None:  # refused for the signature alone: maybe ours from before the key
             doomed = [s for s in doomed if not _signature_only(self._quick_check(s)[1])]
-        if doomed and self.recycle:
-            # The newest pruned one becomes the spare, replacing an older spare: at most one.
-            self._retire_to_spare(self.root / layout.step_dirname(doomed[-1]), doomed[-1])
-            doomed_now = doomed[:-1]
-        else:
-            doomed_now = doomed
+        # The newest pruned one holding only the store's files becomes the spare, replacing an
+        # older spare: at most one.
+        spare = next((s for s in reversed(doomed) if not _foreign(self.root / layout.step_dirname(s))),
+                     None) if self.recycle else None
+        if spare is not None:
+            self._retire_to_spare(self.root / layout.step_dirname(spare), spare)
         self.drop_spares(keep=1 if self.recycle else 0)
-        for s in doomed_now:
-            self._remove(self.root / layout.step_dirname(s), s)
+        removed = [s for s in doomed if s == spare or self._remove(self.root / layout.step_dirname(s), s)]
         for name in os.listdir(self.root):
             if layout.is_quarantine_dirname(name):
-                _remove_tree(self.root / name)
-        if doomed:
+                _remove_own_tree(self.root / name)
+        if removed:
             layout.fsync_dir(self.root)
-            spare = f"; step {doomed[-1]}'s files kept as the spare the next save writes over" if self.recycle else ""
-            log.info("pruned snapshots %s from %s (keep=%d)%s", doomed, self.root, keep, spare)
-        return doomed
+            kept_as = f"; step {spare}'s files kept as the spare the next save writes over" if spare is not None else ""
+            log.info("pruned snapshots %s from %s (keep=%d)%s", removed, self.root, keep, kept_as)
+        return removed
 
-    def _remove(self, path: Path, step: int) -> None:
+    def _remove(self, path: Path, step: int) -> bool:
+        """Remove snapshot dir ``path``; False if nothing of the store's was in it. A dir that
+        also holds a user's files keeps them: only the store's own files go, manifest first."""
+        if _foreign(path):
+            return _remove_own_files(path)
         # Rename first (atomic), then delete: a crash mid-delete leaves a temp dir that
         # cleanup removes, never a half-deleted dir that still looks like a snapshot.
         doomed = self.root / layout.temp_dirname(step)
         os.rename(path, doomed)
         _remove_tree(doomed)
+        return True
 
     def _retire_to_spare(self, path: Path, step: int) -> None:
         # The rename alone unmakes the snapshot: a spare's name never parses as a step.
@@ -761,6 +765,43 @@ class SnapshotStore(SnapshotReader):
         if removed:
             log.info("removed %d stale temp dir(s) left by crashed writers in %s", len(removed), self.root)
         return removed
+
+
+def _foreign(path: Path) -> list[str]:
+    """Entries of a step (or quarantined) dir the store did not write: a user's files, a
+    sub-directory, a link in a file's place. [] for a link in the dir's own place (it goes
+    itself, :func:`_remove_tree`) or a dir gone meanwhile."""
+    if path.is_symlink():
+        return []
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return []
+    return sorted(e.name for e in entries if not (layout.is_store_file(e.name) and e.is_file(follow_symlinks=False)))
+
+
+def _remove_own_files(path: Path) -> bool:
+    """Delete the store's own files of ``path``, manifest first, and leave the rest (said once,
+    when something of the store's went); False if there was nothing of the store's."""
+    own = sorted((e.name for e in os.scandir(path) if layout.is_store_file(e.name) and e.is_file(follow_symlinks=False)),
+                 key=lambda name: name != layout.MANIFEST_NAME)  # the manifest first: then no snapshot
+    for name in own:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / name)
+    if own:
+        layout.fsync_dir(path)
+        foreign = _foreign(path)
+        log.warning("pruned %s but left %d file(s) there that this store did not write (e.g. %r); they are "
+                    "yours to keep or delete", path, len(foreign), foreign[0] if foreign else "")
+    return bool(own)
+
+
+def _remove_own_tree(path: Path) -> None:
+    """A quarantined dir: whole if it holds only the store's files, else only those."""
+    if _foreign(path):
+        _remove_own_files(path)
+    else:
+        _remove_tree(path)
 
 
 def _remove_tree(path: Path) -> None:

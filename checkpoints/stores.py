@@ -23,19 +23,26 @@ Location = Union[str, "os.PathLike[str]"]
 
 def open_store(location: Location, **kwargs: Any) -> Any:
     """:class:`SnapshotStore` for a directory, :class:`.s3store.S3SnapshotStore` for ``s3://``,
-    :class:`.tiered.TieredStore` for ``LOCAL_DIR,s3://...``."""
-    tiers = split_tiers(location)
-    if tiers is not None:
-        from .tiered import TieredStore
+    :class:`.tiered.TieredStore` for ``LOCAL_DIR,s3://...``; a location that cannot be used
+    (a bad bucket name, a misspelt ``s3://``) is :class:`SnapshotDirError`, one line.
 
-        return TieredStore(SnapshotStore(tiers[0], **kwargs), open_store(tiers[1], **kwargs))
-    if is_remote(location):
-        from .s3store import S3SnapshotStore  # boto3 only when an object store is used
+    The local tier of two tiers is node-local scratch: it is created (``mkdir -p``) wherever
+    it is opened, ``create=False`` too, so a node whose disk lacks it (a new node, a wiped
+    disk) writes there instead of crash-looping on "does not exist" while the other nodes
+    train on; one that cannot be created is :class:`SnapshotDirError`, one line."""
+    try:
+        tiers = split_tiers(location)
+        if tiers is not None:
+            from .tiered import TieredStore
 
-        try:
+            local = SnapshotStore(tiers[0], **{**kwargs, "create": True})
+            return TieredStore(local, open_store(tiers[1], **kwargs))
+        if is_remote(location):
+            from .s3store import S3SnapshotStore  # boto3 only when an object store is used
+
             return S3SnapshotStore(str(location), **kwargs)
-        except LocationError as e:
-            raise SnapshotDirError(str(e)) from None
+    except LocationError as e:
+        raise SnapshotDirError(str(e)) from None
     return SnapshotStore(location, **kwargs)
 
 
@@ -53,5 +60,6 @@ def open_fence(location: Location, store: Any = None, key: Any = signing.FROM_EN
 
 def location_of(value: str | os.PathLike[str]) -> str | Path:
     """A user's ``--snapshot-dir``/``snapshot_dir`` as the store wants it: the URL untouched
-    (a Path would fold ``s3://`` into ``s3:/``), anything else as a Path."""
+    (a Path would fold ``s3://`` into ``s3:/``), anything else as a Path; LocationError (one
+    line) for a misspelt ``s3://``, which no Path may stand for."""
     return str(value) if uses_object_store(value) else Path(value)

@@ -8,10 +8,13 @@ tier's files, checked against the local manifest as they are read for upload. A 
 counts as saved once it is in the object store: a lost node's disk takes nothing the job
 needs.
 
-Resume takes the newest step that verifies in either tier, the local copy first when both
-hold it: a job healed on another node (whose disk lacks it, or holds an older one) still
-loads the newest remote one, and a newer local one is never passed over for an older remote
-one. The fence is the object store's, the one every node sees.
+Resume takes the newest step the object store holds whole (every rank of every node can load
+it), read from the local copy when this node has a valid one written for this very object
+store, else from the object store. A step only in a local tier (its upload never finished)
+is not chosen: the ranks of other nodes could not load it. A local copy counts only for the
+object store it was written for (:data:`TIER_KEY` in its manifest): two jobs sharing a
+node-local directory, or a job given a new prefix, never resume each other's local steps.
+The fence is the object store's, the one every node sees.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from .store import SnapshotInfo, SnapshotStore
 
 log = logging.getLogger(__name__)
 
+# The local manifest's record of the object store its snapshot was written for (signed with
+# the manifest): a local copy is this store's only if it names the same s3:// location.
+TIER_KEY = "tier_of"
+
 
 class TieredStore:
     """The same calls as :class:`.store.SnapshotStore`: writes go to both tiers, reads to the
@@ -38,6 +45,7 @@ class TieredStore:
         self.keep, self.if_exists = remote.keep, remote.if_exists
         self.stale_temp_grace_s, self.recycle = remote.stale_temp_grace_s, local.recycle
         self._key = remote._key
+        self.bound_to = str(remote.root)  # what this store's local copies record (TIER_KEY)
 
     @property
     def fence(self) -> Any:
@@ -61,6 +69,7 @@ class TieredStore:
         snapshot it already had for this step, is ``state`` serialised for the object store."""
         final = self.local.root / layout.step_dirname(step)
         fresh = not final.exists()
+        extra_meta = {**(extra_meta or {}), TIER_KEY: self.bound_to}
         try:
             info = self.local.save(step, state, world_size=world_size, extra_meta=extra_meta,
                                    housekeeping=housekeeping)
@@ -82,32 +91,55 @@ class TieredStore:
         self.local.housekeep()
         self.remote.housekeep()
 
-    def load_latest(self, *, map_location: Any = "cpu") -> tuple[SnapshotInfo, dict[str, Any]] | None:
-        """Newest step that loads with full verification from either tier; local first on a tie."""
+    def ours(self, step: int) -> bool:
+        """Whether this node's local copy of ``step`` was written for this store's object store
+        (not another job's that shares the directory, nor this job's under another prefix)."""
+        try:
+            manifest = self.local._read_manifest(self.local.root / layout.step_dirname(step))
+        except (ManifestError, SnapshotCorruptError, OSError):
+            return False
+        return manifest.extra_meta.get(TIER_KEY) == self.bound_to
+
+    def load_latest(self, *, map_location: Any = "cpu",
+                    before: int | None = None) -> tuple[SnapshotInfo, dict[str, Any]] | None:
+        """Newest step (below ``before``, if given) whose object-store manifest is valid, so
+        every rank can load it, loaded with full verification from this node's own local copy
+        when it has one, else from the object store."""
         local_steps, remote_steps = set(self.local._steps()), set(self.remote._steps())
-        for step in sorted(local_steps | remote_steps, reverse=True):
-            for tier, steps in ((self.local, local_steps), (self.remote, remote_steps)):
-                if step not in steps or tier.verify(step, full=False):
-                    continue  # not there, or its manifest or sizes already say no
+        newer_local = sorted(s for s in local_steps - remote_steps if (before is None or s < before) and self.ours(s))
+        if newer_local and (not remote_steps or newer_local[-1] > max(remote_steps)):
+            log.warning("snapshot step %d is only in this node's local tier %s (its upload never finished): other "
+                        "nodes could not load it, so it is not resumed from", newer_local[-1], self.local.root)
+        for step in sorted((s for s in remote_steps if before is None or s < before), reverse=True):
+            if self.remote.verify(step, full=False):
+                continue  # not whole in the object store: not every rank could load it
+            tiers = (self.local, self.remote) if step in local_steps and self.ours(step) else (self.remote,)
+            for tier in tiers:
+                if tier is self.local and tier.verify(step, full=False):
+                    continue  # its manifest or sizes already say no: the object store's copy
                 try:
                     state = tier.load(step, map_location=map_location, verify=True)
                 except SnapshotCorruptError as e:
                     log.warning("skipping invalid %s; trying the other tier or an older one", e)
                     continue
                 info = tier._info_at(step)  # the shared read side (.reading)
-                log.info("resuming from snapshot step %d in %s (the newest valid of both tiers)", step,
+                log.info("resuming from snapshot step %d in %s", step,
                          "the local tier" if tier is self.local else "the object store")
                 return info, state
         return None
 
     def load(self, info_or_step: SnapshotInfo | int, *, map_location: Any = "cpu",
-             verify: bool = True) -> dict[str, Any]:
-        """The local copy when this node has a valid one, else the object store's."""
+             verify: bool = True, verify_shards: bool = True) -> dict[str, Any]:
+        """This node's local copy when it has a valid one written for this object store, else
+        the object store's. ``verify_shards`` as for the stores (the ranks other than 0 pass it
+        as they load the step rank 0 chose)."""
         step = info_or_step.step if isinstance(info_or_step, SnapshotInfo) else info_or_step
-        try:
-            return self.local.load(step, map_location=map_location, verify=verify)
-        except SnapshotCorruptError:
-            return self.remote.load(step, map_location=map_location, verify=verify)
+        if self.ours(step):
+            try:
+                return self.local.load(step, map_location=map_location, verify=verify, verify_shards=verify_shards)
+            except SnapshotCorruptError:
+                pass
+        return self.remote.load(step, map_location=map_location, verify=verify, verify_shards=verify_shards)
 
     def __getattr__(self, name: str) -> Any:  # status, check, verify, prune, temp_dirs, ...: the object store's
         return getattr(self.remote, name)

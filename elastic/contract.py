@@ -167,6 +167,7 @@ GOODPUT_JOB_FILE = "job.json"  # agent writes the job's record as it last saw it
 # $ELASTIC_HEARTBEAT_DIR (elastic.consistency.report appends, agent.node.node_agent reads):
 SDC_EVENTS_FILE = "sdc-{local_rank}.jsonl"  # one JSON line each time a replica check names this rank
 SDC_INJECT_FILE = "sdc-inject-{local_rank}.json"  # agent writes (elastic inject-sdc), the worker takes and removes it
+SDC_RESULT_FILE = "sdc-result-{local_rank}.json"  # the worker writes what it did (or why not), the agent takes it to etcd
 CHECK_REQUEST_FILE = "check-request-{local_rank}.json"  # agent writes (elastic check), the worker takes it
 CHECK_RESULT_FILE = "check-result-{local_rank}.json"  # the worker writes the outcome, the agent takes it to etcd
 

@@ -74,6 +74,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from checkpoints.location import LocationError
 from checkpoints.stores import location_of
 
 from . import worker_env
@@ -133,7 +134,11 @@ class Elastic:
                 raise TypeError(f"Elastic({loader_setting}=) is gone since 0.1.0: the DataLoader's is kept, give "
                                 f"DataLoader({loader_setting}=...)")
         refuse_flat_keywords({k: v for k, v in run_kwargs.items() if k in FLAT_KEYWORDS}, caller="Elastic")
-        self.snapshot_dir, self.epochs_target, self.steps_target = location_of(snapshot_dir), epochs, steps
+        try:
+            location = location_of(snapshot_dir)
+        except LocationError as e:  # s3:/x: as a directory, the job would snapshot into ./s3:/x/
+            _usage(str(e))
+        self.snapshot_dir, self.epochs_target, self.steps_target = location, epochs, steps
         self.global_batch_size, self.batch_size, self.run_kwargs = global_batch_size, batch_size, run_kwargs
         self._run: ElasticRun | None = None
         self.dataset: Any = None  # the script's, as prepared (the run's is wrapped under accumulation)

@@ -9,7 +9,7 @@ forwards everything it does not change to the object it wraps.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -221,7 +221,7 @@ def _has_scheduler(optimizer: Any) -> bool:
     return bool(getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False))
 
 
-def _usage(message: str) -> None:
+def _usage(message: str) -> NoReturn:
     """One ``error:`` line (rank 0 speaks for every rank) and exit code 2, as ElasticRun's."""
     if worker_env.read().me.place.rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)

@@ -142,8 +142,8 @@ class FormsWorlds:
 
     def _restore_newest(self) -> tuple[int, float | None]:
         """Every rank loads the newest snapshot, if any: (its step or -1, when it was written)."""
-        step, state, written_at = self.snapshots.load_newest(self.dist)
-        self._describe_restore(step, state)
+        step, written_at = self.snapshots.load_newest(self.dist, self.state.load)
+        self._describe_restore(step)
         return step, written_at
 
     def _holds_state(self) -> None:
@@ -152,10 +152,9 @@ class FormsWorlds:
         self._committed = self.resumed_from = self.state.step
         self.snapshots.catch_up(list(self.plan.recent), self.state.step, self.resumed_from)
 
-    def _describe_restore(self, step: int, state: dict[str, Any] | None) -> None:
+    def _describe_restore(self, step: int) -> None:
         d = self.dist
-        if step >= 0 and state is not None:
-            self.state.load(state)
+        if step >= 0:
             if d.is_main:
                 log.info("%s world %d (%s, %s): resumed from snapshot step %d (epoch %d, %d samples into it)",
                          self._where, d.world_size, d.backend, d.device.type, step, self.plan.sampler.epoch,

@@ -314,12 +314,13 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
 
 
 def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any,
-             files: Mapping[str, tuple[int, str]] | None = None) -> None:
+             files: Mapping[str, tuple[int, str] | tuple[int, str, str]] | None = None) -> None:
     """Every rank reads its own shards of a sharded snapshot (:mod:`checkpoints.sharded`),
     whatever shard and replica count wrote it: DCP reshards. A collective. The caller has
     verified every file against the signed manifest: DCP unpickles ``.metadata``. In an
     object store (``s3://``) each rank fetches only its shards' byte ranges, each checked
-    against ``files``, the manifest's record (:mod:`checkpoints.s3dcp`)."""
+    against ``files``, the manifest's record and the version the load verified
+    (:mod:`checkpoints.s3dcp`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

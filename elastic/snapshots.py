@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from checkpoints import AsyncSnapshotWriter, Fence, FenceToken, SnapshotError, SnapshotFencedError, SnapshotStore
+from checkpoints import (AsyncSnapshotWriter, Fence, FenceToken, SnapshotCorruptError, SnapshotError, SnapshotFencedError,
+                         SnapshotStore)
 from checkpoints.location import uses_object_store
 from checkpoints.stores import open_fence, open_store
 
@@ -177,17 +178,37 @@ class Snapshots:
 
     # ------------------------------------------------------------------ reading (no replica left)
 
-    def load_newest(self, info: DistInfo) -> tuple[int, dict[str, Any] | None, float | None]:
-        """Rank 0 picks the newest valid snapshot; every rank loads exactly that one.
-        Returns (step or -1, state, when it became durable)."""
+    def load_newest(self, info: DistInfo, take: Callable[[dict[str, Any]], None]) -> tuple[int, float | None]:
+        """Rank 0 picks the newest valid snapshot; every rank loads exactly that one and gives
+        it to ``take``. Returns (step or -1, when it became durable).
+
+        A sharded snapshot's shards are read inside ``take`` (``dcp.load``), each checked
+        against the version rank 0's load verified: one replaced since is refused on every
+        rank alike (DCP gathers each rank's failure), and every rank falls back to the next
+        older snapshot, as a restart would. With none older, the refusal is raised: ``take``
+        may have loaded part of the refused one, so this process cannot start from scratch."""
         assert self.store is not None
-        found = self.store.load_latest() if info.is_main else None
-        step = broadcast_int(found[0].step if found else -1, info)
-        if step < 0:
-            return -1, None, None
-        # Rank 0 hashed every shard file just now; the others read only what DCP reads for them.
-        state = found[1] if found else self.store.load(step, verify_shards=False)
-        return step, state, (found[0].written_at if found else None)
+        below: int | None = None
+        refused: SnapshotCorruptError | None = None
+        while True:
+            found = self.store.load_latest(before=below) if info.is_main else None
+            step = broadcast_int(found[0].step if found else -1, info)
+            if step < 0:
+                if refused is not None:
+                    raise refused
+                return -1, None
+            # Rank 0 hashed every shard file just now; the others read only what DCP reads for them.
+            state = found[1] if found else self.store.load(step, verify_shards=False)
+            try:
+                take(state)
+            except SnapshotCorruptError as e:
+                refused = e
+                if info.is_main:
+                    log.warning("skipping snapshot step %d, changed since it was verified (%s); falling back to an "
+                                "older one", step, e)
+                below = step
+                continue
+            return step, (found[0].written_at if found else None)
 
     # ------------------------------------------------------------------ committing
 

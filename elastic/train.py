@@ -57,6 +57,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.snapshot_dir:
         p.error("--snapshot-dir is required (or set ELASTIC_SNAPSHOT_DIR)")
+    from checkpoints.location import MisspeltLocationError, check_spelling
+
+    try:  # s3:/x: as a directory, the job would snapshot into ./s3:/x/ and exit 0
+        check_spelling(args.snapshot_dir)
+    except MisspeltLocationError as e:
+        p.error(f"--snapshot-dir {e.location}: {e.why}")
     if args.batch_policy == "fixed-per-rank" and not args.per_rank_batch_size:
         p.error("--batch-policy fixed-per-rank needs --per-rank-batch-size")
     if args.data and not Path(args.data).is_dir():

@@ -88,6 +88,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from checkpoints import SnapshotMismatchError
+from checkpoints.location import LocationError
 from checkpoints.stores import location_of
 
 from . import contract, worker_env
@@ -139,6 +140,15 @@ class UsageExit(SystemExit, ElasticRunError):
     def __str__(self) -> str:
         return self.message
 _USAGE_ERRORS = (ElasticRunError, SnapshotMismatchError)  # every rank hits these alike
+
+
+def _snapshot_root(snapshot_dir: str | Path) -> str | Path:
+    """The store's location for ``snapshot_dir``; a misspelt ``s3://`` (``s3:/x``) is a usage
+    error: as a directory, the job would snapshot into ``./s3:/x/`` and end with exit 0."""
+    try:
+        return location_of(snapshot_dir)
+    except LocationError as e:
+        raise ElasticRunError(str(e)) from None
 _NO_LOSS = torch.tensor(float("nan"))  # metrics and hooks of a step whose loss the run never saw
 _T = TypeVar("_T")
 
@@ -259,6 +269,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 raise ElasticRunError("give steps= or epochs= (or both; the run stops at whichever comes first)")
             if global_batch_size < 1:
                 raise ElasticRunError(f"global batch size must be >= 1, got {global_batch_size}")
+            root = _snapshot_root(snapshot_dir)  # a misspelt s3:// is refused before a world forms
             snapshot_config, data_config = checked(snapshots, data)
             self.steps_target, self.epochs_target = steps, epochs
             self.seed, self.max_grad_norm, self.on_step_end = seed, max_grad_norm, on_step_end
@@ -296,7 +307,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 self.sync.agree_each_step = True  # ... and on disjoint groups: the ranks agree on each step
             # HSDP in place: a node applies each step on all of its ranks or on none
             self._node_verdict = node_verdict.for_this_node(self.hsdp.shard_size) if self.hsdp is not None else None
-            self.snapshots = Snapshots(location_of(snapshot_dir), snapshot_config, metrics=self.metrics,
+            self.snapshots = Snapshots(root, snapshot_config, metrics=self.metrics,
                                        round_of=lambda: self.round)  # the fence token: a stale group commits nothing
             self.snapshots.collective = self.mesh is not None  # every rank takes part in a sharded snapshot
             # in place, the sharded snapshots' own group joins the world's socket fence

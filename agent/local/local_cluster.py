@@ -23,6 +23,7 @@ import contextlib
 import os
 import random
 import secrets
+import shlex
 import signal
 import select
 import sys
@@ -34,7 +35,7 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from checkpoints.location import uses_object_store
+from checkpoints.location import MisspeltLocationError, check_spelling, is_remote, split_tiers, uses_object_store
 from elastic import contract
 from agent.etcd import EmbeddedEtcd
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL
@@ -172,9 +173,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     problem = bad_value(args)
     if problem:
         p.error(problem)
-    kinds = [k.strip() for k in args.chaos.split(",") if k.strip()]
-    if not kinds or any(k not in ALL_KINDS for k in kinds):
-        p.error(f"--chaos {args.chaos!r}: use a comma-separated list of {', '.join(ALL_KINDS)}")
+    kinds, problem = chaos_kinds(args.chaos)
+    if problem:
+        p.exit(2, f"error: --chaos {shlex.quote(args.chaos)}: {problem}\n")
+    if args.snapshot_dir:
+        try:  # s3:/x would be a directory ./s3:/x (exit 0, the bucket never written)
+            check_spelling(args.snapshot_dir)
+        except MisspeltLocationError as exc:
+            p.exit(2, f"error: --snapshot-dir {exc.location}: {exc.why}\n")
     if args.snapshot_dir and uses_object_store(args.snapshot_dir):
         if KILL_SNAPSHOT in kinds:
             p.error(f"--chaos {KILL_SNAPSHOT} watches a snapshot directory's temp dirs; not with an s3:// "
@@ -191,6 +197,20 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                 "example jobs only")
     args.kinds = kinds
     return args, job_args
+
+
+def chaos_kinds(text: str) -> tuple[list[str], str]:
+    """``--chaos``'s kinds, and why they cannot be used ('' if they can): an empty entry
+    (``kill,,freeze``, a trailing comma) is a typo whose missing kind would silently never
+    run, and an unknown one a kind that does not exist."""
+    kinds = [k.strip() for k in text.split(",")]
+    fix = f"give a comma-separated list of {', '.join(ALL_KINDS)}"
+    if any(not k for k in kinds):
+        return [], f"an empty entry; {fix}, without empty entries"
+    unknown = [k for k in kinds if k not in ALL_KINDS]
+    if unknown:
+        return [], f"unknown kind{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; {fix}"
+    return kinds, ""
 
 
 def bad_value(args: argparse.Namespace) -> str:
@@ -231,9 +251,13 @@ def _network(nodes: int, netns: bool) -> Iterator[Any]:
 
 
 def snapshots_of(args: argparse.Namespace, run_dir: Path) -> str:
-    """The job's snapshot location: ``--snapshot-dir`` (a directory or s3://), else the run's snapshots/."""
+    """The job's snapshot location: ``--snapshot-dir`` (a directory, s3://, or two tiers with
+    the local one made absolute, as a lone directory is), else the run's snapshots/."""
     if args.snapshot_dir:
-        return args.snapshot_dir if uses_object_store(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
+        tiers = split_tiers(args.snapshot_dir)
+        if tiers is not None:
+            return f"{Path(tiers[0]).resolve()},{tiers[1]}"
+        return args.snapshot_dir if is_remote(args.snapshot_dir) else str(Path(args.snapshot_dir).resolve())
     return str(run_dir / "snapshots")
 
 
@@ -361,7 +385,8 @@ def main(argv: Sequence[str]) -> int:
             EmbeddedEtcd(data_dir=run_dir / "etcd", host=net.central_addr if net else "127.0.0.1") as etcd:
         _header(console, etcd, args, what, run_dir, key)
         cluster = Cluster(_nodes(args, job, run_dir, etcd, net, key), run_dir, args.nproc_per_node, etcd=etcd,
-                          snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0)
+                          snapshot_every=_snapshot_every(job["module_args"]) if not args.script else 0,
+                          snapshots=snapshots_of(args, run_dir))
         if sys.stdin.isatty():
             threading.Thread(target=_keys, args=(stop, pressed), daemon=True).start()
         try:

@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.layout import parse_temp_dirname, pid_alive
+from checkpoints.location import is_remote, split_tiers
 from elastic import contract
 from agent.etcd import EmbeddedEtcd
 
 from agent.local.local_node import Crash, LocalNode
+from agent.local.local_snapshots import NewestSnapshot
 from agent.node.policy import SCRIPT_ERROR_WORDS
 
 KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE = "kill", "freeze", "kill-rank0-snapshot", "etcd-outage"
@@ -102,10 +104,23 @@ class Cluster:
     etcd_back_at: float | None = None
     crashes: list[Fault] = field(default_factory=list)  # workers that crashed or hung (kind crash | hang)
     events: list[tuple[float, str]] = field(default_factory=list)  # (unix time, what happened), for the view
+    snapshots: str | None = None  # the workers' snapshot location (--snapshot-dir); None: the run's snapshots/
+    newest: NewestSnapshot | None = None  # the view's look at it, made at the first look
 
     @property
     def snapshot_dir(self) -> Path:
-        return self.run_dir / "snapshots"
+        """The snapshot directory on this machine (kill-rank0-snapshot watches its temp dirs):
+        the location, or its first tier; the run's ``snapshots/`` by default."""
+        if self.snapshots is None or is_remote(self.snapshots):
+            return self.run_dir / "snapshots"
+        tiers = split_tiers(self.snapshots)
+        return Path(tiers[0] if tiers is not None else self.snapshots)
+
+    def last_snapshot(self) -> str:
+        """The newest snapshot's name wherever the workers write them (a directory or a bucket)."""
+        if self.newest is None:
+            self.newest = NewestSnapshot(self.snapshots or str(self.run_dir / "snapshots"))
+        return self.newest.text()
 
     def note(self, text: str) -> None:
         self.events.append((time.time(), text))

@@ -43,9 +43,8 @@ def view(cluster: Cluster, title: str) -> Group:
 
 def _footer(cluster: Cluster) -> list[str]:
     """Under the table: snapshots, faults, the latest crash and where its log is."""
-    snaps = sorted(cluster.snapshot_dir.glob("step-*"))
     recovered = sum(f.recovered_at is not None for f in cluster.faults)
-    lines = [f"last snapshot: {snaps[-1].name if snaps else 'none yet'}   faults: {len(cluster.faults)}   "
+    lines = [f"last snapshot: {cluster.last_snapshot()}   faults: {len(cluster.faults)}   "
              f"recovered: {recovered}   crashes: {sum(len(f.crashes) for f in cluster.crashes)}   "
              "keys: k=kill f=freeze q=quit"]
     last = _last_crash(cluster)

@@ -3,10 +3,11 @@
 A signed command under ``{run}/commands/{node}`` asks that node's agent to SIGKILL its
 own process tree (node loss), to SIGSTOP it for a while (a partition), or to have its
 first worker flip one bit of its training state (silent data corruption, ``elastic
-inject-sdc``: :mod:`elastic.consistency.inject`), or to have the job check its replicas
-at its next step (``elastic check``: :mod:`elastic.consistency.ondemand`; the agent puts
-the outcome under ``{run}/check-results/{node}`` for the command to print). The agent reads
-it from its watch-fed mirror in the monitor loop, so it costs nothing when unused.
+inject-sdc``: :mod:`elastic.consistency.inject`; the agent puts what the worker did, or why
+not, under ``{run}/sdc-results/{node}`` for the command to print), or to have the job check
+its replicas at its next step (``elastic check``: :mod:`elastic.consistency.ondemand`; the
+agent puts the outcome under ``{run}/check-results/{node}``). The agent reads it from its
+watch-fed mirror in the monitor loop, so it costs nothing when unused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from agent.etcd import EtcdClient
 from agent.rendezvous.registry import run_prefix
@@ -46,6 +47,11 @@ def command_key(key_prefix: str, run_id: str, node: str) -> str:
 def check_result_key(key_prefix: str, run_id: str, node: str) -> str:
     """Where a node's agent puts the outcome of the check ``elastic check`` asked of it."""
     return f"{run_prefix(key_prefix, run_id)}/check-results/{node}"
+
+
+def sdc_result_key(key_prefix: str, run_id: str, node: str) -> str:
+    """Where a node's agent puts what its worker did with ``elastic inject-sdc``'s request."""
+    return f"{run_prefix(key_prefix, run_id)}/sdc-results/{node}"
 
 
 def valid_freeze(seconds: object) -> bool:
@@ -201,10 +207,13 @@ class CommandWatch:
         self._started = time.time()
         self.heartbeat_dir: str | None = None  # SDC, CHECK: where the node's first worker looks for a request
         self._asked = False  # a check was asked of a worker: look for its outcome (one stat per poll)
+        self._flip_asked = False  # ... a fault injection: the same
 
     def poll(self) -> None:
         if self._asked:
             self._forward_result()
+        if self._flip_asked:
+            self._forward_flip_result()
         entries, _ = self.handler.mirror.entries()
         entry = entries.get(self.key)
         if entry is None:
@@ -218,7 +227,11 @@ class CommandWatch:
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
         if command.action == SDC:
-            ask_worker_to_flip(self.heartbeat_dir, command.what, command.kind)
+            if ask_worker_to_flip(self.heartbeat_dir, command.what, command.kind, command.issued_at):
+                self._flip_asked = True
+            else:
+                self._put_result(sdc_result_key, {"id": command.issued_at, "done": False,
+                                                  "line": f"node {self.node} runs no workers to corrupt"})
         elif command.action == CHECK:
             self._asked = ask_worker_to_check(self.heartbeat_dir, command.issued_at) or self._asked
         else:
@@ -233,25 +246,42 @@ class CommandWatch:
         if result is None:
             return
         self._asked = False
+        self._put_result(check_result_key, result)
+
+    def _forward_flip_result(self) -> None:
+        """What the worker did with a fault injection (or why not), signed, to etcd."""
+        from elastic.consistency.inject import take_flip_result
+
+        assert self.heartbeat_dir is not None
+        result = take_flip_result(self.heartbeat_dir)
+        if result is None:
+            return
+        self._flip_asked = False
+        self._put_result(sdc_result_key, result)
+
+    def _put_result(self, key_of: Callable[[str, str, str], str], result: dict[str, object]) -> None:
         h = self.handler
-        key = check_result_key(h.options.key_prefix, h.run_id, self.node)
+        key = key_of(h.options.key_prefix, h.run_id, self.node)
         body = h.signer.seal(key.encode(), json.dumps(result).encode())
         try:
             h.client.call(lambda c: c.put(key, body), deadline=2.0)
         except Exception as exc:  # noqa: BLE001 - the job goes on; the command says it got no answer
-            log.warning("could not put the replica check's outcome in etcd: %s", exc)
+            log.warning("could not put a command's outcome in etcd at %s: %s", key, exc)
 
 
-def ask_worker_to_flip(heartbeat_dir: str | None, what: str, kind: str = "bit") -> None:
-    """Leave the request for local rank 0, which takes it at its next step boundary."""
+def ask_worker_to_flip(heartbeat_dir: str | None, what: str, kind: str = "bit", request_id: float | None = None) -> bool:
+    """Leave the request for local rank 0, which takes it at its next step boundary (and,
+    with ``request_id``, leaves its outcome); False if this agent runs no workers."""
     if heartbeat_dir is None:
         log.error("chaos command from etcd: sdc, but this agent runs no workers to corrupt")
-        return
-    from elastic.consistency.inject import request_flip
+        return False
+    from elastic.consistency.inject import FIRST, request_flip
 
-    request_flip(heartbeat_dir, 0, what, kind)
+    request_flip(heartbeat_dir, 0, what, kind, request_id)
     log.warning("chaos command from etcd: sdc: local rank 0 %s %s at its next step boundary",
-                "flips a bit of" if kind == "bit" else f"writes a {'NaN' if kind == 'nan' else 'Inf'} into", what)
+                "flips a bit of" if kind == "bit" else f"writes a {'NaN' if kind == 'nan' else 'Inf'} into",
+                "its first parameter" if what == FIRST else what)
+    return True
 
 
 def ask_worker_to_check(heartbeat_dir: str | None, request_id: float) -> bool:

@@ -15,7 +15,8 @@ does not guess.
 
 Thresholds come from the environment, so an operator can tighten them without a flag:
 ``ELASTIC_HEALTH_MIN_FREE_MB`` (free space in the snapshot and agent directories, default
-1), ``ELASTIC_HEALTH_MIN_MEM_MB`` (``MemAvailable``, default 256),
+1; with two tiers ``DIR,s3://...`` the snapshot directory is the local tier, and the bucket
+is asked one HEAD with a 2 s timeout), ``ELASTIC_HEALTH_MIN_MEM_MB`` (``MemAvailable``, default 256),
 ``ELASTIC_HEALTH_MAX_SKEW_S`` (clock against etcd's, default 10),
 ``ELASTIC_HEALTH_INTERVAL_S`` (seconds between looks while training, default 30),
 ``ELASTIC_HEALTH=off`` (no checks at all).
@@ -144,6 +145,18 @@ def writable(role: str, path: Path) -> Check:
         except OSError:
             pass
     return Check(f"{role}_writable", True, f"{path} is writable")
+
+
+def reachable(role: str, url: str, probe: Callable[[], None]) -> Check:
+    """Whether the object store of ``role`` (an ``s3://`` location, or the second of two tiers)
+    answers ``probe`` (one HEAD of the bucket, short timeout): a node that cannot reach it
+    would train and then fail every snapshot. ``probe`` raises with the one line to show."""
+    try:
+        probe()
+    except Exception as exc:  # noqa: BLE001 - the probe's own one line (SnapshotDirError), or what stopped it
+        return Check(f"{role}_reachable", False, str(exc) or type(exc).__name__,
+                     "check the endpoint (AWS_ENDPOINT_URL), the credentials and that the bucket exists")
+    return Check(f"{role}_reachable", True, f"{url} answers")
 
 
 def memory(min_avail: int, meminfo: str) -> Check:

@@ -27,6 +27,41 @@ log = logging.getLogger("elastic.agent")
 _RECHECK_S = 0.5
 
 
+_PROBE_TIMEOUT_S = 2.0  # the bucket's HEAD: a look must not hold the agent up
+
+
+def _snapshot_tiers(snapshot_dir: Path | str | None) -> tuple[Path | None, str | None]:
+    """What of this node's snapshot location to check, as ``(directory, s3_url)``: the location
+    itself (a directory, or a bucket), or both tiers of ``DIR,s3://...`` (never one directory
+    named ``DIR,s3:``, which does not exist and kept every node out)."""
+    from checkpoints.location import is_remote, split_tiers
+
+    if snapshot_dir is None:
+        return None, None
+    tiers = split_tiers(snapshot_dir)
+    if tiers is not None:
+        return Path(tiers[0]), tiers[1]
+    if is_remote(snapshot_dir):
+        return None, str(snapshot_dir)
+    return Path(snapshot_dir), None
+
+
+def _bucket_probe(url: str) -> Callable[[], None]:
+    """One HEAD of ``url``'s bucket, a short timeout and no long retries; its client is made
+    at the first look (boto3 only for a node that uses an object store) and kept."""
+    client: list[Any] = []
+
+    def probe() -> None:
+        if not client:
+            from checkpoints.location import parse_s3
+            from checkpoints.s3client import S3Objects
+
+            client.append(S3Objects(parse_s3(url), retry_for_s=0.0, timeout_s=_PROBE_TIMEOUT_S))
+        client[0].probe()
+
+    return probe
+
+
 class HealthWatch:
     """The checks of one node. ``etcd``: its :class:`~agent.etcd.settings.EtcdSettings`
     (the clock is compared with etcd's), None without etcd; ``gauge``: a Prometheus gauge
@@ -36,8 +71,10 @@ class HealthWatch:
                  etcd: Any = None, gauge: Any = None, limits: Limits | None = None) -> None:
         self.node = node
         self.dirs = {"agent_dir": Path(work_dir)}
-        if snapshot_dir is not None and not str(snapshot_dir).startswith(("s3://", "S3://")):
-            self.dirs = {"snapshot_dir": Path(snapshot_dir), **self.dirs}
+        disk, self.bucket = _snapshot_tiers(snapshot_dir)
+        if disk is not None:
+            self.dirs = {"snapshot_dir": disk, **self.dirs}
+        self._probe = _bucket_probe(self.bucket) if self.bucket else None
         self.chosen_by: dict[str, str] = {}
         chosen = {"GLOO_SOCKET_IFNAME": worker_env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", ""),
                   contract.HEAL_IFNAME_ENV: worker_env.get(contract.HEAL_IFNAME_ENV)
@@ -55,7 +92,8 @@ class HealthWatch:
         self._said = ""
 
     def checks(self) -> HealthReport:
-        """Every check now (a few ms, one etcd request, one ``nvidia-smi`` where there is one)."""
+        """Every check now (a few ms, one etcd request, one HEAD of the snapshot bucket and one
+        ``nvidia-smi`` where there are those)."""
         found: list[Check] = []
         for role, path in self.dirs.items():
             found.append(health.disk_space(role, path, self.limits.min_free_bytes))
@@ -65,6 +103,8 @@ class HealthWatch:
         except OSError:
             meminfo = ""
         found.append(health.memory(self.limits.min_mem_bytes, meminfo))
+        if self.bucket and self._probe is not None:
+            found.append(health.reachable("snapshot_bucket", self.bucket, self._probe))
         if self.etcd is not None:
             s = self.etcd
             skew, uncertainty, source = health.etcd_skew(

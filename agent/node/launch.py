@@ -81,8 +81,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       metavar="SECONDS|auto",
                       help="restart workers when no local rank finished a step for this long "
                            "(default auto: 20x the median step time, at least 60 s)")
-    ours.add_argument("--snapshot-dir", "--snapshot_dir", dest="snapshot_dir", default=None,
-                      help="shared snapshot directory, passed to workers as ELASTIC_SNAPSHOT_DIR")
+    ours.add_argument("--snapshot-dir", "--snapshot_dir", dest="snapshot_dir", type=_snapshot_location, default=None,
+                      help="shared snapshot directory (or s3://bucket/prefix, or DIR,s3://... for two tiers), "
+                           "passed to workers as ELASTIC_SNAPSHOT_DIR")
     ours.add_argument("--warm-start", "--warm_start", dest="warm_start", action=argparse.BooleanOptionalAction,
                       default=True,
                       help="fork every worker from one pre-imported template per node, so a started or "
@@ -246,6 +247,18 @@ def _registered_backends() -> list[str]:
 def _run_id(text: str) -> str:
     if not RUN_ID.fullmatch(text):
         raise _Refused(text, f"a run id names etcd keys and directories, so use {RUN_ID_RULE}")
+    return text
+
+
+def _snapshot_location(text: str) -> str:
+    """A misspelt ``s3://`` (``s3:/x``, ``S3://x``) is refused as it is parsed: taken for a
+    directory, the job snapshotted into ``./s3:/x/`` and exited 0."""
+    from checkpoints.location import MisspeltLocationError, check_spelling
+
+    try:
+        check_spelling(text)
+    except MisspeltLocationError as exc:
+        raise _Refused(text, exc.why) from None
     return text
 
 

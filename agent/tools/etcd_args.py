@@ -9,13 +9,15 @@ reaches the job reaches the tools, with nothing new to learn.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import time
 from dataclasses import dataclass
 
 from elastic import contract
 from agent.etcd import EtcdClient, settings_from_options
 from agent.rendezvous.registry import NodeRecord, list_nodes
-from agent.rendezvous.signing import StateSigner, load_hmac_key
+from agent.rendezvous.signing import SignatureError, StateSigner, load_hmac_key
 
 DEFAULT_ENDPOINT = "localhost:2379"
 
@@ -80,3 +82,40 @@ def live_node(etcd: EtcdTarget, wanted: str | None) -> tuple[NodeRecord, list[No
     if found is None:
         raise NoLiveNode(f"no live node {wanted!r} in run {etcd.run_id!r}; live: {', '.join(n.node for n in nodes)}")
     return found, nodes
+
+
+ANSWER_POLL_S = 0.2
+
+
+def seconds(text: str) -> float:
+    """A ``--timeout`` to wait for a node's answer: above 0, at most an hour."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"give seconds above 0 and at most 3600, not {text!r}")
+    return value
+
+
+def await_answer(etcd: EtcdTarget, key: str, issued_at: float, timeout: float) -> dict[str, object] | None:
+    """The signed answer a node's agent put at ``key`` to the command sent at ``issued_at``
+    (``elastic check``, ``elastic inject-sdc``); None if none came within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value, _meta = etcd.client.call(lambda c: c.get(key))
+        answer = _open(etcd.signer, key, value)
+        if answer is not None and answer.get("id") == issued_at:
+            return answer
+        time.sleep(ANSWER_POLL_S)
+    return None
+
+
+def _open(signer: StateSigner, key: str, value: bytes | None) -> dict[str, object] | None:
+    if value is None:
+        return None
+    try:
+        data = json.loads(signer.open(key.encode(), value))
+    except (SignatureError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -61,54 +61,113 @@ def _done(kind: str) -> str:
     return "flipped bit 22 of" if kind == "bit" else f"wrote {'a NaN' if kind == 'nan' else 'an Inf'} into"
 
 
-def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str) -> torch.Tensor:
-    """The tensor ``what`` names: a parameter (``fc.weight``), or ``<parameter>.<state>``
-    for its optimizer state (``fc.weight.exp_avg_sq``); ``first`` is the first parameter."""
+FIRST = "first"  # what ``elastic inject-sdc`` asks for without --tensor: the first parameter
+_NAMED = 8  # tensors a refusal names, at most
+
+
+def resolve(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str) -> tuple[str, torch.Tensor]:
+    """``(name, tensor)`` of what ``what`` names: a parameter (``fc.weight``), or
+    ``<parameter>.<state>`` for its optimizer state (``fc.weight.exp_avg_sq``); ``first`` is
+    the first parameter, by its own name. KeyError (one line naming the tensors there are)
+    if there is no such tensor."""
     params = dict(module.named_parameters())
-    if what == "first":
-        return next(iter(params.values()))
+    if what == FIRST and params:
+        return next(iter(params.items()))
     if what in params:
-        return params[what]
+        return what, params[what]
     name, _, key = what.rpartition(".")
     state: dict[str, Any] = optimizer.state.get(params[name], {}) if name in params else {}
     value = state.get(key)
     if not isinstance(value, torch.Tensor):
-        raise KeyError(f"no parameter or optimizer state named {what!r} (parameters: {', '.join(list(params)[:6])}...)")
-    return value
+        raise KeyError(f"no parameter or optimizer state named {what!r}; {tensors_there(module, optimizer)}")
+    return what, value
+
+
+def tensors_there(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """The tensors a request may name, in a few words: the parameters, and the optimizer's
+    state as ``<parameter>.<key>``."""
+    params = dict(module.named_parameters())
+    names = list(params)
+    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    keys = sorted({k for p in params.values() for k, v in optimizer.state.get(p, {}).items()
+                   if isinstance(v, torch.Tensor)})
+    state = (f"; optimizer state: <parameter>.{{{','.join(keys)}}}, e.g. {names[0]}.{keys[0]}" if keys and names
+             else "; no optimizer state yet")
+    return f"parameters: {', '.join(names[:_NAMED])}{more}{state}" if names else "the model has no parameters"
+
+
+def target(module: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str) -> torch.Tensor:
+    """The tensor ``what`` names (:func:`resolve`)."""
+    return resolve(module, optimizer, what)[1]
 
 
 
 
-def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str, kind: str = "bit") -> Path:
+def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: str, kind: str = "bit",
+                 request_id: float | None = None) -> Path:
     """The agent's side: ask local rank ``local_rank`` to flip a bit of ``what`` (or write a
-    NaN or an Inf into it: ``kind``), written whole."""
+    NaN or an Inf into it: ``kind``), written whole; with ``request_id`` the worker leaves
+    its outcome for the agent to pass on (:func:`take_flip_result`)."""
     path = Path(heartbeat_dir) / contract.SDC_INJECT_FILE.format(local_rank=local_rank)
-    write_atomically(path, json.dumps({"what": what, "kind": kind}).encode())
+    body: dict[str, Any] = {"what": what, "kind": kind}
+    if request_id is not None:
+        body["id"] = request_id
+    write_atomically(path, json.dumps(body).encode())
     return path
+
+
+def take_flip_result(heartbeat_dir: str | os.PathLike[str], local_rank: int = 0) -> dict[str, Any] | None:
+    """The agent's side: the outcome a worker left (``id``, ``done``, ``line``), taken once
+    (None: none yet, or unreadable)."""
+    path = Path(heartbeat_dir) / contract.SDC_RESULT_FILE.format(local_rank=local_rank)
+    try:
+        result = json.loads(path.read_text())
+        path.unlink()
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None
 
 
 class FlipRequests:
     """The worker's side: one ``stat`` per step boundary; a request is taken once, removed,
-    and carried out on this rank's live state (a bad request is one line, never a crash)."""
+    and carried out on this rank's live state (a bad request is one line, never a crash).
+    Its outcome, one line naming the tensor changed or the tensors there are, goes back to
+    the agent for ``elastic inject-sdc`` to print."""
 
     def __init__(self) -> None:
         env = worker_env.read()
         where, local_rank = env.node.heartbeat_dir, env.me.local_rank
         self.path = Path(where) / contract.SDC_INJECT_FILE.format(local_rank=local_rank) if where else None
+        self.result = Path(where) / contract.SDC_RESULT_FILE.format(local_rank=local_rank) if where else None
 
     def poll(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, where: str) -> None:
         if self.path is None or not os.path.exists(self.path):
             return
+        request_id: Any = None
         try:
             request = json.loads(self.path.read_text())
             self.path.unlink()
+            request_id = request.get("id")
             what, kind = str(request["what"]), str(request.get("kind", "bit"))
-            poison(target(module, optimizer, what), kind)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("%s fault injection request not carried out: %s", where, exc)
+            name, tensor = resolve(module, optimizer, what)
+            poison(tensor, kind)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            log.error("%s fault injection request not carried out: %s", where, why)
+            self._answer(request_id, False, f"{where} did not carry it out: {why}")
             return
         log.warning("%s fault injection: %s element 0 of %s after step %d (silent data corruption, on request)",
-                    where, _done(kind), what, step)
+                    where, _done(kind), name, step)
+        self._answer(request_id, True, f"{where} {_done(kind)} element 0 of {name} after step {step}")
+
+    def _answer(self, request_id: Any, done: bool, line: str) -> None:
+        if request_id is None or self.result is None:  # asked without waiting for an answer (elastic local)
+            return
+        try:
+            write_atomically(self.result, json.dumps({"id": request_id, "done": done, "line": line}).encode())
+        except OSError as exc:
+            log.warning("could not leave the fault injection's outcome for the agent: %s", exc)
 
 
-__all__ = ["FlipRequests", "KINDS", "flip_bit", "poison", "request_flip", "target"]
+__all__ = ["FIRST", "FlipRequests", "KINDS", "flip_bit", "poison", "request_flip", "resolve", "take_flip_result",
+           "target", "tensors_there"]

@@ -6,6 +6,8 @@ agent, to check at its next step: it prints that the replicas agree, exit 0. Aft
 ``elastic inject-sdc`` flips a bit in one node's worker, ``elastic check`` prints the
 mismatch line (with two replicas both nodes are named) and exits 1; the job has gone back
 to its last agreed state and trains on. A node that is not live is one line, exit 2.
+``elastic inject-sdc`` prints the worker's answer: the tensor it changed by its own name,
+or (exit 2) the tensors the model has when the one named does not exist.
 """
 
 from __future__ import annotations
@@ -72,11 +74,21 @@ def test_elastic_check_prints_agreement_then_the_mismatch_it_found(
     assert "asked the job through node a" in agreed.stdout and "the 2 replicas agree at step" in agreed.stdout, \
         agreed.stdout
 
-    flip = _elastic(etcd_server, run_id, "inject-sdc", "b", "--tensor", "0.weight")
+    # a tensor the model does not have: one line naming those it has, exit 2 (it exited 0 and said nothing)
+    typo = _elastic(etcd_server, run_id, "inject-sdc", "b", "--tensor", "0.wieght")
+    assert typo.returncode == 2, typo.stdout + typo.stderr
+    errors = [line for line in typo.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: [b rank ") and "Traceback" not in typo.stderr, typo.stderr
+    assert "no parameter or optimizer state named '0.wieght'; parameters: 0.weight, 0.bias, 2.weight, 2.bias" \
+        in errors[0], errors
+    # the default tensor, named by its own name (it was 'first' in every line)
+    flip = _elastic(etcd_server, run_id, "inject-sdc", "b")
     assert flip.returncode == 0, flip.stdout + flip.stderr
+    asked, done = flip.stdout.splitlines()
+    assert asked == "asked node b through etcd to flip a bit of its first parameter in its local rank 0", asked
+    assert done.startswith("[b rank ") and "flipped bit 22 of element 0 of 0.weight after step" in done, done
     b = group[1]
-    wait_until(lambda: "fault injection: flipped bit 22 of element 0 of 0.weight" in b.log_path.read_text(), 60,
-               "b's worker to flip the bit", on_timeout=lambda: b.log_tail(40))
+    assert "fault injection: flipped bit 22 of element 0 of 0.weight" in b.log_path.read_text()
     found = _elastic(etcd_server, run_id, "check", "b", "--timeout", "60")
     assert found.returncode == 1, found.stdout + found.stderr
     line = found.stdout.splitlines()[-1]

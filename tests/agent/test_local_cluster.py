@@ -56,6 +56,29 @@ def test_a_value_that_means_nothing_is_refused_up_front_with_one_error_line(
     assert len(errors) == 1 and said in errors[0], errors
 
 
+@pytest.mark.parametrize(("chaos", "said"), [
+    ("kill,,freeze", "--chaos kill,,freeze: an empty entry"),  # accepted before: the missing kind never ran
+    ("kill,", "--chaos kill,: an empty entry"),
+    (",", "--chaos ,: an empty entry"),
+    ("", "--chaos '': an empty entry"),
+    ("kill,boom", "--chaos kill,boom: unknown kind 'boom'"),
+    ("Kill,frezee", "--chaos Kill,frezee: unknown kinds 'Kill', 'frezee'"),
+])
+def test_a_chaos_list_with_an_empty_or_unknown_entry_is_one_line_exit_2(
+    chaos: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--chaos", chaos])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {said}") and "kill, freeze" in err, err
+
+
+def test_a_chaos_list_may_have_spaces_after_its_commas() -> None:
+    args, _ = parse_args(["--chaos", "kill, freeze"])
+    assert args.kinds == ["kill", "freeze"]
+
+
 def test_zero_faults_and_zero_seconds_are_still_values() -> None:
     args, _ = parse_args(["--faults", "0", "--fault-every", "0", "--back-after", "0", "--steps", "1"])
     assert (args.faults, args.fault_every, args.back_after, args.steps) == (0, 0, 0, 1)

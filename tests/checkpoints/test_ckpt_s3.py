@@ -20,6 +20,7 @@ from checkpoints import AsyncSnapshotWriter, FenceToken, SnapshotDirError, Snaps
 from checkpoints.cli import main as cli_main
 from checkpoints.s3store import S3SnapshotStore
 from checkpoints.stores import open_store
+from checkpoints.tiered import TIER_KEY
 from tests.support.s3server import SeaweedS3
 
 KEY = b"k" * 32
@@ -184,8 +185,8 @@ def test_two_tiers_resume_from_the_newest_valid_of_both(s3: str, tmp_path: Path)
     for step in (1, 2):
         store.save(step, _state(step), world_size=1)
     assert store.local.newest_valid().step == 2 and store.remote.newest_valid().step == 2
-    store.local.save(3, _state(3), world_size=1)  # newer locally (its upload never happened)
-    assert store.load_latest()[0].step == 3
+    store.local.save(3, _state(3), world_size=1, extra_meta={TIER_KEY: store.bound_to})  # never uploaded
+    assert store.load_latest()[0].step == 2  # other nodes could not load step 3 (test_ckpt_tiers.py)
     store.remote.save(4, _state(4), world_size=1)  # newer remotely (written from another node)
     assert store.load_latest()[1]["step"] == 4
     # healed onto a node whose disk is empty: the object store's newest

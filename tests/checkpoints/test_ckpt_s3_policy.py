@@ -21,7 +21,9 @@ def test_locations() -> None:
     assert parse_s3("s3://bucket-1/a//b/") == S3Location("bucket-1", "a/b/")
     assert parse_s3("s3://bucket-1") == S3Location("bucket-1", "")
     assert str(parse_s3("s3://bucket-1/a/b/")) == "s3://bucket-1/a/b"
-    assert is_remote("S3://x") and not is_remote("/data/s3:/x") and not is_remote(os.fspath("rel"))
+    assert is_remote("s3://x") and not is_remote("/data/s3:/x") and not is_remote(os.fspath("rel"))
+    with pytest.raises(LocationError, match="did you mean s3://x"):  # tests/test_snapshot_location_typos.py
+        is_remote("S3://x")
     for bad in ("s3://", "s3://B/x", "s3://ab/x", "s3://bucket-1/../x", "s3://bucket-1/./x"):
         with pytest.raises(LocationError):
             parse_s3(bad)

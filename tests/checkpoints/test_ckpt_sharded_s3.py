@@ -10,6 +10,8 @@ tests/elastic/test_sharded_snapshots.py."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,18 +113,19 @@ def test_a_torn_or_replaced_shard_is_refused_and_the_previous_snapshot_used(s3: 
     store = S3SnapshotStore(s3, key=KEY)
     _sharded(store, 4, seed=1)
     _sharded(store, 8, seed=2)
-    found = store.load_latest()
+    found = store.load_latest()  # verified: the manifest, every file's sha256, and each shard's ETag bound
     assert found is not None and found[0].step == 8
     url, files = str(found[1][DCP_DIR_KEY]), found[1][DCP_FILES_KEY]
+    assert all(len(record) == 3 and record[2] for record in files.values())
     shard = url[len(s3) + 1:] + "/__0_0.distcp"
-    data, _ = store.objects.get(shard)
-    flipped = bytearray(data)
-    flipped[-9] ^= 0x40  # same size, one bit
-    store.objects.put(shard, bytes(flipped))
-    reader = S3DcpReader(url, files)
-    reader._etags["__0_0.distcp"] = "\"an-etag-from-before\""  # what it verified: another object now
+    older = store.load(4)
+    other, _ = store.objects.get(str(older[DCP_DIR_KEY])[len(s3) + 1:] + "/__0_0.distcp")
+    assert len(other) == files["__0_0.distcp"][0]
+    # Replaced after the verification, before the first read: step 4's shard, the same size,
+    # a valid file of other values. Bound at its first read, the reader read it as step 8's.
+    store.objects.put(shard, other)
     with pytest.raises(SnapshotCorruptError, match="replaced since the snapshot was verified"):
-        _load(url, files, reader)
+        _load(url, files)
     assert any("__0_0.distcp: sha256 mismatch" in p for p in store.check(8))
     again = store.load_latest()
     assert again is not None and again[0].step == 4  # the whole step refused, before DCP read a byte
@@ -133,3 +136,61 @@ def test_a_torn_or_replaced_shard_is_refused_and_the_previous_snapshot_used(s3: 
     with pytest.raises(dcp.api.CheckpointException, match="not the bytes the signed manifest names"):
         _load(str(again[1][DCP_DIR_KEY]), again[1][DCP_FILES_KEY])  # the same, inside dcp.load
     assert store.load_latest() is None
+
+
+def test_a_resume_whose_shard_is_replaced_after_verification_falls_back_to_the_previous_snapshot(
+        s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a (re)starting world does (``Snapshots.load_newest``, a world of one over gloo):
+    rank 0 verifies the newest snapshot, then every rank reads its shards through DCP; a shard
+    replaced in between is refused, and the world resumes from the previous snapshot."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elastic.distributed import DistInfo
+    from elastic.metrics.training import NoMetrics
+    from elastic.run_config import SnapshotConfig
+    from elastic.sharded import load_dcp
+    from elastic.snapshots import Snapshots
+
+    monkeypatch.setenv("ELASTIC_RDZV_HMAC_KEY", KEY.decode())
+    store = S3SnapshotStore(s3, key=KEY)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {}
+    for step in (4, 8):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        writer = DeferredDcpWriter(store.root, lambda s=step: store.begin_parts(s))  # type: ignore[arg-type, misc]
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=True)
+        assert writer.part is not None
+        store.write_part(writer.part)
+        store.seal_parts(step, writer.part.temp, ranks=1, metadata=writer.metadata, state={"progress": {"step": step}},
+                         world_size=1, deadline=time.monotonic() + 10)
+    shard = {step: str(store.load(step, verify_shards=False)[DCP_DIR_KEY])[len(s3) + 1:] + "/__0_0.distcp"
+             for step in (4, 8)}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+
+    def take(state: dict[str, Any]) -> None:  # the world's TrainState.load: DCP reads the shards
+        taken.append(state["progress"]["step"])
+        if taken == [8]:  # rank 0 verified step 8 just now; its shard is replaced before DCP reads it
+            store.objects.put(shard[8], store.objects.get(shard[4])[0])
+        load_dcp(model, optimizer, state[DCP_DIR_KEY], state[DCP_FILES_KEY])
+
+    taken: list[int] = []
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", node="n")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    try:
+        snapshots = Snapshots(s3, SnapshotConfig(every_steps=None, keep=5, writer="thread"), metrics=NoMetrics())
+        snapshots.attach(info, check_dir=False)
+        step, _ = snapshots.load_newest(info, take)
+        snapshots.close()
+    finally:
+        dist.destroy_process_group()
+    assert taken == [8, 4] and step == 4  # step 8 refused at its first read, step 4 resumed from
+    assert all(torch.equal(v, saved[4][k]) for k, v in model.state_dict().items())

@@ -154,6 +154,34 @@ def test_a_flip_request_is_taken_once_and_a_bad_one_is_one_line(
     assert "fault injection request not carried out" in caplog.text
 
 
+def test_a_flip_request_answers_with_the_tensor_it_changed_or_the_tensors_there_are(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``elastic inject-sdc`` prints, through the agent: the worker's own answer. A tensor
+    that does not exist was one ERROR line in the worker's log and the command said nothing
+    (exit 0); the default was called ``first`` in every line, never by its name."""
+    from elastic.consistency.inject import FlipRequests, request_flip, take_flip_result
+
+    monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model, opt = _model_and_adam()
+    requests = FlipRequests()
+    assert take_flip_result(tmp_path) is None  # type: ignore[arg-type]
+    request_flip(tmp_path, 0, "no.such", request_id=1.5)  # type: ignore[arg-type]
+    before = fingerprint(model, opt, None)
+    requests.poll(model, opt, 6, "[n rank 0]")
+    answer = take_flip_result(tmp_path)  # type: ignore[arg-type]
+    assert answer is not None and answer["id"] == 1.5 and answer["done"] is False
+    assert answer["line"] == ("[n rank 0] did not carry it out: no parameter or optimizer state named 'no.such'; "
+                              "parameters: 0.weight, 0.bias, 1.weight, 1.bias; optimizer state: "
+                              "<parameter>.{exp_avg,exp_avg_sq,step}, e.g. 0.weight.exp_avg"), answer
+    assert fingerprint(model, opt, None).hashes == before.hashes and take_flip_result(tmp_path) is None  # type: ignore[arg-type]
+    request_flip(tmp_path, 0, "first", "nan", request_id=2.5)  # type: ignore[arg-type]
+    requests.poll(model, opt, 7, "[n rank 0]")
+    assert take_flip_result(tmp_path) == {  # type: ignore[arg-type]
+        "id": 2.5, "done": True, "line": "[n rank 0] wrote a NaN into element 0 of 0.weight after step 7"}
+    assert fingerprint(model, opt, None).differing(before) == ["0.weight"]
+
+
 def test_kill_and_freeze_commands_are_unchanged() -> None:
     from agent.node.commands import FREEZE, KILL, Command
 
