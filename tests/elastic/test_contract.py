@@ -147,6 +147,8 @@ READS_ALLOWED = {
     "agent/node/nnodes.py": "--nnodes' twins, ELASTIC_NNODES and torchrun's PET_NNODES (computed)",
     "checkpoints/signing.py": "the job key (checkpoints does not import elastic)",
     "agent/node/netif.py": "gloo's and NCCL's *_SOCKET_IFNAME, which a user may set, by their own names",
+    "agent/local/zygote.py": "what the loader and the interpreter read at a start (LD_PRELOAD, PYTHONPATH...), "
+                             "by their own names, to tell a process it can fork from one it must exec",
 }
 
 _ENVIRONS = ("os.environ", "environ", "env")
