@@ -187,7 +187,7 @@ def test_other_commands_start_cold_and_close_leaves_no_process(server: ForkServe
     hung, out, _ = start(server, tmp_path, "hung", HANG="1")
     wait_until(lambda: out.exists() and out.read_text(), 60, "the worker to start")
     started = set(process_tree(os.getpid())) - before
-    assert len(started) == 2  # the template and its worker
+    assert len(started) == 3  # the template, its worker and the worker's snapshot writer forked ahead
     server.close()  # the agent stops its workers first; one left behind dies with the template
     wait_until(lambda: hung.poll() is not None, 30, "the worker to die with its template")
     assert hung.poll() == -signal.SIGKILL

@@ -57,10 +57,10 @@ SCRIPT = textwrap.dedent('''\
         loss = model(torch.randn(8, 4)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
+        if step == int(sys.argv[2]):  # right after the step's all-reduce, which both ranks leave together
+            undefined_name  # a bug, as in a tutorial edited in a hurry
         optimizer.step()
         time.sleep(0.05)
-        if step == int(sys.argv[2]):
-            undefined_name  # a bug, as in a tutorial edited in a hurry
     dist.destroy_process_group()
 ''')
 
@@ -143,13 +143,14 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
-    """``cd project && elastic local --nodes 2 train.py 20 3`` with a bug at step 3."""
+    """``cd project && elastic local --nodes 2 train.py 400 120`` with a bug at step 120 (about 7 s
+    in: a status line or two first)."""
     root = tmp_path_factory.mktemp("truth")
     user_dir, run_dir = root / "project", root / "run"
     user_dir.mkdir()
     (user_dir / "train.py").write_text(SCRIPT)
     local = LocalProcess(["--nodes", "2", "--faults", "0", "--max-restarts", "1", "--lease-ttl", "2",
-                          "--run-dir", str(run_dir), "train.py", "20", "3"], user_dir, root / "local.out")
+                          "--run-dir", str(run_dir), "train.py", "400", "120"], user_dir, root / "local.out")
     try:
         wait_until(local.exited, RUN_TIMEOUT, "elastic local to end the failed job", interval=0.2,
                    on_timeout=lambda: Outcome(-1, local.output(), user_dir, run_dir).explain())
