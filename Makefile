@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 
 # promtool/prometheus (Debian's prometheus package) back the deploy/ tests. Three pytest-xdist
 # workers: the heaviest multi-node files one after another on one of them, every other file
-# on the other two (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 14 min,
-# against 17-18 min on two workers the same day and 29 serially: the tests wait (leases,
-# recoveries) about a third of the time, and a third worker fills it.
+# on the other two (tests/conftest.py). Measured on 2 cores (docs/BENCHMARKS.md): 14 min for
+# 1165 tests (2026-11-27), against 17-18 min on two workers the same day and 29 serially: the
+# tests wait (leases, recoveries) about a third of the time, and a third worker fills it.
+# 20.5 min for 1496 tests (2026-12-02; 25.8 before the agents and the tests' ranks were forked
+# from a zygote): the suite is CPU-bound, `make test-profile` says where.
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
@@ -39,7 +41,7 @@ test-serial: $(STAMP)
 # What each test costs: wall, CPU of everything it started (a cgroup per test), processes
 # started and torch imports (a .pth hook in the venv, inert unless the profile sets its log),
 # summed by kind into PROFILE_DIR/report.md (docs/BENCHMARKS.md keeps the latest).
-# `python -m tests.support.test_profile asserts --compare REV` lists any check dropped since REV.
+# `python -m tests.support.suite_profile asserts --compare REV` lists any check dropped since REV.
 PROFILE_DIR ?= /tmp/elastic-test-profile
 SITE := $(VENV)/lib/python3.11/site-packages
 test-profile: $(STAMP)
@@ -50,7 +52,7 @@ test-profile: $(STAMP)
 	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)
 	ELASTIC_PROFILE_OUT=$(PROFILE_DIR) $(PY) -m pytest -q -p no:cacheprovider -p tests.support.profile_plugin \
 		-n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || true
-	$(PY) -m tests.support.test_profile report $(PROFILE_DIR) | tee $(PROFILE_DIR)/report.md
+	$(PY) -m tests.support.suite_profile report $(PROFILE_DIR) | tee $(PROFILE_DIR)/report.md
 
 # ruff (bugs: pyflakes, bugbear, ...) and mypy, configured in pyproject.toml; `make test` runs
 # it first. A few seconds once mypy's cache (.mypy_cache) is warm.

@@ -3,7 +3,7 @@
 Per test it records the wall time, the CPU time of everything the test started (the pytest
 worker's own and every descendant's, whether reaped, orphaned or killed), the processes
 started and how many of them imported torch (tests/support/proc_probe.py), the fixtures it
-used and the asserts it makes. ``python -m tests.support.test_profile report`` sums them up.
+used and the asserts it makes. ``python -m tests.support.suite_profile report`` sums them up.
 
 CPU comes from a cgroup-v1 ``cpuacct`` group per test: the worker moves itself into a fresh
 group for the test's set-up, call and tear-down, so every process started in between is

@@ -1,4 +1,4 @@
-"""The suite's cost and checks: ``python -m tests.support.test_profile report|asserts``.
+"""The suite's cost and checks: ``python -m tests.support.suite_profile report|asserts``.
 
 ``report DIR`` sums what tests/support/profile_plugin.py recorded in DIR (``make
 test-profile`` writes it): the totals, the 30 dearest tests by wall and by CPU, and the cost by
@@ -214,7 +214,7 @@ def report(costs: list[TestCost], top: int = 30) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.test_profile")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.suite_profile")
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("report", help="sum a profile directory written by make test-profile")
     r.add_argument("dir", type=Path)
