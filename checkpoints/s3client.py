@@ -82,13 +82,65 @@ def is_missing(e: BaseException) -> bool:
     return error_code(e) in _MISSING_CODES
 
 
-class Outage:
-    """One line when the server stops answering, one when it is back; nothing per retry."""
+SILENT_AFTER_S = 10.0  # a request unanswered this long is an outage, though its own timeout is longer
 
-    def __init__(self, where: str) -> None:
+
+class Progress:
+    """A transfer's sign of life: boto3's ``Callback`` for bytes moved. A large upload that moves
+    bytes is answered, however long it takes; one that moves none for the silence is not."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def __call__(self, moved: int) -> None:
+        self.last = time.monotonic()
+
+
+class Outage:
+    """One line when the server stops answering, one when it is back; nothing per retry.
+
+    A server that refuses connections or answers 5xx is seen at the failed attempt. One that
+    accepts and then says nothing (stopped, hung, a black-holed link) fails an attempt only at
+    the read timeout, a minute by default, and silently until then: so the requests in flight
+    are watched too (:meth:`begin`, :meth:`end`), and one unanswered for ``silent_after_s`` is
+    the outage's first line; its answer is the second."""
+
+    def __init__(self, where: str, silent_after_s: float = SILENT_AFTER_S) -> None:
         self.where = where
         self.since: float | None = None
+        self.silent_after_s = silent_after_s
         self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[float, Progress | None]] = {}
+        self._tokens = iter(range(1 << 62))
+        self._watcher: threading.Thread | None = None
+
+    def begin(self, progress: Progress | None = None) -> int:
+        """A request starts; its token for :meth:`end`. ``progress``: a transfer's, whose bytes
+        moving count as answers."""
+        with self._lock:
+            token = next(self._tokens)
+            self._inflight[token] = (time.monotonic(), progress)
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch, name="s3-outage-watch", daemon=True)
+                self._watcher.start()
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._inflight.pop(token, None)
+
+    def _watch(self) -> None:
+        """Until no request is in flight: name a request unanswered for ``silent_after_s``."""
+        while True:
+            time.sleep(min(1.0, self.silent_after_s / 4))
+            with self._lock:
+                if not self._inflight:
+                    self._watcher = None
+                    return
+                waited = time.monotonic() - min(max(start, p.last if p is not None else 0.0)
+                                                for start, p in self._inflight.values())
+            if waited >= self.silent_after_s:
+                self.failed(TimeoutError(f"no answer to a request for {waited:.0f}s"))
 
     def failed(self, e: BaseException) -> None:
         with self._lock:
@@ -112,7 +164,8 @@ class S3Objects:
     """Objects under one ``s3://bucket/prefix``; keys given to methods are relative to the prefix."""
 
     def __init__(self, loc: S3Location, *, retry_for_s: float = 300.0, max_concurrency: int = 8,
-                 multipart_chunk: int = 64 << 20, timeout_s: float = 60.0) -> None:
+                 multipart_chunk: int = 64 << 20, timeout_s: float = 60.0,
+                 silent_after_s: float = SILENT_AFTER_S) -> None:
         boto3, config, _ = _boto()
         from boto3.s3.transfer import TransferConfig
 
@@ -125,18 +178,23 @@ class S3Objects:
         self.client = boto3.session.Session().client("s3", config=cfg)
         self.transfer = TransferConfig(multipart_threshold=multipart_chunk, multipart_chunksize=multipart_chunk,
                                        max_concurrency=max_concurrency, use_threads=True)
-        self.outage = Outage(str(loc))
+        self.outage = Outage(str(loc), silent_after_s)
 
     # ------------------------------------------------------------------ retries
 
-    def call(self, fn: Callable[[], T], *, retry_for_s: float | None = None) -> T:
-        """``fn()``, retried with back-off while the server is away (see module docstring)."""
+    def call(self, fn: Callable[[], T], *, retry_for_s: float | None = None, progress: Progress | None = None) -> T:
+        """``fn()``, retried with back-off while the server is away (see module docstring);
+        ``progress``: the ``Callback`` a transfer in ``fn`` reports its bytes to."""
         limit = self.retry_for_s if retry_for_s is None else retry_for_s
-        for attempt in Retrying(retry=retry_if_exception(is_transient), stop=stop_after_delay(limit),
-                                wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2), reraise=True,
-                                before_sleep=lambda rs: self.outage.failed(rs.outcome.exception())):
-            with attempt:
-                out = fn()
+        token = self.outage.begin(progress)
+        try:
+            for attempt in Retrying(retry=retry_if_exception(is_transient), stop=stop_after_delay(limit),
+                                    wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2), reraise=True,
+                                    before_sleep=lambda rs: self.outage.failed(rs.outcome.exception())):
+                with attempt:
+                    out = fn()
+        finally:
+            self.outage.end(token)
         self.outage.answered()
         return out
 
@@ -161,7 +219,9 @@ class S3Objects:
 
     def upload_file(self, rel: str, filename: str) -> None:
         """Upload a local file, multipart in parallel parts above the threshold."""
-        self.call(lambda: self.client.upload_file(filename, self.loc.bucket, self.loc.key(rel), Config=self.transfer))
+        progress = Progress()
+        self.call(lambda: self.client.upload_file(filename, self.loc.bucket, self.loc.key(rel), Config=self.transfer,
+                                                  Callback=progress), progress=progress)
 
     def get(self, rel: str) -> tuple[bytes, str]:
         """(bytes, ETag); FileNotFoundError if there is no such object."""
@@ -201,12 +261,15 @@ class S3Objects:
 
     def download(self, rel: str, sink: BinaryIO) -> None:
         """Into ``sink``, as parallel ranged GETs for large objects."""
+        progress = Progress()
+
         def fetch() -> None:
             sink.seek(0)
             sink.truncate()
-            self.client.download_fileobj(self.loc.bucket, self.loc.key(rel), sink, Config=self.transfer)
+            self.client.download_fileobj(self.loc.bucket, self.loc.key(rel), sink, Config=self.transfer,
+                                         Callback=progress)
         try:
-            self.call(fetch)
+            self.call(fetch, progress=progress)
         except Exception as e:
             if is_missing(e) or error_code(e) == "404" or "Not Found" in str(e):
                 raise FileNotFoundError(self.loc.key(rel)) from None

@@ -164,3 +164,36 @@ def test_an_outage_window_delays_uploads_not_steps_and_nothing_partial_is_read(
     assert len(proxy.faulted()) > 10
     went, back = _outage_lines(caplog)
     assert went == back and 1 <= went <= 3, (went, back)  # per window, never per retry
+
+
+def test_a_hung_server_is_one_line_when_a_request_goes_unanswered_and_one_when_it_answers(
+        url: str, s3_server: SeaweedS3, caplog: pytest.LogCaptureFixture) -> None:
+    """The real SeaweedFS stopped (SIGSTOP: connections accepted, nothing answered) under a PUT
+    whose own timeout is far longer: the outage is named once the request has gone unanswered
+    for the silence (1 s here, 10 s by default), not at its timeout, and once when it answers."""
+    import os
+    import signal
+
+    from checkpoints.location import parse_s3
+    from checkpoints.s3client import S3Objects
+    from tests.support.waiting import wait_until
+
+    caplog.set_level(logging.INFO)
+    objects = S3Objects(parse_s3(url), timeout_s=60.0, retry_for_s=120.0, silent_after_s=1.0)
+    objects.put("warm", b"x")  # connected, credentials good: what follows is the server's silence alone
+    assert s3_server.proc is not None
+    done: list[str] = []
+    os.kill(s3_server.proc.pid, signal.SIGSTOP)
+    try:
+        putting = threading.Thread(target=lambda: done.append(objects.put("during", b"y" * 1024)), daemon=True)
+        putting.start()
+        wait_until(lambda: _outage_lines(caplog)[0] == 1, 30, "the outage's line while the server is stopped")
+        assert not done and _outage_lines(caplog) == (1, 0)
+    finally:
+        os.kill(s3_server.proc.pid, signal.SIGCONT)
+    putting.join(timeout=90)
+    assert done, "the PUT never completed once the server answered again"
+    assert _outage_lines(caplog) == (1, 1)
+    assert objects.get("during")[0] == b"y" * 1024
+    lines = [r.getMessage() for r in caplog.records if r.name == "checkpoints.s3client"]
+    assert any("no answer to a request for" in m for m in lines), lines
