@@ -63,6 +63,19 @@ class StaleGroupError(RuntimeError):
     exits like a crash, and its agent, whose lease is gone, rejoins the job anew."""
 
 
+class StaleGroupExit(SystemExit, StaleGroupError):
+    """A stale group found as its world forms, its agent told the fence that refused it: the
+    worker exits 1 as a crash would, with its one line logged and no traceback (uncaught, a
+    ``SystemExit`` prints nothing; the agent decides from the fence it was told)."""
+
+    def __init__(self, message: str) -> None:
+        SystemExit.__init__(self, 1)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class Snapshots:
     def __init__(self, root: Path | str, config: SnapshotConfig, *, metrics: MetricsLike,
                  round_of: Callable[[], int] | None = None) -> None:
@@ -119,8 +132,9 @@ class Snapshots:
             token = self.token()
             if token is not None:  # every rank: each node's agent judges for itself (agent.node.policy.etcd_lost)
                 _tell_agent(self.root, Fence(self.root).current(), token)
-            raise StaleGroupError(stale or "a newer round of this job commits to the snapshot directory; this "
-                                           "group is stale")
+            message = stale or "a newer round of this job commits to the snapshot directory; this group is stale"
+            log.error("this group is stale (StaleGroupError), its agent told: %s", message)
+            raise StaleGroupExit(message)
         if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
             check_shared_dir(self.root, info)
         if self.store is None:

@@ -52,5 +52,7 @@ def test_every_agent_ends_at_once_naming_the_fix_when_etcd_lost_the_jobs_rounds(
             assert len(fix) == 1 and "etcd lost this job's state" in fix[0], log[-4000:]
             assert f"--snapshot-dir {snapshots}" in fix[0] and f"round {fence.round}" in fix[0], fix
             assert "started again" not in log and "restart (" not in log, log[-4000:]  # nothing restarted
+            assert "Traceback" not in log, log[-4000:]  # the stale worker's one line, not a traceback
+            assert "this group is stale (StaleGroupError)" in log, log[-4000:]
     finally:
         second.close()
