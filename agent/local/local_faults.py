@@ -327,6 +327,9 @@ class Cluster:
         crashes, rows = n.node.crashes(), n.node.progress()
         if crashes and (not rows or crashes[-1].at > rows[-1]["time"]):
             return "crashed" if crashes[-1].kind == "crash" else "hung"
+        out = n.node.kept_out_by_health()
+        if out is not None and (not rows or out[0] > rows[-1]["time"]):
+            return f"kept out: {out[1]}"  # its own health check failed; the agent's line says the same
         return "up" if rows else "starting"
 
     def reports_job_steps(self) -> bool:

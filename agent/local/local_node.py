@@ -274,6 +274,11 @@ class LocalNode:
         """Every worker crash or hang this node's agent acted on so far, oldest first."""
         return self.log.read()
 
+    def kept_out_by_health(self) -> tuple[float, str] | None:
+        """Since when and why a failed health check keeps this node out of the job, or None."""
+        self.log.read()
+        return self.log.health_out
+
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
             return f"{self.name}: no log"
@@ -295,6 +300,8 @@ _GAVE_UP = ": the job fails"
 _GAVE_UP_FIRST = "the job fails: "  # a crash loop with too few nodes left: the line ends with its cause
 _HUNG = "no rank on this node made progress"
 _KEPT_OUT = "kept out of the job for"  # a crash loop: the agent stops its workers and stays out a while
+_NOT_JOINING = re.compile(r"^not joining the job: (.*); kept out \d+ s")  # a failed health check (agent/node/health_watch.py)
+_HEALTHY_AGAIN = "health checks pass again"
 CRASH, HANG, LEASE_LOST = "crash", "hang", "lease_lost"
 _STOPPING = ": stopping local workers now"  # the agent's line for why it stops them (its lease, for one)
 
@@ -352,6 +359,7 @@ class NodeLog:
         self._crashes: list[Crash] = []
         self.lease_losses: list[Crash] = []  # the agent lost its etcd lease and stopped its workers (not a crash)
         self._stopping = ""  # why the agent last stopped its workers, in its words
+        self.health_out: tuple[float, str] | None = None  # since when and why a health check keeps it out
 
     def read(self) -> list[Crash]:
         """Every crash confirmed so far; reads only what was appended since the last call."""
@@ -395,6 +403,11 @@ class NodeLog:
             self.last_error = line.strip()
 
     def _agent(self, at: float, level: str, message: str) -> None:
+        not_joining = _NOT_JOINING.match(message)
+        if not_joining is not None:
+            self.health_out = (self.health_out[0] if self.health_out else at, not_joining[1])
+        elif message.startswith(_HEALTHY_AGAIN):
+            self.health_out = None
         failed = _FAILED.search(message)
         restart = _RESTART.match(message)
         if level == "ERROR":

@@ -335,3 +335,19 @@ def test_the_job_wide_verdict_on_a_broken_script_is_the_why_though_a_peer_gave_u
     assert not ok and why.startswith("the job failed: node-0 gave up") and SCRIPT_ERROR_WORDS in why, why
     ok, why = Cluster(nodes[1:], tmp_path, 1).outcome(None)  # alone, the earliest give-up is still the why
     assert not ok and why.startswith("the job failed: node-1 gave up (no restarts left)"), why
+
+
+def test_a_node_kept_out_by_its_health_check_shows_why_not_starting(tmp_path: Path) -> None:
+    """``elastic local``'s console named a node that a failed health check kept out "starting"
+    until the timeout; it names the check, and the node is "starting" again once it passes."""
+    node = LocalNode(name="node-1", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
+    cluster = Cluster([ClusterNode(node=node)], tmp_path, 1)
+    out = ("not joining the job: snapshot dir /nvme/ckpt: 0.2 GiB free, below the 1 GiB floor; "
+           "kept out 5 s (strike 1), then checked again")
+    node.log_path.write_text(AGENT.format(s=1, n="node-1", level="ERROR", message=out) + "\n")
+    state = cluster.node_state(cluster.nodes[0])
+    assert state == "kept out: snapshot dir /nvme/ckpt: 0.2 GiB free, below the 1 GiB floor", state
+    with open(node.log_path, "a") as log:
+        log.write(AGENT.format(s=7, n="node-1", level="INFO",
+                               message="health checks pass again after 6 s kept out; joining the job") + "\n")
+    assert cluster.node_state(cluster.nodes[0]) == "starting"
