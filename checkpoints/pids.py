@@ -8,6 +8,9 @@ namespaces, fork server) and the tests can all import it without a cycle.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,3 +32,40 @@ def pid_alive(pid: int) -> bool:
         return False  # exited (and was reaped) between the two looks
     except (OSError, IndexError):
         return True  # no /proc to ask: kill(0) said it exists
+
+
+class OwnChild:
+    """The part of ``Popen`` the owner of a child it forked itself needs (``pid``, ``poll``,
+    ``wait``, ``kill``), its end learnt by ``waitpid``: the agent's forked template, a worker's
+    snapshot writer forked ahead (checkpoints/procstub.py)."""
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.pid = pid
+        self.args = [name]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone all the same
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

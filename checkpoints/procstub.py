@@ -23,11 +23,10 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import threading
-import time
 
 from . import sched
+from .pids import OwnChild
 
 _PR_SET_PDEATHSIG = 1
 _stub: tuple[int, socket.socket] | None = None
@@ -49,13 +48,13 @@ def prefork() -> bool:
     return True
 
 
-def take() -> tuple["StubProcess", socket.socket] | None:
+def take() -> tuple[OwnChild, socket.socket] | None:
     """The stub and this side of its socket, once; None if there is none (or it died)."""
     global _stub
     stub, _stub = _stub, None
     if stub is None:
         return None
-    process = StubProcess(stub[0])
+    process = OwnChild(stub[0], "snapshot writer")
     if process.poll() is not None:
         stub[1].close()
         return None
@@ -108,37 +107,3 @@ def _title(text: str) -> None:
     except ImportError:
         return
     setproctitle.setproctitle(text)
-
-
-class StubProcess:
-    """What :class:`~checkpoints.procwriter.WriterProcess` needs of a ``Popen``, for the stub (our child)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone all the same
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(["snapshot writer"], timeout or 0.0)
-            time.sleep(0.01)
-        return code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

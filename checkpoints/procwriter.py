@@ -28,6 +28,7 @@ from typing import Any
 from . import errors, fence, procstub, sched, wire
 from .capture import Capture
 from .errors import SnapshotError
+from .pids import OwnChild
 from .store import SnapshotInfo, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class WriterProcess:
         self._boosted = False
         self._ready = False  # the child said "ready": its bootstrap will not change its priority again
         self._hurried = False  # raised while starting because a snapshot was due
-        self._proc: subprocess.Popen[bytes] | procstub.StubProcess | None = None
+        self._proc: subprocess.Popen[bytes] | OwnChild | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: object | None = None
         self._boost_refused_logged = False
@@ -183,7 +184,9 @@ class WriterProcess:
             left = deadline - time.monotonic()
             if left <= 0 or self._sock is None:
                 return False
-            select.select([self._sock], [], [], min(left, 0.5))
+            if self._hurried:
+                self._raise()  # again: its bootstrap sets its own priority, which may come after ours
+            select.select([self._sock], [], [], min(left, 0.2))
         return True
 
     def urge(self) -> None:

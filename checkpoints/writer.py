@@ -246,7 +246,8 @@ class AsyncSnapshotWriter:
 
     def wait_writer_process(self, timeout: float = 60.0) -> bool:
         """Wait until the writer process can take snapshots; until then they are written from
-        a thread, so nothing waits for its start. False in thread mode or on timeout."""
+        a thread, so nothing waits for its start. Its start is raised to normal priority while
+        this waits (as a due snapshot raises it). False in thread mode or on timeout."""
         if self._proc is None or self._closed:
             return False
         probe = _Probe(timeout)
@@ -338,6 +339,8 @@ class AsyncSnapshotWriter:
                 job.set()
                 continue
             if isinstance(job, _Probe):
+                if self._proc is not None:  # someone waits for its start: at idle priority on a
+                    self._proc.hurry()     # machine others keep busy it would never get the CPU
                 job.ready = self._proc is not None and self._proc.wait_ready(job.timeout)
                 job.done.set()
                 continue

@@ -42,6 +42,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from checkpoints.pids import pid_alive
+
 ZYGOTE_CODE = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; " \
               "from agent.local.zygote import serve; serve()"
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
@@ -185,7 +187,7 @@ class Zygote:
                     break
             if pid in self._exits:
                 return self._exits[pid]
-            if (self._broken or self._process is None) and not _alive(pid):
+            if (self._broken or self._process is None) and not pid_alive(pid):
                 return -signal.SIGKILL  # its reaper is gone: it ended, its code went with it
             return None
 
@@ -221,14 +223,6 @@ def _join_cgroup(procs: str | None) -> None:
             Path(procs).write_text(str(os.getpid()))
         except OSError:
             pass  # not root, or no such group: accounting only
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 class ForkedProcess:
@@ -276,7 +270,7 @@ class ForkedProcess:
 def serve() -> None:
     """The zygote: import what every agent imports, say ``ready``, fork on request."""
     from agent.worker.worker_boot import die_with_agent
-    from agent.worker.fork_template import fork_unsafe_reason
+    from agent.worker.fork_template import fork_unsafe_reason, reap_children
     from agent.worker.warm_worker import title_ready
 
     title_ready()  # before anything changes the environment: each agent's title is written over it
@@ -313,7 +307,7 @@ def serve() -> None:
                     pass
             except BlockingIOError:
                 pass
-        _reap(reply_fd)
+        reap_children(reply_fd)
         if 0 in readable:
             data = os.read(0, 1 << 16)
             if not data:
@@ -400,17 +394,6 @@ def _show_as(args: list[str]) -> None:
     except ImportError:
         return
     setproctitle.setproctitle(shlex.join([sys.executable, *args]))
-
-
-def _reap(reply_fd: int) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _say(reply_fd, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
 
 
 def _say(fd: int, line: str) -> None:

@@ -33,6 +33,7 @@ import time
 from typing import BinaryIO
 
 from checkpoints.layout import pid_alive
+from checkpoints.pids import OwnChild
 from elastic import contract
 
 from agent.worker.fork_template import TEMPLATE_CODE, fork_unsafe_reason, serve_forked
@@ -44,27 +45,13 @@ log = logging.getLogger("elastic.agent")
 FORK_REPLY_TIMEOUT_S = 10.0  # a fork takes milliseconds; a template this slow is treated as gone
 
 
-class _ForkedTemplate:
+class _ForkedTemplate(OwnChild):
     """A template forked from the agent itself: the part of ``Popen`` the server uses."""
 
     def __init__(self, pid: int, requests_fd: int, replies_fd: int) -> None:
-        self.pid, self.replies_fd = pid, replies_fd
+        super().__init__(pid, "template")
+        self.replies_fd = replies_fd
         self.stdin: BinaryIO | None = os.fdopen(requests_fd, "wb")
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone all the same
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        return _wait(self, ["template"], timeout)
 
 
 def _wait(process: _ForkedTemplate | ForkedProcess, args: list[str], timeout: float | None) -> int:

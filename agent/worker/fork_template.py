@@ -175,14 +175,20 @@ class Template:
             os._exit(contract.EXIT_FAILED)
 
     def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            _say(self.reply_fd, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+        reap_children(self.reply_fd)
+
+
+def reap_children(reply_fd: int) -> None:
+    """Reap every child that has ended, saying ``exited PID CODE`` for each on ``reply_fd``
+    (the template's and the local nodes' zygote's protocol)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say(reply_fd, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
 
 
 def _say(fd: int, line: str) -> None:
