@@ -191,7 +191,8 @@ def test_other_commands_start_cold_and_close_leaves_no_process(server: ForkServe
     server.close()  # the agent stops its workers first; one left behind dies with the template
     wait_until(lambda: hung.poll() is not None, 30, "the worker to die with its template")
     assert hung.poll() == -signal.SIGKILL
-    assert not [pid for pid in started if pid_alive(pid)]
+    # the worker's writer stub dies with it (PR_SET_PDEATHSIG), a moment after
+    wait_until(lambda: not [pid for pid in started if pid_alive(pid)], 30, "every process it started to end")
 
 
 DRIVER = """\

@@ -21,7 +21,7 @@ from agent.rendezvous import create_handler
 from agent.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
 from tests.support.waiting import wait_until
 
-TTL = 2
+TTL = 5  # 2 s starved in a whole-suite run: a late keep-alive read as a peer's death, not the forgery
 
 
 def key_file(tmp_path: Path, name: str, key: bytes) -> str:
