@@ -18,6 +18,7 @@ import torch
 
 from .. import contract, worker_env
 from ..atomic_file import write_atomically
+from .ondemand import take_once
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +120,7 @@ def request_flip(heartbeat_dir: str | os.PathLike[str], local_rank: int, what: s
 def take_flip_result(heartbeat_dir: str | os.PathLike[str], local_rank: int = 0) -> dict[str, Any] | None:
     """The agent's side: the outcome a worker left (``id``, ``done``, ``line``), taken once
     (None: none yet, or unreadable)."""
-    path = Path(heartbeat_dir) / contract.SDC_RESULT_FILE.format(local_rank=local_rank)
-    try:
-        result = json.loads(path.read_text())
-        path.unlink()
-    except (OSError, ValueError):
-        return None
-    return result if isinstance(result, dict) else None
+    return take_once(Path(heartbeat_dir) / contract.SDC_RESULT_FILE.format(local_rank=local_rank))
 
 
 class FlipRequests:

@@ -50,9 +50,11 @@ def request_check(heartbeat_dir: str | os.PathLike[str], request_id: float, loca
 
 def take_result(heartbeat_dir: str | os.PathLike[str], local_rank: int = 0) -> dict[str, Any] | None:
     """The agent's side: the outcome a worker left, taken once (None: none yet, or unreadable)."""
-    path = _path(contract.CHECK_RESULT_FILE, heartbeat_dir, local_rank)
-    if not path.exists():
-        return None
+    return take_once(_path(contract.CHECK_RESULT_FILE, heartbeat_dir, local_rank))
+
+
+def take_once(path: Path) -> dict[str, Any] | None:
+    """A worker's JSON answer at ``path``, read and removed (None: none yet, or unreadable)."""
     try:
         result = json.loads(path.read_text())
         path.unlink()
