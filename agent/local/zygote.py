@@ -281,6 +281,7 @@ def serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     import agent.node.fork_server  # noqa: F401 - the agent's first step (fork_early) and its template
+    from agent.worker.gc_frozen import freeze_preloaded
 
     out = sys.stdout.buffer
     unsafe = fork_unsafe_reason() or ("prometheus_client is imported (it fixes its mode from the environment at "
@@ -289,6 +290,7 @@ def serve() -> None:
         out.write(f"unsafe {unsafe}\n".encode())
         out.flush()
         return
+    freeze_preloaded()  # every agent forked from here collects (and exits) without walking torch
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     reply_fd = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)

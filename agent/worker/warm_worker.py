@@ -30,15 +30,19 @@ from checkpoints import procstub
 from elastic import contract
 
 from agent.worker import worker_boot
+from agent.worker.gc_frozen import freeze_preloaded
+
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                    "elastic.trainer")
 STANDBY_CODE = "import sys; sys.path.pop(0); from agent.worker.warm_worker import main; main()"
 
 
 def preload_configured() -> None:
-    """What ``ELASTIC_WARM_IMPORTS`` names, or :data:`DEFAULT_IMPORTS` (standby and template)."""
+    """What ``ELASTIC_WARM_IMPORTS`` names, or :data:`DEFAULT_IMPORTS` (standby and template),
+    frozen out of later collections (:mod:`agent.worker.gc_frozen`)."""
     modules = os.environ.get(contract.WARM_IMPORTS_ENV)
     preload(modules.split(",") if modules else list(DEFAULT_IMPORTS))
+    freeze_preloaded()
 
 
 def preload(modules: list[str]) -> None:

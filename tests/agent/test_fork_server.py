@@ -33,10 +33,11 @@ pytestmark = pytest.mark.slow  # every test here starts a template
 PY = sys.executable
 
 PROBE = """\
-import json, os, random, sys
+import gc, json, os, random, sys
 import numpy
 print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "rank": os.environ.get("RANK"),
-                  "torch_preloaded": "torch" in sys.modules, "started_at": os.environ.get("ELASTIC_WORKER_STARTED_AT"),
+                  "torch_preloaded": "torch" in sys.modules, "frozen": gc.get_freeze_count(),
+                  "started_at": os.environ.get("ELASTIC_WORKER_STARTED_AT"),
                   "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "random": random.random(),
                   "numpy": float(numpy.random.random()),
                   "ps": open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode()}), flush=True)
@@ -101,6 +102,9 @@ def test_a_forked_worker_runs_the_script_with_torchruns_argv_env_and_logs_in_its
     assert seen["name"] == "__main__" and seen["argv"] == [script, "--lr", "0.1"]
     assert seen["path0"] == str(tmp_path / "job")  # as `python train.py` sets it
     assert seen["rank"] == "3" and seen["torch_preloaded"] is True and seen["pid"] == proc.pid
+    # the template's imports are out of every collection the worker makes, its exit's included
+    # (agent.worker.gc_frozen): torch's objects number in the hundreds of thousands
+    assert seen["frozen"] > 100_000, seen["frozen"]
     assert seen["sid"] == proc.pid  # its own session: the agent signals it and its children together
     assert f"{PY} -u {script} --lr 0.1" in seen["ps"]  # what `ps` shows: the worker's command, not the template's
     assert given_at <= float(seen["started_at"]) <= time.time()
