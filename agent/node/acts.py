@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elastic.inplace.channel import AgentChannel
 from agent.rendezvous.keepout import KeepOut, backoff, next_strikes
@@ -72,6 +73,8 @@ class Acts:
             self.replace(decision)
         elif decision.action is Action.KEEP_OUT:
             self.keep_out(decision)
+        elif decision.action is Action.END:
+            self.end(decision)
         return None
 
     # ------------------------------------------------------------------ healthy
@@ -297,6 +300,16 @@ class Acts:
         self.rdzv.exit_barrier(run.round, self.settings.exit_barrier_timeout)
         self.metrics.set_state(AgentState.SUCCEEDED)
         return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.workers.pids()})
+
+    def end(self, decision: Decision) -> None:
+        """Another node ended the job: stop the workers (SIGTERM: a rank 0 that trains flushes its
+        snapshot) and leave as the job did, through the agent's closed-rendezvous exit (its line,
+        and 0 only if the job trained its last step)."""
+        log.info("[%s] %s: stopping this node's workers", self.node, decision.detail)
+        pids = self.workers.pids()
+        self.group.stop(signal.SIGTERM, self.settings.graceful_stop)
+        self.goodput.tick(pids, self.run.round.rank_base, force=True)
+        raise RendezvousClosedError(decision.detail)
 
     def fail(self, decision: Decision) -> RunResult:
         run = self.run

@@ -48,6 +48,7 @@ class Observer:
         # are joiners starting that take the next offer); a round's closer reads it (rounds.py)
         self._runs_in_place = False
         self._said_in_place = False
+        self._in_world = False  # a local worker is in a formed world, taking steps (its status says TRAINING)
         self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.node.oom)
         self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
 
@@ -85,7 +86,10 @@ class Observer:
             written_off=self.freeze.written_off(run.round.number, run.round.participants, fresh=fresh) or "",
             frozen=self.frozen.nodes if self.frozen is not None else (),
             frozen_detail=self.frozen.detail if self.frozen is not None else "",
-            unusable_round=unusable)
+            unusable_round=unusable,
+            job_ended=self.rdzv.job_ended(),
+            in_world=self._in_world,
+            scripts_returned=self.watch.scripts_returned(len(exits)))
 
     def _spares_waiting(self, suspect: str) -> int:
         """Only when it matters (an SDC suspect in a round at the job's minimum size): a read of etcd."""
@@ -124,7 +128,7 @@ class Observer:
         """(every running local worker runs in place, one asked for a new round, one said its
         node's ranks are one unit of state)."""
         run = self.run
-        self._runs_in_place = False
+        self._runs_in_place = self._in_world = False
         statuses, starting = [], False
         for rank, pid in self.workers.pids().items():
             status = self.channel.status(rank)
@@ -139,6 +143,7 @@ class Observer:
             statuses.append(status)
         in_place = (bool(statuses) or starting) and all(s.mode == contract.WorkerMode.IN_PLACE for s in statuses)
         self._runs_in_place = in_place
+        self._in_world = any(s.state == contract.WorkerState.TRAINING for s in statuses)
         if in_place and not self._said_in_place:
             self._said_in_place = True
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)

@@ -76,6 +76,7 @@ class Reason(str, enum.Enum):
     ETCD_LOST = "etcd_lost"  # the snapshot directory's fence stands above every round etcd holds now
     SDC = "sdc"  # replica votes named this node the outlier twice within a window (sdc_keep_out)
     HEALTH = "health"  # this node failed a health check (agent.node.health): a full disk, a skewed clock...
+    JOB_ENDED = "job_ended"  # another node ended the job (its rendezvous is closed) while this node's workers run
 
     @property
     def counted(self) -> bool:
@@ -96,6 +97,7 @@ class Action(str, enum.Enum):
     REJOIN = "rejoin"  # in place: keep the workers, rendezvous, hand them the new round
     REPLACE = "replace"  # in place: start again only ``ranks``, then rendezvous as in REJOIN
     KEEP_OUT = "keep_out"  # stop every local worker, stay out of rounds for a back-off, then join again
+    END = "end"  # the job ended elsewhere: stop every local worker and leave as the job did
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,21 @@ class Observation:
     frozen_detail: str = ""  # ... and what the log line says about them
     unusable_round: Reason | None = None  # the last rejoin or replace (for this reason) got no round to hand over
     whole_node: bool = False  # a worker said its node's ranks are one unit of state (HSDP): replaced together
+    # The job's end as another node said it (its closed rendezvous, read from the watch, never
+    # from a request), and where this node's workers stand: in a formed world taking steps, or
+    # every script returned (they are exiting).
+    job_ended: JobEnd | None = None
+    in_world: bool = False
+    scripts_returned: bool = False
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How another node ended the job: ``failed`` unless it trained its last step; ``line`` says
+    who ended it and why (agent.rendezvous.ended.JobEnded.line)."""
+
+    failed: bool
+    line: str
 
 
 @dataclass(frozen=True)
@@ -265,7 +282,7 @@ def decide(obs: Observation) -> Decision:
                 f"than the {obs.min_nodes} the job needs"))
         else:
             decision = Decision(Action.KEEP_OUT, Reason.SDC, detail=obs.sdc_suspect)
-    if decision.action in (Action.SUCCEED, Action.FAIL) or decision.reason is Reason.LEASE_LOST:
+    if decision.action in (Action.SUCCEED, Action.FAIL, Action.END) or decision.reason is Reason.LEASE_LOST:
         return decision
     if obs.written_off:
         return Decision(Action.RESTART, Reason.LEASE_LOST, detail=obs.written_off, unheeded=decision.unheeded)
@@ -311,6 +328,16 @@ def _workers_and_round(obs: Observation) -> Decision:
     # 3. Done: every local worker exited cleanly.
     if obs.exits and all(code == 0 for code in obs.exits.values()):
         return Decision(Action.SUCCEED)
+
+    # 3a. Another node ended the job. Failed: every node leaves now with its cause (before,
+    #     a node whose workers waited on the failed one learned it only when their round timed
+    #     out, 30 s later). Succeeded: workers whose scripts returned are exiting, and workers
+    #     in a formed world trained the last step with it (a script's own work after training
+    #     is left alone); workers still joining a round (a node back just after the last step)
+    #     have nothing to join and stop now, not when their round times out.
+    if obs.job_ended is not None and not obs.scripts_returned:
+        if obs.job_ended.failed or (not failed and obs.in_place and not obs.in_world):
+            return Decision(Action.END, Reason.JOB_ENDED, detail=obs.job_ended.line)
 
     # 3b. A failed health check (agent.node.health) while training: kept out while the others can
     #     train on without it (it rejoins once the checks pass, agent.node.health_watch); where

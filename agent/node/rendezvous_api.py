@@ -34,7 +34,7 @@ from agent.rendezvous.rounds import JOIN
 from agent.rendezvous.registry import NodeRecord
 from elastic.worker_env import joins_live_world
 
-from agent.node.policy import Reason, etcd_lost
+from agent.node.policy import JobEnd, Reason, etcd_lost
 from agent.node.sdc import spares_waiting
 from agent.node.states import NodeState, RoundCause
 
@@ -119,6 +119,11 @@ class AgentRendezvous(abc.ABC):
     def membership(self, current: Round) -> tuple[Reason | None, list[str]]:
         """The rendezvous' reason to act on ``current`` (None: none), and its members that went out (kept out)."""
         return None, []
+
+    def job_ended(self) -> JobEnd | None:
+        """The job's end as another node closed it, as far as this node has heard without asking
+        (None: not ended, or this rendezvous cannot say so cheaply)."""
+        return None
 
     def publish(self, **fields: Any) -> None:
         """Say something in this node's registry record (``state``, or ``extra`` keys such as
@@ -313,6 +318,10 @@ class EtcdRendezvous(AgentRendezvous):
         h = self._handler
         out = h.reachability.keep_outs(h.mirror.entries()[0])
         return [n for n in others if n in out and out[n].round >= current.number]  # older: put back, a replay
+
+    def job_ended(self) -> JobEnd | None:
+        ended = self._handler.job_end.seen()
+        return JobEnd(failed=ended.failed, line=ended.line()) if ended is not None else None
 
     def publish(self, **fields: Any) -> None:
         lease = self._handler.lease

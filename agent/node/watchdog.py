@@ -98,6 +98,12 @@ class HangWatch:
             return None
         return local_rank in self._last
 
+    def scripts_returned(self, ranks: int) -> bool:
+        """Whether all ``ranks`` local workers of this group have beaten and their scripts returned
+        (they are exiting: nothing a round asks of them can change their end)."""
+        beats = [b for b in read_beats(self.directory).values() if b.time >= self._group_started]
+        return ranks > 0 and len(beats) >= ranks and all(b.finished is not None for b in beats)
+
     def last_progress(self) -> float | None:
         return max((t for _, t in self._last.values()), default=None)
 

@@ -43,6 +43,12 @@ class JobEnd:
         value = self.signer.seal(self.key.encode(), json.dumps(ended).encode())
         self.client.call(lambda c: c.put(self.key, value))
 
+    def seen(self) -> JobEnded | None:
+        """How the job ended, from the watch-fed mirror only (no request: the agent's loop asks at
+        every look); None while it shows no end, or one that fails verification."""
+        entry = self._entries().get(self.key)
+        return self._opened(entry.value) if entry is not None else None
+
     def outcome(self) -> JobEnded | None:
         """How the job ended, as the node that closed its rendezvous said (None: not closed,
         or a value that fails verification, which is never acted on)."""
@@ -53,8 +59,9 @@ class JobEnd:
                 value = self.client.call(lambda c: c.get(self.key), deadline=2.0)[0]
             except EtcdError:
                 return None
-        if value is None:
-            return None
+        return self._opened(value) if value is not None else None
+
+    def _opened(self, value: bytes) -> JobEnded | None:
         try:
             data = json.loads(self.signer.open(self.key.encode(), value))
         except (SignatureError, ValueError):

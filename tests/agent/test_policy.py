@@ -11,6 +11,7 @@ from agent.node.policy import (
     Action,
     Decision,
     Failure,
+    JobEnd,
     Observation,
     Reason,
     decide,
@@ -404,3 +405,32 @@ def test_a_round_in_place_workers_cannot_take_restarts_them_counted_as_the_act_t
     assert decision.action is Action.RESTART and decision.reason is Reason.PEER_LOST and not decision.counted
     assert decide(obs(unusable_round=Reason.WORKER_FAILED, in_place=True)).counted
     assert decide(obs(unusable_round=Reason.PEER_LOST, membership=Reason.LEASE_LOST)).reason is Reason.LEASE_LOST
+
+
+FINISHED = JobEnd(failed=False, line="the job finished (node a: workers succeeded)")
+FAILED = JobEnd(failed=True, line="the job failed (node b): a local worker failed")
+
+
+def test_a_job_another_node_failed_ends_this_nodes_workers_now_whatever_they_are_doing() -> None:
+    for kw in ({"in_place": True, "in_world": True}, {"in_place": True}, {"in_place": False},
+               {"in_place": True, "membership": Reason.SCALE_UP}, {"in_place": True, "frozen": ("b",)}):
+        decision = decide(obs(job_ended=FAILED, **kw))
+        assert decision == Decision(Action.END, Reason.JOB_ENDED, detail=FAILED.line), kw
+
+
+def test_a_job_that_finished_stops_only_workers_still_joining_a_round() -> None:
+    """A node back just after the last step joined a round no one will complete: it stops now
+    (it waited for the round's 30 s timeout before). Workers in the world that trained the last
+    step, or whose scripts returned, are left to end as they will."""
+    assert decide(obs(job_ended=FINISHED, in_place=True)) == Decision(Action.END, Reason.JOB_ENDED,
+                                                                         detail=FINISHED.line)
+    assert decide(obs(job_ended=FINISHED, in_place=True, in_world=True)).action is Action.CONTINUE
+    assert decide(obs(job_ended=FINISHED, in_place=False)).action is Action.CONTINUE  # restart mode: in that world
+    assert decide(obs(job_ended=FINISHED, in_place=True, scripts_returned=True)).action is Action.CONTINUE
+
+
+def test_workers_whose_scripts_returned_are_left_to_exit_and_their_own_end_decides() -> None:
+    assert decide(obs(job_ended=FAILED, scripts_returned=True)).action is Action.CONTINUE
+    assert decide(obs(job_ended=FAILED, exits={0: 0, 1: 0})) == Decision(Action.SUCCEED)
+    usage = decide(obs(job_ended=FAILED, exits={0: 2, 1: None}))
+    assert usage.action is Action.FAIL and usage.usage_error  # its own usage error says more
