@@ -122,6 +122,12 @@ class Cluster:
             self.newest = NewestSnapshot(self.snapshots or str(self.run_dir / "snapshots"))
         return self.newest.text()
 
+    def settle_snapshot_view(self) -> None:
+        """The job is over: the view's last look at the snapshots, waited for (the summary's)."""
+        if self.newest is None:
+            self.newest = NewestSnapshot(self.snapshots or str(self.run_dir / "snapshots"))
+        self.newest.settle()
+
     def note(self, text: str) -> None:
         self.events.append((time.time(), text))
 

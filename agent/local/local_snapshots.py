@@ -40,6 +40,20 @@ class NewestSnapshot:
             self._thread.start()
         return f"{self._newest} (cannot look now: {self._problem})" if self._problem else self._newest
 
+    def settle(self, timeout_s: float = 20.0) -> None:
+        """Once the job is over, for the last view: one more look, waited for (up to ``timeout_s``),
+        so the summary names the final snapshot, not an answer from before it was written (the
+        first look imports torch in its thread, which a loaded machine makes slow)."""
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self._thread is not None and self._thread.is_alive():
+            return  # the last answer stands; the view says nothing new
+        self._thread = threading.Thread(target=self._look, name="newest-snapshot", daemon=True)
+        self._thread.start()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._next = time.monotonic() + self.every_s
+
     def _look(self) -> None:
         from checkpoints import SnapshotError
         from checkpoints.stores import open_store  # torch, in this thread, at the view's first look

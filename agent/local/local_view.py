@@ -112,6 +112,7 @@ class Display:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.cluster.settle_snapshot_view()
         self.update()
         if self.live is not None:
             self.live.__exit__(None, None, None)

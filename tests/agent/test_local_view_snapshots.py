@@ -55,3 +55,16 @@ def test_the_view_shows_the_newest_snapshot_in_the_given_directory(tmp_path: Pat
     _save(str(given), 20)
     _footer_says(cluster, "step-000000000020")
     assert cluster.snapshot_dir == given  # and kill-rank0-snapshot watches that directory, not the run's
+
+
+def test_the_last_view_looks_once_more_and_waits_for_the_answer(tmp_path: Path) -> None:
+    """The summary printed as the job ends names its final snapshot, not the answer of a look
+    made before it was written (a job shorter than the first look, which imports torch in its
+    thread, once ended with "last snapshot: none yet" over three snapshots)."""
+    given = tmp_path / "snapshots"
+    cluster = Cluster([], tmp_path / "run", 1, snapshots=str(given))
+    assert _footer(cluster)[0].startswith("last snapshot: none yet ")  # the first look, before any snapshot
+    _save(str(given), 20)
+    _save(str(given), 40)
+    cluster.settle_snapshot_view()  # what the view's exit does, before its last print
+    assert _footer(cluster)[0].startswith("last snapshot: step-000000000040 ")
