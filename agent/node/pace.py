@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from prometheus_client import multiprocess as _mp
+from elastic.metrics.multiprocess import merged
 
 from elastic import contract
 from elastic.heartbeat import read_beats
@@ -40,12 +40,9 @@ COMPUTE = "elastic_step_compute_seconds"
 def local_pace(metrics_dir: Path) -> float | None:
     """The slowest live local rank's median compute seconds per step; None before any has one."""
     values = []
-    try:
-        for metric in _mp.MultiProcessCollector(None, path=str(metrics_dir)).collect():  # type: ignore[no-untyped-call]
-            if metric.name == COMPUTE:
-                values += [s.value for s in metric.samples if s.value > 0]  # -1: a retired rank's
-    except (OSError, ValueError):
-        return None
+    for metric in merged(metrics_dir):  # a file a worker is creating right now is skipped, never raised
+        if metric.name == COMPUTE:
+            values += [s.value for s in metric.samples if s.value > 0]  # -1: a retired rank's
     return max(values) if values else None
 
 

@@ -12,14 +12,19 @@ Two things prometheus_client's own merge cannot do happen here, at each scrape:
   :mod:`elastic.metrics.catalogue`) are left out;
 * ``elastic_rank_info`` is one series per live rank: what each worker says of itself, and
   the agent's own account (``stand_in``) of workers that say nothing (scripts that do not
-  use ``ElasticRun``). A worker's word wins from its first claim on, even a retired one.
+  use ``ElasticRun``). A worker's word wins from its first claim on, even a retired one;
+* a file a worker has just created (empty until its first value) is skipped: prometheus_client
+  raises ``struct.error`` on it, which once crashed an agent whose straggler watch read the
+  directory as a new worker started on a loaded machine (:func:`merged`).
 
 This module does not import torch: the agent should stay light.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import struct
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -72,16 +77,36 @@ def rank_info_samples(written: Iterable[Sample], stand_in: Mapping[int, RankInfo
     return [Sample(RANK_INFO, labels, 1.0) for _, labels in sorted(claims.items())]
 
 
+_HEADER = 8  # an mmap file's used-bytes word and padding: a shorter file has no value yet
+
+
+def merged(path: str | os.PathLike[str]) -> list[Metric]:
+    """Every worker's values under ``path``, merged by prometheus_client (counters summed over
+    pids); files with no value yet are left out, and a file cut short while read (a worker
+    creating it at that moment) makes this look return nothing rather than raise."""
+    files = []
+    for name in glob.glob(os.path.join(str(path), "*.db")):
+        try:
+            if os.path.getsize(name) >= _HEADER:
+                files.append(name)
+        except OSError:
+            continue  # gone meanwhile
+    try:
+        return list(_mp.MultiProcessCollector.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
+    except (struct.error, OSError, ValueError):
+        return []
+
+
 class WorkerFiles:
-    """A collector: the workers' files merged by prometheus_client, then the two fixes above."""
+    """A collector: the workers' files merged by prometheus_client, then the fixes above."""
 
     def __init__(self, path: str | os.PathLike[str], stand_in: StandIn | None = None) -> None:
-        self._files = _mp.MultiProcessCollector(None, path=str(path))  # type: ignore[no-untyped-call]
+        self._path = path
         self._stand_in: StandIn = stand_in or dict
 
     def collect(self) -> Iterator[Metric]:
         info_seen = False
-        for metric in self._files.collect():
+        for metric in merged(self._path):
             if metric.name == RANK_INFO:
                 info_seen = True
                 metric.samples = rank_info_samples(metric.samples, self._stand_in())
