@@ -6,7 +6,7 @@ sees every replica non-finite, which cannot be told from a diverged training. So
 looks at its own all-reduced gradients before the optimizer applies them. The all-reduce
 is the flag's collective (the ``GradScaler`` trick): a NaN or an Inf on any rank is a NaN
 or an Inf in the sum on every rank, so every rank sees the same thing with no collective
-of its own (:func:`grads_finite`, a local pass: ``aminmax`` per gradient, one sync).
+of its own (:func:`grads_finite`, a local pass: a sum per gradient, one host sync).
 
 On a non-finite step nothing is applied, and the replicas vote at once (:mod:`.vote`).
 :func:`decide` turns that verdict into one of :class:`Do`:
@@ -75,12 +75,21 @@ def decide(grads_finite: bool, verdict: Verdict | None, recomputed: bool, skip: 
 
 
 def grads_finite(params: Iterable[torch.Tensor]) -> bool:
-    """Whether every gradient is finite: one ``aminmax`` per gradient (a NaN propagates into
-    both, an Inf of either sign into one), gathered into one tensor, one host sync."""
-    ends = [t for p in params if p.grad is not None for t in torch.aminmax(p.grad.detach())]
-    if not ends:
+    """Whether every gradient is finite. First one sum per gradient, added up in float64, one
+    host sync: a NaN or an Inf anywhere makes it non-finite (an Inf beside a -Inf: a NaN).
+    Only finite values that overflow a sum make it non-finite wrongly, so a non-finite total
+    is confirmed exactly (``aminmax`` per gradient: a NaN reaches both ends, an Inf one)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
         return True
-    return bool(torch.isfinite(torch.stack([e.float() for e in ends])).all())
+    if bool(torch.isfinite(torch.stack([g.sum().double() for g in grads]).sum())):
+        return True
+    return _all_finite(grads)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    ends = [t for x in tensors if x.numel() for t in torch.aminmax(x.detach())]
+    return not ends or bool(torch.isfinite(torch.stack([e.double().cpu() for e in ends])).all())
 
 
 def skip_setting(raw: str | None = None) -> bool:
@@ -95,8 +104,7 @@ def skip_setting(raw: str | None = None) -> bool:
 
 def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every floating tensor holds only finite values (what a snapshot may hold)."""
-    ends = [t for x in tensors if x.is_floating_point() and x.numel() for t in torch.aminmax(x.detach())]
-    return not ends or bool(torch.isfinite(torch.stack([e.to(torch.float64).cpu() for e in ends])).all())
+    return _all_finite([t for t in tensors if t.is_floating_point()])
 
 
 __all__ = ["Do", "SKIP_ENV", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
