@@ -49,8 +49,14 @@ SCRIPT = textwrap.dedent('''\
     node = os.environ["ELASTIC_NODE_NAME"]
     flips = json.loads(os.environ.get("FLIPS", "[]"))  # [step, node, what], each done once
     done = set()
+    inf_at, inf_on, inf_every = (os.environ.get("INF_LOSS") or "0::").split(":")  # step, node or *, every try?
+    infinite = 0
     for x, y in run:
-        if run.step(F.cross_entropy(run.model(x), y)):
+        loss = F.cross_entropy(run.model(x), y)
+        if run.step_count + 1 == int(inf_at) and inf_on in ("*", node) and (inf_every or not infinite):
+            infinite += 1  # this rank's loss goes infinite at that step: once (a transient fault), or every try
+            loss = loss * float("inf")
+        if run.step(loss):
             with torch.no_grad():
                 ema.mul_(0.9).add_(run.model.module[-1].bias, alpha=0.1)
             for i, (step, on, what) in enumerate(flips):
@@ -201,3 +207,37 @@ def test_a_non_finite_replica_is_named_and_healed_where_it_stands_losing_no_step
     assert "diverged" not in said and "returns to step" not in said, said[-4000:]
     for rank in range(2):
         assert_state_equal(_final(tmp_path, "v", rank), _final(tmp_path, "q", 0), f"NaN between checks, rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_transient_non_finite_loss_is_recomputed_and_a_lasting_one_skipped_when_asked(tmp_path: Path) -> None:
+    """A loss that goes infinite once on one rank (a transient fault in that node's compute):
+    every replica is finite and agrees, so the step is computed again, the line naming the
+    node whose loss it was, and the run ends bitwise equal to an undisturbed one. A loss
+    infinite at every try on every rank, with ELASTIC_SKIP_NONFINITE=1: computed again once,
+    then that batch is skipped (no update for it), and the run trains to its last step."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    runs = {"q": _world(tmp_path, "q", 2, "[]", stores),
+            "t": _world(tmp_path, "t", 2, "[]", stores, INF_LOSS="14:t1:"),
+            "s": _world(tmp_path, "s", 2, "[]", stores, INF_LOSS="14:*:every", ELASTIC_SKIP_NONFINITE="1")}
+    for procs in runs.values():
+        _wait(procs, tmp_path)
+
+    said = _log(tmp_path, "t")
+    again = [line for line in said.splitlines() if "computed again once" in line]
+    assert len(again) == 1 and "step 14: non-finite gradients with every replica's state finite and agreeing (the " \
+        "loss went non-finite on node t1 (rank 1))" in again[0], said[-4000:]
+    assert "skipped" not in said and "diverged" not in said and "in one replica" not in said, said[-4000:]
+    for rank in range(2):
+        assert_state_equal(_final(tmp_path, "t", rank), _final(tmp_path, "q", 0), f"transient, rank {rank}")
+
+    said = _log(tmp_path, "s")
+    assert said.count("computed again once") == 1 and said.count("its batch is skipped") == 1, said[-4000:]
+    assert "loss went non-finite on node s0 (rank 0), node s1 (rank 1)" in said, said[-4000:]
+    rows = read_jsonl(tmp_path / "s" / "ledger.jsonl")
+    assert max(r["step"] for r in rows) == STEPS, rows[-3:]
+    for rank in range(2):
+        final = _final(tmp_path, "s", rank)
+        assert all(torch.isfinite(t).all() for t in final["model"].values()), f"skipped, rank {rank}"
+    assert_state_equal(_final(tmp_path, "s", 1), _final(tmp_path, "s", 0), "skipped: the replicas agree")
