@@ -45,7 +45,8 @@ from checkpoints.tree import iter_tensors, map_state
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
 from .fingerprint import GROUPS, Fingerprint, fingerprint, nonfinite_entries
-from .nonfinite import SKIP_ENV, Do, decide, heals_in_place
+from .. import contract
+from .nonfinite import Do, decide, heals_in_place
 from .vote import Verdict, differing_groups, vote, vote_by_class
 
 log = logging.getLogger(__name__)
@@ -221,12 +222,12 @@ class ReplicaCheck:
                 if d.is_main:
                     log.warning("[%s rank %d] step %d: its gradients are non-finite again after a recompute (%s); "
                                 "its batch is skipped, as %s=1 asks: no update for it", d.node, d.rank, step, whose,
-                                SKIP_ENV)
+                                contract.SKIP_NONFINITE_ENV)
             else:
                 self.stop_line = (f"training diverged at step {step}: its gradients are non-finite again after a "
                                   f"recompute, with every replica's state finite and agreeing ({whose}); every replica "
                                   f"stands at step {run.state.step}, the last finite agreed state, and the job stops "
-                                  f"(resume with a lower learning rate or gradient clipping, or set {SKIP_ENV}=1 to "
+                                  f"(resume with a lower learning rate or gradient clipping, or set {contract.SKIP_NONFINITE_ENV}=1 to "
                                   "skip such a batch)")
         return do
 

@@ -36,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from ..contract import SKIP_NONFINITE_ENV as SKIP_ENV
+from .. import contract
 from .vote import Verdict
 
 
@@ -94,12 +94,12 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 def skip_setting(raw: str | None = None) -> bool:
     """``$ELASTIC_SKIP_NONFINITE``: ``1`` skips a batch whose gradients stay non-finite."""
-    value = (os.environ.get(SKIP_ENV, "") if raw is None else raw).strip().lower()
+    value = (os.environ.get(contract.SKIP_NONFINITE_ENV, "") if raw is None else raw).strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{SKIP_ENV}={value!r}: use 1 (skip a batch whose gradients stay non-finite) or 0 (stop)")
+    raise ValueError(f"{contract.SKIP_NONFINITE_ENV}={value!r}: use 1 (skip a batch whose gradients stay non-finite) or 0 (stop)")
 
 
 def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
@@ -107,4 +107,4 @@ def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return _all_finite([t for t in tensors if t.is_floating_point()])
 
 
-__all__ = ["Do", "SKIP_ENV", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
+__all__ = ["Do", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
