@@ -75,21 +75,29 @@ def decide(grads_finite: bool, verdict: Verdict | None, recomputed: bool, skip: 
 
 
 def grads_finite(params: Iterable[torch.Tensor]) -> bool:
-    """Whether every gradient is finite. First one sum per gradient, added up in float64, one
-    host sync: a NaN or an Inf anywhere makes it non-finite (an Inf beside a -Inf: a NaN).
-    Only finite values that overflow a sum make it non-finite wrongly, so a non-finite total
-    is confirmed exactly (``aminmax`` per gradient: a NaN reaches both ends, an Inf one)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if not grads:
-        return True
-    if bool(torch.isfinite(torch.stack([g.sum().double() for g in grads]).sum())):
-        return True
-    return _all_finite(grads)
+    """Whether every gradient is finite (:func:`all_finite` over the parameters' gradients)."""
+    return all_finite([p.grad for p in params if p.grad is not None])
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    ends = [t for x in tensors if x.numel() for t in torch.aminmax(x.detach())]
-    return not ends or bool(torch.isfinite(torch.stack([e.double().cpu() for e in ends])).all())
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is finite. First one sum per tensor, added up in float64, one host
+    sync: a NaN or an Inf anywhere makes it non-finite (an Inf beside a -Inf: a NaN). Only
+    finite values that overflow a sum make it non-finite wrongly, so a non-finite total is
+    confirmed exactly (``aminmax`` per tensor: a NaN reaches both ends, an Inf one)."""
+    tensors = [t.detach() for t in tensors if t.numel()]
+    if all(_finite_on_each_device([t.sum() for t in tensors], total=True)):
+        return True
+    return all(_finite_on_each_device([e for t in tensors for e in torch.aminmax(t)], total=False))
+
+
+def _finite_on_each_device(scalars: list[torch.Tensor], total: bool) -> list[bool]:
+    """Per device (a GPU's parameters beside an optimizer's CPU step counts), whether the
+    float64 sum of ``scalars`` (``total``) or each of them is finite: one sync per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x in scalars:
+        by_device.setdefault(x.device, []).append(x.double())
+    stacked = [torch.stack(xs) for xs in by_device.values()]
+    return [bool(torch.isfinite(x.sum() if total else x).all()) for x in stacked]
 
 
 def skip_setting(raw: str | None = None) -> bool:
@@ -104,7 +112,7 @@ def skip_setting(raw: str | None = None) -> bool:
 
 def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every floating tensor holds only finite values (what a snapshot may hold)."""
-    return _all_finite([t for t in tensors if t.is_floating_point()])
+    return all_finite([t for t in tensors if t.is_floating_point()])
 
 
-__all__ = ["Do", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
+__all__ = ["Do", "all_finite", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
