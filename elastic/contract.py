@@ -256,6 +256,8 @@ SDC_WINDOW_ENV = _setting("ELASTIC_SDC_WINDOW_S",
                           "seconds within which a node named the outlier twice by replica votes is kept out")
 CHECK_EVERY_STEPS_ENV = _setting("ELASTIC_CHECK_EVERY_STEPS",
                                  "steps between ElasticRun's replica consistency checks (0: off)")
+SKIP_NONFINITE_ENV = _setting("ELASTIC_SKIP_NONFINITE", "`1`: a batch whose gradients stay non-finite after a "
+                                                        "recompute is skipped, not the job's end (docs/reliability.md)")
 HEAL_IFNAME_ENV = _setting("ELASTIC_HEAL_IFNAME", "the network interface heals send state over (default: the "
                                                    "collectives' own group; elastic.inplace.heal_link)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.node.freeze)")

@@ -25,10 +25,12 @@ from typing import Any, Callable
 from checkpoints import (AsyncSnapshotWriter, Fence, FenceToken, SnapshotCorruptError, SnapshotError, SnapshotFencedError,
                          SnapshotStore)
 from checkpoints.location import uses_object_store
+from checkpoints.tree import iter_tensors
 from checkpoints.stores import open_fence, open_store
 
 from . import contract, worker_env
 from .atomic_file import write_atomically
+from .consistency.nonfinite import state_finite
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
@@ -227,8 +229,11 @@ class Snapshots:
     # ------------------------------------------------------------------ committing
 
     def commit(self, step: int, record: StepRecord | None, state: Callable[[], dict[str, Any]], world_size: int,
-               epoch: int, cursor: int, samples: int, force: bool = False) -> None:
-        """Step ``step`` is committed: its ledger line, and its snapshot if one is due (rank 0)."""
+               epoch: int, cursor: int, samples: int, force: bool = False, finite: bool = False) -> None:
+        """Step ``step`` is committed: its ledger line, and its snapshot if one is due (rank 0).
+        A state holding a NaN or an Inf is never snapshotted (said in one line): a snapshot of
+        it would be the newest, and prune would delete the finite ones behind it. ``finite``:
+        the replica check just found this very state finite, so it is not looked at again."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
         by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
@@ -247,11 +252,16 @@ class Snapshots:
         if self.ledger is not None:
             self.ledger.sync()  # ledger lines up to this step outlive a machine crash
         t0 = time.perf_counter()
+        captured = state()
+        if not (finite or _finite(step, captured)):
+            self.metrics.snapshot_skipped()
+            self._stalled += time.perf_counter() - t_sync
+            return
         meta = {**self.meta, "epoch": epoch, "cursor": cursor, "samples": samples}
         token = self.token()
         if token is not None:
             meta["fence"] = token.to_meta()  # the store renames it into place only under this fence
-        if self.writer.submit(step, state(), world_size=world_size, extra_meta=meta):
+        if self.writer.submit(step, captured, world_size=world_size, extra_meta=meta):
             self._last_time = time.monotonic()
             self.metrics.snapshot_submitted(time.perf_counter() - t0)
         else:
@@ -306,7 +316,7 @@ class Snapshots:
             log.debug("an earlier snapshot failed (%s); writing step %d's anyway", e, step)
         if self.ledger is not None:
             self.ledger.sync()
-        if self.newest_durable == step:
+        if self.newest_durable == step or not _finite(step, state):
             return
         token = self.token()
         fence = {"fence": token.to_meta()} if token is not None else {}
@@ -423,6 +433,15 @@ class Snapshots:
         finally:
             if self.ledger is not None:
                 self.ledger.close()
+
+
+def _finite(step: int, state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds only finite values; if not, one line says its snapshot is not written."""
+    if state_finite(iter_tensors(state)):
+        return True
+    log.error("not snapshotting step %d: its state holds non-finite values (a NaN or an Inf); the newest "
+              "snapshot stays the last finite one", step)
+    return False
 
 
 def _round_from_env() -> int:

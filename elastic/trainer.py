@@ -79,7 +79,7 @@ import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,7 @@ from checkpoints.stores import location_of
 from . import contract, worker_env
 from .consistency.check import ReplicaCheck
 from .consistency.inject import FlipRequests
+from .consistency.nonfinite import Do, grads_finite, skip_setting
 from .consistency.ondemand import CHECK_BIT, NO_CONTROL, CheckRequests
 from .consistency.report import check_interval, report_mismatch
 from .distributed import (
@@ -280,6 +281,11 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self._flips = FlipRequests()  # `elastic inject-sdc`: a bit flipped on request, to rehearse
             self._asks = CheckRequests()  # `elastic check`: a replica check at the next step, on request
             self._check_due = False  # set by a step every rank of the world applied: all check, or none
+            try:
+                self._skip_nonfinite = skip_setting()  # a batch whose gradients stay non-finite: skipped, or the end
+            except ValueError as exc:
+                raise ElasticRunError(str(exc)) from None
+            self._recomputed = -1  # the step last computed again for non-finite gradients (once per step)
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
@@ -291,6 +297,11 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.state.sharded = self.mesh is not None
+            # Each step's all-reduced gradients are looked at before they are applied (consistency.nonfinite):
+            # DDP's sum is every rank's alike. Not for a sharded model (each rank holds other shards: the flag
+            # would need a collective of its own) nor under a GradScaler (non-finite gradients are its to skip).
+            self._guards_nonfinite = self.mesh is None and not (scaler is not None and scaler.is_enabled())
+            self._check.guarded = self._guards_nonfinite
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
             self.world = choose_world(backend, collective_timeout, in_place, owns_group,
@@ -621,6 +632,12 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         """Every collective of the step succeeded: commit the previous step, then apply this one."""
         d, ids = self.dist, pending.ids
         seen_loss = loss  # None: the script's own backward, the run never saw the loss
+        skip_update = False
+        if self._guards_nonfinite and not grads_finite(self.state.module.parameters()):
+            answer = self._nonfinite_step(seen_loss)  # before the commit: a NaN replica's state is never committed
+            if answer is not None:
+                return answer
+            skip_update = True  # the user asked to skip a batch whose gradients stay non-finite
         if loss is None:
             loss = _NO_LOSS  # for the hooks, which take a tensor
         asked = 0 <= ready < STOP_BIT and bool(ready & CHECK_BIT)
@@ -639,12 +656,13 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             why = self._node_verdict.agree(self.round, self.state.step + 1)
             if why is not None:
                 return self._abandon(CollectiveFailure(why))
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and not skip_update:
             if self.state.scaler is not None:
                 self.state.scaler.unscale_(self.state.optimizer)
             torch.nn.utils.clip_grad_norm_(self.state.module.parameters(), self.max_grad_norm)
         self.snapshots.wait_capture()  # the snapshot's copy of the parameters must predate this update
-        self._optimizer_step()
+        if not skip_update:
+            self._optimizer_step()
         self.state.optimizer.zero_grad(set_to_none=True)
         if self.state.scheduler is not None:
             self.state.scheduler.step()
@@ -674,6 +692,49 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self._between_steps = lambda: self._form("join", min_round=ready)  # every rank saw it
         return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
 
+    def _nonfinite_step(self, loss: torch.Tensor | None) -> StepResult | None:
+        """The step's all-reduced gradients hold a NaN or an Inf, on every rank alike: nothing of
+        it is applied, the replicas vote at once, and :func:`.consistency.nonfinite.decide` says
+        what happens: a NaN replica healed from the majority, or a recompute, and the same batch
+        trained again (False); a skip (None: the step goes on without its update); or the end
+        of the run at the last finite agreed state (one line, exit 2)."""
+        self.state.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
+        try:
+            with owned():
+                do = self._check.vote_step(self, loss_finite, self._recomputed == step, self._skip_nonfinite)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            return self._abandon(CollectiveFailure(first_line(exc)))
+        if do is Do.SKIP:
+            return None
+        if do is Do.STOP:
+            self._stop_diverged()
+        if do is Do.RECOMPUTE:
+            self._recomputed = step
+        if do is not Do.ROLLBACK:  # (a rollback built the loader anew itself)
+            self._generation += 1  # the same batch again: the loader is built anew from the uncommitted cursor
+        return StepResult(False, step, self.epoch)
+
+    def _stop_diverged(self) -> NoReturn:
+        """The training diverged (:attr:`ReplicaCheck.stop_line`): every replica stands at the
+        last finite agreed state; it is committed and snapshotted (a snapshot of non-finite
+        state is never written), and the run ends with one line and exit 2, which an agent
+        never restarts: the same steps would diverge again."""
+        line = self._check.stop_line or "training diverged"
+        with owned():
+            try:
+                self._commit_previous()
+                self.snapshots.final(self.state.step, self.state.capture(), self.dist.world_size,
+                                     {"epoch": self.plan.sampler.epoch, "cursor": self.plan.sampler.cursor,
+                                      "samples": self.state.samples})
+            except FinalSnapshotLost as exc:
+                log.error("%s %s", self._where, exc)
+        self._usage_error(TrainingDiverged(line))
+        raise AssertionError("not reached: _usage_error raises")
+
     def _at_step_boundary(self) -> None:
         """The loop's code for the step has run: do what the ranks agreed on in its run.step."""
         action, self._between_steps = self._between_steps, None
@@ -700,12 +761,17 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         on as it was (the run went back to the last agreed state, or a peer was lost in the
         check's all-gather and the world answered)."""
         try:
-            return self._check.run(self)
+            went_back = self._check.run(self)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
             self._recover(CollectiveFailure(first_line(exc)))
             return True
+        if self._check.stop_line is not None:  # every replica non-finite: back to the last finite agreed state
+            if self._check.outcome is not None:
+                self._asks.answer(self.state.step, *self._check.outcome)
+            self._stop_diverged()
+        return went_back
 
     def _returned_to(self, step: int) -> None:
         """Every replica loaded the last agreed state, of ``step``: the steps since are trained
@@ -738,7 +804,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._committed = step
         record = self.plan.recent[-1] if self.plan.recent and self.plan.recent[-1].step == step else None
         self.snapshots.commit(step, record, self.state.capture, self.dist.world_size, self.plan.sampler.epoch,
-                              self.plan.sampler.cursor, self.state.samples, force=force_snapshot)
+                              self.plan.sampler.cursor, self.state.samples, force=force_snapshot,
+                              finite=self._check.finite_at == step)
 
     # ------------------------------------------------------------------ 5. the end
 
@@ -815,6 +882,11 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
     def state_dict(self) -> dict[str, Any]:
         """Everything a restart needs, as tensors and plain numbers (what a snapshot holds)."""
         return self.state.capture()
+
+
+class TrainingDiverged(ElasticRunError):
+    """Non-finite values on every replica, or gradients non-finite again after a recompute:
+    the job ends (exit 2, never restarted) at the last finite agreed state."""
 
 
 class _OwnUsageError(ElasticRunError):

@@ -349,10 +349,11 @@ def _why_failed(failed: list[ClusterNode]) -> str:
 
     A job-wide verdict that the script itself is broken comes before any other: the agents of
     such a job give up within moments of each other, and one that ran out of restarts first
-    says less (its peer's crash had not reached it yet)."""
-    gave_up = sorted(((SCRIPT_ERROR_WORDS not in c.gave_up, c.at, i, n, c)
+    says less (its peer's crash had not reached it yet). Then a node whose workers said why:
+    rank 0 alone speaks for an error every rank hits (a usage error, a diverged training)."""
+    gave_up = sorted(((SCRIPT_ERROR_WORDS not in c.gave_up, not c.error, c.at, i, n, c)
                       for i, n in enumerate(failed) for c in n.node.crashes() if c.gave_up),
-                     key=lambda t: (t[0], t[1], t[2]))
+                     key=lambda t: (t[0], t[1], t[2], t[3]))
     if gave_up:
         *_, n, crash = gave_up[0]
         count = len(n.node.crashes())

@@ -399,8 +399,8 @@ class NodeLog:
         elif self._in_traceback and line.strip() and not line[0].isspace():
             self._in_traceback = False  # frames are indented; the exception's line is not
             self._exception = self.last_error = line.strip()
-        elif line.startswith("error: "):
-            self.last_error = line.strip()
+        elif line.startswith("error: "):  # a worker's one line (a usage error, a diverged training): its crash's why
+            self._exception = self.last_error = line.strip()
 
     def _agent(self, at: float, level: str, message: str) -> None:
         not_joining = _NOT_JOINING.match(message)

@@ -15,6 +15,15 @@ Every rank fingerprints its state (:mod:`.fingerprint`) and the ranks all-gather
 digest per group: ``1 + 3`` int64 per rank. Only on a mismatch do they exchange the
 per-tensor hashes, to name what differs.
 
+A NaN or an Inf is caught earlier, by the step itself (:mod:`.nonfinite`): a step whose
+all-reduced gradients are non-finite is not applied, and the replicas vote at once
+(:meth:`ReplicaCheck.vote_step`). No non-finite gradient is ever applied, so a replica
+holding a NaN beside a finite majority cannot have spread it: it is healed from the
+majority where it stands (0 steps lost), at that vote and at a periodic check alike; a
+return to the last agreed state is kept for replicas that differ otherwise. Every replica
+non-finite is a diverged training: every replica returns to the last agreed state (kept
+only when finite) and the run stops (:attr:`ReplicaCheck.stop_line`).
+
 Under HSDP (``shard_ranks`` = L local ranks per node) rank ``r`` holds the shards of local
 rank ``r % L``: it fingerprints its own shards, the all-gather is the same, the vote runs
 within each shard class (:func:`.vote.vote_by_class`), the kept copy is each rank's own
@@ -36,6 +45,8 @@ from checkpoints.tree import iter_tensors, map_state
 from ..distributed import DistInfo, collective_device
 from ..inplace.transfer import recv_state, send_state
 from .fingerprint import GROUPS, Fingerprint, fingerprint, nonfinite_entries
+from .. import contract
+from .nonfinite import Do, decide, heals_in_place
 from .vote import Verdict, differing_groups, vote, vote_by_class
 
 log = logging.getLogger(__name__)
@@ -77,6 +88,7 @@ class Mismatch:
     differing: dict[int, list[str]]  # rank -> entries that differ from the reference replica
     nonfinite: dict[int, list[str]] = field(default_factory=dict)  # rank -> entries holding a NaN or an Inf
     shard_ranks: int = 0  # HSDP: local ranks per node (each shard class votes alone); 0: every rank a replica
+    healed: bool = False  # non-finite outliers healed from the majority where they stand: nothing rolled back
 
 
 class ReplicaCheck:
@@ -95,6 +107,9 @@ class ReplicaCheck:
         self.diverged_at = 0  # the first check that found every replica non-finite (said once)
         self.outcome: tuple[bool, str] | None = None  # the last check's: (agreed, its one line), for `elastic check`
         self.shard_ranks = 0  # HSDP: local ranks per node (rank r holds local rank r % L's shards); 0: all replicas
+        self.guarded = False  # every applied step's gradients were finite (.nonfinite): a NaN outlier never spread
+        self.stop_line: str | None = None  # the training diverged: the run stops with this line (non-zero exit)
+        self.finite_at = -1  # the last step whose state a vote found finite on every replica (a snapshot's shortcut)
 
     def classes(self, world_size: int) -> list[int]:
         """Each rank's shard class: ranks of one class hold the same bits (DDP: one class)."""
@@ -134,8 +149,7 @@ class ReplicaCheck:
         else:
             verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
         if verdict.diverged:
-            self._diverged(run)
-            return False
+            return self._diverged(run)
         if verdict.methods_differ:
             if not self._warned_methods and run.dist.is_main:
                 log.warning("[%s rank %d] replica check off: ranks fingerprint with different methods "
@@ -144,9 +158,13 @@ class ReplicaCheck:
             self._warned_methods = True
         if verdict.agreed:
             self._keep(run, fp)
+            self.finite_at = run.state.step
             self.outcome = (True, f"the {len(rows)} replicas agree at step {run.state.step}"
                             + (" (not compared: ranks fingerprint with different methods)"
                                if verdict.methods_differ else ""))
+            return False
+        if self.guarded and heals_in_place(verdict):
+            self._heal_outliers(run, fp, rows, verdict)
             return False
         mismatch = self._describe(run, fp, rows, verdict)
         self.outcome = (False, describe(mismatch))
@@ -159,7 +177,85 @@ class ReplicaCheck:
         self._return(run)
         return True
 
+    def vote_step(self, run: CheckedRun, loss_finite: bool | None, recomputed: bool, skip: bool) -> Do:
+        """The step's all-reduced gradients are non-finite (on every rank alike): vote now, before
+        anything is applied, and carry out what :func:`.nonfinite.decide` says of it, up to the
+        retrain (the run's). Each rank's loss flag (None: the script ran its own backward) rides
+        in the vote's all-gather, so the line can name the node whose loss went non-finite."""
+        self.outcome = None
+        fp = _fingerprint(run, self.ignored)
+        flag = 2 if loss_finite is None else int(not loss_finite)
+        rows = all_gather_vector([*fp.digests(), int(not fp.finite), flag], run.dist)
+        losses = [r[-1] for r in rows]
+        rows = [r[:-1] for r in rows]
+        if self.shard_ranks:
+            verdict = vote_by_class([r[:-1] for r in rows], [bool(r[-1]) for r in rows], self.classes(len(rows)))
+        else:
+            verdict = vote([r[:-1] for r in rows], [bool(r[-1]) for r in rows])
+        do = decide(False, verdict, recomputed, skip)
+        step, d = run.state.step + 1, run.dist
+        if do is Do.STOP and verdict.diverged:
+            self._diverged(run)
+        elif do is Do.HEAL:
+            self._heal_outliers(run, fp, rows, verdict)
+        elif do is Do.ROLLBACK:
+            mismatch = self._describe(run, fp, rows, verdict)
+            self.outcome = (False, describe(mismatch))
+            self._last = (run.state.step, rows)
+            if self.on_mismatch is not None:
+                self.on_mismatch(mismatch, d)
+            self._return(run)
+        else:  # every replica finite and agreeing: this state is the newest agreed one
+            self._keep(run, fp)
+            self.finite_at = run.state.step
+            self.outcome = (True, f"the {len(rows)} replicas agree at step {run.state.step}")
+            nodes = _nodes(d) if any(v == 1 for v in losses) else []
+            names = [f"node {n} (rank {r})" for r, n in enumerate(nodes) if losses[r] == 1]
+            whose = (f"the loss went non-finite on {', '.join(names)}" if names else
+                     "no rank's loss was non-finite" if all(v == 0 for v in losses) else "the losses were not seen")
+            if do is Do.RECOMPUTE:
+                if d.is_main:
+                    log.warning("[%s rank %d] step %d: non-finite gradients with every replica's state finite and "
+                                "agreeing (%s): a transient fault in a node's compute; nothing was applied, the step is "
+                                "computed again once", d.node, d.rank, step, whose)
+            elif do is Do.SKIP:
+                if d.is_main:
+                    log.warning("[%s rank %d] step %d: its gradients are non-finite again after a recompute (%s); "
+                                "its batch is skipped, as %s=1 asks: no update for it", d.node, d.rank, step, whose,
+                                contract.SKIP_NONFINITE_ENV)
+            else:
+                self.stop_line = (f"training diverged at step {step}: its gradients are non-finite again after a "
+                                  f"recompute, with every replica's state finite and agreeing ({whose}); every replica "
+                                  f"stands at step {run.state.step}, the last finite agreed state, and the job stops "
+                                  f"(resume with a lower learning rate or gradient clipping, or set {contract.SKIP_NONFINITE_ENV}=1 to "
+                                  "skip such a batch)")
+        return do
+
     # ------------------------------------------------------------------ internals
+
+    def _heal_outliers(self, run: CheckedRun, fp: Fingerprint, rows: list[list[int]], verdict: Verdict) -> None:
+        """Replicas holding a NaN or an Inf beside a finite majority: no non-finite gradient was
+        applied (:mod:`.nonfinite`), so the majority's state is the one every replica would hold;
+        each outlier is healed from a majority replica of its shard where it stands, and what
+        they now hold is the newest agreed state. Named, counted and told to the agent as any
+        outlier (a node named twice is kept out)."""
+        mismatch = self._describe(run, fp, rows, verdict, healed=True)
+        self.outcome = (False, describe(mismatch))
+        if self.on_mismatch is not None:
+            self.on_mismatch(mismatch, run.dist)
+        run.snapshots.wait_capture()  # an asynchronous snapshot copy must not read half-loaded state
+        d, classes, local = run.dist, self.classes(run.dist.world_size), bool(self.shard_ranks)
+        for rank in verdict.suspects:
+            src = next(r for r in verdict.majority if classes[r] == classes[rank])
+            if d.rank == src:
+                send_state(run.state.capture(local=local), rank, collective_device(d))
+            elif d.rank == rank:
+                run.state.load(recv_state(src, collective_device(d)), local=local)
+                log.warning("[%s rank %d] healed step %d from rank %d: this replica held non-finite values",
+                            d.node, d.rank, run.state.step, src)
+        self._last = None
+        self._keep(run)
+
 
     def _keep(self, run: CheckedRun, fp: Fingerprint | None = None) -> None:
         digests = (fp or _fingerprint(run, self.ignored)).digests()
@@ -167,23 +263,30 @@ class ReplicaCheck:
         self._buffers = iter_tensors(state)
         self.agreed = Agreed(run.state.step, state, run.plan.recent_state(), digests)
 
-    def _diverged(self, run: CheckedRun) -> None:
+    def _diverged(self, run: CheckedRun) -> bool:
         """Every replica holds a NaN or an Inf: the training diverged (the loop's doing, not a
-        fault of one node). Going back would train into it again, so the check says so once,
-        keeps this state as the agreed one (the replicas stand alike) and leaves the decision
-        to the loop's own policy (its loss is non-finite too)."""
+        fault of one node; no replica is named). Training on would only keep NaN, and the
+        snapshots would soon hold nothing else: every replica returns to the last agreed
+        state (kept only when finite) and the run stops with :attr:`stop_line`. True: the
+        run went back."""
         names = nonfinite_entries(run.state.module, run.state.optimizer,
                                   run.state.user.capture() if len(run.state.user) else None)
-        line = (f"training diverged: every replica holds non-finite values at step {run.state.step} ("
+        at = run.state.step
+        agreed = self.agreed if self.agreed is not None and self.agreed.step <= at else None
+        back = (f"every replica returns to step {agreed.step}, the last finite state all agreed on, and the job stops"
+                if agreed is not None else "no finite agreed state is kept, and the job stops")
+        line = (f"training diverged: every replica holds non-finite values at step {at} ("
                 + ", ".join(names[:_NAMES_SHOWN]) + (" ..." if len(names) > _NAMES_SHOWN else "")
-                + "); not silent data corruption, so no replica is named and nothing is rolled back: the loop "
-                "decides (a lower learning rate, gradient clipping, a restart from an earlier snapshot)")
+                + f"); not silent data corruption, so no replica is named; {back} (resume with a lower learning "
+                "rate or gradient clipping)")
         self.outcome = (False, line)
-        if run.dist.is_main and not self.diverged_at:
-            log.error("[%s rank %d] %s", run.dist.node, run.dist.rank, line)
-        self.diverged_at = self.diverged_at or run.state.step
+        self.diverged_at = self.diverged_at or at
+        self.stop_line = line
         self._last = None
-        self._keep(run)
+        if agreed is None:
+            return False
+        self._return(run)
+        return True
 
     def _by_design(self, run: CheckedRun, m: Mismatch) -> None:
         """The same steps, retrained from the same agreed state, differ in the very same way:
@@ -200,7 +303,8 @@ class ReplicaCheck:
                         ", ".join(entries[:_NAMES_SHOWN]) + (" ..." if len(entries) > _NAMES_SHOWN else ""))
         self._keep(run)
 
-    def _describe(self, run: CheckedRun, fp: Fingerprint, rows: list[list[int]], verdict: Verdict) -> Mismatch:
+    def _describe(self, run: CheckedRun, fp: Fingerprint, rows: list[list[int]], verdict: Verdict,
+                  healed: bool = False) -> Mismatch:
         """Every rank learns every rank's node and per-entry hashes (the rare path)."""
         d = run.dist
         gathered: list[Any] = [None] * d.world_size
@@ -216,10 +320,10 @@ class ReplicaCheck:
             differing.update({r: prints[r].differing(prints[reference]) for r in ranks if r != reference})
             if not verdict.has_majority:  # no reference to trust: name what differs between the two sides
                 differing[reference] = sorted({n for r in ranks if r != reference for n in differing[r]})
-        back_to = self.agreed.step if self.agreed is not None else run.state.step
+        back_to = self.agreed.step if self.agreed is not None and not healed else run.state.step
         return Mismatch(run.state.step, back_to, verdict, [g[0] for g in gathered],
                         {r: differing.get(r, []) for r in verdict.suspects},
-                        {r: gathered[r][4] for r in verdict.nonfinite}, self.shard_ranks)
+                        {r: gathered[r][4] for r in verdict.nonfinite}, self.shard_ranks, healed)
 
     def _return(self, run: CheckedRun) -> None:
         agreed = self.agreed
@@ -276,6 +380,13 @@ def _fingerprint(run: CheckedRun, ignored: set[str]) -> Fingerprint:
     return fp
 
 
+def _nodes(d: DistInfo) -> list[str]:
+    """Every rank's node name (the rare path: one line names a node)."""
+    names: list[Any] = [None] * d.world_size
+    dist.all_gather_object(names, d.node)
+    return [str(n) for n in names]
+
+
 def all_gather_vector(values: list[int], info: DistInfo) -> list[list[int]]:
     """One small all-gather of an int64 vector per rank."""
     t = torch.tensor(values, dtype=torch.int64, device=collective_device(info))
@@ -317,6 +428,10 @@ def describe(m: Mismatch) -> str:
         head = (f"silent data corruption at step {m.step}: replicas disagree and no majority decides; {named} are "
                 f"all suspects (differing: {', '.join(entries[:_NAMES_SHOWN]) or '?'}"
                 f"{f' and {len(entries) - _NAMES_SHOWN} more' if len(entries) > _NAMES_SHOWN else ''})")
+    if m.healed:
+        return (f"{head}; no non-finite gradient was applied, so the majority's state is the true one: "
+                f"{'the outlier is' if len(v.suspects) == 1 else 'the outliers are'} healed from it at step {m.step} "
+                "and training goes on (0 steps lost)")
     return (f"{head}; every replica returns to step {m.back_to}, the last state all agreed on, and retrains "
             f"{m.step - m.back_to} step(s)")
 

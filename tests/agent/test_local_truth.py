@@ -351,3 +351,23 @@ def test_a_node_kept_out_by_its_health_check_shows_why_not_starting(tmp_path: Pa
         log.write(AGENT.format(s=7, n="node-1", level="INFO",
                                message="health checks pass again after 6 s kept out; joining the job") + "\n")
     assert cluster.node_state(cluster.nodes[0]) == "starting"
+
+
+def test_an_error_every_rank_hits_is_said_by_rank_0_alone_and_is_the_why(tmp_path: Path) -> None:
+    """A usage error or a diverged training: rank 0 prints the one ``error:`` line and every
+    worker exits 2. The node whose agent gave up first may be another rank's (silent), so the
+    line why names the node whose workers said it, and its crash carries the line."""
+    said = ("error: training diverged at step 33: its gradients are non-finite again after a recompute, with every "
+            "replica's state finite and agreeing")
+    gave_up = ("local worker(s) [0] exited with code 2 (a usage error, which would come back at every start); "
+               "not restarting: the job fails")
+    nodes = []
+    for name, second, lines in (("node-0", 5, []), ("node-1", 6, [said])):
+        node = LocalNode(name=name, endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
+        node.log_path.write_text("\n".join([*lines, AGENT.format(s=second, n=name, level="ERROR", message=gave_up)])
+                                 + "\n")
+        nodes.append(ClusterNode(node=node, exited=2))
+    (crash,) = nodes[1].node.crashes()
+    assert crash.describe() == f"worker exit 2: {said}", crash.describe()
+    ok, why = Cluster(nodes, tmp_path, 1).outcome(None)
+    assert not ok and why.startswith("the job failed: node-1 gave up") and said in why, why

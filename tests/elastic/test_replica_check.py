@@ -49,8 +49,14 @@ SCRIPT = textwrap.dedent('''\
     node = os.environ["ELASTIC_NODE_NAME"]
     flips = json.loads(os.environ.get("FLIPS", "[]"))  # [step, node, what], each done once
     done = set()
+    inf_at, inf_on, inf_every = (os.environ.get("INF_LOSS") or "0::").split(":")  # step, node or *, every try?
+    infinite = 0
     for x, y in run:
-        if run.step(F.cross_entropy(run.model(x), y)):
+        loss = F.cross_entropy(run.model(x), y)
+        if run.step_count + 1 == int(inf_at) and inf_on in ("*", node) and (inf_every or not infinite):
+            infinite += 1  # this rank's loss goes infinite at that step: once (a transient fault), or every try
+            loss = loss * float("inf")
+        if run.step(loss):
             with torch.no_grad():
                 ema.mul_(0.9).add_(run.model.module[-1].bias, alpha=0.1)
             for i, (step, on, what) in enumerate(flips):
@@ -166,12 +172,14 @@ def test_flipped_bits_are_named_rolled_back_and_retrained_bitwise(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_non_finite_replica_is_named_and_healed_and_nan_everywhere_is_one_line(tmp_path: Path) -> None:
+def test_a_non_finite_replica_is_named_and_healed_where_it_stands_losing_no_step(tmp_path: Path) -> None:
     """A NaN (then an Inf in Adam's second moment) written into one of two replicas just
-    before a check: the finite replica is right, the other is named, and both return to the
-    last agreed state, ending bitwise equal to an undisturbed run. A NaN written between
-    checks reaches every replica through the next gradient all-reduce: then every replica
-    holds NaN, which is a diverged training (one line, nobody named, no rollback loop)."""
+    before a check: the finite replica is right, the other is named and healed from it
+    where it stands, no step retrained. A NaN written between checks would reach every
+    replica through the next gradient all-reduce (it was found as "training diverged" and
+    trained on in NaN): the step whose gradients it made non-finite is not applied, the
+    replicas vote at once, and the NaN replica is healed from the other and the step
+    trained again. Both end bitwise equal to an undisturbed run, on every rank."""
     (tmp_path / "job.py").write_text(SCRIPT)
     stores: list[dist.TCPStore] = []
     runs = {"q": _world(tmp_path, "q", 2, "[]", stores),
@@ -185,11 +193,51 @@ def test_a_non_finite_replica_is_named_and_healed_and_nan_everywhere_is_one_line
     named = [line for line in said.splitlines() if "in one replica at step" in line]
     assert len(named) == 2 and "silent data corruption at step" not in said, said[-4000:]
     assert ("non-finite values in one replica at step 12: node n1 (rank 1; non-finite values in 0.weight) "
-            "disagrees with the majority of 1 of 2 replicas; every replica returns to step 8") in named[0], named[0]
+            "disagrees with the majority of 1 of 2 replicas; no non-finite gradient was applied") in named[0], named[0]
+    assert "healed from it at step 12 and training goes on (0 steps lost)" in named[0], named[0]
     assert "at step 16: node n0 (rank 0; non-finite values in 3.weight.exp_avg_sq)" in named[1], named[1]
+    assert "returns to step" not in said and "diverged" not in said, said[-4000:]
     for rank in range(2):
         assert_state_equal(_final(tmp_path, "n", rank), _final(tmp_path, "q", 0), f"non-finite, rank {rank}")
 
     said = _log(tmp_path, "v")
-    assert said.count("training diverged: every replica holds non-finite values at step 12") == 1, said[-4000:]
-    assert "returns to step" not in said and "in one replica" not in said, said[-4000:]
+    named = [line for line in said.splitlines() if "in one replica at step" in line]
+    assert len(named) == 1 and "at step 9: node v1 (rank 1; non-finite values in 0.weight)" in named[0], said[-4000:]
+    assert "(0 steps lost)" in named[0] and "healed step 9 from rank 0" in said, said[-4000:]
+    assert "diverged" not in said and "returns to step" not in said, said[-4000:]
+    for rank in range(2):
+        assert_state_equal(_final(tmp_path, "v", rank), _final(tmp_path, "q", 0), f"NaN between checks, rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_transient_non_finite_loss_is_recomputed_and_a_lasting_one_skipped_when_asked(tmp_path: Path) -> None:
+    """A loss that goes infinite once on one rank (a transient fault in that node's compute):
+    every replica is finite and agrees, so the step is computed again, the line naming the
+    node whose loss it was, and the run ends bitwise equal to an undisturbed one. A loss
+    infinite at every try on every rank, with ELASTIC_SKIP_NONFINITE=1: computed again once,
+    then that batch is skipped (no update for it), and the run trains to its last step."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    runs = {"q": _world(tmp_path, "q", 2, "[]", stores),
+            "t": _world(tmp_path, "t", 2, "[]", stores, INF_LOSS="14:t1:"),
+            "s": _world(tmp_path, "s", 2, "[]", stores, INF_LOSS="14:*:every", ELASTIC_SKIP_NONFINITE="1")}
+    for procs in runs.values():
+        _wait(procs, tmp_path)
+
+    said = _log(tmp_path, "t")
+    again = [line for line in said.splitlines() if "computed again once" in line]
+    assert len(again) == 1 and "step 14: non-finite gradients with every replica's state finite and agreeing (the " \
+        "loss went non-finite on node t1 (rank 1))" in again[0], said[-4000:]
+    assert "skipped" not in said and "diverged" not in said and "in one replica" not in said, said[-4000:]
+    for rank in range(2):
+        assert_state_equal(_final(tmp_path, "t", rank), _final(tmp_path, "q", 0), f"transient, rank {rank}")
+
+    said = _log(tmp_path, "s")
+    assert said.count("computed again once") == 1 and said.count("its batch is skipped") == 1, said[-4000:]
+    assert "loss went non-finite on node s0 (rank 0), node s1 (rank 1)" in said, said[-4000:]
+    rows = read_jsonl(tmp_path / "s" / "ledger.jsonl")
+    assert max(r["step"] for r in rows) == STEPS, rows[-3:]
+    for rank in range(2):
+        final = _final(tmp_path, "s", rank)
+        assert all(torch.isfinite(t).all() for t in final["model"].values()), f"skipped, rank {rank}"
+    assert_state_equal(_final(tmp_path, "s", 1), _final(tmp_path, "s", 0), "skipped: the replicas agree")
