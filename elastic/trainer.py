@@ -102,6 +102,7 @@ from .distributed import (
     DistInfo,
     ElasticRunError,
     broadcast_int,
+    collective_device,
     node_name,
 )
 from .fixed_world import FixedWorld
@@ -110,6 +111,7 @@ from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import node_verdict
+from .inplace.peer_copies import PeerCopies, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
 from .log import show_library_lines
 from . import sharded
@@ -242,6 +244,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         user_backward: bool = False,
         device: str | torch.device | None = None,
         check_every_steps: int | None = None,
+        peer_copy_every: int | None = None,
         **flat_keywords: Any,
     ) -> None:
         refuse_flat_keywords(flat_keywords)  # before anything starts: the grouped form is the one way (0.1.0)
@@ -324,6 +327,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             # in place, the sharded snapshots' own group joins the world's socket fence
             self.snapshots.socket_fence = getattr(getattr(self.world, "membership", None), "fence", None)
             self.state.shards_in_snapshots = self.snapshots.per_rank  # ... each writing its own shards
+            # each rank's state in the host memory of a buddy on another node (elastic.inplace.peer_copies)
+            self.copies = PeerCopies(peer_copy_setting(peer_copy_every, self.mesh, self.dist, self._where),
+                                     self.metrics)
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
             self._has_state = False  # a fresh process holds nothing until restored or healed
@@ -471,6 +477,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
         self._check.forget()  # every rank of the new world keeps a baseline at its first batch
+        self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
 
     # ------------------------------------------------------------------ 2. training
 
@@ -516,6 +523,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         tokens = self.count_tokens(batch) if self.count_tokens is not None else None
         self._pending = _Pending(ids, local_n, started, now - started, tokens)
         failure = self._guard.take()  # the script's own collective (set-up, the hook) lost a peer
+        if failure is None and self.copies.failure is not None:  # the last peer copy's exchange lost a peer
+            failure, self.copies.failure = CollectiveFailure(self.copies.failure), None
         if failure is not None:
             self._pending.failure = failure
             return
@@ -673,6 +682,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
+        self._copy_to_peer()
         self._check_due = self._check.due(self.state.step) or (asked and self._check.every_steps > 0)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
@@ -734,6 +744,17 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 log.error("%s %s", self._where, exc)
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
+
+    def _copy_to_peer(self) -> None:
+        """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
+        A failed exchange fails the next step (:meth:`_begin`): the world re-forms then."""
+        if not self.copies.on:
+            return
+        d = self.dist
+        with owned():
+            self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
+                                   lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
+                                   collective_device(d))
 
     def _at_step_boundary(self) -> None:
         """The loop's code for the step has run: do what the ranks agreed on in its run.step."""

@@ -1,0 +1,310 @@
+"""Every rank's state kept in a peer's host memory, on another node.
+
+A model sharded across every node (FSDP2 on a 1-D mesh) has no replica: a lost node takes
+its shards with it, and without a copy elsewhere the job goes back to its last snapshot.
+After every ``K``-th committed step each rank here
+
+1. copies its own state to host memory (its shards and their optimizer state, and the
+   run's own state: step, sampler position, RNG, registered user state, the recent
+   batches' record): its **own copy**;
+2. sends it to its **buddy**, a rank on the next node (:mod:`.buddies`), and receives the
+   copies of the ranks whose buddy it is, all at once (every send and receive posted
+   before any is waited on: a ring of blocking sends would wait on itself).
+
+A copy is tagged with its step and becomes current only when every byte of it arrived
+(double-buffered): until then the previous complete one stays, so a buddy never holds a
+torn copy. Host memory per rank: one own copy and one buddy copy, and during an exchange
+the next of each (:func:`.buddies.memory_problem` states the bound; a node without it says
+so in one line and the world runs without copies).
+
+An exchange that fails (a peer lost in it) is not raised here: the copies stay at their
+last complete step, and the failure is handed to the run, which fails its next step and
+re-forms the world as for any lost peer. The assignment is made again at every world.
+
+Over the world's own group with gloo (host tensors). On NCCL the copies are off for now,
+with one line: they would need a gloo group of their own beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from checkpoints.wire import decode, encode
+
+from ..collectives import first_line, is_collective_failure
+from .. import contract
+from ..distributed import DistInfo, ElasticRunError
+from . import buddies
+from .transfer import _padded, plan
+
+log = logging.getLogger("elastic.trainer")
+
+DEFAULT_EVERY = 1  # after every committed step: nothing to roll back (bench/peer_copies.py: the cost)
+
+
+def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) -> int:
+    """Steps between copies (0: off): ``peer_copy_every=`` or ``ELASTIC_PEER_COPY_EVERY``
+    (``on``: :data:`DEFAULT_EVERY`). Off unless asked for, until a lost node's state is taken
+    from them (issue 52's next step); off with one line on a backend other than gloo."""
+    raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
+    if raw == "" or raw is None:
+        return 0
+    if isinstance(raw, str) and raw.lower() == "on":
+        every = DEFAULT_EVERY
+    else:
+        try:
+            every = int(raw)
+        except (TypeError, ValueError):
+            every = -1
+    if every < 0:
+        raise ElasticRunError(f"peer copies every {raw!r} steps: give a whole number of steps >= 1, 0 for none, or "
+                              f"on (every {DEFAULT_EVERY}) (peer_copy_every= or {contract.PEER_COPY_EVERY_ENV})")
+    if every and info.backend != "gloo":
+        if info.is_main:
+            log.warning("%s peer copies off: they go over gloo and this run's backend is %s", where, info.backend)
+        return 0
+    return every
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One complete copy of a rank's state, as of ``step`` (``nbytes``: its tensors' bytes)."""
+
+    step: int
+    rank: int  # the rank it is of, in the world it was taken in
+    round: int  # that world's round (-1: not under elastic agent)
+    payload: Any
+    nbytes: int
+
+
+def host_copy(tree: Any) -> tuple[Any, int]:
+    """``tree`` with every tensor copied to host memory (pinned when CUDA is there), and the
+    tensors' bytes. A copy, never a view: the live tensors change at the next step."""
+    total = 0
+
+    def walk(value: Any) -> Any:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.device.type == "cpu":
+                out = value.clone(memory_format=torch.contiguous_format)
+            else:
+                out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                out.copy_(value, non_blocking=True)
+            total += out.numel() * out.element_size()
+            return out
+        if isinstance(value, dict):
+            return type(value)((k, walk(v)) for k, v in value.items())
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    out = walk(tree)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, total
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def swap(payload: Any, dst: int | None, srcs: list[int], group: Any = None) -> dict[int, Any]:
+    """Send ``payload`` (host tensors) to ``dst`` and receive one from each of ``srcs``, every
+    rank of the ring at once: each phase's receives and sends are posted before any wait.
+    Returns src -> its payload, tensors in storage of their own."""
+    tensors: list[torch.Tensor] = []
+    header = b""
+    def index(t: torch.Tensor) -> int:
+        tensors.append(t.detach())
+        return len(tensors) - 1
+
+    if dst is not None:
+        tree = encode(payload, index)
+        header = json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                                        for t in tensors]}).encode()
+    # 1. the headers' lengths
+    lengths = {src: torch.zeros(1, dtype=torch.int64) for src in srcs}
+    works = [dist.irecv(lengths[src], src, group=group) for src in srcs]
+    if dst is not None:
+        works.append(dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst, group=group))
+    _wait(works)
+    # 2. the headers
+    raws = {src: torch.empty(int(lengths[src].item()), dtype=torch.uint8) for src in srcs}
+    works = [dist.irecv(raws[src], src, group=group) for src in srcs]
+    if dst is not None:
+        works.append(dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group))
+    _wait(works)
+    # 3. the tensors: large ones as they are, small ones packed (transfer.plan, alike on both ends)
+    incoming: dict[int, tuple[Any, list[torch.Tensor], list[int], list[list[int]], list[torch.Tensor]]] = {}
+    works = []
+    for src in srcs:
+        head = json.loads(raws[src].numpy().tobytes())
+        into = [torch.empty(tuple(shape), dtype=getattr(torch, dtype)) for dtype, shape in head["tensors"]]
+        sizes = [t.numel() * t.element_size() for t in into]
+        direct, buckets = plan(sizes)
+        buffers = [torch.empty(sum(_padded(sizes[i]) for i in g), dtype=torch.uint8) for g in buckets]
+        works += [dist.irecv(b, src, group=group) for b in buffers]
+        works += [dist.irecv(into[i].reshape(-1), src, group=group) for i in direct]
+        incoming[src] = (head["tree"], into, sizes, buckets, buffers)
+    keep: list[torch.Tensor] = []  # alive until their sends complete
+    if dst is not None:
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        direct, buckets = plan(sizes)
+        for g in buckets:
+            buffer = torch.empty(sum(_padded(sizes[i]) for i in g), dtype=torch.uint8)
+            offset = 0
+            for i in g:
+                buffer[offset:offset + sizes[i]].copy_(tensors[i].contiguous().reshape(-1).view(torch.uint8))
+                offset += _padded(sizes[i])
+            keep.append(buffer)
+            works.append(dist.isend(buffer, dst, group=group))
+        for i in direct:
+            keep.append(tensors[i].contiguous().reshape(-1))
+            works.append(dist.isend(keep[-1], dst, group=group))
+    _wait(works)
+    out = {}
+    for src, (tree, into, sizes, buckets, buffers) in incoming.items():
+        for buffer, g in zip(buffers, buckets):
+            offset = 0
+            for i in g:
+                into[i].reshape(-1).view(torch.uint8).copy_(buffer[offset:offset + sizes[i]])
+                offset += _padded(sizes[i])
+        out[src] = decode(tree, into)
+    return out
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of this host (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def node_id(name: str) -> int:
+    """A number for a node's name, alike on every rank (to group ranks by node)."""
+    return zlib.crc32(name.encode())
+
+
+class PeerCopies:
+    """This rank's own copy and the copies it keeps for its buddies; see the module's doc.
+
+    ``every``: steps between copies (0: off). :meth:`world_formed` at every formation,
+    :meth:`after_step` after every applied step; :attr:`failure` is a failed exchange's
+    first line, for the run to fail its next step with."""
+
+    def __init__(self, every: int, metrics: Any = None, available: Callable[[], int | None] = _available_bytes) -> None:
+        self.every = max(0, int(every))
+        self.metrics = metrics
+        self._available = available
+        self.own: Copy | None = None
+        self.held: dict[int, Copy] = {}  # rank (of the world the copy was taken in) -> its newest complete copy
+        self.buddy: int | None = None  # who keeps this rank's copy in the current world
+        self.keeps: list[int] = []  # whose copies this rank keeps in the current world
+        self.failure: str | None = None
+        self.off_reason: str | None = None  # said once; the world then runs without copies
+        self._assigned = False
+        self._round = -1
+        self.last_seconds = 0.0
+        self.last_bytes = 0
+
+    @property
+    def on(self) -> bool:
+        return self.every > 0 and self.off_reason is None
+
+    def held_bytes(self) -> int:
+        return (self.own.nbytes if self.own else 0) + sum(c.nbytes for c in self.held.values())
+
+    def world_formed(self, round_: int) -> None:
+        """A new world: the ring is assigned again at its first copy (a collective, then)."""
+        self._assigned, self._round, self.failure = False, round_, None
+
+    def _assign(self, rank: int, world_size: int, node: str, local_world_size: int, state_bytes: int,
+                device: torch.device) -> None:
+        """The ring over this world's nodes, and whether every node has the memory (one all-gather)."""
+        why = buddies.memory_problem(state_bytes, local_world_size, self._available())
+        mine = torch.tensor([node_id(node), int(why is None)], dtype=torch.int64, device=device)
+        rows = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(rows, mine)
+        table = [r.tolist() for r in rows]
+        if why is not None:  # this node says why, once: the world then runs without copies
+            log.warning("[%s rank %d] peer copies off: %s; the job runs without them (a lost node then resumes from "
+                        "the newest snapshot)", node, rank, why)
+        short = sorted({r for r, (_, ok) in enumerate(table) if not ok})
+        if short:
+            self.off_reason = f"rank(s) {short} lack the host memory for them"
+            self.own, self.held = None, {}
+            return
+        ring = buddies.ring(buddies.ranks_by_node([n for n, _ in table]))
+        self.buddy = ring.get(rank)
+        self.keeps = buddies.held_by(ring).get(rank, [])
+        if self.buddy is None and rank == 0:
+            log.info("[%s rank 0] peer copies: one node, no buddy on another node; none kept", node)
+        self._assigned = True
+
+    def due(self, step: int) -> bool:
+        return self.on and step % self.every == 0
+
+    def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
+                   capture: Callable[[], Any], device: torch.device) -> bool:
+        """After applied step ``step``: copy and exchange when due. False: the exchange failed
+        (:attr:`failure` says how); the copies stay at their last complete step."""
+        if not self.due(step) or world_size < 2:
+            self._lag(step)
+            return True
+        started = time.perf_counter()
+        try:
+            payload, nbytes = host_copy(capture())
+            if not self._assigned:
+                self._assign(rank, world_size, node, local_world_size, nbytes, device)
+                if not self.on:
+                    return True
+            if self.buddy is None and not self.keeps:
+                return True
+            received = swap(payload, self.buddy, self.keeps)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            self.failure = first_line(exc)
+            self._lag(step)
+            return False
+        self.own = Copy(step, rank, self._round, payload, nbytes)  # current only now: complete everywhere it went
+        self.held = {k: v for k, v in self.held.items() if k in self.keeps}
+        for src, tree in received.items():
+            self.held[src] = Copy(step, src, self._round, tree, _bytes(tree))
+        self.last_seconds = time.perf_counter() - started
+        self.last_bytes = nbytes + sum(self.held[src].nbytes for src in received)
+        if self.metrics is not None:
+            self.metrics.peer_copied(self.last_seconds, self.last_bytes, self.held_bytes())
+        self._lag(step)
+        return True
+
+    def _lag(self, step: int) -> None:
+        if self.metrics is not None and self.on and self.own is not None:
+            self.metrics.peer_copy_lag(step - self.own.step)
+
+
+def _bytes(tree: Any) -> int:
+    from checkpoints.tree import iter_tensors
+
+    return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
+
+
+__all__ = ["Copy", "DEFAULT_EVERY", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]

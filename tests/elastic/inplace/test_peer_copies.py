@@ -1,0 +1,194 @@
+"""Peer copies (issue 52, step 1): every rank's state in the host memory of a buddy on another node.
+
+Real processes in a real gloo world under plain env:// (no agent): 2 nodes x 2 local ranks
+(``ELASTIC_NODE_NAME`` tells them apart), an FSDP2 model over a 1-D mesh across every rank
+(no replica: the layout that needs the copies), AdamW, the prepare lines with
+``peer_copy_every=1``. Each rank dumps its own shards, optimizer state and run state after
+every step, and the copies it keeps for others. Checked: each rank's copy at the buddy the
+ring names (on the other node, never its own) equals, bit for bit, what that rank held at
+the copy's step, and is tagged with it; the metrics say what a copy cost.
+
+And a peer lost in the middle of an exchange: the buddy keeps the previous complete copy
+(never a torn one), says the exchange failed, and the run fails the next step."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.inplace.buddies import ring
+from tests.elastic import test_replica_check as ddp
+from tests.support.spawn import Process, python
+
+SCRIPT = textwrap.dedent('''\
+    import os, sys
+    import torch, torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import elastic
+    from elastic.inplace import peer_copies
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            g = torch.Generator().manual_seed(3)
+            self.x, self.y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+        def __len__(self): return len(self.x)
+        def __getitem__(self, i): return self.x[i], self.y[i]
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Data(96), batch_size=3)
+    ft = elastic.Elastic(steps=int(os.environ["STEPS"]), peer_copy_every=1, metrics=False)
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    run, out, rank = ft.run, os.environ["OUT"], dist.get_rank()
+    die_at = int(os.environ.get("DIE_AT", "0"))
+    if die_at and rank == int(os.environ["DIE_RANK"]):  # dies inside the exchange after step die_at
+        real = dist.isend
+        def isend(tensor, dst, *a, **k):
+            if run.step_count == die_at and tensor.numel() > 1 and tensor.dtype == torch.uint8:
+                os._exit(9)  # its header is out; its state never arrives
+            return real(tensor, dst, *a, **k)
+        peer_copies.dist.isend = isend
+    for epoch in ft.epochs(1):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            trained = optimizer.step()
+            mine = {"state": run.state.capture(local=True), "recent": run.plan.recent_state()}
+            held = {src: {"step": c.step, "payload": c.payload} for src, c in run.copies.held.items()}
+            torch.save({"step": run.step_count, "own": mine, "held": held, "buddy": run.copies.buddy,
+                        "failure": run.copies.failure, "trained": bool(trained),
+                        "seconds": run.copies.last_seconds, "bytes": run.copies.last_bytes},
+                       f"{out}/r{rank}-s{run.step_count}.pt")
+''')
+
+
+def _world(tmp: Path, steps: int, stores: list[dist.TCPStore], **extra: str) -> list[Process]:
+    """2 nodes x 2 local ranks of the script, in a gloo world on a store of the test's own."""
+    world, local = 4, 2
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    stores.append(store)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local),
+               "GROUP_RANK": str(rank // local), "ELASTIC_NODE_NAME": f"n{rank // local}", "OMP_NUM_THREADS": "1",
+               "STEPS": str(steps), "OUT": str(out), "PYTHONPATH": str(ddp.ROOT),
+               "ELASTIC_SNAPSHOT_DIR": str(tmp / "snapshots"), "TORCHELASTIC_USE_AGENT_STORE": "True", **extra}
+        env.pop("ELASTIC_HEARTBEAT_DIR", None)
+        procs.append(python([str(tmp / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
+    return procs
+
+
+def _dump(tmp: Path, rank: int, step: int) -> dict:
+    return torch.load(tmp / "out" / f"r{rank}-s{step}.pt", weights_only=False)
+
+
+def _equal(a: object, b: object, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where  # bit for bit
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) if isinstance(a, dict) else a)
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.slow
+def test_every_ranks_state_is_at_its_buddy_on_another_node_bit_for_bit_after_every_step(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    steps = 5
+    ddp._wait(_world(tmp_path, steps, stores), tmp_path, timeout=240)
+    buddies = ring([[0, 1], [2, 3]])
+    for rank in range(4):
+        for step in range(1, steps + 1):
+            mine = _dump(tmp_path, rank, step)
+            assert mine["trained"] and mine["failure"] is None
+            assert mine["buddy"] == buddies[rank] and mine["buddy"] // 2 != rank // 2  # on the other node
+            kept = _dump(tmp_path, buddies[rank], step)["held"]
+            assert set(kept) == {rank}, kept.keys()
+            assert kept[rank]["step"] == step  # tagged with the step it is of
+            _equal(kept[rank]["payload"], mine["own"], f"rank {rank}'s copy at step {step}")
+            assert mine["bytes"] > 0 and mine["seconds"] > 0
+    last = _dump(tmp_path, 0, steps)["own"]["state"]
+    assert last["progress"]["step"] == steps and "exp_avg" in str(last["optimizer"]["state"])  # AdamW's state too
+
+
+@pytest.mark.slow
+def test_a_peer_lost_mid_exchange_leaves_its_buddy_the_last_complete_copy_and_fails_the_next_step(
+        tmp_path: Path) -> None:
+    """Rank 3 dies after step 3's copy header went out and before its tensors did: rank 1,
+    which keeps rank 3's copies, still holds step 2's, whole, and its run fails the next step
+    (the restart path here: no agent, so the worker exits 1 for its agent to restart it)."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    procs = _world(tmp_path, 6, stores, DIE_AT="3", DIE_RANK="3")
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[3].returncode == 9
+    keeper = ring([[0, 1], [2, 3]])[3]
+    assert keeper == 1
+    at3 = _dump(tmp_path, keeper, 3)
+    assert at3["failure"], "the failed exchange was not recorded"
+    assert at3["held"][3]["step"] == 2, at3["held"][3]["step"]  # the last complete copy, not step 3's torn one
+    _equal(at3["held"][3]["payload"], _dump(tmp_path, 3, 2)["own"], "rank 3's copy of step 2")
+    assert not (tmp_path / "out" / f"r{keeper}-s4.pt").exists(), "the step after the failed exchange trained"
+    assert procs[keeper].returncode != 0
+
+
+def test_the_setting_is_off_unless_asked_and_a_bad_value_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic import contract
+    from elastic.distributed import DistInfo, ElasticRunError
+    from elastic.inplace.peer_copies import DEFAULT_EVERY, peer_copy_setting
+
+    gloo = DistInfo(0, 4, 0, torch.device("cpu"), "gloo", "n0")
+    monkeypatch.delenv(contract.PEER_COPY_EVERY_ENV, raising=False)
+    assert peer_copy_setting(None, None, gloo, "") == 0
+    assert peer_copy_setting(3, None, gloo, "") == 3
+    monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "on")
+    assert peer_copy_setting(None, None, gloo, "") == DEFAULT_EVERY
+    assert peer_copy_setting(0, None, gloo, "") == 0  # the script's own word wins
+    monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "often")
+    with pytest.raises(ElasticRunError, match="give a whole number of steps >= 1, 0 for none, or on"):
+        peer_copy_setting(None, None, gloo, "")
+    with pytest.raises(ElasticRunError):
+        peer_copy_setting(-1, None, gloo, "")
+
+
+def test_a_host_copy_is_a_copy_not_a_view_of_the_live_tensors() -> None:
+    from elastic.inplace.peer_copies import host_copy
+
+    live = {"w": torch.ones(3), "nested": [torch.zeros(2, 2)[:, 0]], "step": 4}
+    copy, nbytes = host_copy(live)
+    live["w"].add_(1)
+    assert torch.equal(copy["w"], torch.ones(3)) and copy["step"] == 4
+    assert copy["nested"][0].is_contiguous() and nbytes == 3 * 4 + 2 * 4
