@@ -523,8 +523,6 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         tokens = self.count_tokens(batch) if self.count_tokens is not None else None
         self._pending = _Pending(ids, local_n, started, now - started, tokens)
         failure = self._guard.take()  # the script's own collective (set-up, the hook) lost a peer
-        if failure is None and self.copies.failure is not None:  # the last peer copy's exchange lost a peer
-            failure, self.copies.failure = CollectiveFailure(self.copies.failure), None
         if failure is not None:
             self._pending.failure = failure
             return
@@ -682,7 +680,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
-        self._copy_to_peer()
+        if not self._copy_to_peer():  # the step's copies are not complete everywhere: not committed
+            return self._abandon_applied(epoch)
         self._check_due = self._check.due(self.state.step) or (asked and self._check.every_steps > 0)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
@@ -745,16 +744,28 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
 
-    def _copy_to_peer(self) -> None:
+    def _copy_to_peer(self) -> bool:
         """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
-        A failed exchange fails the next step (:meth:`_begin`): the world re-forms then."""
+        False: the exchange failed, and the step is not committed."""
         if not self.copies.on:
-            return
+            return True
         d = self.dist
         with owned():
-            self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
-                                   lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
-                                   collective_device(d))
+            return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
+                                          lambda: {"state": self.state.capture(local=True),
+                                                   "recent": self.plan.recent_state()},
+                                          collective_device(d))
+
+    def _abandon_applied(self, epoch: int) -> StepResult:
+        """The step was applied here but its peer copies are not complete on every rank: it is
+        reported as not trained, and the world re-forms (it then stands every rank on one step
+        whose state exists for every rank, this one or the one before)."""
+        failure, self.copies.failure = self.copies.failure, None
+        abandoned = StepResult(False, self.state.step, epoch)
+        with owned():
+            self._recover(CollectiveFailure(failure or "a peer copy's exchange failed"), failed_step=self.state.step)
+        self._guard.after_abandoned = True
+        return abandoned
 
     def _at_step_boundary(self) -> None:
         """The loop's code for the step has run: do what the ranks agreed on in its run.step."""

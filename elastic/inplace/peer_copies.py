@@ -17,9 +17,12 @@ torn copy. Host memory per rank: one own copy and one buddy copy, and during an 
 the next of each (:func:`.buddies.memory_problem` states the bound; a node without it says
 so in one line and the world runs without copies).
 
-An exchange that fails (a peer lost in it) is not raised here: the copies stay at their
-last complete step, and the failure is handed to the run, which fails its next step and
-re-forms the world as for any lost peer. The assignment is made again at every world.
+A step is committed only once every rank's copy of it is complete: the exchange ends with
+one tiny all-reduce, and until it succeeds each rank keeps its previous own and buddy
+copies too. An exchange that fails (a peer lost in it) is not raised here: the run reports
+the step as not trained (whatever some ranks applied, a re-formation stands every rank on
+one step that every rank's state exists for) and re-forms the world as for any lost peer.
+The assignment is made again at every world.
 
 Over the world's own group with gloo (host tensors). On NCCL the copies are off for now,
 with one line: they would need a gloo group of their own beside it.
@@ -216,6 +219,9 @@ class PeerCopies:
         self._available = available
         self.own: Copy | None = None
         self.held: dict[int, Copy] = {}  # rank (of the world the copy was taken in) -> its newest complete copy
+        # the copies before those, kept while an exchange is not known complete on every rank
+        self.own_prev: Copy | None = None
+        self.held_prev: dict[int, Copy] = {}
         self.buddy: int | None = None  # who keeps this rank's copy in the current world
         self.keeps: list[int] = []  # whose copies this rank keeps in the current world
         self.failure: str | None = None
@@ -230,7 +236,8 @@ class PeerCopies:
         return self.every > 0 and self.off_reason is None
 
     def held_bytes(self) -> int:
-        return (self.own.nbytes if self.own else 0) + sum(c.nbytes for c in self.held.values())
+        copies = [self.own, self.own_prev, *self.held.values(), *self.held_prev.values()]
+        return sum(c.nbytes for c in copies if c is not None)
 
     def world_formed(self, round_: int) -> None:
         """A new world: the ring is assigned again at its first copy (a collective, then)."""
@@ -265,7 +272,12 @@ class PeerCopies:
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
                    capture: Callable[[], Any], device: torch.device) -> bool:
         """After applied step ``step``: copy and exchange when due. False: the exchange failed
-        (:attr:`failure` says how); the copies stay at their last complete step."""
+        (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
+        complete at some buddies and not at others, so the previous ones are kept.
+
+        A copy is made current where it arrived whole; the previous one is dropped only once
+        every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
+        both: whichever step the ranks can all stand on after a loss, each still has it."""
         if not self.due(step) or world_size < 2:
             self._lag(step)
             return True
@@ -279,18 +291,20 @@ class PeerCopies:
             if self.buddy is None and not self.keeps:
                 return True
             received = swap(payload, self.buddy, self.keeps)
+            self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
+            self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
+            self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
+            everyone = torch.ones(1, dtype=torch.int64, device=device)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # fails if any rank's exchange did (it skips this)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
             self.failure = first_line(exc)
             self._lag(step)
             return False
-        self.own = Copy(step, rank, self._round, payload, nbytes)  # current only now: complete everywhere it went
-        self.held = {k: v for k, v in self.held.items() if k in self.keeps}
-        for src, tree in received.items():
-            self.held[src] = Copy(step, src, self._round, tree, _bytes(tree))
+        self.own_prev, self.held_prev = None, {}
         self.last_seconds = time.perf_counter() - started
-        self.last_bytes = nbytes + sum(self.held[src].nbytes for src in received)
+        self.last_bytes = nbytes + sum(c.nbytes for c in self.held.values())
         if self.metrics is not None:
             self.metrics.peer_copied(self.last_seconds, self.last_bytes, self.held_bytes())
         self._lag(step)
