@@ -680,7 +680,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
-        if not self._copy_to_peer():  # the step's copies are not complete everywhere: not committed
+        if not self._copy_to_peer(now_s=time.perf_counter() - pending.started):  # copies incomplete: not committed
             return self._abandon_applied(epoch)
         self._check_due = self._check.due(self.state.step) or (asked and self._check.every_steps > 0)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
@@ -744,7 +744,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
 
-    def _copy_to_peer(self) -> bool:
+    def _copy_to_peer(self, now_s: float) -> bool:
         """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
         False: the exchange failed, and the step is not committed."""
         if not self.copies.on:
@@ -754,7 +754,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
-                                          collective_device(d))
+                                          collective_device(d), step_seconds=now_s)
 
     def _abandon_applied(self, epoch: int) -> StepResult:
         """The step was applied here but its peer copies are not complete on every rank: it is

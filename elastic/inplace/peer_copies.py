@@ -51,26 +51,30 @@ from .transfer import _padded, plan
 
 log = logging.getLogger("elastic.trainer")
 
-DEFAULT_EVERY = 1  # after every committed step: nothing to roll back (bench/peer_copies.py: the cost)
+AUTO = -1  # ``on``: the fewest steps between copies that keep them within COST_GOAL of a step
+COST_GOAL = 0.05  # of a step's time (issue 52)
+PROBE_COPIES = 3  # copies after consecutive steps, timed, before AUTO settles on its K
 
 
 def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) -> int:
-    """Steps between copies (0: off): ``peer_copy_every=`` or ``ELASTIC_PEER_COPY_EVERY``
-    (``on``: :data:`DEFAULT_EVERY`). Off unless asked for, until a lost node's state is taken
-    from them (issue 52's next step); off with one line on a backend other than gloo."""
+    """Steps between copies: ``peer_copy_every=`` or ``ELASTIC_PEER_COPY_EVERY``; 0: off;
+    ``on`` (or True): :data:`AUTO`, the fewest steps that keep the copies within
+    :data:`COST_GOAL` of a step, measured. Off unless asked for, until a lost node's state is
+    taken from them (issue 52's next step); off with one line on a backend other than gloo."""
     raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
-    if raw == "" or raw is None:
+    if raw == "" or raw is None or raw is False:
         return 0
-    if isinstance(raw, str) and raw.lower() == "on":
-        every = DEFAULT_EVERY
+    if raw is True or (isinstance(raw, str) and raw.lower() in ("on", "auto")):
+        every = AUTO
     else:
         try:
             every = int(raw)
         except (TypeError, ValueError):
             every = -1
-    if every < 0:
-        raise ElasticRunError(f"peer copies every {raw!r} steps: give a whole number of steps >= 1, 0 for none, or "
-                              f"on (every {DEFAULT_EVERY}) (peer_copy_every= or {contract.PEER_COPY_EVERY_ENV})")
+        if every < 0:
+            raise ElasticRunError(f"peer copies every {raw!r} steps: give a whole number of steps >= 1, 0 for none, "
+                                  f"or on (the fewest steps that keep them within {COST_GOAL:.0%} of a step) "
+                                  f"(peer_copy_every= or {contract.PEER_COPY_EVERY_ENV})")
     if every and info.backend != "gloo":
         if info.is_main:
             log.warning("%s peer copies off: they go over gloo and this run's backend is %s", where, info.backend)
@@ -209,12 +213,16 @@ def node_id(name: str) -> int:
 class PeerCopies:
     """This rank's own copy and the copies it keeps for its buddies; see the module's doc.
 
-    ``every``: steps between copies (0: off). :meth:`world_formed` at every formation,
+    ``every``: steps between copies (0: off; :data:`AUTO`: after each of the first
+    :data:`PROBE_COPIES` steps, timed, then the fewest that keep them within
+    :data:`COST_GOAL` of a step, agreed by every rank). :meth:`world_formed` at every formation,
     :meth:`after_step` after every applied step; :attr:`failure` is a failed exchange's
     first line, for the run to fail its next step with."""
 
     def __init__(self, every: int, metrics: Any = None, available: Callable[[], int | None] = _available_bytes) -> None:
-        self.every = max(0, int(every))
+        self.auto = int(every) == AUTO
+        self.every = 1 if self.auto else max(0, int(every))
+        self._probe: list[tuple[float, float]] = []  # AUTO: (copy, step) seconds of the copies so far
         self.metrics = metrics
         self._available = available
         self.own: Copy | None = None
@@ -270,7 +278,7 @@ class PeerCopies:
         return self.on and step % self.every == 0
 
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
-                   capture: Callable[[], Any], device: torch.device) -> bool:
+                   capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0) -> bool:
         """After applied step ``step``: copy and exchange when due. False: the exchange failed
         (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
         complete at some buddies and not at others, so the previous ones are kept.
@@ -294,8 +302,9 @@ class PeerCopies:
             self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
             self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
             self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
-            everyone = torch.ones(1, dtype=torch.int64, device=device)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # fails if any rank's exchange did (it skips this)
+            proposed = torch.tensor([self._propose(time.perf_counter() - started, step_seconds)], dtype=torch.int64,
+                                    device=device)
+            dist.all_reduce(proposed, op=dist.ReduceOp.MAX)  # fails if any rank's exchange did (it skips this)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
@@ -303,12 +312,36 @@ class PeerCopies:
             self._lag(step)
             return False
         self.own_prev, self.held_prev = None, {}
+        if int(proposed.item()) > 0:
+            self._settle(int(proposed.item()), rank, node)
         self.last_seconds = time.perf_counter() - started
         self.last_bytes = nbytes + sum(c.nbytes for c in self.held.values())
         if self.metrics is not None:
             self.metrics.peer_copied(self.last_seconds, self.last_bytes, self.held_bytes())
         self._lag(step)
         return True
+
+    def _propose(self, copy_seconds: float, step_seconds: float) -> int:
+        """AUTO: this rank's K once it timed :data:`PROBE_COPIES` copies (0: not yet, or not AUTO)."""
+        if not self.auto or self.every != 1 or step_seconds <= 0:
+            return 0
+        self._probe.append((copy_seconds, step_seconds))
+        if len(self._probe) < PROBE_COPIES:
+            return 0
+        copy = sorted(c for c, _ in self._probe)[len(self._probe) // 2]
+        pace = sorted(s for _, s in self._probe)[len(self._probe) // 2]
+        return buddies.every_k(copy, pace, COST_GOAL)
+
+    def _settle(self, every: int, rank: int, node: str) -> None:
+        """Every rank's K is the largest any rank proposed: the copies then cost every rank at most the goal."""
+        copy = sorted(c for c, _ in self._probe)[len(self._probe) // 2] if self._probe else 0.0
+        pace = sorted(s for _, s in self._probe)[len(self._probe) // 2] if self._probe else 0.0
+        self.every, self._probe = every, []
+        self.auto = False
+        if rank == 0:
+            log.info("[%s rank 0] peer copies every %d step(s): a copy takes %.1f ms here and a step %.1f ms, so "
+                     "copies every %d keep within %.0f %% of a step (the steps a lost node rolls back: up to %d)",
+                     node, every, copy * 1e3, pace * 1e3, every, COST_GOAL * 100, every - 1)
 
     def _lag(self, step: int) -> None:
         if self.metrics is not None and self.on and self.own is not None:
@@ -321,4 +354,4 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
 
 
-__all__ = ["Copy", "DEFAULT_EVERY", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]
+__all__ = ["AUTO", "COST_GOAL", "Copy", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]

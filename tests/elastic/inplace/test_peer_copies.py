@@ -52,7 +52,9 @@ SCRIPT = textwrap.dedent('''\
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(Data(96), batch_size=3)
-    ft = elastic.Elastic(steps=int(os.environ["STEPS"]), peer_copy_every=1, metrics=False)
+    every = os.environ.get("EVERY", "1")
+    ft = elastic.Elastic(steps=int(os.environ["STEPS"]), peer_copy_every=int(every) if every.isdigit() else every,
+                         metrics=False)
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     run, out, rank = ft.run, os.environ["OUT"], dist.get_rank()
     def at_exit():  # what this rank holds when it leaves (a peer lost: the restart path ends it)
@@ -180,6 +182,27 @@ def test_a_peer_lost_mid_exchange_leaves_no_torn_copy_and_no_rank_reports_the_st
         assert left[rank]["held"] == {rank ^ 2: 3} and left[rank]["held_prev"] == {rank ^ 2: 2}, left[rank]
 
 
+@pytest.mark.slow
+def test_on_times_a_few_copies_and_then_copies_every_k_steps_saying_k_once(tmp_path: Path) -> None:
+    """``peer_copy_every="on"``: a copy after each of the first steps, timed; then every rank
+    copies every K steps, K the fewest that keep the copies within 5 % of a step (this tiny
+    model's step is mostly fixed cost, so K is small but any K >= 1 is right), said once by
+    rank 0; between copies the buddy's copy lags by fewer than K steps."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    stores: list[dist.TCPStore] = []
+    steps = 8  # the epoch: 96 samples, 12 a step
+    ddp._wait(_world(tmp_path, steps, stores, EVERY="on"), tmp_path, timeout=240)
+    said = [line for line in (tmp_path / "out" / "rank0.log").read_text().splitlines() if "peer copies every" in line]
+    assert len(said) == 1 and "keep within 5 % of a step" in said[0], said
+    k = int(said[0].split("peer copies every ")[1].split()[0])
+    assert k >= 1
+    buddies = ring([[0, 1], [2, 3]])
+    for rank in range(4):
+        for step in range(1, steps + 1):
+            kept = _dump(tmp_path, buddies[rank], step)["held"][rank]["step"]
+            assert step - k < kept <= step, (rank, step, kept, k)
+
+
 def _dump_exit(tmp: Path, rank: int) -> dict:
     return torch.load(tmp / "out" / f"r{rank}-exit.pt", weights_only=False)
 
@@ -187,20 +210,33 @@ def _dump_exit(tmp: Path, rank: int) -> dict:
 def test_the_setting_is_off_unless_asked_and_a_bad_value_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from elastic import contract
     from elastic.distributed import DistInfo, ElasticRunError
-    from elastic.inplace.peer_copies import DEFAULT_EVERY, peer_copy_setting
+    from elastic.inplace.peer_copies import AUTO, peer_copy_setting
 
     gloo = DistInfo(0, 4, 0, torch.device("cpu"), "gloo", "n0")
     monkeypatch.delenv(contract.PEER_COPY_EVERY_ENV, raising=False)
     assert peer_copy_setting(None, None, gloo, "") == 0
     assert peer_copy_setting(3, None, gloo, "") == 3
     monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "on")
-    assert peer_copy_setting(None, None, gloo, "") == DEFAULT_EVERY
+    assert peer_copy_setting(None, None, gloo, "") == AUTO
+    assert peer_copy_setting(True, None, gloo, "") == AUTO
     assert peer_copy_setting(0, None, gloo, "") == 0  # the script's own word wins
     monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "often")
     with pytest.raises(ElasticRunError, match="give a whole number of steps >= 1, 0 for none, or on"):
         peer_copy_setting(None, None, gloo, "")
     with pytest.raises(ElasticRunError):
         peer_copy_setting(-1, None, gloo, "")
+
+
+def test_on_settles_after_a_few_timed_copies_on_the_fewest_steps_within_the_goal() -> None:
+    from elastic.inplace.peer_copies import AUTO, PROBE_COPIES, PeerCopies
+
+    copies = PeerCopies(AUTO)
+    assert copies.on and all(copies.due(step) for step in range(1, 5))  # probing: a copy after every step
+    proposals = [copies._propose(0.012, 0.1) for _ in range(PROBE_COPIES)]
+    assert proposals[:-1] == [0] * (PROBE_COPIES - 1) and proposals[-1] == 3  # 12 ms of a 100 ms step: every 3
+    copies._settle(4, rank=1, node="n0")  # another rank proposed more: every rank takes the largest
+    assert copies.every == 4 and not copies.auto and copies.due(8) and not copies.due(9)
+    assert copies._propose(1.0, 0.1) == 0  # settled: no more proposals
 
 
 def test_a_host_copy_is_a_copy_not_a_view_of_the_live_tensors() -> None:
