@@ -130,29 +130,39 @@ def _wait(works: list[Any]) -> None:
 
 def swap(payload: Any, dst: int | None, srcs: list[int], group: Any = None) -> dict[int, Any]:
     """Send ``payload`` (host tensors) to ``dst`` and receive one from each of ``srcs``, every
-    rank of the ring at once: each phase's receives and sends are posted before any wait.
-    Returns src -> its payload, tensors in storage of their own."""
+    rank of the ring at once (:func:`exchange`)."""
+    return exchange({dst: payload} if dst is not None else {}, srcs, group)
+
+
+def _header(payload: Any) -> tuple[bytes, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
-    header = b""
+
     def index(t: torch.Tensor) -> int:
         tensors.append(t.detach())
         return len(tensors) - 1
 
-    if dst is not None:
-        tree = encode(payload, index)
-        header = json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                                        for t in tensors]}).encode()
+    tree = encode(payload, index)
+    return json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                                  for t in tensors]}).encode(), tensors
+
+
+def exchange(sends: dict[int, Any], srcs: list[int], group: Any = None) -> dict[int, Any]:
+    """Send each ``sends[dst]`` (host tensors) to ``dst`` and receive one payload from each of
+    ``srcs``: each phase's receives and sends are posted before any is waited on, so every
+    rank of a ring (or of any plan of moves) can do this at once. Returns src -> its payload,
+    tensors in storage of their own."""
+    outgoing = {dst: _header(payload) for dst, payload in sends.items()}
     # 1. the headers' lengths
     lengths = {src: torch.zeros(1, dtype=torch.int64) for src in srcs}
     works = [dist.irecv(lengths[src], src, group=group) for src in srcs]
-    if dst is not None:
-        works.append(dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst, group=group))
+    works += [dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
+              for dst, (header, _) in outgoing.items()]
     _wait(works)
     # 2. the headers
     raws = {src: torch.empty(int(lengths[src].item()), dtype=torch.uint8) for src in srcs}
     works = [dist.irecv(raws[src], src, group=group) for src in srcs]
-    if dst is not None:
-        works.append(dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group))
+    works += [dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
+              for dst, (header, _) in outgoing.items()]
     _wait(works)
     # 3. the tensors: large ones as they are, small ones packed (transfer.plan, alike on both ends)
     incoming: dict[int, tuple[Any, list[torch.Tensor], list[int], list[list[int]], list[torch.Tensor]]] = {}
@@ -167,7 +177,7 @@ def swap(payload: Any, dst: int | None, srcs: list[int], group: Any = None) -> d
         works += [dist.irecv(into[i].reshape(-1), src, group=group) for i in direct]
         incoming[src] = (head["tree"], into, sizes, buckets, buffers)
     keep: list[torch.Tensor] = []  # alive until their sends complete
-    if dst is not None:
+    for dst, (_, tensors) in outgoing.items():
         sizes = [t.numel() * t.element_size() for t in tensors]
         direct, buckets = plan(sizes)
         for g in buckets:
@@ -354,4 +364,4 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
 
 
-__all__ = ["AUTO", "COST_GOAL", "Copy", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]
+__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]

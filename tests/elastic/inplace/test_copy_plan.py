@@ -78,3 +78,22 @@ def test_no_common_step_is_never_a_partial_state() -> None:
     holdings = [Holding(0, 0, 7, (7,)), Holding(1, None, None, (), ((1, 5),))]
     got = plan(holdings, 2, {0: 0, 1: 1})
     assert not got.from_memory and got.missing == (1,)
+
+
+def test_a_report_travels_as_a_row_of_integers_and_comes_back_the_same() -> None:
+    from elastic.inplace.peer_restore import MAX_HELD, decode, encode
+
+    for h in (Holding(3), Holding(0, 0, 7, (7, 6), ((4, 7), (4, 6))), Holding(5, 2, None, (), ((1, 3),))):
+        row = encode(h)
+        assert len(row) == 5 + 2 * MAX_HELD and decode(row) == h
+
+
+def test_a_rank_reports_its_copies_and_a_newcomer_nothing_of_its_own() -> None:
+    from elastic.inplace.peer_copies import Copy, PeerCopies
+    from elastic.inplace.peer_restore import holding
+
+    copies = PeerCopies(1)
+    copies.own, copies.own_prev = Copy(8, 2, 0, {}, 0), Copy(7, 2, 0, {}, 0)
+    copies.held, copies.held_prev = {0: Copy(8, 0, 0, {}, 0)}, {0: Copy(7, 0, 0, {}, 0)}
+    assert holding(copies, 2, 2, 8) == Holding(2, 2, 8, (8, 7), ((0, 8), (0, 7)))
+    assert holding(PeerCopies(1), 4, None, 8) == Holding(4)
