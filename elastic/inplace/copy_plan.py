@@ -94,7 +94,7 @@ def _candidates(holdings: Sequence[Holding]) -> dict[int, dict[int, list[Source]
     return out
 
 
-def plan(holdings: Sequence[Holding], positions: int, seated: Mapping[int, int]) -> CopyPlan:
+def plan(holdings: Sequence[Holding], positions: int, seated: Mapping[int, int], by_rank: bool = True) -> CopyPlan:
     """The step and each new rank's source (``positions``: the old world's size; ``seated``:
     new rank -> the position it takes, every position of the old world once)."""
     found = _candidates(holdings)
@@ -107,11 +107,39 @@ def plan(holdings: Sequence[Holding], positions: int, seated: Mapping[int, int])
         return CopyPlan(-1, missing=tuple(p for p in range(positions) if best not in found[p]))
     step = max(common)
     sources: dict[int, Source] = {}
+    trained_at = {h.position: h.rank for h in holdings if h.position is not None}
     for rank, position in sorted(seated.items()):
         here = found[position][step]
-        mine = [s for s in here if s.rank == rank and s.kind in (LIVE, OWN)]
+        me = rank if by_rank else trained_at.get(position, -1)
+        mine = [s for s in here if s.rank == me and s.kind in (LIVE, OWN)]
         sources[rank] = mine[0] if mine else here[0]
     return CopyPlan(step, sources)
+
+
+def by_position(holdings: Sequence[Holding], positions: int) -> CopyPlan:
+    """:func:`plan` for a world of another size, whose ranks each gather a new cut from several
+    positions: ``sources`` keyed by **position** of the world before (the rank that trained at
+    it first, if it has the state, else whoever holds it)."""
+    return plan(holdings, positions, {p: p for p in range(positions)}, by_rank=False)
+
+
+def rows(n: int, world: int) -> list[tuple[int, int]]:
+    """The rows ``[start, end)`` of a dimension of ``n`` that each of ``world`` ranks holds, as
+    FSDP2 cuts it (``torch.chunk``: ``ceil(n / world)`` each, the last ones short or empty)."""
+    size = -(-n // world) if n else 0
+    return [(min(n, i * size), min(n, (i + 1) * size)) for i in range(world)]
+
+
+def pieces(n: int, before: int, after: int, rank: int) -> list[tuple[int, int, int]]:
+    """What rank ``rank`` of a world of ``after`` needs of a dimension of ``n`` cut over
+    ``before``: (position, start, end) in global rows, in row order."""
+    lo, hi = rows(n, after)[rank]
+    out = []
+    for position, (start, end) in enumerate(rows(n, before)):
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            out.append((position, a, b))
+    return out
 
 
 def lost_together_line(missing: Sequence[int], node_of: Mapping[int, str], keeper_of: Mapping[int, int]) -> str:
@@ -124,4 +152,5 @@ def lost_together_line(missing: Sequence[int], node_of: Mapping[int, str], keepe
             f"{', '.join(keepers) or '?'}, which kept their copies; resuming from the newest snapshot")
 
 
-__all__ = ["CopyPlan", "HELD", "Holding", "LIVE", "OWN", "Source", "lost_together_line", "plan", "seats"]
+__all__ = ["CopyPlan", "HELD", "Holding", "LIVE", "OWN", "Source", "by_position", "lost_together_line", "pieces",
+           "plan", "rows", "seats"]

@@ -49,11 +49,11 @@ def decode(row: Sequence[int]) -> Holding:
     return Holding(rank, None if position < 0 else position, None if live < 0 else live, own, tuple(pairs))
 
 
-def gather(mine: Holding, world_size: int, device: torch.device | None = None) -> list[Holding]:
+def gather(mine: Holding, world_size: int, device: torch.device | None = None, group: Any = None) -> list[Holding]:
     """Every rank's report, in rank order (a collective)."""
     t = torch.tensor(encode(mine), dtype=torch.int64, device=device)
     rows = [torch.zeros_like(t) for _ in range(world_size)]
-    dist.all_gather(rows, t)
+    dist.all_gather(rows, t, group=group)
     return [decode(r.tolist()) for r in rows]
 
 
@@ -90,4 +90,71 @@ def carry_out(plan: CopyPlan, seated: Mapping[int, int], copies: PeerCopies, ran
     return _copy_of(copies, OWN, seated[rank], plan.step).payload
 
 
-__all__ = ["MAX_HELD", "carry_out", "decode", "encode", "gather", "holding"]
+def _payload(copies: PeerCopies, kind: str, position: int, step: int, capture_live: Callable[[], Any]) -> Any:
+    return host_copy(capture_live())[0] if kind == LIVE else _copy_of(copies, kind, position, step).payload
+
+
+def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int], before: int,
+             names: Sequence[str], lengths: Mapping[str, int], capture_live: Callable[[], Any],
+             group: Any = None) -> dict[str, Any]:
+    """A world of another size from memory: each rank gathers its new rows of every parameter
+    and of its optimizer state from whichever rank holds the positions that had them.
+
+    ``decided``: :func:`.copy_plan.by_position` (sources keyed by old position, ranks as
+    indices into ``ranks``, the new world's global ranks in order); ``me``: this rank's
+    index; ``names``: the model's parameter names in the optimizer's order; ``lengths``:
+    each parameter's global first dimension. Returns this rank's new state, as a copy's
+    ``state`` (model and optimizer local tensors of the new cut; the rest of the run's state
+    as the first position had it), for :func:`.hsdp.load_local` after :func:`.fsdp_private.reshard`."""
+    from .copy_plan import pieces, rows
+
+    after = len(ranks)
+    mine = sorted(p for p, src in decided.sources.items() if src.rank == me)
+    states = {p: _payload(copies, decided.sources[p].kind, p, decided.step, capture_live)["state"] for p in mine}
+    sends: dict[int, Any] = {}
+    for target in range(after):
+        parts: dict[int, Any] = {}
+        for p in mine:
+            model, optimizer = states[p]["model"], states[p]["optimizer"]
+            cut_model, cut_state = {}, {}
+            for index, name in enumerate(names):
+                start = rows(lengths[name], before)[p][0]
+                wanted = [(a - start, b - start) for q, a, b in pieces(lengths[name], before, after, target) if q == p]
+                lo, hi = wanted[0] if wanted else (0, 0)
+                cut_model[name] = model[name][lo:hi]
+                held = optimizer["state"].get(index, {})
+                cut_state[index] = {k: (v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                                    for k, v in held.items()}
+            parts[p] = {"model": cut_model, "optimizer": cut_state}
+            if p == 0:
+                parts[p]["rest"] = {k: v for k, v in states[p].items() if k not in ("model", "optimizer")}
+                parts[p]["param_groups"] = optimizer["param_groups"]
+        if parts:
+            sends[ranks[target]] = parts
+    sources = sorted({src.rank for src in decided.sources.values()})
+    local = sends.pop(ranks[me], None)
+    received = exchange(sends, [ranks[s] for s in sources if s != me], group)
+    if local is not None:
+        received[ranks[me]] = local
+    by_position = {p: part for parts in received.values() for p, part in parts.items()}
+    model_state: dict[str, Any] = {}
+    optimizer_state: dict[int, dict[str, Any]] = {}
+    for index, name in enumerate(names):
+        needed = [q for q, _, _ in pieces(lengths[name], before, after, me)]
+        any_part = by_position[needed[0] if needed else 0]
+        model_state[name] = torch.cat([by_position[q]["model"][name] for q in needed]) if needed \
+            else any_part["model"][name]
+        entry: dict[str, Any] = {}
+        for k, v in any_part["optimizer"].get(index, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                entry[k] = torch.cat([by_position[q]["optimizer"][index][k] for q in needed]) if needed else v
+            else:
+                entry[k] = v
+        if entry:
+            optimizer_state[index] = entry
+    first = by_position[0]
+    return {"model": model_state, "optimizer": {"state": optimizer_state, "param_groups": first["param_groups"]},
+            **first["rest"]}
+
+
+__all__ = ["MAX_HELD", "carry_out", "decode", "encode", "gather", "holding", "regather"]

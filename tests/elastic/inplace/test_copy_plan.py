@@ -97,3 +97,29 @@ def test_a_rank_reports_its_copies_and_a_newcomer_nothing_of_its_own() -> None:
     copies.held, copies.held_prev = {0: Copy(8, 0, 0, {}, 0)}, {0: Copy(7, 0, 0, {}, 0)}
     assert holding(copies, 2, 2, 8) == Holding(2, 2, 8, (8, 7), ((0, 8), (0, 7)))
     assert holding(PeerCopies(1), 4, None, 8) == Holding(4)
+
+
+def test_rows_are_cut_as_fsdp2_cuts_them() -> None:
+    import torch
+
+    from elastic.inplace.copy_plan import rows
+
+    for n in (0, 1, 5, 30, 32):
+        for world in (1, 2, 3, 4, 6):
+            got = [hi - lo for lo, hi in rows(n, world)]
+            assert got == [c.shape[0] for c in torch.arange(n).chunk(world)] + [0] * (world - len(torch.arange(n).chunk(world)))
+
+
+def test_a_smaller_world_gathers_each_ranks_new_rows_from_the_positions_that_hold_them() -> None:
+    from elastic.inplace.copy_plan import by_position, pieces
+
+    # 30 rows over 6 (5 each) re-cut over 4 (8, 8, 8, 6)
+    assert pieces(30, 6, 4, 0) == [(0, 0, 5), (1, 5, 8)]
+    assert pieces(30, 6, 4, 1) == [(1, 8, 10), (2, 10, 15), (3, 15, 16)]
+    assert pieces(30, 6, 4, 3) == [(4, 24, 25), (5, 25, 30)]
+    # node b (positions 2, 3) lost, no spare: its positions come from c's copies; a's and c's from themselves
+    holdings = [_survivor(0, 0, 7), _survivor(1, 1, 7), _survivor(2, 4, 7), _survivor(3, 5, 7)]
+    got = by_position(holdings, 6)
+    assert got.step == 7
+    assert got.sources == {0: Source(LIVE, 0), 1: Source(LIVE, 1), 2: Source(HELD, 2), 3: Source(HELD, 3),
+                           4: Source(LIVE, 2), 5: Source(LIVE, 3)}
