@@ -247,3 +247,49 @@ def test_a_host_copy_is_a_copy_not_a_view_of_the_live_tensors() -> None:
     live["w"].add_(1)
     assert torch.equal(copy["w"], torch.ones(3)) and copy["step"] == 4
     assert copy["nested"][0].is_contiguous() and nbytes == 3 * 4 + 2 * 4
+
+
+SHORT = textwrap.dedent('''\
+    import logging, os
+    import torch, torch.distributed as dist
+    from elastic.inplace.peer_copies import PeerCopies
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    node = f"n{rank // 2}"
+    # node n1's host has no memory to spare (MemAvailable read as 1 MiB); node n0's is ample
+    copies = PeerCopies(1, available=lambda: (1 << 20) if node == "n1" else (64 << 30))
+    state = {"w": torch.ones(1 << 18)}  # 1 MiB: needs 4 MiB x 2 ranks on a node
+    for step in (1, 2):
+        assert copies.after_step(step, rank, 4, node, 2, lambda: state, torch.device("cpu"))
+    print(f"COPIES {rank} on={copies.on} held={len(copies.held)} own={copies.own is not None}", flush=True)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_a_node_without_the_memory_says_so_in_one_line_and_the_world_runs_without_copies(tmp_path: Path) -> None:
+    """Real processes, 2 nodes x 2 ranks; one node's host reports too little MemAvailable
+    (the reading is injected: a machine cannot be made short of memory here without starving
+    the others). Each of its ranks says why in one line, every rank turns the copies off at
+    the same copy (a ring with a hole would wait on it), and training goes on."""
+    (tmp_path / "job.py").write_text(SHORT)
+    out = tmp_path / "out"
+    out.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False)
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": str(rank),
+               "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ddp.ROOT),
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        procs.append(python([str(tmp_path / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
+    ddp._wait(procs, tmp_path, timeout=180)
+    said = {rank: (out / f"rank{rank}.log").read_text() for rank in range(4)}
+    for rank in range(4):
+        assert f"COPIES {rank} on=False held=0 own=False" in said[rank], said[rank]
+    for rank in (2, 3):
+        lines = [line for line in said[rank].splitlines() if "peer copies off" in line]
+        assert len(lines) == 1 and "peer copies need up to 8 MiB of host memory on this node" in lines[0] \
+            and "1 MiB are available" in lines[0], said[rank]
+    assert "peer copies off" not in said[0] + said[1]
