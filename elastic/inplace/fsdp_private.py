@@ -21,7 +21,9 @@ What that touches (torch 2.14.1):
 * for :func:`reshard` (a model cut anew over a mesh of another size, for FSDP across every
   node): ``FSDPParam._init_sharded_param``, ``_orig_size``, ``all_gather_outputs``,
   ``_unsharded_param``, ``sharded_param`` and ``_setattr_on_modules``, and the public
-  ``torch.utils.swap_tensors`` that keeps each ``nn.Parameter`` object the optimizer holds.
+  ``torch.utils.swap_tensors`` that keeps each ``nn.Parameter`` object the optimizer holds;
+* for :mod:`.fsdp_guard`: each parameter group's ``_all_gather_comm`` and
+  ``_reduce_scatter_comm`` (:func:`comms`, :func:`set_comms`).
 
 :func:`unsupported_reason` says in one line why this torch lacks any of it (the run then
 takes the restart path), and ``tests/elastic/inplace/test_fsdp_private.py`` fails loudly if
@@ -56,6 +58,7 @@ def unsupported_reason() -> str | None:
         (hasattr(FSDPParam, "_init_sharded_param"), "FSDPParam._init_sharded_param"),  # reshard
         (hasattr(FSDPParam, "_setattr_on_modules"), "FSDPParam._setattr_on_modules"),
         (hasattr(torch.utils, "swap_tensors"), "torch.utils.swap_tensors"),
+        (hasattr(FSDPModule, "set_custom_all_gather"), "FSDPModule.set_custom_all_gather"),  # fsdp_guard
     ]
     for ok, name in checks:
         if not ok:
@@ -150,6 +153,16 @@ def reshard(model: nn.Module, mesh: Any, shard_dim: int = 0) -> None:
             param._setattr_on_modules(old)
 
 
+def comms(group: Any) -> tuple[Any, Any]:
+    """A parameter group's all-gather and reduce-scatter (what ``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter`` set, FSDP2's defaults otherwise)."""
+    return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def set_comms(group: Any, gather: Any, scatter: Any) -> None:
+    group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
+
+
 def post_forward_reshards_elsewhere(model: nn.Module) -> bool:
     """Whether a group reshards to another mesh after forward (``reshard_after_forward=int``):
     that mesh is FSDP2's own, not the script's, and the run cannot rebuild it."""
@@ -160,5 +173,5 @@ def post_forward_reshards_elsewhere(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["group_count", "param_groups", "point_at", "post_forward_reshards_elsewhere", "reshard", "set_group_count",
+__all__ = ["comms", "group_count", "param_groups", "point_at", "post_forward_reshards_elsewhere", "reshard", "set_group_count",
            "shard_only", "swap_mesh", "unsupported_reason"]
