@@ -260,6 +260,9 @@ SKIP_NONFINITE_ENV = _setting("ELASTIC_SKIP_NONFINITE", "`1`: a batch whose grad
                                                         "recompute is skipped, not the job's end (docs/reliability.md)")
 HEAL_IFNAME_ENV = _setting("ELASTIC_HEAL_IFNAME", "the network interface heals send state over (default: the "
                                                    "collectives' own group; elastic.inplace.heal_link)")
+PEER_COPY_EVERY_ENV = _setting("ELASTIC_PEER_COPY_EVERY",
+                               "steps between peer copies of each rank's state to a buddy on another node (0: off; "
+                               "default: every step for a model sharded across every node, off otherwise)")
 FREEZE_PROBE_ENV = _setting("ELASTIC_FREEZE_PROBE", "`0`: no probe of a peer that seems frozen (agent.node.freeze)")
 HEALTH_ENV = _setting("ELASTIC_HEALTH", "`off`: no node health checks (agent.node.health)")
 HEALTH_MIN_FREE_ENV = _setting("ELASTIC_HEALTH_MIN_FREE_MB", "MiB a node needs free in its snapshot and agent dirs")

@@ -163,14 +163,14 @@ class FormsWorlds:
             log.info("%s world %d (%s, %s): no snapshot in %s, starting from scratch",
                      self._where, d.world_size, d.backend, d.device.type, self.snapshots.root)
 
-    def _recover(self, exc: CollectiveFailure) -> None:
+    def _recover(self, exc: CollectiveFailure, failed_step: int | None = None) -> None:
         """Abandon the step (nothing of it was applied); the world forms again or ends.
 
         A peer's loss is not this rank's bug: no traceback and no raw gloo message (DEBUG
         keeps it). In place, rank 0 says what happened once the world formed again; on the
         restart path each rank says in one line that its agent restarts it, and exits 1."""
         self.state.optimizer.zero_grad(set_to_none=True)
-        step = self.state.step + 1
+        step = self.state.step + 1 if failed_step is None else failed_step  # given: applied, not committed
         log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
         noticed = how_noticed(str(exc), self.world.replaced_by() is not None)
         user_collective = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""

@@ -102,6 +102,7 @@ from .distributed import (
     DistInfo,
     ElasticRunError,
     broadcast_int,
+    collective_device,
     node_name,
 )
 from .fixed_world import FixedWorld
@@ -110,6 +111,7 @@ from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import node_verdict
+from .inplace.peer_copies import PeerCopies, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
 from .log import show_library_lines
 from . import sharded
@@ -242,6 +244,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         user_backward: bool = False,
         device: str | torch.device | None = None,
         check_every_steps: int | None = None,
+        peer_copy_every: int | None = None,
         **flat_keywords: Any,
     ) -> None:
         refuse_flat_keywords(flat_keywords)  # before anything starts: the grouped form is the one way (0.1.0)
@@ -324,6 +327,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             # in place, the sharded snapshots' own group joins the world's socket fence
             self.snapshots.socket_fence = getattr(getattr(self.world, "membership", None), "fence", None)
             self.state.shards_in_snapshots = self.snapshots.per_rank  # ... each writing its own shards
+            # each rank's state in the host memory of a buddy on another node (elastic.inplace.peer_copies)
+            self.copies = PeerCopies(peer_copy_setting(peer_copy_every, self.mesh, self.dist, self._where),
+                                     self.metrics)
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
             self._has_state = False  # a fresh process holds nothing until restored or healed
@@ -471,6 +477,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
         self._check.forget()  # every rank of the new world keeps a baseline at its first batch
+        self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
 
     # ------------------------------------------------------------------ 2. training
 
@@ -673,6 +680,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._heartbeat is not None:
             self._heartbeat.beat(self.state.step)
         self.world.stepped(self.state.step)
+        if not self._copy_to_peer(now_s=time.perf_counter() - pending.started):  # copies incomplete: not committed
+            return self._abandon_applied(epoch)
         self._check_due = self._check.due(self.state.step) or (asked and self._check.every_steps > 0)
         self.goodput.stepped(self.state.step, self.snapshots.take_stall())
         now = time.perf_counter()
@@ -734,6 +743,29 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 log.error("%s %s", self._where, exc)
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
+
+    def _copy_to_peer(self, now_s: float) -> bool:
+        """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
+        False: the exchange failed, and the step is not committed."""
+        if not self.copies.on:
+            return True
+        d = self.dist
+        with owned():
+            return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
+                                          lambda: {"state": self.state.capture(local=True),
+                                                   "recent": self.plan.recent_state()},
+                                          collective_device(d), step_seconds=now_s)
+
+    def _abandon_applied(self, epoch: int) -> StepResult:
+        """The step was applied here but its peer copies are not complete on every rank: it is
+        reported as not trained, and the world re-forms (it then stands every rank on one step
+        whose state exists for every rank, this one or the one before)."""
+        failure, self.copies.failure = self.copies.failure, None
+        abandoned = StepResult(False, self.state.step, epoch)
+        with owned():
+            self._recover(CollectiveFailure(failure or "a peer copy's exchange failed"), failed_step=self.state.step)
+        self._guard.after_abandoned = True
+        return abandoned
 
     def _at_step_boundary(self) -> None:
         """The loop's code for the step has run: do what the ranks agreed on in its run.step."""

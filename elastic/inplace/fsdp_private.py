@@ -17,7 +17,13 @@ What that touches (torch 2.14.1):
   by its dataclass's ``__post_init__``) and ``_shard_mesh``;
 * ``FSDPMeshInfo`` (``torch.distributed.fsdp._fully_shard._fsdp_common``): a shard-only mesh
   info, so that FSDP2 reduce-scatters inside a node and leaves the replicate all-reduce to
-  the public ``set_all_reduce_hook``, where the run can catch a lost peer.
+  the public ``set_all_reduce_hook``, where the run can catch a lost peer;
+* for :func:`reshard` (a model cut anew over a mesh of another size, for FSDP across every
+  node): ``FSDPParam._init_sharded_param``, ``_orig_size``, ``all_gather_outputs``,
+  ``_unsharded_param``, ``sharded_param`` and ``_setattr_on_modules``, and the public
+  ``torch.utils.swap_tensors`` that keeps each ``nn.Parameter`` object the optimizer holds;
+* for :mod:`.fsdp_guard`: each parameter group's ``_all_gather_comm`` and
+  ``_reduce_scatter_comm`` (:func:`comms`, :func:`set_comms`).
 
 :func:`unsupported_reason` says in one line why this torch lacks any of it (the run then
 takes the restart path), and ``tests/elastic/inplace/test_fsdp_private.py`` fails loudly if
@@ -39,6 +45,7 @@ def unsupported_reason() -> str | None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     except ImportError as exc:
         return f"this torch ({torch.__version__}) lacks what HSDP in place needs ({exc})"
@@ -48,6 +55,10 @@ def unsupported_reason() -> str | None:
         (hasattr(FSDPModule, "set_all_reduce_hook"), "FSDPModule.set_all_reduce_hook"),
         (hasattr(DeviceMesh, "get_group"), "DeviceMesh.get_group"),
         ("_all_reduce_process_group" in dir(FSDPParamGroup), "FSDPParamGroup._all_reduce_process_group"),
+        (hasattr(FSDPParam, "_init_sharded_param"), "FSDPParam._init_sharded_param"),  # reshard
+        (hasattr(FSDPParam, "_setattr_on_modules"), "FSDPParam._setattr_on_modules"),
+        (hasattr(torch.utils, "swap_tensors"), "torch.utils.swap_tensors"),
+        (hasattr(FSDPModule, "set_custom_all_gather"), "FSDPModule.set_custom_all_gather"),  # fsdp_guard
     ]
     for ok, name in checks:
         if not ok:
@@ -109,6 +120,49 @@ def point_at(group: Any, info: Any) -> None:
         param._shard_mesh = param._init_shard_mesh()
 
 
+def reshard(model: nn.Module, mesh: Any, shard_dim: int = 0) -> None:
+    """Cut every FSDP2 parameter of ``model`` anew over ``mesh``: another size (a node's spare,
+    sharded over its node alone in its set-up world, joining a world across every node; a
+    world that shrank), or another place in it. The ``nn.Parameter`` objects stay the same
+    (``torch.utils.swap_tensors``), so the optimizer's references hold; their **values are
+    not kept** (zeros): the caller loads the state for the new cut, and the optimizer's state
+    of the old cut must be replaced too. Not a collective.
+
+    Touches what ``fully_shard`` set up per parameter (``FSDPParam._init_sharded_param``,
+    the all-gather buffers sized for the old cut, the unsharded parameter viewing them)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    info = FSDPMeshInfo(mesh, shard_mesh_dim=shard_dim)
+    for group in param_groups(model):
+        group.mesh_info = info
+        if group.post_forward_mesh_info is not None:
+            group.post_forward_mesh_info = info
+        for param in group.fsdp_params:
+            old = param.sharded_param
+            local = old._local_tensor
+            full = nn.Parameter(torch.zeros(param._orig_size, dtype=local.dtype, device=local.device),
+                                requires_grad=old.requires_grad)
+            if hasattr(param, "_unsharded_param"):  # views the all-gather buffers of the old cut
+                del param._unsharded_param
+            param.all_gather_outputs = []
+            param._init_sharded_param(full, param.device, None, info)
+            if param.post_forward_mesh_info is not None:
+                param.post_forward_mesh_info = param.mesh_info
+            torch.utils.swap_tensors(old, param.sharded_param)
+            param.sharded_param = old
+            param._setattr_on_modules(old)
+
+
+def comms(group: Any) -> tuple[Any, Any]:
+    """A parameter group's all-gather and reduce-scatter (what ``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter`` set, FSDP2's defaults otherwise)."""
+    return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def set_comms(group: Any, gather: Any, scatter: Any) -> None:
+    group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
+
+
 def post_forward_reshards_elsewhere(model: nn.Module) -> bool:
     """Whether a group reshards to another mesh after forward (``reshard_after_forward=int``):
     that mesh is FSDP2's own, not the script's, and the run cannot rebuild it."""
@@ -119,5 +173,5 @@ def post_forward_reshards_elsewhere(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["group_count", "param_groups", "point_at", "post_forward_reshards_elsewhere", "set_group_count",
+__all__ = ["comms", "group_count", "param_groups", "point_at", "post_forward_reshards_elsewhere", "reshard", "set_group_count",
            "shard_only", "swap_mesh", "unsupported_reason"]

@@ -88,6 +88,10 @@ class Families:
     heal_bytes: Counter
     restores: Counter
     sdc_mismatches: Counter
+    peer_copy: Gauge
+    peer_copy_bytes: Counter
+    peer_copy_lag: Gauge
+    peer_copy_host: Gauge
 
 
 @functools.cache
@@ -177,4 +181,18 @@ def families() -> Families:
         heal_bytes=Counter("elastic_heal_bytes_total",
                            "State bytes this worker sent to or received from a live replica when healing.",
                            registry=r),
+        # peer copies (elastic.inplace.peer_copies): each rank's state in a buddy's host memory
+        peer_copy=Gauge("elastic_peer_copy_seconds",
+                        "This worker's last peer copy: its state copied to host memory and exchanged with its "
+                        "buddies on another node (the time it took out of the step).",
+                        multiprocess_mode="livemax", registry=r),
+        peer_copy_bytes=Counter("elastic_peer_copy_bytes_total",
+                                "State bytes this worker sent to its buddy and received from the ranks it keeps "
+                                "copies for.", registry=r),
+        peer_copy_lag=Gauge("elastic_peer_copy_lag_steps",
+                            "Steps this worker trained since its newest complete copy reached its buddy.",
+                            multiprocess_mode="livemax", registry=r),
+        peer_copy_host=Gauge("elastic_peer_copy_host_bytes",
+                             "Host memory this worker holds in peer copies (its own and its buddies').",
+                             multiprocess_mode="livesum", registry=r),
     )

@@ -83,6 +83,8 @@ class MetricsLike(Protocol):
     def snapshot_skipped(self) -> None: ...
     def capture_waited(self, seconds: float) -> None: ...
     def commit_took(self, seconds: float) -> None: ...
+    def peer_copied(self, seconds: float, moved_bytes: int, held_bytes: int) -> None: ...
+    def peer_copy_lag(self, steps: int) -> None: ...
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor | None, tokens: int | None) -> None: ...
 
@@ -120,6 +122,12 @@ class NoMetrics:
         pass
 
     def commit_took(self, seconds: float) -> None:
+        pass
+
+    def peer_copied(self, seconds: float, moved_bytes: int, held_bytes: int) -> None:
+        pass
+
+    def peer_copy_lag(self, steps: int) -> None:
         pass
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
@@ -216,6 +224,16 @@ class TrainingMetrics:
         snapshot submit, work no other rank does. Counted in a rank's pace, it made rank 0 of
         a job of short steps look 2-4x slower than its peers, and evicted as a straggler."""
         self._commit_s += seconds
+
+    def peer_copied(self, seconds: float, moved_bytes: int, held_bytes: int) -> None:
+        """A peer copy completed (:mod:`elastic.inplace.peer_copies`)."""
+        f = self.worker.families
+        f.peer_copy.set(seconds)
+        f.peer_copy_bytes.inc(moved_bytes)
+        f.peer_copy_host.set(held_bytes)
+
+    def peer_copy_lag(self, steps: int) -> None:
+        self.worker.families.peer_copy_lag.set(steps)
 
     def step_done(self, local_samples: int, step_seconds: float, data_wait_seconds: float,
                   loss: torch.Tensor | None, tokens: int | None) -> None:
