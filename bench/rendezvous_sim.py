@@ -197,7 +197,10 @@ class CountingClient(EtcdClient):
         return _RawProxy(self.shared.client._raw(), self.counter)
 
     def _reset(self, failed: Any = None, error: BaseException | None = None) -> None:
-        self.shared.client._reset(failed._raw if isinstance(failed, _RawProxy) else failed, error)
+        """Not the shared channel: on their own machines one node's timed-out request rebuilds
+        its own channel only; here it would close hundreds of participants' channel under their
+        requests, each of whose retries closes it again (256 participants failed so for 30 s).
+        gRPC reconnects a channel to the one etcd by itself."""
 
     def member_channel(self, host: str, port: int) -> grpc.Channel:
         return self.shared.channel(host, port)  # type: ignore[return-value]
