@@ -3,7 +3,7 @@
 torch's ``DynamicRendezvousHandler`` polls its backend once a second and can only learn
 that a node is dead by missing its heartbeats; a node loss costs seconds in rendezvous
 alone. This handler keeps per-node keys under short etcd leases and a round record
-updated by transaction (JSON, HMAC-sealed), and learns of every change through one watch:
+updated by transaction (JSON, HMAC-sealed), and learns of what concerns it through watches:
 
 * ``{run}/nodes/{node}``: the node registry (:mod:`.registry`), one key per live agent.
 * ``{run}/rdzv/round``: the current round: number, ``open``/``closed``, participants.
@@ -11,6 +11,14 @@ updated by transaction (JSON, HMAC-sealed), and learns of every change through o
   node's lease, so a node that dies while joining leaves no ghost.
 * ``{run}/rdzv/closed``: the job is over (:meth:`set_closed`), and how it ended: a
   ``succeeded`` or ``failed`` outcome and its cause, so every agent exits as the job did.
+* ``{run}/rdzv/steward/{i}``: the few nodes that hear every peer (:mod:`.steward`): they
+  close rounds and open the next one after a member's loss, naming it in the record.
+
+A node hears only the round record, the job's end, its own registry key, the steward
+slots, and keep-outs and reachability reports (written only after a failure): O(1) events
+per round however many peers it has (:mod:`agent.etcd.ranges`). The run's whole prefix
+(``mirror``) is read only where something needs every peer's keys: a steward, and the
+agent's own features (:mod:`agent.etcd.mirror`'s ``LazyPrefixMirror``).
 
 A later round closes the moment every surviving member has joined; only a member that
 looks alive but has not moved (its lease outlives a SIGKILL by up to the TTL) costs a
