@@ -486,11 +486,13 @@ class Trial:
     form_s: float = float("nan")
     form: Traffic | None = None
     form_cpu: float = float("nan")
+    form_etcd_cpu: float = float("nan")
     expiry_s: float = float("nan")  # kill -> lease expiry seen
     reform_s: float = float("nan")  # expiry (c10d: kill) -> last survivor holds
     kill_s: float = float("nan")  # kill -> last survivor holds
     loss: Traffic | None = None
     loss_cpu: float = float("nan")
+    loss_etcd_cpu: float = float("nan")
     extra_rounds: int = 0
     failed: str = ""
 
@@ -511,6 +513,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
     try:
         before = hosts.counts()
         cpu0 = tree_cpu_seconds([*hosts.pids, etcd.pid or 0])
+        etcd0 = tree_cpu_seconds([etcd.pid or 0])
         go = time.monotonic()
         hosts.send("go")
         rounds = hosts.rounds(n, args.give_up, f"{backend} first round of {n}")
@@ -520,6 +523,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
             raise RuntimeError(f"participants hold different rounds or worlds (round, world): {sorted(held)}")
         trial.form_s = max(m[5] for m in rounds.values()) - go
         trial.form_cpu = cpu1 - cpu0
+        trial.form_etcd_cpu = tree_cpu_seconds([etcd.pid or 0]) - etcd0
         after = hosts.counts()
         trial.form = Traffic.between(before, after, list(range(n)))
         if not kill:
@@ -543,6 +547,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
         time.sleep(SETTLE_S)
         before = hosts.counts(survivors)
         cpu0 = tree_cpu_seconds([*hosts.pids, etcd.pid or 0])
+        etcd0 = tree_cpu_seconds([etcd.pid or 0])
         killed = time.monotonic()
         os.kill(hosts.pids[hosts.victim], signal.SIGKILL)
         if backend == C10D:
@@ -560,6 +565,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
         trial.reform_s = last - expired
         trial.kill_s = last - killed
         trial.loss_cpu = cpu1 - cpu0
+        trial.loss_etcd_cpu = tree_cpu_seconds([etcd.pid or 0]) - etcd0
         after = hosts.counts(survivors)
         for link in survivors.values():
             link.send("quiet")
@@ -597,6 +603,7 @@ def _row(t: Trial, c10d: Trial | None, phase: str) -> str:
     ours_vs = seconds if phase == "form" else t.kill_s
     assert traffic is not None
     cpu = t.form_cpu if phase == "form" else t.loss_cpu
+    etcd_cpu = t.form_etcd_cpu if phase == "form" else t.loss_etcd_cpu
     extra = "" if phase == "form" else f"  kill->expiry {t.expiry_s:5.2f}  kill->hold {t.kill_s:6.2f}  " \
                                        f"extra rounds {t.extra_rounds}"
     return (f"{t.n:>5}  {phase:>4}  {seconds:>7.2f}  {theirs:>6.2f}  {ours_vs / theirs:>5.2f}  "
@@ -606,7 +613,7 @@ def _row(t: Trial, c10d: Trial | None, phase: str) -> str:
             f"{traffic.per_node('event_bytes') / 1024:>8.1f} {traffic.per_node('read_bytes') / 1024:>8.1f}  "
             f"{traffic.total('requests'):>8} {traffic.total('events'):>9} "
             f"{(traffic.total('event_bytes') + traffic.total('read_bytes')) / 2**20:>8.1f}  "
-            f"{cpu:>7.1f}  {_load()}{extra}")
+            f"{cpu:>7.1f} {etcd_cpu:>6.2f}  {_load()}{extra}")
 
 
 def main() -> None:
@@ -625,7 +632,7 @@ def main() -> None:
           f"{CORES} cores, load {_load()}", flush=True)
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'max':>6}  "
               f"{'k-a/n':>6}  {'ev/node':>8} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
-              f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7}  load")
+              f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7} {'etcd':>6}  load")
     with EmbeddedEtcd(log_path=args.etcd_log) as etcd:
         print(header, flush=True)
         for n in args.nodes:
@@ -643,7 +650,8 @@ def main() -> None:
                 print(_row(loss, c10d_loss, "loss"), flush=True)
     print("(form: go -> all hold; loss: lease expiry -> all survivors hold (c10d: kill -> all hold, and the ratio\n"
           " compares kill -> hold); req: etcd requests, keep-alives apart (k-a); ev: watch events; max: the busiest\n"
-          " participant (the closer); KiB/n: watch-event and range-read bytes per node; cpu: hosts + etcd)")
+          " participant (the closer); KiB/n: watch-event and range-read bytes per node; cpu: hosts + etcd, and etcd's\n"
+          " alone (the etcd CPU also counts every participant's keep-alives in the phase))")
 
 
 if __name__ == "__main__":
