@@ -55,8 +55,9 @@ _IDLE_S = 1.0  # a node without a slot looks again at least this often
 # A free slot is taken by the first node to see it: each waits a random moment up to this
 # long and looks again, so a thousand nodes do not all race for it (a few do).
 CLAIM_SPREAD_S = 0.5
-# Slot i acts on what it sees only once it has stood i times this long: slot 0 at once, the
-# others as its backups (one write per change, not one per steward racing for it).
+# A steward acts on what it sees only once it has stood this long for each steward in a
+# slot before its own that could act on it too (alive, and for a close: joined or not
+# expected back): at once if none, as their backup otherwise.
 BACKUP_AFTER_S = 0.3
 
 
@@ -185,28 +186,33 @@ class Steward:
         if record is None or self.keys.round not in entries:
             return
         round_rev = entries[self.keys.round].mod_revision
-        if not self._standing(round_rev):
-            return
         if record.state == CLOSED:
             self._after_loss(record, round_rev, entries)
         elif record.state == OPEN:
             self._close(record, round_rev, entries)
 
-    def _standing(self, round_rev: int) -> bool:
-        """Whether the round record as of ``round_rev`` has stood long enough for this slot to act
-        (slot 0 at once; slot i, a backup, after i x BACKUP_AFTER_S)."""
+    def _ahead(self) -> list[str]:
+        """The nodes holding the slots before this node's (the stewards it backs up)."""
+        held = self._held or ""
+        index = int(held.rsplit("/", 1)[1]) if held.rsplit("/", 1)[-1].isdigit() else 0
+        entries = self.narrow.entries()[0]
+        return [n for n in (self._holder(entries, f"{self.prefix}{i}") for i in range(index)) if n is not None]
+
+    def _standing(self, round_rev: int, ahead: int) -> bool:
+        """Whether the round record as of ``round_rev`` has stood long enough for this node to
+        act with ``ahead`` stewards before it that could act too: at once if none, else after
+        ``ahead`` x BACKUP_AFTER_S (one write per change, not one per steward racing for it)."""
         now = time.monotonic()
         if self._seen is None or self._seen[0] != round_rev:
             self._seen = (round_rev, now)
-        held = self._held or ""
-        index = int(held.rsplit("/", 1)[1]) if held.rsplit("/", 1)[-1].isdigit() else 0
-        return now - self._seen[1] >= index * BACKUP_AFTER_S
+        return now - self._seen[1] >= ahead * BACKUP_AFTER_S
 
     def _after_loss(self, record: RoundRecord, round_rev: int, entries: dict) -> None:  # type: ignore[type-arg]
         if self.lease.suspect_lost():
             return  # just thawed: our picture is older than our peers'
-        lost = lost_members(record, self.view.live(entries))
-        if not lost:
+        live = self.view.live(entries)
+        lost = lost_members(record, live)
+        if not lost or not self._standing(round_rev, len([n for n in self._ahead() if n in live and n not in lost])):
             return
         if self.writer.swap(round_rev, record.next_open(FAILURE, lost)):
             log.info("[%s] opened round %d: %s lost %s lease", self.node, record.round + 1, ", ".join(lost),
@@ -226,6 +232,9 @@ class Steward:
         dead = self.late.proven_dead(record, joined, entries) | excluded  # neither is waited for
         vouched = self.late.vouched(record, joined, entries, live, dead, since)
         if not should_close(record, joined, live, self.timings, waited, dead, vouched):
+            return
+        able = [n for n in self._ahead() if n not in dead and (n in joined or n not in record.previous)]
+        if not self._standing(round_rev, len(able)):  # a steward before us can close it: ours is the backup
             return
         participants = rank_order(joined, record.previous, self.timings.max_nodes)
         records = self.view.records(entries)
