@@ -472,6 +472,9 @@ class Traffic:
     def per_node(self, name: str) -> float:
         return statistics.mean(getattr(self, name))
 
+    def median(self, name: str) -> float:
+        return float(statistics.median(getattr(self, name)))
+
     def top(self, name: str) -> int:
         return max(getattr(self, name))
 
@@ -607,9 +610,9 @@ def _row(t: Trial, c10d: Trial | None, phase: str) -> str:
     extra = "" if phase == "form" else f"  kill->expiry {t.expiry_s:5.2f}  kill->hold {t.kill_s:6.2f}  " \
                                        f"extra rounds {t.extra_rounds}"
     return (f"{t.n:>5}  {phase:>4}  {seconds:>7.2f}  {theirs:>6.2f}  {ours_vs / theirs:>5.2f}  "
-            f"{traffic.per_node('requests'):>8.1f} {traffic.top('requests'):>6}  "
+            f"{traffic.per_node('requests'):>8.1f} {traffic.median('requests'):>5.0f} {traffic.top('requests'):>6}  "
             f"{traffic.per_node('keepalives'):>6.1f}  "
-            f"{traffic.per_node('events'):>8.1f} {traffic.top('events'):>6}  "
+            f"{traffic.per_node('events'):>8.1f} {traffic.median('events'):>5.0f} {traffic.top('events'):>6}  "
             f"{traffic.per_node('event_bytes') / 1024:>8.1f} {traffic.per_node('read_bytes') / 1024:>8.1f}  "
             f"{traffic.total('requests'):>8} {traffic.total('events'):>9} "
             f"{(traffic.total('event_bytes') + traffic.total('read_bytes')) / 2**20:>8.1f}  "
@@ -630,8 +633,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"rendezvous_sim: {args.hosts} host processes + the victim's, lease TTL {args.lease_ttl} s, "
           f"{CORES} cores, load {_load()}", flush=True)
-    header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'max':>6}  "
-              f"{'k-a/n':>6}  {'ev/node':>8} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
+    header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
+              f"{'k-a/n':>6}  {'ev/node':>8} {'med':>5} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
               f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7} {'etcd':>6}  load")
     with EmbeddedEtcd(log_path=args.etcd_log) as etcd:
         print(header, flush=True)
@@ -649,8 +652,9 @@ def main() -> None:
             if loss is not None:
                 print(_row(loss, c10d_loss, "loss"), flush=True)
     print("(form: go -> all hold; loss: lease expiry -> all survivors hold (c10d: kill -> all hold, and the ratio\n"
-          " compares kill -> hold); req: etcd requests, keep-alives apart (k-a); ev: watch events; max: the busiest\n"
-          " participant (the closer); KiB/n: watch-event and range-read bytes per node; cpu: hosts + etcd, and etcd's\n"
+          " compares kill -> hold); req: etcd requests, keep-alives apart (k-a); ev: watch events; /node: the mean\n"
+          " (the stewards' share included), med: the median participant (a member), max: the busiest (a steward);\n"
+          " KiB/n: watch-event and range-read bytes per node; cpu: hosts + etcd, and etcd's\n"
           " alone (the etcd CPU also counts every participant's keep-alives in the phase))")
 
 
