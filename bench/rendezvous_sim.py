@@ -352,7 +352,8 @@ def _stop(handler: RendezvousHandler) -> None:
 
 def host_main(link: Connection, spec: Spec, indices: list[int]) -> None:
     import logging
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=os.environ.get("SIM_LOG", "ERROR"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     try:
         Host(link, spec, indices).serve()
@@ -628,6 +629,7 @@ def main() -> None:
     parser.add_argument("--c10d-max", type=int, default=256, help="run c10d up to this many nodes")
     parser.add_argument("--give-up", type=float, default=300.0, help="seconds before a phase counts as failed")
     parser.add_argument("--no-kill", action="store_true", help="formation only")
+    parser.add_argument("--no-form", action="store_true", help="the loss trial only (it forms a round first)")
     parser.add_argument("--etcd-log", type=Path)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -639,9 +641,9 @@ def main() -> None:
     with EmbeddedEtcd(log_path=args.etcd_log) as etcd:
         print(header, flush=True)
         for n in args.nodes:
-            form = _attempt(f"{OURS} form {n}", lambda: run_trial(OURS, n, args, etcd, kill=False))
+            form = None if args.no_form else _attempt(f"{OURS} form {n}", lambda: run_trial(OURS, n, args, etcd, False))
             c10d_form = _attempt(f"{C10D} form {n}", lambda: run_trial(C10D, n, args, etcd, kill=False)) \
-                if n <= args.c10d_max else None
+                if n <= args.c10d_max and not args.no_form else None
             if form is not None:
                 print(_row(form, c10d_form, "form"), flush=True)
             if args.no_kill:
