@@ -121,7 +121,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.view = MirrorView(node_name, signer, keys, self.lease, float(options.lease_ttl), self.writer.swap)
         self.job_end = JobEnd(node_name, client, signer, keys.closed,
                               lambda: self.narrow.entries()[0] if self._started else {}, self.view.signed)
-        self.late = LateMembers(signer, self.lease, self.view.records, lambda: self.mirror.notify())
+        # the stewards' reading of the whole run: a view of its own, since the full mirror and the
+        # narrow one stand at different revisions (one view fed both took a lagging copy of the
+        # round record for an older one put back, and put the newer one "back" over it)
+        self.steward_view = MirrorView(node_name, signer, keys, self.lease, float(options.lease_ttl), self.writer.swap)
+        self.late = LateMembers(signer, self.lease, self.steward_view.records, lambda: self.mirror.notify())
         self._lock = threading.Lock()
         self.round: RoundRecord | None = None  # the round our current workers belong to
         self._lease_generation = 0
@@ -156,7 +160,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.narrow = RangesMirror(client, [keys.round, keys.closed, self.lease.key],
                                    [slot_prefix(keys), self.reachability.reach_prefix,
                                     self.reachability.keepout_prefix])
-        self.steward = Steward(node_name, client, signer, keys, self.lease, self.narrow, self.mirror, self.view,
+        self.steward = Steward(node_name, client, signer, keys, self.lease, self.narrow, self.mirror, self.steward_view,
                                self.writer, self.late, self.reachability, self.timings, options.stewards)
         self._join_lease: int | None = None  # the lease our join key of the round we joined lives under
         self._peers: list[str] = []  # the current round's other members
