@@ -3,9 +3,9 @@
 ``bench/rendezvous_scale.py`` runs one process per node (9 MiB each plus a zygote, and
 CPU-bound past 64 on 2 cores). Here a few **host** processes each hold many participants:
 every participant is a real :class:`EtcdV3RendezvousHandler` with its own lease (and its
-keep-alive thread), its own registry key, join keys and watch, its own witness; only the
-process's etcd connection (one gRPC channel, one watch stream) is shared, as many agents'
-requests share etcd's. The **victim** (the last node) is a process of its own, holding one
+keep-alive thread), its own registry key, join keys and watches, its own witness; only an
+etcd connection (a client, its gRPC channel and watch stream) is shared, by ``--per-connection``
+participants of a host. The **victim** (the last node) is a process of its own, holding one
 participant, so that its loss is a SIGKILL: its lease stops being kept alive, its witness
 and keep-alives die with it.
 
@@ -266,13 +266,19 @@ def _held(handler: RendezvousHandler) -> tuple[int, int]:
 class Host:
     """A process's participants and the agent's loop over them."""
 
-    def __init__(self, link: Connection, spec: Spec, indices: list[int]) -> None:
+    def __init__(self, link: Connection, spec: Spec, indices: list[int], per_connection: int) -> None:
         self.link, self.spec = link, spec
-        self.shared = Connection_(EtcdSettings(endpoints=((spec.endpoint.split(":")[0],
-                                                           int(spec.endpoint.split(":")[1])),)))
+        host, port = spec.endpoint.split(":")
+        # one connection per ``per_connection`` participants: hundreds of keep-alive streams and
+        # watch creations on one HTTP/2 connection and one python3-etcd3 watcher (which creates
+        # watches one at a time) stalled 256 participants' start for minutes
+        self.connections = [Connection_(EtcdSettings(endpoints=((host, int(port)),)))
+                            for _ in range(max(1, -(-len(indices) // per_connection)))]
         if spec.backend == OURS:
-            self.shared.client.call(lambda c: c.get("/"))  # one connection, checked once
-        self.participants = [Participant(i, spec, self.shared) for i in indices]
+            for shared in self.connections:
+                shared.client.call(lambda c: c.get("/"))  # each connection, checked once
+        self.participants = [Participant(i, spec, self.connections[k % len(self.connections)])
+                             for k, i in enumerate(indices)]
         if spec.backend == OURS:  # up before "go", as agents that have been running are: lease, watch
             with ThreadPoolExecutor(max_workers=32) as pool:
                 list(pool.map(lambda p: p.handler._start(), self.participants))  # type: ignore[attr-defined]
@@ -350,13 +356,13 @@ def _stop(handler: RendezvousHandler) -> None:
         pass
 
 
-def host_main(link: Connection, spec: Spec, indices: list[int]) -> None:
+def host_main(link: Connection, spec: Spec, indices: list[int], per_connection: int) -> None:
     import logging
     logging.basicConfig(level=os.environ.get("SIM_LOG", "ERROR"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     try:
-        Host(link, spec, indices).serve()
+        Host(link, spec, indices, per_connection).serve()
     except (EOFError, BrokenPipeError):
         pass
     os._exit(0)  # daemon threads (watches, keep-alives) do not hold the process
@@ -368,14 +374,14 @@ def host_main(link: Connection, spec: Spec, indices: list[int]) -> None:
 class Hosts:
     """The host processes of one trial; index of host -> (process, link)."""
 
-    def __init__(self, spec: Spec, n: int, hosts: int, timeout: float) -> None:
+    def __init__(self, spec: Spec, n: int, hosts: int, timeout: float, per_connection: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         others = list(range(n - 1))
         groups = [others[h::hosts] for h in range(hosts)] + [[n - 1]]  # the victim alone, last
         self.procs, self.links = [], {}
         for h, indices in enumerate(groups):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=host_main, args=(theirs, spec, indices), daemon=True)
+            proc = ctx.Process(target=host_main, args=(theirs, spec, indices, per_connection), daemon=True)
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -511,7 +517,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
     run_id = f"sim{'loss' if kill else 'form'}{n}-{time.time_ns()}"
     spec = Spec(backend, etcd.endpoint, run_id, n - 1 if kill else n, n, args.lease_ttl,
                 free_port() if backend == C10D else 0)
-    hosts = Hosts(spec, n, args.hosts, args.give_up)
+    hosts = Hosts(spec, n, args.hosts, args.give_up, args.per_connection)
     watch_client: EtcdClient | None = None
     watch = None
     try:
@@ -623,7 +629,9 @@ def _row(t: Trial, c10d: Trial | None, phase: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256, 1024])
-    parser.add_argument("--hosts", type=int, default=2, help="processes holding the participants (+1: the victim)")
+    parser.add_argument("--hosts", type=int, default=4, help="processes holding the participants (+1: the victim)")
+    parser.add_argument("--per-connection", type=int, default=32,
+                        help="participants sharing one etcd connection (client, channel, watch stream) in a host")
     parser.add_argument("--lease-ttl", type=int, default=15,
                         help="lease TTL, s (default 15: a thousand leases' keep-alives on 2 loaded cores)")
     parser.add_argument("--c10d-max", type=int, default=256, help="run c10d up to this many nodes")
@@ -633,7 +641,8 @@ def main() -> None:
     parser.add_argument("--etcd-log", type=Path)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    print(f"rendezvous_sim: {args.hosts} host processes + the victim's, lease TTL {args.lease_ttl} s, "
+    print(f"rendezvous_sim: {args.hosts} host processes + the victim's, {args.per_connection} participants per etcd "
+          f"connection, lease TTL {args.lease_ttl} s, "
           f"{CORES} cores, load {_load()}", flush=True)
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
               f"{'k-a/n':>6}  {'ev/node':>8} {'med':>5} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
