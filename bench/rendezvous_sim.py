@@ -37,8 +37,10 @@ import multiprocessing
 import os
 import secrets
 import signal
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -639,6 +641,8 @@ def main() -> None:
     parser.add_argument("--no-kill", action="store_true", help="formation only")
     parser.add_argument("--no-form", action="store_true", help="the loss trial only (it forms a round first)")
     parser.add_argument("--etcd-log", type=Path)
+    parser.add_argument("--etcd-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="where etcd keeps its data (default: /dev/shm, in memory)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"rendezvous_sim: {args.hosts} host processes + the victim's, {args.per_connection} participants per etcd "
@@ -647,7 +651,10 @@ def main() -> None:
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
               f"{'k-a/n':>6}  {'ev/node':>8} {'med':>5} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
               f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7} {'etcd':>6}  load")
-    with EmbeddedEtcd(log_path=args.etcd_log) as etcd:
+    # etcd's data in memory: on this shared machine its fdatasync took seconds under other
+    # engineers' disk load, and a thousand registrations crawled (1 a second) with etcd idle
+    data_dir = tempfile.mkdtemp(prefix="etcd-sim-", dir=args.etcd_dir)
+    with EmbeddedEtcd(data_dir=data_dir, log_path=args.etcd_log) as etcd:
         print(header, flush=True)
         for n in args.nodes:
             form = None if args.no_form else _attempt(f"{OURS} form {n}", lambda: run_trial(OURS, n, args, etcd, False))
@@ -662,6 +669,7 @@ def main() -> None:
                 if n <= args.c10d_max else None
             if loss is not None:
                 print(_row(loss, c10d_loss, "loss"), flush=True)
+    shutil.rmtree(data_dir, ignore_errors=True)
     print("(form: go -> all hold; loss: lease expiry -> all survivors hold (c10d: kill -> all hold, and the ratio\n"
           " compares kill -> hold); req: etcd requests, keep-alives apart (k-a); ev: watch events; /node: the mean\n"
           " (the stewards' share included), med: the median participant (a member), max: the busiest (a steward);\n"
