@@ -225,6 +225,7 @@ class EtcdRendezvous(AgentRendezvous):
         h.lease.update(metrics_url=metrics_url, nproc=self.nproc)
         h.client.error_listeners.append(on_etcd_error)
         h.mirror.listeners.append(wake)
+        h.narrow.listeners.append(wake)  # the round record: how a lost peer or a new round reaches a member
         h.reachability.listeners.append(on_keep_out)
         if self.in_place:
             h.while_spare.append(while_spare)
