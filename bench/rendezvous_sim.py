@@ -282,7 +282,7 @@ class Host:
         self.participants = [Participant(i, spec, self.connections[k % len(self.connections)])
                              for k, i in enumerate(indices)]
         if spec.backend == OURS:  # up before "go", as agents that have been running are: lease, watch
-            with ThreadPoolExecutor(max_workers=32) as pool:
+            with ThreadPoolExecutor(max_workers=8) as pool:  # a few at a time: the start is not measured
                 list(pool.map(lambda p: p.handler._start(), self.participants))  # type: ignore[attr-defined]
         self._send_lock = threading.Lock()
         self._following = threading.Event()
