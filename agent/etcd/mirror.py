@@ -151,9 +151,11 @@ class PrefixMirror:
 
 class LazyPrefixMirror(PrefixMirror):
     """A :class:`PrefixMirror` that reads and watches its prefix only once something asks it
-    (``entries``, ``wait``, ``healthy``, ``start``): a node that never needs every peer's keys
-    never hears them. A first read that fails is retried in the background, as after a
-    broken watch."""
+    (``entries``, ``wait``, ``healthy``, ``start``) once its owner called :meth:`allow`: a node
+    that never needs every peer's keys never hears them, and none reads them before it may
+    (the rendezvous: before its node holds its name, its key may still be a previous
+    incarnation's). Until then it is empty and not healthy, as an unstarted mirror. A first
+    read that fails is retried in the background, as after a broken watch."""
 
     def __init__(self, client: EtcdClient, prefix: str, deadline: float | None = None) -> None:
         self._begun = False
@@ -161,6 +163,7 @@ class LazyPrefixMirror(PrefixMirror):
         super().__init__(client, prefix)
         self._deadline = deadline
         self._begin_lock = threading.Lock()
+        self._allowed = False
 
     @property  # type: ignore[override]
     def healthy(self) -> bool:
@@ -175,8 +178,11 @@ class LazyPrefixMirror(PrefixMirror):
     def begun(self) -> bool:
         return self._begun
 
+    def allow(self) -> None:
+        self._allowed = True
+
     def ensure(self) -> None:
-        if self._begun:
+        if self._begun or not self._allowed:
             return
         with self._begin_lock:
             if self._begun:
@@ -190,6 +196,7 @@ class LazyPrefixMirror(PrefixMirror):
     def start(self, deadline: float | None = None) -> "PrefixMirror":
         if deadline is not None:
             self._deadline = deadline
+        self.allow()
         self.ensure()
         return self
 

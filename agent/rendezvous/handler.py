@@ -338,6 +338,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except NodeNameInUseError as exc:
             raise RendezvousStateError(str(exc)) from None
         self.narrow.start(deadline=self.options.connect_timeout)
+        self.mirror.allow()  # every peer's keys, once asked, now that this node holds its name
         self.steward.start()
         self._started = True
 
