@@ -329,15 +329,16 @@ def _workers_and_round(obs: Observation) -> Decision:
     if obs.exits and all(code == 0 for code in obs.exits.values()):
         return Decision(Action.SUCCEED)
 
-    # 3a. Another node ended the job. Failed: every node leaves now with its cause (before,
-    #     a node whose workers waited on the failed one learned it only when their round timed
-    #     out, 30 s later). Succeeded: workers whose scripts returned are exiting, and workers
-    #     in a formed world trained the last step with it (a script's own work after training
-    #     is left alone); workers still joining a round (a node back just after the last step)
-    #     have nothing to join and stop now, not when their round times out.
-    if obs.job_ended is not None and not obs.scripts_returned:
-        if obs.job_ended.failed or (not failed and obs.in_place and not obs.in_world):
-            return Decision(Action.END, Reason.JOB_ENDED, detail=obs.job_ended.line)
+    # 3a. Another node ended the job while this node's in-place workers were joining a round
+    #     (none in a formed world): the round will never complete, and they waited for its 30 s
+    #     timeout before (a node back just after the last step; a node whose peer failed the job
+    #     with a usage error). They stop now and the node leaves as the job did. Workers in a
+    #     formed world are left to end by themselves: they trained the last step with it, or
+    #     they are about to say why the job failed in their own words (a rank 0 that found the
+    #     training diverged exits 2 a moment after its peer gave up).
+    if (obs.job_ended is not None and not obs.scripts_returned and obs.in_place and not obs.in_world
+            and (obs.job_ended.failed or not failed)):
+        return Decision(Action.END, Reason.JOB_ENDED, detail=obs.job_ended.line)
 
     # 3b. A failed health check (agent.node.health) while training: kept out while the others can
     #     train on without it (it rejoins once the checks pass, agent.node.health_watch); where

@@ -411,11 +411,15 @@ FINISHED = JobEnd(failed=False, line="the job finished (node a: workers succeede
 FAILED = JobEnd(failed=True, line="the job failed (node b): a local worker failed")
 
 
-def test_a_job_another_node_failed_ends_this_nodes_workers_now_whatever_they_are_doing() -> None:
-    for kw in ({"in_place": True, "in_world": True}, {"in_place": True}, {"in_place": False},
-               {"in_place": True, "membership": Reason.SCALE_UP}, {"in_place": True, "frozen": ("b",)}):
+def test_a_job_another_node_failed_ends_this_nodes_workers_now_while_they_join_a_round() -> None:
+    """A round with a member that failed the job never completes: its joiners stop now. Workers
+    in a formed world end by themselves (a diverged run's rank 0 says why, then exits 2)."""
+    for kw in ({"in_place": True}, {"in_place": True, "membership": Reason.SCALE_UP},
+               {"in_place": True, "frozen": ("b",)}, {"in_place": True, "exits": {0: 1, 1: None}}):
         decision = decide(obs(job_ended=FAILED, **kw))
         assert decision == Decision(Action.END, Reason.JOB_ENDED, detail=FAILED.line), kw
+    assert decide(obs(job_ended=FAILED, in_place=True, in_world=True)).action is Action.CONTINUE
+    assert decide(obs(job_ended=FAILED, in_place=False)).action is Action.CONTINUE
 
 
 def test_a_job_that_finished_stops_only_workers_still_joining_a_round() -> None:

@@ -213,13 +213,16 @@ def test_a_kill_during_the_transfer_to_a_joiner_still_heals_it_from_the_other_re
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
 ) -> None:
     """A big model (about 190 MB of state with Adam) makes the transfer last; the sender's
-    node is killed as rank 0 announces the heal. The joiner is healed by the survivor."""
+    node is killed as rank 0 announces the heal. The joiner is healed by the survivor. Leases
+    of 5 s: a whole-suite run starved a 2 s one while 190 MB moved, and the extra round healed
+    two ranks, not the joiner alone the test waits for."""
     env = {"WIDTH": "4000", "STEP_SLEEP": "0"}
-    a, b = (start_job(nodes, n, etcd_server, run_id, tmp_path, env=env) for n in ("a", "b"))
+    lease = ["--lease-ttl", "5"]
+    a, b = (start_job(nodes, n, etcd_server, run_id, tmp_path, env=env, agent_args=lease) for n in ("a", "b"))
     train_together([a, b], tmp_path, 2, steps=5)
     rank0 = a if rows(a, tmp_path)[-1]["rank"] == 0 else b
     other = b if rank0 is a else a
-    c = start_job(nodes, "c", etcd_server, run_id, tmp_path, env=env)
+    c = start_job(nodes, "c", etcd_server, run_id, tmp_path, env=env, agent_args=lease)
     heal = re.compile(r"healing rank\(s\) \[2\] from \[0\]")
     wait_until(lambda: heal.search(rank0.log_path.read_text()), FORM_TIMEOUT, "rank 0 to start healing the joiner",
                interval=0.005, on_timeout=logs(a, b, c))
