@@ -193,6 +193,7 @@ def test_a_plain_scripts_steps_after_a_fast_restart_are_not_start_up_while_the_p
     acc.tick({0: pid}, rank_base=0)  # the fault is news: pushed at once
     wait_until(lambda: acc.tick({}, rank_base=0) or acc.record.faults, 10, "the fault back through the mirror")
     time.sleep(0.05)
+    before = time.time()  # the beat stamps its own time in between: a loaded machine took 24 ms over the write
     beat.beat(1, LOCAL_COUNT)
     first = time.time()
     acc.tick({0: pid}, rank_base=0)  # within push_every of the last push: held
@@ -203,7 +204,8 @@ def test_a_plain_scripts_steps_after_a_fast_restart_are_not_start_up_while_the_p
     acc.tick({0: pid}, rank_base=0, force=True)  # as at the agent's stop
     record = record_of(handler)
     (fault,) = record.faults
-    assert fault.phases["worker_start"] == pytest.approx(first - started, abs=0.02)
+    assert before - started - 0.02 <= fault.phases["worker_start"] <= first - started + 0.02, \
+        (fault.phases["worker_start"], before - started, first - started)
     assert record.lost["unknown"] >= 0.15 and record.productive == productive
 
 
