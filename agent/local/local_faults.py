@@ -116,17 +116,19 @@ class Cluster:
         tiers = split_tiers(self.snapshots)
         return Path(tiers[0] if tiers is not None else self.snapshots)
 
-    def last_snapshot(self) -> str:
-        """The newest snapshot's name wherever the workers write them (a directory or a bucket)."""
+    def _newest_look(self) -> NewestSnapshot:
+        """The view's look at the snapshots, made at its first use."""
         if self.newest is None:
             self.newest = NewestSnapshot(self.snapshots or str(self.run_dir / "snapshots"))
-        return self.newest.text()
+        return self.newest
+
+    def last_snapshot(self) -> str:
+        """The newest snapshot's name wherever the workers write them (a directory or a bucket)."""
+        return self._newest_look().text()
 
     def settle_snapshot_view(self) -> None:
         """The job is over: the view's last look at the snapshots, waited for (the summary's)."""
-        if self.newest is None:
-            self.newest = NewestSnapshot(self.snapshots or str(self.run_dir / "snapshots"))
-        self.newest.settle()
+        self._newest_look().settle()
 
     def note(self, text: str) -> None:
         self.events.append((time.time(), text))

@@ -32,7 +32,7 @@ from collections import deque
 from pathlib import Path
 
 from elastic import contract
-from elastic.heartbeat import read_beats
+from elastic.heartbeat import Beat, read_beats
 
 log = logging.getLogger("elastic.agent")
 
@@ -101,8 +101,12 @@ class HangWatch:
     def scripts_returned(self, ranks: int) -> bool:
         """Whether all ``ranks`` local workers of this group have beaten and their scripts returned
         (they are exiting: nothing a round asks of them can change their end)."""
-        beats = [b for b in read_beats(self.directory).values() if b.time >= self._group_started]
+        beats = self._group_beats().values()
         return ranks > 0 and len(beats) >= ranks and all(b.finished is not None for b in beats)
+
+    def _group_beats(self) -> dict[int, Beat]:
+        """The current group's beats by local rank (an earlier group's left-over files are not)."""
+        return {r: b for r, b in read_beats(self.directory).items() if b.time >= self._group_started}
 
     def last_progress(self) -> float | None:
         return max((t for _, t in self._last.values()), default=None)
@@ -110,7 +114,7 @@ class HangWatch:
     def stalled(self) -> float | None:
         """Seconds since the last progress on this node if that exceeds the budget, else None."""
         now = time.time()
-        beats = {r: b for r, b in read_beats(self.directory).items() if b.time >= self._group_started}
+        beats = self._group_beats()
         for rank, beat in beats.items():
             seen = self._last.get(rank)
             if seen is not None and beat.step > seen[0] and beat.time > seen[1]:
