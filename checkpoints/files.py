@@ -20,8 +20,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from .layout import set_thread_nice
 from .workers import DaemonPool
 
@@ -50,6 +48,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def torch_version() -> str:
+    """The running torch's version, for a manifest (torch imported only by whoever writes one:
+    the store's readers, ``elastic local``'s view among them, never pay for it)."""
+    import torch
+
+    return str(torch.__version__)
+
+
+def save_into(obj: Any, sink: Any) -> None:
+    """``torch.save`` into ``sink`` without the zip records' CRC32 (:func:`_without_zip_crc32`)."""
+    import torch
+
+    with _without_zip_crc32():
+        torch.save(obj, sink)
+
+
 @contextlib.contextmanager
 def _without_zip_crc32() -> Iterator[None]:
     """torch.save without its per-record CRC32: a sixth of the writer's CPU, for nothing.
@@ -58,6 +72,8 @@ def _without_zip_crc32() -> Iterator[None]:
     setting is per thread (a ContextVar in torch's config), so it is made here, on the
     thread that saves, not once per process.
     """
+    import torch
+
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:  # torch < 2.5 always computes them
@@ -139,8 +155,7 @@ def write_file(
     try:
         w = _HashingWriter(fd, hasher_pool, nice)
         try:
-            with _without_zip_crc32():
-                torch.save(obj, w)
+            save_into(obj, w)
         except RuntimeError:
             if w.os_error is not None:
                 raise w.os_error from None
@@ -173,4 +188,6 @@ def read_bytes(path: Path) -> bytes:
 def load_bytes(data: bytes, map_location: Any) -> Any:
     # weights_only=True: the unpickler only rebuilds tensors and plain containers, so a
     # tampered snapshot cannot run code. BytesIO(bytes) shares the buffer, no copy.
+    import torch
+
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)

@@ -34,8 +34,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from . import layout
 from .manifest import DCP_PREFIX, FileEntry
 from .reading import SnapshotInfo
-from .sharded import Part, await_parts, metadata_bytes, part_name, part_record_bytes, serialise_part
 from .tree import check_state
+
+if TYPE_CHECKING:
+    from .sharded import Part
+
+# .sharded (torch.distributed.checkpoint) is imported by the calls that write a sharded snapshot, not
+# with this module: the store's readers (elastic local's view, elastic check) never pay for it
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ class S3ShardedParts:
     def write_part(self, part: Part) -> None:
         """Every rank, in the background: its shards serialised to a local spool file (hashed
         as they are written), uploaded, then its part record (the seal waits for it)."""
+        from .sharded import part_name, part_record_bytes, serialise_part
+
         spool = Path(tempfile.mkdtemp(prefix=".shard-spool-", dir=self.spool_dir))
         try:
             record = serialise_part(part, spool / part.file)
@@ -93,6 +100,7 @@ class S3ShardedParts:
         over every file committed as any snapshot's (fenced, never over another's). Nothing
         is committed on any failure, and the writer's files go."""
         from . import dcp_private
+        from .sharded import metadata_bytes, part_name
 
         check_state(state)
         writer = temp_name.rsplit("/", 1)[-1]
@@ -126,6 +134,8 @@ class S3ShardedParts:
     def _await_records(self, temp_name: str, ranks: int, deadline: float,
                        abandoned: Callable[[], bool]) -> list[dict[str, Any]]:
         """Every rank's part record; one listing per look, so waiting costs few requests."""
+        from .sharded import await_parts, part_name
+
         there: set[str] = set()
         last = [0.0]
 

@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
-import torch
-
 from . import files, layout, signing
 from .errors import SnapshotCorruptError, SnapshotDirError, SnapshotError, SnapshotExistsError, SnapshotKeyError
 from .fence import FENCE_NAME, FenceToken
@@ -218,7 +216,7 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
         try:
             entries = upload(spool, f"{sdir}/{writer}")
             manifest = Manifest(step=step, world_size=int(world_size), written_at=time.time(),
-                                torch_version=torch.__version__, files=tuple(entries), extra_meta=extra_meta)
+                                torch_version=files.torch_version(), files=tuple(entries), extra_meta=extra_meta)
             key = self._key
             data = manifest.to_bytes(None if key is None else lambda body: signing.sign(key, sdir, step, body))
             info = self._commit(step, data, manifest, extra_meta, writer)
@@ -649,8 +647,7 @@ def _spool_file(path: Path, obj: Any, hash_pool: DaemonPool) -> tuple[int, str]:
     try:
         w = files._HashingWriter(fd, hash_pool, None)
         try:
-            with files._without_zip_crc32():
-                torch.save(obj, w)
+            files.save_into(obj, w)
         except RuntimeError:
             if w.os_error is not None:
                 raise w.os_error from None

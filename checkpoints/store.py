@@ -41,8 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
-import torch
-
 from . import files, layout, signing
 from .workers import DaemonPool
 from .errors import (
@@ -363,7 +361,7 @@ class SnapshotStore(SnapshotReader):
             step=step,
             world_size=int(world_size),
             written_at=time.time(),
-            torch_version=torch.__version__,
+            torch_version=files.torch_version(),
             files=tuple(entries),
             extra_meta=dict(extra_meta),
         )

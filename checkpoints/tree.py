@@ -7,14 +7,22 @@ that names the offending entry.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import SnapshotError
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def _scalars() -> tuple[type, ...]:
+    # torch imported at the first walk, not with the module: the store's readers never walk
+    import torch
+
+    return (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
 def map_state(obj: Any, leaf: Callable[[torch.Tensor, str], Any], where: str = "state") -> Any:
@@ -23,9 +31,11 @@ def map_state(obj: Any, leaf: Callable[[torch.Tensor, str], Any], where: str = "
     Fresh containers matter for the async writer: the trainer may mutate its own dicts
     and lists (``optimizer.state_dict()`` shares per-param dicts) right after ``submit``.
     """
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return leaf(obj, where)
-    if isinstance(obj, _SCALARS):
+    if isinstance(obj, _scalars()):
         return obj
     if isinstance(obj, OrderedDict):
         return OrderedDict((k, map_state(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
@@ -49,6 +59,8 @@ def check_state(state: Any) -> None:
 
 
 def _check_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
+    import torch
+
     if t.is_sparse or t.is_quantized or t.layout != torch.strided:
         raise SnapshotError(f"{where} has layout {t.layout}; only dense tensors are supported (call .to_dense())")
     return t
