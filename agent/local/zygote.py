@@ -149,12 +149,13 @@ class Zygote:
         return self._replies.pop(0)
 
     def fork(self, module: str, argv: Sequence[str], env: dict[str, str], cwd: Path, log: Path,
-             kind: str = "main") -> "ForkedProcess":
+             kind: str = "main", writer_stub: bool = False) -> "ForkedProcess":
         """A process that runs, as ``python`` would: ``module.main(argv)`` (``kind="main"``: ``agent.cli``
         with ``["agent", ...]`` for an agent), ``python -m module *argv`` (``"module"``), or
         ``python module *argv`` where ``module`` is a script's path (``"script"``). Its stdout and
-        stderr go to ``log``. Raises :class:`ZygoteGone` where it cannot fork: the caller then
-        starts the process by exec."""
+        stderr go to ``log``. ``writer_stub``: fork its snapshot writer ahead first, as a warm worker
+        does (:func:`checkpoints.procstub.prefork`). Raises :class:`ZygoteGone` where it cannot fork:
+        the caller then starts the process by exec."""
         with self._lock:
             process = self._ensure()
             assert process.stdin is not None
@@ -163,7 +164,8 @@ class Zygote:
                 raise ZygoteGone(why)  # this one only: the zygote serves the next
             open(log, "ab").close()  # there as soon as we return, as an exec'd process's redirected log is
             request = {"id": next(self._ids), "kind": kind, "module": module, "argv": list(argv), "env": env,
-                       "cwd": str(cwd), "log": str(log), "cgroup": _cpuacct_procs(os.getpid())}
+                       "cwd": str(cwd), "log": str(log), "cgroup": _cpuacct_procs(os.getpid()),
+                       "writer_stub": writer_stub}
             try:
                 process.stdin.write(json.dumps(request).encode() + b"\n")
                 process.stdin.flush()
@@ -352,6 +354,10 @@ def _become(request: dict[str, Any], fds: tuple[int, ...]) -> None:
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()  # fresh entropy, as a new process would take
+        if request.get("writer_stub"):
+            from checkpoints import procstub
+
+            procstub.prefork()  # still one thread here, as in a warm worker just before its script
         code = _run(request["kind"], request["module"], request["argv"])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -297,7 +297,7 @@ def test_the_comm_hook_records_a_lost_peer_instead_of_raising_and_scales_the_buc
     assert sync.take_failure() is not None and sync.take_failure() is None
 
 
-# ------------------------------------------------------------------ several ranks (spawned, gloo, FileStore)
+# ------------------------------------------------------------------ several ranks (forked as mp.spawn's, gloo, FileStore)
 
 def _spawned(rank: int, tmp: str) -> None:
     """World 3 holding a global batch of 10 (4/3/3, then a 1-sample tail: two stand-ins), with
@@ -335,11 +335,10 @@ def _spawned(rank: int, tmp: str) -> None:
 
 @pytest.mark.slow  # starts processes
 def test_the_update_is_the_mean_over_the_global_batch_at_several_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     from tests.elastic.test_trainer_gradients import _reference
+    from tests.support.spawn import ranks
 
-    mp.spawn(_spawned, args=(str(tmp_path),), nprocs=3, join=True)
+    ranks(_spawned, (str(tmp_path),), 3, tmp_path / "logs")
     for world, reference in ((3, _reference(batch=10)), (2, _reference(batch=6))):  # per rank 3 x 2, lr as set
         got = torch.load(tmp_path / f"params-{world}.pt")
         assert len(got) == 2
@@ -398,9 +397,9 @@ def _accumulating_ranks(rank: int, tmp: str) -> None:
 
 @pytest.mark.slow  # starts processes
 def test_accumulation_at_two_ranks_equals_plain_ddp_with_no_sync_on_the_same_micro_batches(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from tests.support.spawn import ranks
 
-    mp.spawn(_accumulating_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    ranks(_accumulating_ranks, (str(tmp_path),), 2, tmp_path / "logs")
     for rank in range(2):
         got = torch.load(tmp_path / f"rank-{rank}.pt")
         assert got["sizes"] == [[3, 3], [3, 3], [2 if rank == 0 else 1]], got["sizes"]
@@ -447,9 +446,9 @@ def _peer_dies(rank: int, tmp: str, accumulate: int) -> None:
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_peer_lost_in_the_scripts_own_backward_is_caught_at_optimizer_step(tmp_path: Path, accumulate: int) -> None:
-    import torch.multiprocessing as mp
+    from tests.support.spawn import ranks
 
-    mp.spawn(_peer_dies, args=(str(tmp_path), accumulate), nprocs=2, join=True)
+    ranks(_peer_dies, (str(tmp_path), accumulate), 2, tmp_path / "logs")
     assert (tmp_path / "backward-0-2").exists(), "rank 0's loss.backward() raised"
     assert (tmp_path / "exit-0-1-at-2").exists(), sorted(p.name for p in tmp_path.iterdir())
 

@@ -1,27 +1,49 @@
 """The runner's user errors: one ``error:`` line, exit code 2, and nothing overwritten.
 
 These run ``python -m elastic.train`` without torchrun (a world of one, as on a laptop):
-the checks happen before any collective matters, and torchrun would only repeat them.
+the checks happen before any collective matters, and torchrun would only repeat them. Each run
+is forked from the pre-imported zygote as that command line would start it
+(:mod:`tests.support.spawn`), its stdout and stderr in one log.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from checkpoints import SnapshotStore
+from tests.support.spawn import Process, python
+
+_runs = itertools.count()
 
 
-def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+@dataclass
+class _Done:
+    returncode: int
+    stderr: str  # the run's stdout and stderr together, as its log holds them
+
+
+def _start(*args: str, cwd: Path) -> tuple[Process, Path]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ELASTIC_SNAPSHOT_DIR")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "elastic.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    log = cwd / f"train-{next(_runs)}.log"
+    return python(["-m", "elastic.train", *args], log, env=env, cwd=cwd), log
+
+
+def _train(*args: str, cwd: Path) -> _Done:
+    proc, log = _start(*args, cwd=cwd)
+    try:
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return _Done(code, log.read_text(errors="replace"))
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -106,26 +128,22 @@ def test_sigterm_stops_at_a_step_boundary_flushes_and_exits_143(tmp_path: Path) 
     import signal
     import time
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ELASTIC_SNAPSHOT_DIR")}
-    env["OMP_NUM_THREADS"] = "1"
     progress, snap = tmp_path / "p.jsonl", tmp_path / "snap"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elastic.train", "--job", "mlp", "--steps", "1000000", "--dataset-size", "4096",
-         "--global-batch-size", "8", "--snapshot-every-steps", "10", "--step-sleep", "0.01",
-         "--snapshot-dir", str(snap), "--progress", str(progress)],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc, log = _start("--job", "mlp", "--steps", "1000000", "--dataset-size", "4096", "--global-batch-size", "8",
+                       "--snapshot-every-steps", "10", "--step-sleep", "0.01", "--snapshot-dir", str(snap),
+                       "--progress", str(progress), cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not (progress.exists() and len(progress.read_text().splitlines()) >= 35):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 35"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
+        proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(10)
+    stderr = log.read_text(errors="replace")
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr, stderr
     stopped = int(stderr.split("got signal 15: stopping at step ")[1].split()[0].rstrip(",;"))

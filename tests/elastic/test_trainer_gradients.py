@@ -1,6 +1,7 @@
 """The gradient is the mean over the global batch at any world size, uneven splits included.
 
-These runs use ``torch.multiprocessing.spawn`` with gloo over a FileStore instead of
+These runs use ranks started as ``torch.multiprocessing.spawn`` would (forked from a
+pre-imported zygote: :func:`tests.support.spawn.ranks`) with gloo over a FileStore instead of
 torchrun: the property is about the training step, not about rendezvous, and this keeps
 the test to a few seconds. ``ElasticRun`` reuses the process group it finds.
 """
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
@@ -20,6 +20,7 @@ from elastic.jobs.mlp import SyntheticClassification, as_batch
 from elastic.distributed import ElasticRunError
 from elastic.run_config import DataConfig, SnapshotConfig
 from elastic.trainer import ElasticRun, StepInfo
+from tests.support.spawn import ranks
 
 DATASET, GLOBAL_BATCH = 11, 10  # step 1: 10 samples (4/3/3 over 3 ranks); step 2: the 1-sample tail
 PER_RANK = 3  # fixed-per-rank at world 2: global batch 6, so lr x 6/10
@@ -89,7 +90,7 @@ def _worker(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("grads")
-    mp.spawn(_worker, args=(str(tmp),), nprocs=max(w for w, _, _ in CONFIGS), join=True)
+    ranks(_worker, (str(tmp),), max(w for w, _, _ in CONFIGS), tmp / "logs")
     return tmp
 
 

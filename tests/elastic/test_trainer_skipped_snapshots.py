@@ -2,7 +2,7 @@
 
 Users see the skips as ``elastic_snapshots_skipped_total``: rising means the disk cannot keep
 up with the snapshot interval, so the rollback after a failure grows. A real world of one
-in a spawned process (its metrics registry is its own), a real writer and disk: ~36 MB of
+in a process of its own (its metrics registry is its own; forked as mp.spawn's would start), a real writer and disk: ~36 MB of
 state snapshotted after every step of a batch of one, whose writes (hash and fsync) take
 far longer than a step.
 """
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
 from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch
 from elastic.run_config import DataConfig, SnapshotConfig
 from elastic.trainer import ElasticRun
+from tests.support.spawn import ranks
 
 STEPS = 20
 WIDTH = 3000  # 3000 x 3000 fp32 weights: 36 MB to hash and fsync per snapshot (SGD has no state)
@@ -49,7 +49,7 @@ def _train(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     tmp = tmp_path_factory.mktemp("skips")
-    mp.spawn(_train, args=(str(tmp),), nprocs=1, join=True)
+    ranks(_train, (str(tmp),), 1, tmp / "logs")
     return torch.load(Path(tmp) / "result.pt")
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -115,29 +116,21 @@ def test_forged_store_value_is_refused(store: EtcdV3Store, etcd_client: EtcdClie
         store.get("MASTER_ADDR")
 
 
-def _add_many(endpoint: str, prefix: str, times: int, results: "multiprocessing.Queue[list[int]]") -> None:
+def _add_many(rank: int, endpoint: str, prefix: str, times: int, out: str) -> None:
     host, port = endpoint.split(":")
     from agent.etcd import EtcdSettings
 
     client = EtcdClient(EtcdSettings(endpoints=((host, int(port)),)))
     store = make_store(client, prefix)
-    results.put([store.add("counter", 1) for _ in range(times)])
+    Path(out, f"adds-{rank}.json").write_text(json.dumps([store.add("counter", 1) for _ in range(times)]))
     client.close()
 
 
-def test_add_under_contention_from_several_processes(etcd_server: EmbeddedEtcd, run_id: str) -> None:
+def test_add_under_contention_from_several_processes(etcd_server: EmbeddedEtcd, run_id: str, tmp_path: Path) -> None:
     """Four processes increment one counter; no increment is lost or duplicated."""
-    ctx = multiprocessing.get_context("spawn")
-    results: "multiprocessing.Queue[list[int]]" = ctx.Queue()
+    from tests.support.spawn import ranks
+
     prefix, workers, times = f"/test/{run_id}/contended", 4, 25
-    procs = [ctx.Process(target=_add_many, args=(etcd_server.endpoint, prefix, times, results)) for _ in range(workers)]
-    for proc in procs:
-        proc.start()
-    try:
-        seen = [value for _ in procs for value in results.get(timeout=120)]
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    ranks(_add_many, (etcd_server.endpoint, prefix, times, str(tmp_path)), workers, tmp_path / "logs", timeout=120)
+    seen = [value for rank in range(workers) for value in json.loads((tmp_path / f"adds-{rank}.json").read_text())]
     assert sorted(seen) == list(range(1, workers * times + 1))
