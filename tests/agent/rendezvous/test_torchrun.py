@@ -29,7 +29,10 @@ def logs(*nodes: TorchrunNode) -> Callable[[], str]:
     return lambda: "\n".join(n.log_tail() for n in nodes)
 
 
-@pytest.mark.parametrize("victim", ["first-up", "second-up"])
+# Losing the first node up instead was a second case here (40 s of CPU: torchrun's restarts are
+# cold): what it added is covered by test_losing_rank_zeros_node_in_a_world_of_three below (the
+# node holding rank 0 and torch's bootstrap store lost) and by this case (a world down to one).
+@pytest.mark.parametrize("victim", ["second-up"])
 def test_survivor_reforms_a_world_of_one_and_trains_on(
     victim: str, etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., TorchrunNode]
 ) -> None:
