@@ -70,7 +70,7 @@ def test_a_node_with_a_full_snapshot_disk_does_not_join_until_space_is_freed(
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, nnodes="1", env=FAST,
                  metrics_port=AUTO_METRICS_PORT,
                  module_args=["--steps", "20", "--step-time", "0.01", "--progress", "{progress}"],
-                 agent_args=["--lease-ttl", "2", "--no-warm-start", "--snapshot-dir", str(disk)])
+                 agent_args=["--lease-ttl", "2", "--snapshot-dir", str(disk)])
     wait_until(lambda: "not joining the job: health check snapshot_dir" in _log(node), 60, "the health line",
                on_timeout=node.log_tail)
     line = next(ln for ln in _log(node).splitlines() if "not joining the job" in ln)
@@ -94,7 +94,7 @@ def test_a_snapshot_dir_gone_read_only_while_training_puts_its_node_out_and_back
     started = {name: nodes(name=name, endpoint=etcd_server.endpoint, run_id=run_id, nnodes="1:2", env=FAST,
                            metrics_port=AUTO_METRICS_PORT,
                            module_args=["--step-time", "0.05", "--progress", "{progress}"],
-                           agent_args=["--lease-ttl", "2", "--no-warm-start", "--snapshot-dir", str(disks[name])])
+                           agent_args=["--lease-ttl", "2", "--snapshot-dir", str(disks[name])])
                for name in ("a", "b")}
 
     def logs() -> str:
