@@ -69,7 +69,7 @@ def test_a_worker_that_hit_a_full_disk_is_named_so(
     script = tmp_path / "write.py"
     script.write_text(SCRIPT)
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, script=str(script), nnodes="1",
-                 module_args=[str(full_disk)], agent_args=["--lease-ttl", "2", "--no-warm-start"])
+                 module_args=[str(full_disk)], agent_args=["--lease-ttl", "2"])
     wait_until(lambda: "restart (worker_failed)" in node.log_path.read_text(errors="replace"), 90,
                "the restart", on_timeout=node.log_tail)
     log = node.log_path.read_text(errors="replace")
@@ -86,7 +86,7 @@ def test_a_node_whose_lease_was_lost_says_so(
 ) -> None:
     node = nodes(name="a", endpoint=etcd_server.endpoint, run_id=run_id, nnodes="1",
                  module_args=["--step-time", "0.05", "--progress", "{progress}"],
-                 agent_args=["--lease-ttl", "2", "--no-warm-start"])
+                 agent_args=["--lease-ttl", "2"])
     wait_until(lambda: node.progress(), 90, "training", on_timeout=node.log_tail)
     node.freeze()  # the agent and its workers, for three lease TTLs: etcd lets the lease expire
     try:

@@ -59,7 +59,7 @@ def test_an_agent_with_two_tiers_makes_its_local_tier_and_trains(
                  module="elastic.train",
                  module_args=["--job", "mlp", "--steps", "30", "--snapshot-every-steps", "10",
                               "--progress", "{progress}"],
-                 agent_args=["--lease-ttl", "2", "--no-warm-start", "--snapshot-dir", f"{local},{url}"])
+                 agent_args=["--lease-ttl", "2", "--snapshot-dir", f"{local},{url}"])
     wait_until(lambda: not node.alive(), 240, "the job to train to its end", on_timeout=node.log_tail)
     assert node.process is not None and node.process.returncode == 0, node.log_tail()
     log = node.log_path.read_text(errors="replace")
