@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, ContextManager
 
 from .distributed import ElasticRunError, all_gather_ints, collective_device
-from .formation import Holding, Source, TrainingWorld, heal
+from .formation import Holding, Source, StatePlan, TrainingWorld, heal
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard
@@ -89,7 +89,9 @@ class FormsWorlds:
         try:
             self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
             plan = self.world.plan(Holding(self.dist.rank, self._has_state, self.state.step), self.dist)
-            note = ""
+            note, from_peers = "", 0
+            if plan.source is Source.PEER_MEMORY:  # FSDP across every node: a lost node's shards from its buddies
+                from_peers, note = self._from_peer_memory(plan)
             if plan.source is Source.DISK:
                 t0 = time.perf_counter()
                 step, written_at = self._restore_newest()
@@ -114,7 +116,7 @@ class FormsWorlds:
             try:
                 moved = heal(plan, self.dist, wire, lambda: self.state.capture(local=local),
                              lambda state: self.state.load(state, local=local), self.plan.recent_state,
-                             self.plan.load_recent) if wire is not None else 0
+                             self.plan.load_recent) if wire is not None else from_peers
             finally:
                 if wire is not None:
                     wire.close()
@@ -131,6 +133,19 @@ class FormsWorlds:
             raise
         self._holds_state()
         return moved, note, plan.init_sync
+
+    def _from_peer_memory(self, plan: StatePlan) -> tuple[int, str]:
+        """Carry out a plan from peer memory (:mod:`elastic.inplace.fsdp_in_place`): the bytes
+        received, and a few words for the log."""
+        fsdp = getattr(self.world, "fsdp", None)
+        assert fsdp is not None, "a plan from peer memory in a world without FSDP in place"
+        t0 = time.perf_counter()
+        moved = fsdp.restore(plan.peer, plan.peer_before, self.dist,
+                             lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
+                             lambda state: self.state.load(state, local=True), self.plan.load_recent)
+        self.metrics.state_from(Source.PEER_MEMORY.value)
+        return moved, (f", from peer memory at step {plan.step} (world of {plan.peer_before} re-sharded over "
+                f"{self.dist.world_size}, {time.perf_counter() - t0:.2f} s)")
 
     def _check_same_step(self) -> None:
         steps = all_gather_ints(self.state.step, self.dist)

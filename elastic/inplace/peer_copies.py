@@ -82,6 +82,13 @@ def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) 
     return every
 
 
+def peer_copies_asked(given: int | None) -> bool:
+    """Whether the run asks for peer copies (before its backend is known: a bad value is
+    :func:`peer_copy_setting`'s to refuse, in one line)."""
+    raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
+    return raw not in ("", None, False, 0, "0")
+
+
 @dataclass(frozen=True)
 class Copy:
     """One complete copy of a rank's state, as of ``step`` (``nbytes``: its tensors' bytes)."""
@@ -364,4 +371,5 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
 
 
-__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]
+__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copies_asked", "peer_copy_setting",
+           "swap"]

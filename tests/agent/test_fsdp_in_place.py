@@ -1,0 +1,173 @@
+"""FSDP across every node, in place (issue 52): an FSDP2 script on a 1-D mesh over 3 nodes x 2
+local ranks, under ``elastic agent`` with peer copies after every step, loses a node and later
+another without restarting the survivors.
+
+The script is written as FSDP2's docs write it (``init_device_mesh`` over every rank,
+``fully_shard`` per block and on the root, AdamW after sharding) plus the prepare lines, with
+what real scripts have: its own process group, a set-up barrier, a metric all-reduce in the
+loop body, rank 0 printing. The global batch is held (12 samples a step at any world size).
+
+A node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
+ranks, each time re-sharded over the survivors from memory (the lost node's shards from the
+copies its buddy on the next node kept). Checked, as a user would: the survivors' workers
+keep their pids, no worker's step ever goes down (0 steps rolled back: K = 1, so the last
+committed step is in memory), the recovery line says ``from peer memory``, every sample of
+each epoch is trained once (the ledger), and the trained model equals an undisturbed run's
+on one node of 2 ranks within float tolerance (the global batch is the same at every size,
+the summation order is not). That a re-shard from memory equals a snapshot reload at the new
+size bit for bit is tested with real processes in tests/elastic/inplace/test_peer_reshard.py."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from agent.etcd import EmbeddedEtcd
+from agent.local.local_node import AUTO_METRICS_PORT
+from elastic.ledger import check_ledger
+from tests.support.nodes import TorchrunNode as Node
+from tests.support.waiting import wait_until
+
+FORM_TIMEOUT = 150
+DATASET = 720  # 60 steps an epoch at 12 a step
+LEASE_TTL = 5  # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
+
+FSDP = textwrap.dedent('''\
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import elastic
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            g = torch.Generator().manual_seed(3)
+            self.x, self.y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+        def __len__(self): return len(self.x)
+        def __getitem__(self, i): return self.x[i], self.y[i]
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 4))  # 30 rows: uneven cuts at 4
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Data(int(sys.argv[1])), batch_size=4)
+    ft = elastic.Elastic(global_batch_size=12,
+                         snapshots=elastic.SnapshotConfig(every_steps=8, ledger=os.environ["LEDGER"]))  # + the prepare lines
+    model, optimizer, loader = ft.prepare(model, optimizer, loader)
+    dist.barrier()  # the script's own set-up collective
+    rows = open(os.environ["ROWS"], "a")
+    for epoch in ft.epochs(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            trained = optimizer.step()
+            seen = torch.ones(1)
+            if trained and ft.step_count % 3 == 0:
+                dist.all_reduce(seen)  # the script's own metric all-reduce, in the loop body
+            if ft.rank == 0 and trained and ft.step_count % 20 == 0:
+                print(f"step {ft.step_count} loss {loss.item():.4f} world {ft.world_size}", flush=True)
+            rows.write(json.dumps({"step": ft.step_count, "world": ft.world_size, "rank": ft.rank,
+                                   "local": int(os.environ["LOCAL_RANK"]), "node": os.environ["NODE"],
+                                   "pid": os.getpid(), "time": time.time(), "seen": seen.item()}) + "\\n")
+            rows.flush()
+            time.sleep(0.05)
+    # this rank's shards of the trained model
+    torch.save({n: p.to_local().detach().clone() for n, p in model.named_parameters()},
+               os.path.join(os.environ["FINALS"], f"{os.environ['NODE']}-{os.environ['LOCAL_RANK']}.pt"))
+''')
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _finals(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.stem: torch.load(p) for p in sorted(folder.glob("*.pt"))}
+
+
+def test_fsdp_over_3_nodes_loses_two_in_turn_re_shards_from_peer_memory_and_ends_where_an_undisturbed_run_does(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    runs = {name: tmp_path / name for name in ("calm", "faulty")}
+    for folder in runs.values():
+        (folder / "finals").mkdir(parents=True)
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP)
+
+    def node(name: str, run: str, nnodes: str) -> Node:
+        env = {"OMP_NUM_THREADS": "1", "ROWS": str(runs[run] / "rows.jsonl"), "LEDGER": str(runs[run] / "ledger.jsonl"),
+               "ELASTIC_SNAPSHOT_DIR": str(runs[run] / "snapshots"), "NODE": name,
+               "FINALS": str(runs[run] / "finals"), "ELASTIC_PEER_COPY_EVERY": "1"}
+        return nodes(name=name, endpoint=etcd_server.endpoint, run_id=f"{run_id}{run}", script=str(script),
+                     module_args=[str(DATASET)], nnodes=nnodes, nproc_per_node=2, metrics_port=AUTO_METRICS_PORT,
+                     env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+
+    started = [node(n, "faulty", "1:3") for n in ("a", "b", "c")]
+    by_name = {n.name: n for n in started}
+    rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
+    every_log = lambda: "\n".join(n.log_tail(60) for n in started)  # noqa: E731
+    wait_until(lambda: any(r["world"] == 6 and r["rank"] == 0 and r["step"] >= 10 for r in _rows(rows)),
+               FORM_TIMEOUT, "FSDP over 3 nodes x 2 ranks to train", on_timeout=every_log)
+    pids = {n: {r["pid"] for r in _rows(rows) if r["node"] == n} for n in by_name}
+    assert all(len(p) == 2 for p in pids.values()), pids
+
+    def holder_of_rank0(world: int, after: float) -> str:
+        return next(r["node"] for r in _rows(rows) if r["world"] == world and r["rank"] == 0 and r["time"] > after)
+
+    first = by_name[holder_of_rank0(6, 0.0)]
+    first_at = time.time()
+    first.kill()  # rank 0's node, its whole process tree
+    wait_until(lambda: any(r["world"] == 4 and r["rank"] == 0 and r["time"] > first_at for r in _rows(rows)),
+               FORM_TIMEOUT, f"two nodes to train on without {first.name}, in place", on_timeout=every_log)
+    wait_until(lambda: any(r["world"] == 4 and r["rank"] == 0 and r["step"] % 3 == 0 and r["time"] > first_at
+                           for r in _rows(rows)), FORM_TIMEOUT, "a step in the world of 4 with the metric all-reduce",
+               on_timeout=every_log)
+    second = by_name[holder_of_rank0(4, first_at)]  # rank 0's node again: the keeper is the other one
+    kept = next(n for n in started if n not in (first, second))
+    second_at = time.time()
+    second.kill()
+    wait_until(lambda: not kept.alive(), FORM_TIMEOUT, f"node {kept.name} to finish alone", on_timeout=every_log)
+    calm = node("r", "calm", "1:1")  # the undisturbed run after it: 9 training processes at once starve 2 cores
+    started.append(calm)
+    wait_until(lambda: not calm.alive(), FORM_TIMEOUT, "the undisturbed run to finish", on_timeout=every_log)
+    for n in (kept, calm):
+        assert n.process is not None and n.process.returncode == 0, every_log()
+
+    every = _rows(rows)
+    assert {r["pid"] for r in every if r["node"] == kept.name} == pids[kept.name], "the keeper's workers restarted"
+    assert {r["pid"] for r in every if r["node"] == second.name} == pids[second.name], \
+        "the first kill restarted a survivor's workers"
+    assert [w for w in (6, 4, 2) if any(r["world"] == w for r in every)] == [6, 4, 2], sorted({r["world"] for r in every})
+    for pid in {r["pid"] for r in every}:  # 0 steps rolled back: a worker's committed step never goes down
+        steps = [r["step"] for r in every if r["pid"] == pid]
+        assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
+    for killed_at, world in ((first_at, 4), (second_at, 2)):  # and the first step after a loss follows the last before
+        before = max(r["step"] for r in every if r["time"] < killed_at)
+        after = min(r["step"] for r in every if r["world"] == world and r["time"] > killed_at)
+        assert after <= before + 1, f"world {world} went on from step {after}, the last trained before was {before}"
+    assert any(r["seen"] == 6.0 for r in every if r["world"] == 6), "the metric all-reduce never spanned 6 ranks"
+    assert any(r["seen"] == 4.0 for r in every if r["world"] == 4), "the metric all-reduce never spanned 4 ranks"
+    log = "\n".join(n.log_path.read_text() for n in (first, second, kept))
+    assert "in-place recovery off" not in log and "Traceback" not in log, every_log()
+    assert log.count("from peer memory at step") == 2, every_log()
+    assert "resumed from snapshot step" not in log, every_log()
+    report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
+    assert report.ok, report.violations
+
+    faulty, reference = _finals(runs["faulty"] / "finals"), _finals(runs["calm"] / "finals")
+    assert sorted(faulty) == [f"{kept.name}-0", f"{kept.name}-1"] and sorted(reference) == ["r-0", "r-1"], faulty
+    for local in (0, 1):
+        for name, tensor in faulty[f"{kept.name}-{local}"].items():
+            twin = reference[f"r-{local}"][name]
+            assert torch.allclose(tensor, twin, rtol=0, atol=1e-6), (name, (tensor - twin).abs().max().item())
