@@ -92,6 +92,8 @@ class StatePlan:
     # PEER_MEMORY: the plan over the world before (elastic.inplace.copy_plan.CopyPlan) and that world's size
     peer: Any = None
     peer_before: int = 0
+    # DISK: why an empty disk cannot mean a fresh start (the state was held but is gone), for one line
+    no_fresh_start: str = ""
 
     @property
     def healed(self) -> list[int]:

@@ -98,9 +98,14 @@ class FormsWorlds:
                 self.metrics.restored(time.perf_counter() - t0, written_at)
                 if plan.check_same_step:
                     self._check_same_step()
+                if step < 0 and plan.no_fresh_start:  # the shards were cut anew: nothing left to start from
+                    raise ElasticRunError(f"{plan.no_fresh_start.replace('; resuming from the newest snapshot', '')}"
+                                          f", and {self.snapshots.root} holds no snapshot to resume from; start the "
+                                          "job again (or give it a snapshot directory)")
                 if step < 0:
                     plan = plan.fresh(self.dist.world_size)
-                    note = ", from node 0's fresh shards" if plan.local_shards else ", from rank 0's fresh state"
+                    note = ", from node 0's fresh shards" if plan.local_shards else \
+                        ", from each rank's own fresh shards" if plan.fresh_sources == {} else ", from rank 0's fresh state"
                     self.metrics.state_from(Source.FRESH.value)
                 else:
                     note = f", from snapshot step {step} (no replica held state)"

@@ -77,7 +77,8 @@ def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: 
     return world.hsdp
 
 
-def take_over_fsdp(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: Any, copies: Any) -> Any:
+def take_over_fsdp(module: nn.Module, optimizer: torch.optim.Optimizer, layout: "MeshLayout | None", world: Any,
+                   sync: Any, copies: Any) -> Any:
     """FSDP across every node in an in-place world (peer copies on): the run re-forms the
     script's 1-D mesh at every formation and takes a lost node's shards from its buddies'
     memory (:class:`elastic.inplace.fsdp_in_place.FsdpInPlace`); None otherwise."""
@@ -87,7 +88,7 @@ def take_over_fsdp(module: nn.Module, layout: "MeshLayout | None", world: Any, s
         return None
     from .inplace.fsdp_in_place import FsdpInPlace
 
-    world.fsdp = FsdpInPlace(module, sync, copies, fence=world.membership.fence)
+    world.fsdp = FsdpInPlace(module, optimizer, sync, copies, fence=world.membership.fence)
     world.membership.whole_node = True  # a node's ranks hold one node's positions: restarted together
     return world.fsdp
 

@@ -333,7 +333,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.copies = PeerCopies(peer_copy_setting(peer_copy_every, self.mesh, self.dist, self._where),
                                      self.metrics)
             # FSDP across every node, in place: a lost node's shards from the buddies' copies (elastic.inplace.fsdp_in_place)
-            self.fsdp = sharded.take_over_fsdp(self.state.module, self.mesh, self.world, self.sync, self.copies)
+            self.fsdp = sharded.take_over_fsdp(self.state.module, self.state.optimizer, self.mesh, self.world, self.sync,
+                                               self.copies)
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
             self._has_state = False  # a fresh process holds nothing until restored or healed

@@ -49,10 +49,11 @@ log = logging.getLogger("elastic.trainer")
 class FsdpInPlace:
     """The takeover of one FSDP2 model's 1-D mesh; see the module's doc."""
 
-    def __init__(self, model: nn.Module, sync: Any, copies: PeerCopies, fence: SocketFence | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any, copies: PeerCopies,
+                 fence: SocketFence | None = None) -> None:
         from torch.distributed.tensor import DTensor
 
-        self.model, self.sink, self.copies, self.fence = model, sync, copies, fence
+        self.model, self.optimizer, self.sink, self.copies, self.fence = model, optimizer, sync, copies, fence
         mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
         self.mesh, self.names = mesh, tuple(mesh.mesh_dim_names or ("shard",))
         self.device_type = mesh.device_type
@@ -101,6 +102,9 @@ class FsdpInPlace:
                 fsdp_private.point_at(g, info_)
         else:
             fsdp_private.reshard(self.model, self.mesh)
+            # the optimizer's state of the old cut goes too: what loads next (memory, or the disk,
+            # whose loader builds the state for the new cut afresh) brings the new cut's
+            self.optimizer.state.clear()
             self.cut = (info.rank, world)
         self.sink.failure = None
 

@@ -153,10 +153,13 @@ class InPlaceWorld(TrainingWorld):
         decided, before = self.fsdp.decide(info, mine.has_state, mine.step)
         if decided is not None and decided.from_memory:
             return StatePlan(Source.PEER_MEMORY, step=decided.step, peer=decided, peer_before=before)
-        if decided is not None and info.rank == 0:
-            log.warning("%s", self.fsdp.lost_line(decided, self._node_ranks))
+        why = ""
+        if decided is not None:
+            why = self.fsdp.lost_line(decided, self._node_ranks)
+            if info.rank == 0:
+                log.warning("%s", why)
         self.fsdp.rebuild(info)  # the shards cut for this world; the disk (or a fresh start) fills them
-        return StatePlan(Source.DISK, check_same_step=decided is not None, fresh_sources={})
+        return StatePlan(Source.DISK, check_same_step=decided is not None, fresh_sources={}, no_fresh_start=why)
 
     def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
         """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
