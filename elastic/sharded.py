@@ -23,7 +23,8 @@ they are unit-tested in milliseconds.
 **How a sharded run recovers.** HSDP (replicas across nodes, shards inside one) recovers in
 place under ``elastic agent`` (:mod:`elastic.inplace.hsdp`): a lost node shrinks the
 mesh's replicate dimension without a restart, a joiner is healed shard by shard from a live
-replica. A model sharded across every node has no replica to heal from: it takes the
+replica. A model sharded across every node has no replica to heal from: with peer copies on
+it recovers in place from them (:mod:`elastic.inplace.fsdp_in_place`); without, it takes the
 restart path (one line says so, :func:`restart_reason`), as does any sharded run under
 plain torchrun, and every restart resumes from the newest snapshot. Snapshots of a sharded
 model hold its full state (:func:`full_state`, gathered to rank 0 by

@@ -59,8 +59,8 @@ PROBE_COPIES = 3  # copies after consecutive steps, timed, before AUTO settles o
 def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) -> int:
     """Steps between copies: ``peer_copy_every=`` or ``ELASTIC_PEER_COPY_EVERY``; 0: off;
     ``on`` (or True): :data:`AUTO`, the fewest steps that keep the copies within
-    :data:`COST_GOAL` of a step, measured. Off unless asked for, until a lost node's state is
-    taken from them (issue 52's next step); off with one line on a backend other than gloo."""
+    :data:`COST_GOAL` of a step, measured. Off unless asked for (with them, FSDP across every
+    node recovers in place: :mod:`.fsdp_in_place`); off with one line on a backend other than gloo."""
     raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
     if raw == "" or raw is None or raw is False:
         return 0
