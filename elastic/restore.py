@@ -52,6 +52,7 @@ class FormsWorlds:
         def _where(self) -> str: ...
         def _between_worlds(self) -> ContextManager[None]: ...
         def _new_world(self) -> None: ...
+        def _usage_error(self, exc: Exception) -> None: ...
 
     def _form(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
         """Form a world (:mod:`elastic.formation`): join its group, stand every rank on one
@@ -99,9 +100,10 @@ class FormsWorlds:
                 if plan.check_same_step:
                     self._check_same_step()
                 if step < 0 and plan.no_fresh_start:  # the shards were cut anew: nothing left to start from
-                    raise ElasticRunError(f"{plan.no_fresh_start.replace('; resuming from the newest snapshot', '')}"
-                                          f", and {self.snapshots.root} holds no snapshot to resume from; start the "
-                                          "job again (or give it a snapshot directory)")
+                    self._usage_error(ElasticRunError(  # one line, exit 2 (mid-loop too: never a traceback)
+                        f"{plan.no_fresh_start.replace('; resuming from the newest snapshot', '')}, and "
+                        f"{self.snapshots.root} holds no snapshot to resume from; start the job again (or give it a "
+                        "snapshot directory)"))
                 if step < 0:
                     plan = plan.fresh(self.dist.world_size)
                     note = ", from node 0's fresh shards" if plan.local_shards else \
