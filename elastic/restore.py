@@ -53,6 +53,7 @@ class FormsWorlds:
         def _between_worlds(self) -> ContextManager[None]: ...
         def _new_world(self) -> None: ...
         def _usage_error(self, exc: Exception) -> None: ...
+        def _seed_copies(self) -> None: ...
 
     def _form(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
         """Form a world (:mod:`elastic.formation`): join its group, stand every rank on one
@@ -69,6 +70,7 @@ class FormsWorlds:
             try:
                 moved, note, init_sync = self._take_state()
                 self.sync.build(self.dist, init_sync=init_sync)
+                self._seed_copies()  # FSDP in place: the new world's first peer copy, before its first step
             except CollectiveFailure as exc:
                 log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
                           joined.round, exc)

@@ -482,10 +482,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
         self._check.forget()  # every rank of the new world keeps a baseline at its first batch
-        self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
-        if self.fsdp is not None:  # this rank's position from now on; FSDP2's collectives record a lost peer
-            self.fsdp.formed(self.dist)
-            self.fsdp.guard()
+        if self.fsdp is None:  # (FSDP in place: done as the world formed, _seed_copies)
+            self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
 
     # ------------------------------------------------------------------ 2. training
 
@@ -752,7 +750,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
 
-    def _copy_to_peer(self, now_s: float) -> bool:
+    def _copy_to_peer(self, now_s: float, force: bool = False) -> bool:
         """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
         False: the exchange failed, and the step is not committed."""
         if not self.copies.on:
@@ -762,7 +760,22 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
-                                          collective_device(d), step_seconds=now_s)
+                                          collective_device(d), step_seconds=now_s, force=force)
+
+    def _seed_copies(self) -> None:
+        """FSDP across every node, in place, as a world forms: this rank's position from now on,
+        FSDP2's collectives guarded, and a copy of the step every rank now stands on, whatever
+        ``K``. The copies of the world before were of its positions and cut, so they are
+        dropped; without this copy a second loss before the new world's first due one would
+        find a lost node's shards nowhere in memory. A peer lost during it: the world forms again."""
+        if self.fsdp is None:
+            return
+        self.copies.world_formed(self.round)
+        self.fsdp.formed(self.dist)
+        self.fsdp.guard()
+        if not self._copy_to_peer(0.0, force=True):
+            failure, self.copies.failure = self.copies.failure, None
+            raise CollectiveFailure(failure or "a peer copy's exchange failed")
 
     def _abandon_applied(self, epoch: int) -> StepResult:
         """The step was applied here but its peer copies are not complete on every rank: it is

@@ -295,15 +295,17 @@ class PeerCopies:
         return self.on and step % self.every == 0
 
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
-                   capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0) -> bool:
-        """After applied step ``step``: copy and exchange when due. False: the exchange failed
+                   capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0,
+                   force: bool = False) -> bool:
+        """After applied step ``step``: copy and exchange when due (``force``: now, whatever
+        ``K``: a world just formed, :meth:`elastic.trainer.ElasticRun._seed_copies`). False: the exchange failed
         (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
         complete at some buddies and not at others, so the previous ones are kept.
 
         A copy is made current where it arrived whole; the previous one is dropped only once
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
         both: whichever step the ranks can all stand on after a loss, each still has it."""
-        if not self.due(step) or world_size < 2:
+        if not (self.due(step) or (force and self.on)) or world_size < 2:
             self._lag(step)
             return True
         started = time.perf_counter()
