@@ -153,8 +153,10 @@ class FormsWorlds:
                              lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
                              lambda state: self.state.load(state, local=True), self.plan.load_recent)
         self.metrics.state_from(Source.PEER_MEMORY.value)
-        return moved, (f", from peer memory at step {plan.step} (world of {plan.peer_before} re-sharded over "
-                f"{self.dist.world_size}, {time.perf_counter() - t0:.2f} s)")
+        how = (f"world of {plan.peer_before} kept, the lost ranks filled from their buddies' copies"
+               if plan.peer_before == self.dist.world_size else
+               f"world of {plan.peer_before} re-sharded over {self.dist.world_size}")
+        return moved, f", from peer memory at step {plan.step} ({how}, {time.perf_counter() - t0:.2f} s)"
 
     def _check_same_step(self) -> None:
         steps = all_gather_ints(self.state.step, self.dist)
