@@ -7,7 +7,9 @@ The script is written as FSDP2's docs write it (``init_device_mesh`` over every 
 what real scripts have: its own process group, a set-up barrier, a metric all-reduce in the
 loop body, rank 0 printing. The global batch is held (12 samples a step at any world size).
 
-A node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
+First one worker is SIGKILLed alone: its agent starts that node's two ranks again together
+and they are filled from the copies their buddy kept (world of 6 kept, no other worker
+restarted). Then a node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
 ranks, each time re-sharded over the survivors from memory (the lost node's shards from the
 copies its buddy on the next node kept). Checked, as a user would: the survivors' workers
 keep their pids, no worker's step ever goes down (0 steps rolled back: K = 1, so the last
@@ -20,6 +22,8 @@ size bit for bit is tested with real processes in tests/elastic/inplace/test_pee
 from __future__ import annotations
 
 import json
+import os
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -135,11 +139,24 @@ def test_fsdp_over_3_nodes_loses_two_in_turn_re_shards_from_peer_memory_and_ends
     every_log = lambda: "\n".join(n.log_tail(60) for n in started)  # noqa: E731
     wait_until(lambda: any(r["world"] == 6 and r["rank"] == 0 and r["step"] >= 10 for r in _rows(rows)),
                FORM_TIMEOUT, "FSDP over 3 nodes x 2 ranks to train", on_timeout=every_log)
-    pids = {n: {r["pid"] for r in _rows(rows) if r["node"] == n} for n in by_name}
-    assert all(len(p) == 2 for p in pids.values()), pids
 
     def holder_of_rank0(world: int, after: float) -> str:
         return next(r["node"] for r in _rows(rows) if r["world"] == world and r["rank"] == 0 and r["time"] > after)
+
+    # a worker SIGKILLed alone: its agent starts the node's two ranks again together (they hold one
+    # node's positions), and they are filled from the copies their buddy kept; no other worker restarts
+    hit = next(n for n in sorted(by_name) if n != holder_of_rank0(6, 0.0))
+    old = {r["local"]: r["pid"] for r in _rows(rows) if r["node"] == hit}
+    others = {r["pid"] for r in _rows(rows) if r["node"] != hit}
+    assert len(old) == 2 and len(others) == 4, (old, others)
+    crashed_at = time.time()
+    os.kill(old[1], signal.SIGKILL)
+    wait_until(lambda: len({r["pid"] for r in _rows(rows) if r["node"] == hit and r["pid"] not in old.values()
+                            and r["world"] == 6 and r["time"] > crashed_at}) == 2,
+               FORM_TIMEOUT, f"node {hit}'s ranks started again and training in the world of 6", on_timeout=every_log)
+    pids = {n: {r["pid"] for r in _rows(rows) if r["node"] == n and r["pid"] not in old.values()} for n in by_name}
+    assert all(len(p) == 2 for p in pids.values()), pids
+    assert pids[hit].isdisjoint(old.values()) and set().union(*(pids[n] for n in by_name if n != hit)) == others
 
     first = by_name[holder_of_rank0(6, 0.0)]
     first_at = time.time()
@@ -161,22 +178,25 @@ def test_fsdp_over_3_nodes_loses_two_in_turn_re_shards_from_peer_memory_and_ends
         assert n.process is not None and n.process.returncode == 0, every_log()
 
     every = _rows(rows)
-    assert {r["pid"] for r in every if r["node"] == kept.name} == pids[kept.name], "the keeper's workers restarted"
-    assert {r["pid"] for r in every if r["node"] == second.name} == pids[second.name], \
+    later = [r for r in every if r["time"] > crashed_at + 0.05]  # (rows the killed worker's peer wrote as it died)
+    assert {r["pid"] for r in later if r["node"] == kept.name} == pids[kept.name], "the keeper's workers restarted"
+    assert {r["pid"] for r in later if r["node"] == second.name} == pids[second.name], \
         "the first kill restarted a survivor's workers"
     assert [w for w in (6, 4, 2) if any(r["world"] == w for r in every)] == [6, 4, 2], sorted({r["world"] for r in every})
     for pid in {r["pid"] for r in every}:  # 0 steps rolled back: a worker's committed step never goes down
         steps = [r["step"] for r in every if r["pid"] == pid]
         assert steps == sorted(steps), f"worker {pid} rolled back: {steps}"
-    for killed_at, world in ((first_at, 4), (second_at, 2)):  # and the first step after a loss follows the last before
+    for killed_at, world in ((crashed_at, 6), (first_at, 4), (second_at, 2)):  # and the first step after a loss follows the last before
         before = max(r["step"] for r in every if r["time"] < killed_at)
-        after = min(r["step"] for r in every if r["world"] == world and r["time"] > killed_at)
+        after = min(r["step"] for r in every if r["world"] == world and r["time"] > killed_at + 0.05)
         assert after <= before + 1, f"world {world} went on from step {after}, the last trained before was {before}"
     assert any(r["seen"] == 6.0 for r in every if r["world"] == 6), "the metric all-reduce never spanned 6 ranks"
     assert any(r["seen"] == 4.0 for r in every if r["world"] == 4), "the metric all-reduce never spanned 4 ranks"
     log = "\n".join(n.log_path.read_text() for n in (first, second, kept))
     assert "in-place recovery off" not in log and "Traceback" not in log, every_log()
-    assert log.count("from peer memory at step") == 2, every_log()
+    assert log.count("from peer memory at step") == 3, every_log()
+    assert "world of 6 kept, the lost ranks filled from their buddies' copies" in log, every_log()
+    assert "starting local rank(s) [0, 1] again" in by_name[hit].log_path.read_text(), every_log()
     assert "resumed from snapshot step" not in log, every_log()
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
     assert report.ok, report.violations
