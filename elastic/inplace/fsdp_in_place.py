@@ -79,12 +79,8 @@ class FsdpInPlace:
         return by_position(reports, before), before
 
     def lost_line(self, decided: CopyPlan, node_ranks: Mapping[str, Sequence[int]]) -> str:
-        """Why the world cannot stand on a step from memory (``node_ranks``: the world before's
-        ranks by node)."""
-        node_of = {r: node for node, ranks in node_ranks.items() for r in ranks}
-        by_node = sorted((sorted(ranks) for ranks in node_ranks.values() if ranks), key=lambda rs: rs[0])
-        keeper_of = {rank: holder for rank, holder in buddies.ring(by_node).items()}
-        return lost_together_line(decided.missing, node_of, keeper_of)
+        """Why the world cannot stand on a step from memory (:func:`lost_line`)."""
+        return lost_line(decided.missing, node_ranks)
 
     def rebuild(self, info: DistInfo) -> None:
         """The script's mesh over the current world, its shards cut anew if their place or the
@@ -143,6 +139,15 @@ class FsdpInPlace:
         fsdp_guard.guard(self.model, self.sink)
 
 
+def lost_line(missing: Sequence[int], node_ranks: Mapping[str, Sequence[int]]) -> str:
+    """Why the world cannot stand on a step from memory, in one line: ``missing``, the
+    positions held nowhere; ``node_ranks``, the world before's ranks by node (its ring of
+    buddies is computed again from them, as every rank computed it). Pure."""
+    node_of = {r: node for node, ranks in node_ranks.items() for r in ranks}
+    by_node = sorted((sorted(ranks) for ranks in node_ranks.values() if ranks), key=lambda rs: rs[0])
+    return lost_together_line(missing, node_of, buddies.ring(by_node))
+
+
 def _all_gather_ints(row: list[int], world: int, device: torch.device) -> list[list[int]]:
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
@@ -150,4 +155,4 @@ def _all_gather_ints(row: list[int], world: int, device: torch.device) -> list[l
     return [t.tolist() for t in out]
 
 
-__all__ = ["FsdpInPlace"]
+__all__ = ["FsdpInPlace", "lost_line"]
