@@ -66,7 +66,13 @@ training, the clock from the kill to node a's first step in a world of 2:
 * ``hsdp-restart-kill``: HSDP with ``--no-in-place``: the restart path, resumed from the
   newest snapshot, as torchrun's restart-from-DCP would;
 * ``hsdp-freeze``, ``ddp-prepared-freeze``: node b frozen (SIGSTOP) instead of killed, HSDP
-  against the same model under DDP, both in place.
+  against the same model under DDP, both in place;
+* ``fsdp-kill`` (issue 52): the same model sharded across every node (a 1-D mesh over all
+  four ranks) with peer copies after every step (``ELASTIC_PEER_COPY_EVERY=1``), in place:
+  node a re-shards the whole state over its two ranks from its live shards and the copies it
+  kept of node b's; the summary prints it beside ``hsdp-kill`` (goal: within 1.5x) and
+  ``fsdp-restart-kill``, the same 1-D model without copies (the restart path, resumed from
+  the newest snapshot), measured in the same run.
 
 Joins (no fault: how long the first node's training stood still while another joined):
 
@@ -90,6 +96,7 @@ thawed then), as faults cluster in real life; every SIGKILL's recovery counted, 
     python bench/recovery.py --trials 5 --configs freeze,freeze-host,freeze-host-spare
     python bench/recovery.py --trials 5 --configs ours-kill-joining,ours-stop-joining,ours-kill-joining-lease
     python bench/recovery.py --trials 5 --configs hsdp-kill,ddp-prepared-kill,hsdp-restart-kill
+    python bench/recovery.py --trials 3 --configs fsdp-kill,hsdp-kill,fsdp-restart-kill
 """
 
 from __future__ import annotations
@@ -119,7 +126,7 @@ CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "ours-kill-spare", "ours
            "churn-ours", "churn-restart", "churn-c10d-tuned", "freeze", "freeze-lease", "freeze-host",
            "freeze-host-spare", "freeze-host-spare-early", "freeze-host-joining", "ours-kill-joining",
            "ours-stop-joining", "ours-kill-joining-lease", "hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill",
-           "hsdp-freeze", "ddp-prepared-freeze", "hsdp-join-large")
+           "hsdp-freeze", "ddp-prepared-freeze", "hsdp-join-large", "fsdp-kill", "fsdp-restart-kill")
 STEADY_S = 10.0  # script-*: seconds of steady training before each fault
 DEFAULT_CONFIGS = ("ours-kill", "ours-stop", "ours-kill-rank0", "restart-kill", "restart-stop", "c10d-tuned")
 TUNED = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
@@ -153,7 +160,7 @@ PREPARED_SCRIPT = textwrap.dedent('''\
     from torch import nn
     import elastic
 
-    sharded = sys.argv[2] == "hsdp"
+    sharded = sys.argv[2] in ("hsdp", "fsdp")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     width = int(sys.argv[3]) if len(sys.argv) > 3 else 256  # hsdp-join-large: shards worth timing a heal of
@@ -162,7 +169,11 @@ PREPARED_SCRIPT = textwrap.dedent('''\
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         local = int(os.environ["LOCAL_WORLD_SIZE"])
-        mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local), mesh_dim_names=("replicate", "shard"))
+        if sys.argv[2] == "fsdp":  # across every node: no replica (peer copies, or the restart path)
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+        else:
+            mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local),
+                                    mesh_dim_names=("replicate", "shard"))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -207,7 +218,8 @@ def make_nodes(config: str, names: tuple[str, ...], work: Path, etcd: EmbeddedEt
     if job is None:
         job = ["--job", "mlp", "--steps", "1000000", "--snapshot-dir", str(workdir / "snapshots"),
                "--snapshot-every-steps", "20", "--step-sleep", "0.02", "--progress", "{progress}"]
-    env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config.endswith("-lease") else {})}
+    env = {"OMP_NUM_THREADS": "1", **({"ELASTIC_FREEZE_PROBE": "0"} if config.endswith("-lease") else {}),
+           **({"ELASTIC_PEER_COPY_EVERY": "1"} if config == "fsdp-kill" else {})}
     common: dict[str, Any] = dict(run_id=run_id, workdir=workdir, module=module, module_args=job,
                                   nnodes=nnodes or f"1:{len(names)}", script=script, env=env, nproc_per_node=nproc)
     nodes = []
@@ -482,7 +494,7 @@ def sharded_trial(config: str, work: Path, etcd: EmbeddedEtcd, lease_ttl: int, g
     in a world of 2."""
     script = work / "prepared_train.py"
     script.write_text(PREPARED_SCRIPT)
-    kind = "ddp" if config.startswith("ddp") else "hsdp"
+    kind = "ddp" if config.startswith("ddp") else "fsdp" if config.startswith("fsdp") else "hsdp"
     nodes = make_nodes(config, ("a", "b"), work, etcd, lease_ttl, job=["{progress}", kind], script=str(script),
                        nproc=2)
     for node in nodes:
@@ -739,7 +751,7 @@ def main() -> int:
                     else:
                         continue
                 elif config in ("hsdp-kill", "ddp-prepared-kill", "hsdp-restart-kill", "hsdp-freeze",
-                                "ddp-prepared-freeze"):
+                                "ddp-prepared-freeze", "fsdp-kill", "fsdp-restart-kill"):
                     values = [sharded_trial(config, work, etcd, args.lease_ttl, args.give_up)]
                 elif config.startswith(("script", "torchrun-script")):
                     values = script_trial(config, work, etcd, args.lease_ttl, args.give_up)
@@ -790,6 +802,12 @@ def main() -> int:
         print(f"\nkill while a join is pending: to the first step without the node {joining:.2f} s (median; goal "
               f"<= 1.0 s) beside {joining_lease:.2f} s at the lease TTL (ours-kill-joining-lease, "
               f"ELASTIC_FREEZE_PROBE=0): {joining / joining_lease:.2f}x")
+    fsdp, hsdp, fsdp_restart = (_median(results.get(c, [])) for c in ("fsdp-kill", "hsdp-kill", "fsdp-restart-kill"))
+    if fsdp is not None and hsdp:
+        print(f"\nfsdp-kill (across every node, in place from peer memory): kill to first step {fsdp:.2f} s (median) "
+              f"beside hsdp-kill {hsdp:.2f} s: {fsdp / hsdp:.2f}x (goal <= 1.5x)"
+              + (f"; the restart path (fsdp-restart-kill) {fsdp_restart:.2f} s: {fsdp / fsdp_restart:.2f}x, plus the "
+                 "steps since its snapshot" if fsdp_restart else ""))
     print(f"\nlease TTL {args.lease_ttl} s; give-up {args.give_up:.0f} s; work dir {work}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "extra": extra}, indent=1))

@@ -47,6 +47,7 @@ class Source(str, Enum):
     DISK = "disk"  # every rank loads the newest snapshot (none on disk: FRESH)
     REPLICA = "replica"  # healed from a rank that holds the agreed step
     FRESH = "fresh"  # nothing anywhere: the script's freshly built state is the start
+    PEER_MEMORY = "peer-memory"  # FSDP across every node: a lost node's shards from its buddies' copies
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ class StatePlan:
     # HSDP in place: a heal moves each rank's own shards, to the same local rank of another node
     local_shards: bool = False
     fresh_sources: Mapping[int, int] | None = None  # DISK, none there: who sends the fresh state (default: rank 0)
+    # PEER_MEMORY: the plan over the world before (elastic.inplace.copy_plan.CopyPlan) and that world's size
+    peer: Any = None
+    peer_before: int = 0
+    # DISK: why an empty disk cannot mean a fresh start (the state was held but is gone), for one line
+    no_fresh_start: str = ""
 
     @property
     def healed(self) -> list[int]:

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, ContextManager
 
 from .distributed import ElasticRunError, all_gather_ints, collective_device
-from .formation import Holding, Source, TrainingWorld, heal
+from .formation import Holding, Source, StatePlan, TrainingWorld, heal
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard
@@ -52,6 +52,8 @@ class FormsWorlds:
         def _where(self) -> str: ...
         def _between_worlds(self) -> ContextManager[None]: ...
         def _new_world(self) -> None: ...
+        def _usage_error(self, exc: Exception) -> None: ...
+        def _seed_copies(self) -> None: ...
 
     def _form(self, reason: str, min_round: int = 0, since: float | None = None) -> None:
         """Form a world (:mod:`elastic.formation`): join its group, stand every rank on one
@@ -68,6 +70,7 @@ class FormsWorlds:
             try:
                 moved, note, init_sync = self._take_state()
                 self.sync.build(self.dist, init_sync=init_sync)
+                self._seed_copies()  # FSDP in place: the new world's first peer copy, before its first step
             except CollectiveFailure as exc:
                 log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
                           joined.round, exc)
@@ -89,16 +92,24 @@ class FormsWorlds:
         try:
             self.snapshots.attach(self.dist)  # rank 0 may be new: it opens the writer and ledger
             plan = self.world.plan(Holding(self.dist.rank, self._has_state, self.state.step), self.dist)
-            note = ""
+            note, from_peers = "", 0
+            if plan.source is Source.PEER_MEMORY:  # FSDP across every node: a lost node's shards from its buddies
+                from_peers, note = self._from_peer_memory(plan)
             if plan.source is Source.DISK:
                 t0 = time.perf_counter()
                 step, written_at = self._restore_newest()
                 self.metrics.restored(time.perf_counter() - t0, written_at)
                 if plan.check_same_step:
                     self._check_same_step()
+                if step < 0 and plan.no_fresh_start:  # the shards were cut anew: nothing left to start from
+                    self._usage_error(ElasticRunError(  # one line, exit 2 (mid-loop too: never a traceback)
+                        f"{plan.no_fresh_start.replace('; resuming from the newest snapshot', '')}, and "
+                        f"{self.snapshots.root} holds no snapshot to resume from; start the job again (or give it a "
+                        "snapshot directory)"))
                 if step < 0:
                     plan = plan.fresh(self.dist.world_size)
-                    note = ", from node 0's fresh shards" if plan.local_shards else ", from rank 0's fresh state"
+                    note = ", from node 0's fresh shards" if plan.local_shards else \
+                        ", from each rank's own fresh shards" if plan.fresh_sources == {} else ", from rank 0's fresh state"
                     self.metrics.state_from(Source.FRESH.value)
                 else:
                     note = f", from snapshot step {step} (no replica held state)"
@@ -114,7 +125,7 @@ class FormsWorlds:
             try:
                 moved = heal(plan, self.dist, wire, lambda: self.state.capture(local=local),
                              lambda state: self.state.load(state, local=local), self.plan.recent_state,
-                             self.plan.load_recent) if wire is not None else 0
+                             self.plan.load_recent) if wire is not None else from_peers
             finally:
                 if wire is not None:
                     wire.close()
@@ -131,6 +142,21 @@ class FormsWorlds:
             raise
         self._holds_state()
         return moved, note, plan.init_sync
+
+    def _from_peer_memory(self, plan: StatePlan) -> tuple[int, str]:
+        """Carry out a plan from peer memory (:mod:`elastic.inplace.fsdp_in_place`): the bytes
+        received, and a few words for the log."""
+        fsdp = getattr(self.world, "fsdp", None)
+        assert fsdp is not None, "a plan from peer memory in a world without FSDP in place"
+        t0 = time.perf_counter()
+        moved = fsdp.restore(plan.peer, plan.peer_before, self.dist,
+                             lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
+                             lambda state: self.state.load(state, local=True), self.plan.load_recent)
+        self.metrics.state_from(Source.PEER_MEMORY.value)
+        how = (f"world of {plan.peer_before} kept, the lost ranks filled from their buddies' copies"
+               if plan.peer_before == self.dist.world_size else
+               f"world of {plan.peer_before} re-sharded over {self.dist.world_size}")
+        return moved, f", from peer memory at step {plan.step} ({how}, {time.perf_counter() - t0:.2f} s)"
 
     def _check_same_step(self) -> None:
         steps = all_gather_ints(self.state.step, self.dist)

@@ -23,7 +23,8 @@ they are unit-tested in milliseconds.
 **How a sharded run recovers.** HSDP (replicas across nodes, shards inside one) recovers in
 place under ``elastic agent`` (:mod:`elastic.inplace.hsdp`): a lost node shrinks the
 mesh's replicate dimension without a restart, a joiner is healed shard by shard from a live
-replica. A model sharded across every node has no replica to heal from: it takes the
+replica. A model sharded across every node has no replica to heal from: with peer copies on
+it recovers in place from them (:mod:`elastic.inplace.fsdp_in_place`); without, it takes the
 restart path (one line says so, :func:`restart_reason`), as does any sharded run under
 plain torchrun, and every restart resumes from the newest snapshot. Snapshots of a sharded
 model hold its full state (:func:`full_state`, gathered to rank 0 by
@@ -50,19 +51,21 @@ RESTART_REASON = ("the model is sharded (FSDP2/HSDP) and cannot recover in place
                   "restarts the workers and they resume from the newest snapshot")
 
 
-def restart_reason(model: nn.Module, layout: "MeshLayout | None") -> str | None:
-    """Why this model takes the restart path (None: not sharded, or HSDP, which recovers in place)."""
+def restart_reason(model: nn.Module, layout: "MeshLayout | None", peer_copies: bool = False) -> str | None:
+    """Why this model takes the restart path (None: not sharded, or HSDP, which recovers in place,
+    or sharded across every node with peer copies asked for)."""
     if layout is None:
         return None
     from .inplace.hsdp import off_reason
 
-    why = off_reason(model, layout.kinds)
+    why = off_reason(model, layout.kinds, peer_copies)
     return None if why is None else f"the model is sharded (FSDP2/HSDP): {why}"
 
 
 def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: Any) -> Any:
     """HSDP in an in-place world: the run re-forms the script's mesh at every formation
-    (:class:`elastic.inplace.hsdp.HsdpInPlace`); None otherwise."""
+    (:class:`elastic.inplace.hsdp.HsdpInPlace`); None otherwise (FSDP across every node:
+    :func:`take_over_fsdp`)."""
     from .inplace.in_place_world import InPlaceWorld
 
     if layout is None or not isinstance(world, InPlaceWorld) or restart_reason(module, layout) is not None:
@@ -73,6 +76,22 @@ def take_over(module: nn.Module, layout: "MeshLayout | None", world: Any, sync: 
     world.hsdp = HsdpInPlace(module, layout.shard_size, sync, fence=world.membership.fence)
     world.membership.whole_node = True  # a node's shards are one unit: its agent starts its ranks again together
     return world.hsdp
+
+
+def take_over_fsdp(module: nn.Module, optimizer: torch.optim.Optimizer, layout: "MeshLayout | None", world: Any,
+                   sync: Any, copies: Any) -> Any:
+    """FSDP across every node in an in-place world (peer copies on): the run re-forms the
+    script's 1-D mesh at every formation and takes a lost node's shards from its buddies'
+    memory (:class:`elastic.inplace.fsdp_in_place.FsdpInPlace`); None otherwise."""
+    from .inplace.in_place_world import InPlaceWorld
+
+    if layout is None or tuple(layout.kinds) != ("shard",) or not isinstance(world, InPlaceWorld):
+        return None
+    from .inplace.fsdp_in_place import FsdpInPlace
+
+    world.fsdp = FsdpInPlace(module, optimizer, sync, copies, fence=world.membership.fence)
+    world.membership.whole_node = True  # a node's ranks hold one node's positions: restarted together
+    return world.fsdp
 
 
 @dataclass(frozen=True)
@@ -380,6 +399,6 @@ def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
 
 __all__ = ["MeshLayout", "RESTART_REASON", "check", "check_snapshots", "dcp_shape_problem", "full_state",
            "load_dcp", "sharded_state", "is_sharded", "layout_of", "load_full_state",
-           "restart_reason", "take_over",
+           "restart_reason", "take_over", "take_over_fsdp",
            "mesh_problem", "optimizer_problem", "quiet_lost_peer",
            "told_lost_peer"]

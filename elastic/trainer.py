@@ -111,7 +111,7 @@ from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import node_verdict
-from .inplace.peer_copies import PeerCopies, peer_copy_setting
+from .inplace.peer_copies import PeerCopies, peer_copies_asked, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
 from .log import show_library_lines
 from . import sharded
@@ -293,6 +293,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
             self.hsdp: Any = None  # HSDP in place: the takeover of the script's mesh (elastic.inplace.hsdp)
+            self.fsdp: Any = None  # FSDP across every node, in place from peer memory (set below)
             if self.mesh is not None and tuple(self.mesh.kinds) == ("replicate", "shard"):
                 self._check.shard_ranks = self.mesh.shape[1]  # HSDP: each shard's replicas vote among themselves
             elif self.mesh is not None:  # FSDP across every node: no replica of any shard to compare with
@@ -308,7 +309,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
             self.world = choose_world(backend, collective_timeout, in_place, owns_group,
-                                      off_reason=sharded.restart_reason(model, self.mesh))
+                                      off_reason=sharded.restart_reason(model, self.mesh,
+                                                                        peer_copies_asked(peer_copy_every)))
             self.dist = self.world.connect()
             if (took_ddp or self.world.took_group) and self.dist.is_main and not self.world.in_setup_world:
                 log.info("%s %s", self._where, taken_over_line(took_ddp, self.world.took_group))
@@ -330,6 +332,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             # each rank's state in the host memory of a buddy on another node (elastic.inplace.peer_copies)
             self.copies = PeerCopies(peer_copy_setting(peer_copy_every, self.mesh, self.dist, self._where),
                                      self.metrics)
+            # FSDP across every node, in place: a lost node's shards from the buddies' copies (elastic.inplace.fsdp_in_place)
+            self.fsdp = sharded.take_over_fsdp(self.state.module, self.state.optimizer, self.mesh, self.world, self.sync,
+                                               self.copies)
             self._pending: _Pending | None = None
             self._generation = 0  # bumped at every change of world: the loader is built again
             self._has_state = False  # a fresh process holds nothing until restored or healed
@@ -477,7 +482,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._world_hook_due = True
         self._guard.take()  # a user collective that failed in the old world: that world is gone
         self._check.forget()  # every rank of the new world keeps a baseline at its first batch
-        self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
+        if self.fsdp is None:  # (FSDP in place: done as the world formed, _seed_copies)
+            self.copies.world_formed(self.round)  # the buddies are assigned again at the next copy
 
     # ------------------------------------------------------------------ 2. training
 
@@ -744,7 +750,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._usage_error(TrainingDiverged(line))
         raise AssertionError("not reached: _usage_error raises")
 
-    def _copy_to_peer(self, now_s: float) -> bool:
+    def _copy_to_peer(self, now_s: float, force: bool = False) -> bool:
         """The applied step's state to this rank's buddy, when due (:mod:`elastic.inplace.peer_copies`).
         False: the exchange failed, and the step is not committed."""
         if not self.copies.on:
@@ -754,7 +760,22 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
-                                          collective_device(d), step_seconds=now_s)
+                                          collective_device(d), step_seconds=now_s, force=force)
+
+    def _seed_copies(self) -> None:
+        """FSDP across every node, in place, as a world forms: this rank's position from now on,
+        FSDP2's collectives guarded, and a copy of the step every rank now stands on, whatever
+        ``K``. The copies of the world before were of its positions and cut, so they are
+        dropped; without this copy a second loss before the new world's first due one would
+        find a lost node's shards nowhere in memory. A peer lost during it: the world forms again."""
+        if self.fsdp is None:
+            return
+        self.copies.world_formed(self.round)
+        self.fsdp.formed(self.dist)
+        self.fsdp.guard()
+        if not self._copy_to_peer(0.0, force=True):
+            failure, self.copies.failure = self.copies.failure, None
+            raise CollectiveFailure(failure or "a peer copy's exchange failed")
 
     def _abandon_applied(self, epoch: int) -> StepResult:
         """The step was applied here but its peer copies are not complete on every rank: it is

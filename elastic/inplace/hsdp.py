@@ -46,13 +46,17 @@ log = logging.getLogger("elastic.trainer")
 REPLICATE, SHARD = 0, 1  # the mesh's dimensions, as FSDP2's HSDP has them
 
 
-def off_reason(model: nn.Module, kinds: Sequence[str]) -> str | None:
-    """Why this sharded model cannot train in place (None: it can, as HSDP)."""
-    if tuple(kinds) != ("replicate", "shard"):
+def off_reason(model: nn.Module, kinds: Sequence[str], peer_copies: bool = False) -> str | None:
+    """Why this sharded model cannot train in place (None: it can, as HSDP, or sharded across
+    every node with ``peer_copies`` asked for: :mod:`.fsdp_in_place`)."""
+    if tuple(kinds) == ("shard",) and peer_copies:
+        pass  # FSDP across every node: a lost node's shards come from its buddies' memory
+    elif tuple(kinds) != ("replicate", "shard"):
         return ("it is sharded across every node (FSDP2 without a replicate dimension): no live replica holds a "
                 "lost node's shards, so a lost or joining node restarts the workers and they resume from the newest "
-                "snapshot; build an HSDP mesh (init_device_mesh(device, (nodes, local), mesh_dim_names=('replicate', "
-                "'shard'))) to recover in place")
+                "snapshot; set peer_copy_every (ELASTIC_PEER_COPY_EVERY=on) to recover in place from copies in a "
+                "peer's memory, or build an HSDP mesh (init_device_mesh(device, (nodes, local), "
+                "mesh_dim_names=('replicate', 'shard'))) to recover in place from a replica")
     why = fsdp_private.unsupported_reason()
     if why is not None:
         return why + "; a lost or joining node restarts the workers and they resume from the newest snapshot"

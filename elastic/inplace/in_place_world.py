@@ -74,6 +74,7 @@ class InPlaceWorld(TrainingWorld):
         self._node_ranks: dict[str, list[int]] = {}  # the current world's ranks by node
         self._said_misaligned = False
         self.hsdp: Any = None  # HSDP in place: the takeover of the script's mesh (elastic.sharded.take_over)
+        self.fsdp: Any = None  # FSDP across every node, from peer memory (elastic.sharded.take_over_fsdp)
 
     @property
     def round(self) -> int:
@@ -130,6 +131,8 @@ class InPlaceWorld(TrainingWorld):
 
     def plan(self, mine: Holding, info: DistInfo) -> StatePlan:
         """Every rank reports what it holds; the plan of :mod:`.agreement` (roll forward)."""
+        if self.fsdp is not None:
+            return self._fsdp_plan(mine, info)
         hsdp = self.hsdp
         if hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
             hsdp.rebuild(info, mine.has_state)
@@ -141,6 +144,22 @@ class InPlaceWorld(TrainingWorld):
             fresh = self._paired(agreement.fresh_plan(info.world_size), reports).sources if local else None
             return StatePlan(Source.DISK, fresh_from_rank0=True, local_shards=local, fresh_sources=fresh)
         return StatePlan(Source.REPLICA, step=agreed.step, sources=agreed.sources, local_shards=local)
+
+    def _fsdp_plan(self, mine: Holding, info: DistInfo) -> StatePlan:
+        """FSDP across every node: the step every position of the world before can stand on,
+        from the survivors' live state and the buddies' copies (the run carries it out:
+        :meth:`.fsdp_in_place.FsdpInPlace.restore`); else the disk, with one line saying why
+        when state was held (a lost node's copies went with its buddy)."""
+        decided, before = self.fsdp.decide(info, mine.has_state, mine.step)
+        if decided is not None and decided.from_memory:
+            return StatePlan(Source.PEER_MEMORY, step=decided.step, peer=decided, peer_before=before)
+        why = ""
+        if decided is not None:
+            why = self.fsdp.lost_line(decided, self._node_ranks)
+            if info.rank == 0:
+                log.warning("%s", why)
+        self.fsdp.rebuild(info)  # the shards cut for this world; the disk (or a fresh start) fills them
+        return StatePlan(Source.DISK, check_same_step=decided is not None, fresh_sources={}, no_fresh_start=why)
 
     def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
         """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""

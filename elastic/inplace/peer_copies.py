@@ -59,8 +59,8 @@ PROBE_COPIES = 3  # copies after consecutive steps, timed, before AUTO settles o
 def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) -> int:
     """Steps between copies: ``peer_copy_every=`` or ``ELASTIC_PEER_COPY_EVERY``; 0: off;
     ``on`` (or True): :data:`AUTO`, the fewest steps that keep the copies within
-    :data:`COST_GOAL` of a step, measured. Off unless asked for, until a lost node's state is
-    taken from them (issue 52's next step); off with one line on a backend other than gloo."""
+    :data:`COST_GOAL` of a step, measured. Off unless asked for (with them, FSDP across every
+    node recovers in place: :mod:`.fsdp_in_place`); off with one line on a backend other than gloo."""
     raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
     if raw == "" or raw is None or raw is False:
         return 0
@@ -80,6 +80,13 @@ def peer_copy_setting(given: int | None, mesh: Any, info: DistInfo, where: str) 
             log.warning("%s peer copies off: they go over gloo and this run's backend is %s", where, info.backend)
         return 0
     return every
+
+
+def peer_copies_asked(given: int | None) -> bool:
+    """Whether the run asks for peer copies (before its backend is known: a bad value is
+    :func:`peer_copy_setting`'s to refuse, in one line)."""
+    raw: Any = given if given is not None else os.environ.get(contract.PEER_COPY_EVERY_ENV, "").strip()
+    return raw not in ("", None, False, 0, "0")
 
 
 @dataclass(frozen=True)
@@ -288,15 +295,17 @@ class PeerCopies:
         return self.on and step % self.every == 0
 
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
-                   capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0) -> bool:
-        """After applied step ``step``: copy and exchange when due. False: the exchange failed
+                   capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0,
+                   force: bool = False) -> bool:
+        """After applied step ``step``: copy and exchange when due (``force``: now, whatever
+        ``K``: a world just formed, :meth:`elastic.trainer.ElasticRun._seed_copies`). False: the exchange failed
         (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
         complete at some buddies and not at others, so the previous ones are kept.
 
         A copy is made current where it arrived whole; the previous one is dropped only once
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
         both: whichever step the ranks can all stand on after a loss, each still has it."""
-        if not self.due(step) or world_size < 2:
+        if not (self.due(step) or (force and self.on)) or world_size < 2:
             self._lag(step)
             return True
         started = time.perf_counter()
@@ -364,4 +373,5 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
 
 
-__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copy_setting", "swap"]
+__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copies_asked", "peer_copy_setting",
+           "swap"]

@@ -105,12 +105,14 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
     index; ``names``: the model's parameter names in the optimizer's order; ``lengths``:
     each parameter's global first dimension. Returns this rank's new state, as a copy's
     ``state`` (model and optimizer local tensors of the new cut; the rest of the run's state
-    as the first position had it), for :func:`.hsdp.load_local` after :func:`.fsdp_private.reshard`."""
+    as the first position had it, with its ``recent`` batches' record when its payload had
+    one), for :func:`.hsdp.load_local` after :func:`.fsdp_private.reshard`."""
     from .copy_plan import pieces, rows
 
     after = len(ranks)
     mine = sorted(p for p, src in decided.sources.items() if src.rank == me)
-    states = {p: _payload(copies, decided.sources[p].kind, p, decided.step, capture_live)["state"] for p in mine}
+    payloads = {p: _payload(copies, decided.sources[p].kind, p, decided.step, capture_live) for p in mine}
+    states = {p: payloads[p]["state"] for p in mine}
     sends: dict[int, Any] = {}
     for target in range(after):
         parts: dict[int, Any] = {}
@@ -128,6 +130,8 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
             parts[p] = {"model": cut_model, "optimizer": cut_state}
             if p == 0:
                 parts[p]["rest"] = {k: v for k, v in states[p].items() if k not in ("model", "optimizer")}
+                if "recent" in payloads[p]:  # the recent batches' record, as of the step (exactly-once)
+                    parts[p]["rest"]["recent"] = payloads[p]["recent"]
                 parts[p]["param_groups"] = optimizer["param_groups"]
         if parts:
             sends[ranks[target]] = parts

@@ -293,3 +293,26 @@ def test_a_node_without_the_memory_says_so_in_one_line_and_the_world_runs_withou
         assert len(lines) == 1 and "peer copies need up to 8 MiB of host memory on this node" in lines[0] \
             and "1 MiB are available" in lines[0], said[rank]
     assert "peer copies off" not in said[0] + said[1]
+
+
+def test_a_run_asking_for_copies_is_seen_before_its_backend_and_fsdp_across_every_node_then_runs_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP across every node takes the restart path unless copies are asked for: the words the
+    agent is told (the in-place world is chosen before the backend, so the ask is read alone)."""
+    from torch import nn
+
+    from elastic import contract
+    from elastic.inplace.hsdp import off_reason
+    from elastic.inplace.peer_copies import peer_copies_asked
+
+    monkeypatch.delenv(contract.PEER_COPY_EVERY_ENV, raising=False)
+    assert not peer_copies_asked(None) and not peer_copies_asked(0) and peer_copies_asked(1)
+    monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "on")
+    assert peer_copies_asked(None) and not peer_copies_asked(0)  # the script's own word wins
+    monkeypatch.setenv(contract.PEER_COPY_EVERY_ENV, "0")
+    assert not peer_copies_asked(None)
+    model = nn.Linear(2, 2)
+    why = off_reason(model, ("shard",))
+    assert why is not None and "ELASTIC_PEER_COPY_EVERY=on" in why and "\n" not in why
+    assert off_reason(model, ("shard",), peer_copies=True) is None
+    assert off_reason(model, ("replicate", "shard")) is None  # HSDP: in place from a replica either way
