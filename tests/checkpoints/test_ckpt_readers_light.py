@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 _PROBE = """
 import json, sys
 from checkpoints.stores import open_store
@@ -31,6 +33,7 @@ open_store(sys.argv[1], create=True, key=None).save(7, {"w": torch.ones(3)}, wor
 """
 
 
+@pytest.mark.slow  # starts processes: torch is imported in this one
 def test_listing_a_store_and_its_newest_snapshot_leave_torch_unimported(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     store_dir = tmp_path / "snaps"
