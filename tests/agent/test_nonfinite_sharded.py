@@ -4,7 +4,7 @@ The scripts are written as FSDP2's docs write them (``init_device_mesh``, ``full
 layer and on the root, AdamW after sharding) plus the prepare lines, with a set-up barrier
 and a metric all-reduce of their own, their state in loop locals, rank 0 printing.
 
-HSDP on a 2-D mesh (2 nodes x 2 local ranks): a NaN written into one node's local rank 0's
+HSDP on a 2-D mesh (2 nodes x 2 local ranks): a NaN written into node-1's local rank 0's
 shard of the first parameter after step 11 (what ``elastic inject-sdc --nan`` writes, by the
 script itself so that the run is reproducible). Before, a sharded model's gradients were
 never looked at: the NaN reached both replicas through the next all-reduce and Adam applied
@@ -21,6 +21,7 @@ and its newest snapshot is step 11, the last finite state. Before, the job train
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -151,10 +152,12 @@ def test_hsdp_a_nan_in_one_replicas_shard_is_healed_at_its_step_and_the_model_is
     output = _finish(nan)
     logs = _logs(nan_run)
     assert nan.returncode == 0, output[-4000:] + logs[-6000:]
-    assert "NAN written into rank 2's shard of the first parameter after step 11" in logs, logs[-4000:]
+    written = re.search(r"NAN written into rank (\d)'s shard of the first parameter after step 11", logs)
+    assert written, logs[-4000:]
+    poisoned = int(written.group(1))  # node-1's local rank 0: rank 0 or 2, as the round ordered the nodes
     named = [line for line in logs.splitlines() if "non-finite values in one replica at step 11" in line]
-    assert named and "node node-1 (rank 2" in named[0] and "(0 steps lost)" in named[0], logs[-6000:]
-    assert "healed step 11 from rank 0" in logs, logs[-6000:]
+    assert named and f"node node-1 (rank {poisoned}" in named[0] and "(0 steps lost)" in named[0], logs[-6000:]
+    assert f"healed step 11 from rank {2 - poisoned}" in logs, logs[-6000:]  # node-0's local rank 0
     assert "diverged" not in logs and "returns to step" not in logs and "Traceback" not in logs, logs[-6000:]
     assert "nan" not in " ".join(line for line in logs.splitlines() if "mean loss" in line), logs[-4000:]
     for rank in range(4):
