@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 from . import files, layout, signing
 from .workers import DaemonPool
@@ -163,6 +163,10 @@ class SnapshotStore(SnapshotReader):
         self._propagate_nice = propagate_nice
         # Keep the newest pruned snapshot as the spare the next save writes over.
         self.recycle = recycle
+        # A directory other jobs write too (a node-local tier, :mod:`.tiered`): which steps are
+        # this job's. None: every snapshot here is. Set, prune deletes only this job's snapshots
+        # and leaves spares and quarantined dirs, which cannot be told apart, to their own job.
+        self.owns: Callable[[int], bool] | None = None
         self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._pools_lock = threading.Lock()
         # step -> (manifest stamp, problems) for snapshots this store wrote or fully checked;
@@ -619,6 +623,9 @@ class SnapshotStore(SnapshotReader):
         steps = self._steps()
         if trust_own:
             self._forget_missing(steps)
+        shared = self.owns is not None
+        if self.owns is not None:  # another job's snapshots are neither kept for it nor deleted
+            steps = [s for s in steps if self.owns(s)]
         problems_of = self._trusted_problems if trust_own else self.check
         kept = []
         for step in reversed(steps):
@@ -627,7 +634,8 @@ class SnapshotStore(SnapshotReader):
                 if len(kept) == keep:
                     break
         if not kept:
-            self.drop_spares(keep=1 if self.recycle else 0)
+            if not shared:
+                self.drop_spares(keep=1 if self.recycle else 0)
             return []
         doomed = [s for s in steps if s < kept[-1]]
         if self._key is not None:  # refused for the signature alone: maybe ours from before the key
@@ -635,12 +643,13 @@ class SnapshotStore(SnapshotReader):
         # The newest pruned one holding only the store's files becomes the spare, replacing an
         # older spare: at most one.
         spare = next((s for s in reversed(doomed) if not _foreign(self.root / layout.step_dirname(s))),
-                     None) if self.recycle else None
+                     None) if self.recycle and not shared else None
         if spare is not None:
             self._retire_to_spare(self.root / layout.step_dirname(spare), spare)
-        self.drop_spares(keep=1 if self.recycle else 0)
+        if not shared:
+            self.drop_spares(keep=1 if self.recycle else 0)
         removed = [s for s in doomed if s == spare or self._remove(self.root / layout.step_dirname(s), s)]
-        for name in os.listdir(self.root):
+        for name in os.listdir(self.root) if not shared else ():
             if layout.is_quarantine_dirname(name):
                 _remove_own_tree(self.root / name)
         if removed:

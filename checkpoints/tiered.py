@@ -13,7 +13,9 @@ it), read from the local copy when this node has a valid one written for this ve
 store, else from the object store. A step only in a local tier (its upload never finished)
 is not chosen: the ranks of other nodes could not load it. A local copy counts only for the
 object store it was written for (:data:`TIER_KEY` in its manifest): two jobs sharing a
-node-local directory, or a job given a new prefix, never resume each other's local steps.
+node-local directory, or a job given a new prefix, never resume each other's local steps,
+and the local tier's prune deletes only copies written for its own object store: another
+job's are neither counted among the ``keep`` newest nor deleted.
 The fence is the object store's, the one every node sees.
 """
 
@@ -46,6 +48,7 @@ class TieredStore:
         self.stale_temp_grace_s, self.recycle = remote.stale_temp_grace_s, local.recycle
         self._key = remote._key
         self.bound_to = str(remote.root)  # what this store's local copies record (TIER_KEY)
+        local.owns = self.ours  # its prune deletes only this job's local copies (the directory may be shared)
 
     @property
     def fence(self) -> Any:

@@ -19,6 +19,11 @@ its own backward reduce-scatters (and, as HSDP, all-reduces over replicas) and a
 gradients, so ``run.model`` is the model itself, and under ``user_backward`` the step's loss
 scale is put into the gradients after the backward (:meth:`GradSync.scale_sharded_grads`).
 
+A sharded model's gradients are looked at for a NaN or an Inf after its backward
+(``guard_nonfinite``, :mod:`.consistency.nonfinite`): each rank holds other shards, so the
+flags meet in one tiny all-reduce, HSDP's failure verdict where it is made anyway
+(:meth:`GradSync.agree_on_failure`); the run reads :attr:`GradSync.grads_nonfinite`.
+
 DDP is built again after every change of world (:meth:`build`): its reducer keeps the
 group's size and its bucket state, and a failed all-reduce leaves it unusable.
 
@@ -40,6 +45,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import ddp_buckets
+from .consistency import nonfinite
 # CollectiveFailure and is_collective_failure are imported from here too (their old home).
 from .collectives import CollectiveFailure, collective_failures, first_line, is_collective_failure  # noqa: F401
 from .distributed import DistInfo, collective_device
@@ -56,6 +62,8 @@ class GradSync:
         # HSDP in place: the ranks agree on whether the step's all-reduces across replicas all
         # succeeded (see agree_on_failure); set by the run when it takes the mesh over
         self.agree_each_step = False
+        self.guard_nonfinite = False  # sharded: each step's gradient shards looked at (set by the run)
+        self.grads_nonfinite = False  # ... and the last backward's hold a NaN or an Inf on some rank
         self._buffers = [b for b in module.buffers()]
         self._info: DistInfo | None = None
         self._buckets_settled = False
@@ -120,10 +128,15 @@ class GradSync:
         with collective_failures():
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if self.sharded:  # HSDP in place: its replicate all-reduce recorded a failure, on any rank
-            recorded = self.agree_on_failure(self.take_failure()) if self.agree_each_step else self.take_failure()
+            recorded = self.agree_on_failure(self.take_failure()) if self.agrees_after_backward else self.take_failure()
             if recorded is not None:
                 raise CollectiveFailure(recorded)
         self.settle_buckets()
+
+    @property
+    def agrees_after_backward(self) -> bool:
+        """Whether the ranks meet in :meth:`agree_on_failure` after each backward."""
+        return self.agree_each_step or (self.sharded and self.guard_nonfinite)
 
     def agree_on_failure(self, recorded: str | None) -> str | None:
         """Every rank's verdict on the step, after its backward: a failure if any rank recorded one.
@@ -133,12 +146,20 @@ class GradSync:
         rank committed the step while its node's other rank abandoned it and went to join the
         next world, and the committer waited for it in the next step's all-gather (seen: a
         survivor that never trained again). One tiny all-reduce over the world makes the
-        verdict every rank's; if it fails itself, a peer is gone and every rank abandons."""
+        verdict every rank's; if it fails itself, a peer is gone and every rank abandons.
+
+        Under ``guard_nonfinite`` the same all-reduce carries whether this rank's gradient
+        shards are finite (:func:`.consistency.nonfinite.flag`; a failure outranks it), so
+        that every rank learns alike whether any shard's gradient holds a NaN or an Inf."""
         assert self._info is not None
-        flag = torch.tensor([int(recorded is not None)], dtype=torch.int64, device=collective_device(self._info))
+        finite = recorded is not None or not self.guard_nonfinite or nonfinite.grads_finite(self.module.parameters())
+        flag = torch.tensor([nonfinite.flag(recorded is not None, finite)], dtype=torch.int64,
+                            device=collective_device(self._info))
         with collective_failures():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if recorded is None and int(flag.item()):
+        value = int(flag.item())
+        self.grads_nonfinite = value == nonfinite.NONFINITE
+        if recorded is None and value >= nonfinite.FAILED:
             return "a peer's all-reduce across replicas failed in this step"
         return recorded
 

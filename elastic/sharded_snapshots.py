@@ -31,7 +31,10 @@ from checkpoints import SnapshotError, SnapshotFencedError, SnapshotStore
 from checkpoints.sharded import DeferredDcpWriter, Part
 from checkpoints.writer import WriterStats, round_taken_in
 
+from checkpoints.tree import iter_tensors
+
 from .collectives import collective_failures
+from .consistency.nonfinite import state_finite
 from .distributed import DistInfo
 
 log = logging.getLogger("elastic.snapshots")
@@ -139,9 +142,18 @@ class ShardedWriter:
     def _submit(self, step: int, state: dict[str, Any], world_size: int, info: DistInfo,
                 extra_meta: dict[str, Any], t0: float) -> bool:
         group = self._own_group()
-        busy = torch.tensor([int(self._future is not None and not self._future.done())])
+        # with it, whether this rank's shards are finite: a snapshot of a NaN would be the newest,
+        # and prune would delete the finite ones behind it (each rank sees only its own shards)
+        finite = state_finite(iter_tensors({k: state[k] for k in DCP_KEYS if k in state}))
+        busy = torch.tensor([int(self._future is not None and not self._future.done()), int(not finite)])
         dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
-        if int(busy.item()):
+        if int(busy[1].item()):
+            self._stats.snapshots_skipped += 1
+            if info.is_main:
+                log.error("not snapshotting step %d: its state holds non-finite values (a NaN or an Inf) in a rank's "
+                          "shards; the newest snapshot stays the last finite one", step)
+            return False
+        if int(busy[0].item()):
             self._stats.snapshots_skipped += 1
             if info.is_main:
                 log.info("snapshot step %d skipped: step %s is still being written", step, self.pending_step)

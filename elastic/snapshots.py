@@ -25,6 +25,7 @@ from typing import Any, Callable
 from checkpoints import (AsyncSnapshotWriter, Fence, FenceToken, SnapshotCorruptError, SnapshotError, SnapshotFencedError,
                          SnapshotStore)
 from checkpoints.location import uses_object_store
+from checkpoints.reading import DCP_FILES_KEY
 from checkpoints.tree import iter_tensors
 from checkpoints.stores import open_fence, open_store
 
@@ -213,8 +214,13 @@ class Snapshots:
                 if refused is not None:
                     raise refused
                 return -1, None
-            # Rank 0 hashed every shard file just now; the others read only what DCP reads for them.
+            # Rank 0 hashed every shard file just now; the others read only what DCP reads for them,
+            # each range asked for the very version rank 0 hashed (its ETags), never the one a later
+            # listing of their own finds: a shard replaced in between is then refused, not read.
             state = found[1] if found else self.store.load(step, verify_shards=False)
+            bound = _from_rank0(found[1].get(DCP_FILES_KEY) if found else None, info)
+            if bound is not None:
+                state[DCP_FILES_KEY] = bound
             try:
                 take(state)
             except SnapshotCorruptError as e:
@@ -433,6 +439,17 @@ class Snapshots:
         finally:
             if self.ledger is not None:
                 self.ledger.close()
+
+
+def _from_rank0(value: Any, info: DistInfo) -> Any:
+    """Rank 0's ``value`` on every rank (one small broadcast; a world of one keeps its own)."""
+    if info.world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _finite(step: int, state: dict[str, Any]) -> bool:

@@ -95,6 +95,7 @@ from . import contract, worker_env
 from .consistency.check import ReplicaCheck
 from .consistency.inject import FlipRequests
 from .consistency.nonfinite import Do, grads_finite, skip_setting
+from .consistency.unreplicated import step_without_replica
 from .consistency.ondemand import CHECK_BIT, NO_CONTROL, CheckRequests
 from .consistency.report import check_interval, report_mismatch
 from .distributed import (
@@ -289,6 +290,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             except ValueError as exc:
                 raise ElasticRunError(str(exc)) from None
             self._recomputed = -1  # the step last computed again for non-finite gradients (once per step)
+            self._stop_uncommitted = False  # the job stops with a non-finite shard: nothing of it is committed
 
             self.plan = DataPlan(dataset, global_batch_size=global_batch_size, seed=seed, config=data_config)
             self.mesh = sharded.check(model, optimizer, _local_world_size())  # FSDP2: never wrapped in DDP
@@ -298,13 +300,14 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                 self._check.shard_ranks = self.mesh.shape[1]  # HSDP: each shard's replicas vote among themselves
             elif self.mesh is not None:  # FSDP across every node: no replica of any shard to compare with
                 self._check.every_steps = 0
+            self._replicated = self.mesh is None or bool(self._check.shard_ranks)  # a replica to vote with
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.state.sharded = self.mesh is not None
             # Each step's all-reduced gradients are looked at before they are applied (consistency.nonfinite):
-            # DDP's sum is every rank's alike. Not for a sharded model (each rank holds other shards: the flag
-            # would need a collective of its own) nor under a GradScaler (non-finite gradients are its to skip).
-            self._guards_nonfinite = self.mesh is None and not (scaler is not None and scaler.is_enabled())
+            # DDP's sum is every rank's alike; a sharded model's flags meet in one tiny all-reduce after its
+            # backward (GradSync.agree_on_failure). Not under a GradScaler (non-finite gradients are its to skip).
+            self._guards_nonfinite = not (scaler is not None and scaler.is_enabled())
             self._check.guarded = self._guards_nonfinite
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
@@ -317,6 +320,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward, sharded=self.mesh is not None)
+            self.sync.guard_nonfinite = self._guards_nonfinite and self.mesh is not None
             self.hsdp = sharded.take_over(self.state.module, self.mesh, self.world, self.sync)  # HSDP in place
             if self.hsdp is not None:  # its all-reduce across replicas, timed like DDP's
                 self.hsdp.timer = getattr(self.metrics, "replicate_timer", lambda: None)()
@@ -614,7 +618,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             try:
                 if failure is not None:
                     raise failure
-                if self.sync.agree_each_step:  # HSDP in place: every rank's verdict on the step
+                if self.sync.agrees_after_backward:  # HSDP in place, a sharded look: every rank's verdict
                     recorded = self.sync.agree_on_failure(recorded)
                 if recorded is not None:
                     raise CollectiveFailure(recorded)
@@ -646,7 +650,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         d, ids = self.dist, pending.ids
         seen_loss = loss  # None: the script's own backward, the run never saw the loss
         skip_update = False
-        if self._guards_nonfinite and not grads_finite(self.state.module.parameters()):
+        if self._guards_nonfinite and self._grads_nonfinite():
             answer = self._nonfinite_step(seen_loss)  # before the commit: a NaN replica's state is never committed
             if answer is not None:
                 return answer
@@ -707,6 +711,14 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self._between_steps = lambda: self._form("join", min_round=ready)  # every rank saw it
         return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
 
+    def _grads_nonfinite(self) -> bool:
+        """Whether the step's gradients hold a NaN or an Inf on any rank: DDP's all-reduced sum
+        looked at here, every rank's alike; a sharded model's flags already met after the backward."""
+        if self.mesh is None:
+            return not grads_finite(self.state.module.parameters())
+        seen, self.sync.grads_nonfinite = self.sync.grads_nonfinite, False
+        return seen
+
     def _nonfinite_step(self, loss: torch.Tensor | None) -> StepResult | None:
         """The step's all-reduced gradients hold a NaN or an Inf, on every rank alike: nothing of
         it is applied, the replicas vote at once, and :func:`.consistency.nonfinite.decide` says
@@ -718,7 +730,12 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
         try:
             with owned():
-                do = self._check.vote_step(self, loss_finite, self._recomputed == step, self._skip_nonfinite)
+                if self._replicated:  # the replicas vote (DDP, HSDP)
+                    do = self._check.vote_step(self, loss_finite, self._recomputed == step, self._skip_nonfinite)
+                else:  # 1-D FSDP: no replica of any shard
+                    answer = step_without_replica(self, loss_finite, self._recomputed == step, self._skip_nonfinite)
+                    do, self._check.stop_line = answer.do, answer.line
+                    self._stop_uncommitted = answer.state_nonfinite
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
@@ -739,6 +756,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         state is never written), and the run ends with one line and exit 2, which an agent
         never restarts: the same steps would diverge again."""
         line = self._check.stop_line or "training diverged"
+        if self._stop_uncommitted:  # a shard holds a NaN: nothing is committed, the newest snapshot is finite
+            self._usage_error(TrainingDiverged(line))
         with owned():
             try:
                 self._commit_previous()

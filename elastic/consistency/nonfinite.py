@@ -26,6 +26,13 @@ On a non-finite step nothing is applied, and the replicas vote at once (:mod:`.v
 The same rule serves the periodic check (:func:`heals_in_place`): non-finite outliers
 beside a finite majority are healed where they stand when every applied step's gradients
 were looked at, never rolled back.
+
+A sharded model (FSDP2, HSDP) holds each gradient's shard on one rank only (HSDP: on one
+local rank of each replica), so one rank's look is not every rank's: the flags meet in one
+tiny all-reduce after the backward (:func:`flag`). HSDP in place already makes that
+all-reduce (each step's failure verdict), and the flag rides in it; 1-D FSDP has no
+collective after its reduce-scatters to reuse, so it makes one. HSDP's replicas then vote
+as DDP's do. 1-D FSDP has no replica of any shard: :func:`decide_unreplicated`.
 """
 
 from __future__ import annotations
@@ -74,9 +81,46 @@ def decide(grads_finite: bool, verdict: Verdict | None, recomputed: bool, skip: 
     return Do.SKIP if skip else Do.STOP
 
 
+def decide_unreplicated(state_finite: bool, recomputed: bool, skip: bool) -> Do:
+    """What a step of a model sharded with no replica (1-D FSDP) does with non-finite
+    gradients, given whether every rank's shards of the state are finite. A non-finite shard
+    has no replica to heal it from, and since every applied step's gradients were finite it
+    was not trained there (a fault wrote it): the job stops, snapshotting nothing, so its
+    newest snapshot is the last finite state (``STOP``). Every shard finite: a transient
+    fault in a node's compute is recomputed once (``RECOMPUTE``); non-finite again is a
+    true divergence (``STOP`` at this finite state, or ``SKIP`` if the user asked)."""
+    if not state_finite:
+        return Do.STOP
+    if not recomputed:
+        return Do.RECOMPUTE
+    return Do.SKIP if skip else Do.STOP
+
+
+# The flag of one rank's look after a backward, in an all-reduce (MAX) that may also carry a
+# failure: the failure outranks it (a step that failed is abandoned whatever its gradients).
+FINITE, NONFINITE, FAILED = 0, 1, 2
+
+
+def flag(failed: bool, finite: bool) -> int:
+    """This rank's value in the step's all-reduce (MAX) after the backward."""
+    return FAILED if failed else FINITE if finite else NONFINITE
+
+
 def grads_finite(params: Iterable[torch.Tensor]) -> bool:
-    """Whether every gradient is finite (:func:`all_finite` over the parameters' gradients)."""
-    return all_finite([p.grad for p in params if p.grad is not None])
+    """Whether every gradient is finite (:func:`all_finite` over the parameters' gradients;
+    of a sharded parameter, this rank's shard)."""
+    return all_finite([local(p.grad) for p in params if p.grad is not None])
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a look at the DTensor itself would dispatch collectives);
+    any other tensor as it is."""
+    if type(t) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.to_local()
+    return t
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -111,8 +155,10 @@ def skip_setting(raw: str | None = None) -> bool:
 
 
 def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every floating tensor holds only finite values (what a snapshot may hold)."""
-    return all_finite([t for t in tensors if t.is_floating_point()])
+    """Whether every floating tensor holds only finite values (what a snapshot may hold; of a
+    sharded tensor, this rank's shard)."""
+    return all_finite([local(t) for t in tensors if t.is_floating_point()])
 
 
-__all__ = ["Do", "all_finite", "decide", "grads_finite", "heals_in_place", "skip_setting", "state_finite"]
+__all__ = ["FAILED", "FINITE", "NONFINITE", "Do", "all_finite", "decide", "decide_unreplicated", "flag", "grads_finite",
+           "heals_in_place", "local", "skip_setting", "state_finite"]

@@ -65,3 +65,24 @@ def test_a_step_only_in_rank_0s_local_tier_is_not_chosen(s3: str, tmp_path: Path
     assert any("step 20 is only in this node's local tier" in r.getMessage() for r in caplog.records)
     rank1 = open_store(f"{tmp_path / 'node-b'},{s3}", create=False, key=KEY)
     assert rank1.load(info.step, verify_shards=False)["step"] == 10  # what every other rank then does
+
+
+def test_the_local_tier_s_prune_deletes_only_its_own_jobs_copies(s3: str, tmp_path: Path) -> None:
+    """Two jobs share a node-local directory (the same key file, their own prefixes). Job B's
+    prune after each save counted job A's local copies among the newest ``keep`` and deleted
+    them (and A's newest local copy, its fast resume, went first). Now each job's prune keeps
+    its own newest ``keep`` and leaves the other's alone."""
+    shared = tmp_path / "nvme"
+    job_a = open_store(f"{shared},{s3}-prune-a", keep=2, key=KEY)
+    for step in (10, 20):
+        job_a.save(step, _state(step), world_size=1)
+    job_b = open_store(f"{shared},{s3}-prune-b", keep=2, key=KEY)
+    for step in (100, 200, 300):
+        job_b.save(step, _state(step), world_size=1)
+    local = sorted(p.name for p in shared.iterdir() if p.name.startswith("step-"))
+    assert local == ["step-000000000010", "step-000000000020", "step-000000000200", "step-000000000300"], local
+    info, state = job_a.load_latest()
+    assert info.step == 20 and state["step"] == 20 and job_a.ours(20)  # job A's fast resume, still there
+    job_a.save(30, _state(30), world_size=1)  # job A's own prune: its step 10 goes, job B's stay
+    local = sorted(p.name for p in shared.iterdir() if p.name.startswith("step-"))
+    assert local == ["step-000000000020", "step-000000000030", "step-000000000200", "step-000000000300"], local

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.consistency.nonfinite import Do, decide, grads_finite, heals_in_place, skip_setting, state_finite
+from elastic.consistency.nonfinite import (FAILED, FINITE, NONFINITE, Do, decide, decide_unreplicated, flag, grads_finite,
+                                          heals_in_place, skip_setting, state_finite)
 from elastic.consistency.vote import vote
 
 A, B = [1, 10, 20, 30], [1, 11, 20, 30]  # [method, digest per group]: two replica states
@@ -84,3 +85,23 @@ def test_the_skip_setting() -> None:
     assert skip_setting("yes") is True
     with pytest.raises(ValueError, match="ELASTIC_SKIP_NONFINITE='sometimes': use 1"):
         skip_setting("sometimes")
+
+
+def test_without_a_replica_a_transient_fault_is_recomputed_once_then_stops_or_skips() -> None:
+    assert decide_unreplicated(True, recomputed=False, skip=False) is Do.RECOMPUTE
+    assert decide_unreplicated(True, recomputed=False, skip=True) is Do.RECOMPUTE
+    assert decide_unreplicated(True, recomputed=True, skip=False) is Do.STOP
+    assert decide_unreplicated(True, recomputed=True, skip=True) is Do.SKIP
+
+
+def test_without_a_replica_a_non_finite_shard_stops_at_once_even_when_skipping() -> None:
+    for recomputed in (False, True):
+        for skip in (False, True):
+            assert decide_unreplicated(False, recomputed, skip) is Do.STOP
+
+
+def test_the_sharded_flag_in_a_max_all_reduce_lets_a_failure_outrank_a_nan() -> None:
+    assert (flag(False, True), flag(False, False), flag(True, True), flag(True, False)) == (
+        FINITE, NONFINITE, FAILED, FAILED)
+    assert max(flag(False, False), flag(True, True)) == FAILED  # a failed step is abandoned, whatever its gradients
+    assert max(flag(False, True), flag(False, False)) == NONFINITE  # one rank's NaN shard is every rank's news
