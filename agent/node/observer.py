@@ -113,7 +113,8 @@ class Observer:
             worker = self.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
-            message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
+            line, kind = worker.error_record()
+            message = attribute(line)  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
             if not message and code < 0:
                 message = self._kill_words.get(worker.pid, "")
                 if not message:
@@ -121,7 +122,7 @@ class Observer:
                     message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
                     self._oom_seen = now
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
-                                progressed=self.watch.progressed_since_start(rank))
+                                progressed=self.watch.progressed_since_start(rank), kind=kind)
         return out
 
     def _in_place_statuses(self) -> tuple[bool, bool, bool]:

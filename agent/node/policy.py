@@ -55,12 +55,6 @@ CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal,
 # to a peer's "no restarts left" given up at the same moment: it names the cause)
 SCRIPT_ERROR_WORDS = "failed right after their start with the same error, the script's own"
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
-# What a worker's last line says when a peer broke its collective (ElasticRun's restart path
-# says "lost a peer"; a plain script's traceback ends with gloo's or NCCL's own words).
-_PEER_WORDS = ("lost a peer", "connection closed", "connection reset", "closed by peer", "read error",
-               "write error", "broken pipe", "pair.cc", "nccl error", "processgroupnccl", "processgroupgloo",
-               "connectfullmesh", "distnetworkerror", "diststoreerror", "timed out", "timeout")
-
 
 class Reason(str, enum.Enum):
     WORKER_FAILED = "worker_failed"
@@ -103,19 +97,27 @@ class Action(str, enum.Enum):
 @dataclass(frozen=True)
 class Failure:
     """One failed local worker, as the agent saw it: its exit code, how long it ran, the
-    last line of its traceback (torchrun's error file, which the worker bootstrap writes),
-    and whether it made progress since it started (None: this node never saw any)."""
+    last line of its traceback and its kind (torchrun's error file, which the worker writes:
+    :mod:`elastic.failure_record`; None where it wrote none: killed, or an older build), and
+    whether it made progress since it started (None: this node never saw any)."""
 
     code: int
     ran_for: float
     message: str = ""
     progressed: bool | None = None
+    kind: contract.FailureKind | None = None
 
     @property
     def peer_caused(self) -> bool:
-        """Its collective broke because a peer died or cut it off: not this node's doing."""
-        text = self.message.lower()
-        return any(word in text for word in _PEER_WORDS)
+        """Its collective broke because a peer died or cut it off: not this node's doing. The
+        worker said so by the error's kind; its words never decide (a script's own
+        ``RuntimeError("timeout")`` is the script's)."""
+        return self.kind is not None and self.kind.world_broke
+
+    @property
+    def abandoned(self) -> bool:
+        """Its group was given up for a newer round (its fence refused it): nothing to report."""
+        return self.kind is contract.FailureKind.ABANDONED
 
     @property
     def right_after_start(self) -> bool:
@@ -135,7 +137,7 @@ def crash_report(failures: Mapping[int, Failure]) -> str:
     """What this node tells the others of its failure ('' for none to tell): the last line of
     its own workers' error (a peer's doing or a failure after a good run tells nothing)."""
     own = {r: f for r, f in failures.items()
-           if not f.peer_caused and f.right_after_start and f.message and "StaleGroupError" not in f.message}
+           if not f.peer_caused and f.right_after_start and f.message and not f.abandoned}
     return last_words(own)[:300] if own else ""
 
 

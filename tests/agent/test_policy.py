@@ -21,6 +21,7 @@ from agent.node.policy import (
     settled,
     stop_signal,
 )
+from elastic.contract import FailureKind
 
 RUNNING = {0: None, 1: None}
 
@@ -164,9 +165,10 @@ def test_a_failure_explained_by_a_missing_peer_is_refunded() -> None:
 
 BOOM = Failure(code=1, ran_for=3.0, message="ValueError: boom on c")
 LOST_PEER = Failure(code=1, ran_for=3.0, message="CollectiveFailure: lost a peer in step 4 (its connection closed); "
-                                                 "the agent restarts this worker")
+                                                 "the agent restarts this worker", kind=FailureKind.PEER_LOST)
 GLOO = Failure(code=1, ran_for=2.0, message="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:545] "
-                                            "Read error [127.0.0.1]:33680: Connection reset by peer")
+                                            "Read error [127.0.0.1]:33680: Connection reset by peer",
+                kind=FailureKind.PEER_LOST)
 
 
 def looping(streak: int, failure: Failure = BOOM, **kw: object) -> Observation:
@@ -230,7 +232,20 @@ def test_a_group_that_outlives_the_window_ends_the_streak() -> None:
 
 def test_what_counts_as_a_peer_s_doing() -> None:
     assert LOST_PEER.peer_caused and GLOO.peer_caused
+    assert Failure(code=1, ran_for=1.0, kind=FailureKind.TIMEOUT).peer_caused
     assert not BOOM.peer_caused and not Failure(code=-9, ran_for=1.0, message="killed by SIGKILL").peer_caused
+
+
+def test_a_scripts_own_error_is_its_own_whatever_it_says() -> None:
+    """The kind decides, never the words: a script's RuntimeError that says "timeout" (or, from
+    an older worker that wrote no kind, gloo's very words) extends the crash streak."""
+    own = Failure(code=1, ran_for=2.0, message="RuntimeError: timeout", kind=FailureKind.USER)
+    unknown = Failure(code=1, ran_for=2.0, message=GLOO.message)
+    for failure in (own, unknown):
+        assert not failure.peer_caused and next_streak(2, [failure]) == 3
+        assert decide(looping(3, failure=failure)).reason is Reason.CRASH_LOOP
+    abandoned = Failure(code=1, ran_for=2.0, message="StaleGroupError: a newer round", kind=FailureKind.ABANDONED)
+    assert not abandoned.peer_caused and abandoned.abandoned  # this node's own doing, but nothing to tell
 
 
 def test_the_cause_printed_is_the_worker_s_own_traceback_line_first() -> None:
@@ -275,7 +290,8 @@ def test_an_error_not_shared_by_every_node_is_a_nodes_own_and_restarts_or_keeps_
 
 def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdict() -> None:
     late = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)
-    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True)
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True,
+                   kind=FailureKind.PEER_LOST)
     for failure in (late, peer):
         decision = decide(obs(exits={0: 1, 1: None}, failures={0: failure}, crash_streak=1, nodes_without_us=1,
                               peer_crashes={"b": failure.message}))
@@ -285,7 +301,8 @@ def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdic
 def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
     from agent.node.policy import crash_report, script_error
 
-    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer")
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer",
+                   kind=FailureKind.PEER_LOST)
     assert crash_report({0: peer, 1: quick()}) == NAME_ERROR
     assert crash_report({0: peer}) == ""
     assert crash_report({0: Failure(code=-9, ran_for=200.0, message="killed by SIGKILL")}) == ""
@@ -312,7 +329,8 @@ def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> Non
     fence = {"run": "job", "round": 7, "snapshot_dir": "/data/snaps"}
     line = etcd_lost(fence, "job", 0)
     assert "--snapshot-dir /data/snaps" in line and "round 7" in line
-    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...",
+                    kind=FailureKind.ABANDONED)
     decision = decide(obs(exits={0: 1, 1: 1}, failures={0: stale, 1: stale}, crash_streak=1, nodes_without_us=1,
                           etcd_lost=line, peer_crashes={"b": stale.message}))
     assert decision.action is Action.FAIL and decision.reason is Reason.ETCD_LOST and decision.detail == line
@@ -335,7 +353,8 @@ def test_a_stale_group_of_a_live_job_is_no_lost_etcd(fence: dict[str, object] | 
 def test_a_stale_group_on_every_node_is_no_script_error() -> None:
     from agent.node.policy import crash_report
 
-    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...",
+                    kind=FailureKind.ABANDONED)
     assert crash_report({0: stale}) == ""
 
 
