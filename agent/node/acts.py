@@ -28,7 +28,7 @@ from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun
 from agent.node.nulls import NoChannel, NoPool
 from agent.node.observer import Observer
-from agent.node.policy import Action, Decision, Reason, refunded, settled, stop_signal
+from agent.node.policy import Action, Decision, Reason, Streak, after_round, formed_afresh, settled, stop_signal
 from agent.node.rendezvous_api import AgentRendezvous
 from agent.node.reporting import Reporting, Restarted, change
 from agent.node.sdc import SdcWatch
@@ -84,7 +84,7 @@ class Acts:
         self.metrics.set_state(AgentState.HEALTHY)
         if run.crash_streak:
             youngest = min((w.ran_for() for w in self.workers.workers.values()), default=0.0)
-            run.crash_streak = settled(run.crash_streak, youngest)
+            run.streak = Streak(settled(run.crash_streak, youngest), run.streak.before)
             if not run.crash_streak:
                 self.rdzv.publish(crash="")  # it trains: its old failure says nothing about the script any more
         if self.restarted is not None and self.watch.progressed():
@@ -129,10 +129,11 @@ class Acts:
         if joined_from is None:
             self.group.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST)
                                   else RoundCause.FAILURE)
-        if refunded(reason, previous, run.round.participants):
-            reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
-            run.remaining_restarts += 1
-            run.crash_streak = run.streak_before  # nor a step of a crash loop of ours
+        after = after_round(reason, previous, run.round.participants, run.streak)
+        reason = after.reason  # our worker died because a peer did: not our failure to count...
+        run.remaining_restarts += int(after.refund)
+        if after.streak is not None:
+            run.streak = after.streak  # ... nor a step of a crash loop of ours
         rendezvous_done = time.time()
         self.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value,
                                fault_nodes(reason.value, self.node, previous, run.round.participants), acted_at,
@@ -222,16 +223,14 @@ class Acts:
                  run.round.number, ranks, " and ".join(modes) or "?", run.remaining_restarts)
 
     def _formed_afresh(self, decision: Decision, before: tuple[str, ...]) -> bool:
-        """After an in-place rejoin or replace: a round that closed while no member's workers
-        ran in place (this node's said so just after) forms afresh, every member starting its
-        workers anew, as its closer recorded for all of them alike. This node's workers
-        cannot follow it in place: they start again in it (True)."""
-        if not self.run.round.fresh_world:
+        """After an in-place rejoin or replace: carry out :func:`agent.node.policy.formed_afresh`'s
+        restart, if the round formed afresh (True)."""
+        restart = formed_afresh(decision.reason, self.run.round.fresh_world)
+        if restart is None:
             return False
         log.info("[%s] round %d formed afresh (no member's workers ran in place when it closed): starting local "
                  "workers anew in it", self.node, self.run.round.number)
-        self.restart(Decision(Action.RESTART, Reason.SCALE_UP if decision.reason is Reason.SCALE_UP
-                              else Reason.PEER_LOST), joined_from=before)
+        self.restart(restart, joined_from=before)
         return True
 
     def _unusable(self, reason: Reason) -> None:

@@ -62,7 +62,7 @@ from agent.node.metrics import AgentMetrics
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel, NoPool
 from agent.node.observer import Observer
-from agent.node.policy import Reason, decide
+from agent.node.policy import decide, streak_acted_on
 from agent.node.preemption import terminate
 from agent.node.rendezvous_api import JobFinishedError, Round, agent_rendezvous
 from agent.node.reporting import Reporting
@@ -222,9 +222,8 @@ class NodeAgent(ElasticAgent):
             self.goodput.tick(self.workers.pids(), self.rank_base)
             observed = self.observer.look()
             decision = decide(observed)
-            if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
-                # this failure is being acted on: it counts (a refund in Acts.restart takes it back)
-                self.state.streak_before, self.state.crash_streak = self.state.crash_streak, observed.crash_streak
+            # a failure being acted on counts (a refund in Acts.restart takes it back)
+            self.state.streak = streak_acted_on(self.state.streak, decision, observed.crash_streak)
             self.reporting.export_lease()
             result = self.acts.carry_out(decision)
             if result is not None:

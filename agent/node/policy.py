@@ -422,6 +422,54 @@ def refunded(reason: Reason, previous: Iterable[str], current: Iterable[str]) ->
     return reason is Reason.WORKER_FAILED and bool(previous_set) and not previous_set <= set(current)
 
 
+# ---------------------------------------------------------------------- the crash streak, as acts go
+
+@dataclass(frozen=True)
+class Streak:
+    """This node's crash streak (:func:`next_streak`) and what it was before the failure now
+    being acted on (``before``: what a refund restores)."""
+
+    current: int = 0
+    before: int = 0
+
+
+def streak_acted_on(streak: Streak, decision: Decision, observed: int) -> Streak:
+    """The streak once ``decision`` is carried out: a failure of the workers acted on (a restart,
+    a replace, a keep-out or the end for it) counts as :func:`next_streak` saw it (``observed``);
+    any other decision leaves the streak as it was."""
+    if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
+        return Streak(observed, streak.current)
+    return streak
+
+
+@dataclass(frozen=True)
+class AfterRound:
+    """What the round a restart took part in says of the failure it restarted for."""
+
+    reason: Reason  # the restart's reason as counted and reported
+    refund: bool = False  # give back the restart it spent
+    streak: Streak | None = None  # the crash streak from now on (None: unchanged)
+
+
+def after_round(reason: Reason, previous: Iterable[str], current: Iterable[str], streak: Streak) -> AfterRound:
+    """A worker failure the new round explains as a peer's death (:func:`refunded`) is refunded:
+    reported as a peer lost, its restart given back, and no step of a crash loop of this node's."""
+    if refunded(reason, previous, current):
+        return AfterRound(Reason.PEER_LOST, refund=True, streak=Streak(streak.before, streak.before))
+    return AfterRound(reason)
+
+
+def formed_afresh(reason: Reason | None, fresh_world: bool) -> Decision | None:
+    """After an in-place rejoin or replace: a round that closed while no member's workers ran in
+    place forms afresh, every member starting its workers anew, as its closer recorded for all of
+    them alike. This node's in-place workers cannot follow it: they start again in it, a restart
+    for a node joining (when that was the cause) or for a peer lost, never counted. None: the
+    round is one the workers can take in place."""
+    if not fresh_world:
+        return None
+    return Decision(Action.RESTART, Reason.SCALE_UP if reason is Reason.SCALE_UP else Reason.PEER_LOST)
+
+
 SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
 SDC_WINDOW_S = 86400.0  # ... within this many seconds (ELASTIC_SDC_WINDOW_S)
 

@@ -7,19 +7,25 @@ import signal
 import pytest
 
 from agent.node.policy import (
+    CONTINUE,
     CRASH_WINDOW_S,
     Action,
+    AfterRound,
     Decision,
     Failure,
     JobEnd,
     Observation,
     Reason,
+    Streak,
+    after_round,
     decide,
+    formed_afresh,
     last_words,
     next_streak,
     refunded,
     settled,
     stop_signal,
+    streak_acted_on,
 )
 from elastic.contract import FailureKind
 
@@ -159,6 +165,32 @@ def test_a_failure_explained_by_a_missing_peer_is_refunded() -> None:
     assert not refunded(Reason.WORKER_FAILED, ["a", "b"], ["a", "b"])
     assert not refunded(Reason.WORKER_FAILED, [], ["a"])
     assert not refunded(Reason.HANG, ["a", "b"], ["a"])
+
+
+def test_the_round_after_a_restart_refunds_a_failure_a_lost_peer_explains() -> None:
+    streak = Streak(current=3, before=2)  # the failure restarted for made it 3
+    refund = after_round(Reason.WORKER_FAILED, ["a", "b"], ["a"], streak)
+    assert refund == AfterRound(Reason.PEER_LOST, refund=True, streak=Streak(2, 2))  # restart and streak back
+    assert after_round(Reason.WORKER_FAILED, ["a", "b"], ["a", "b"], streak) == AfterRound(Reason.WORKER_FAILED)
+    assert after_round(Reason.HANG, ["a", "b"], ["a"], streak) == AfterRound(Reason.HANG)  # a hang is ours
+
+
+def test_a_failure_acted_on_counts_towards_the_streak_and_nothing_else_does() -> None:
+    streak = Streak(current=1, before=0)
+    for decision in (Decision(Action.RESTART, Reason.WORKER_FAILED, failed={0: 1}),
+                     Decision(Action.KEEP_OUT, Reason.CRASH_LOOP, failed={0: 1})):
+        assert streak_acted_on(streak, decision, observed=2) == Streak(2, 1)
+    for decision in (CONTINUE, Decision(Action.REJOIN, Reason.PEER_LOST), Decision(Action.RESTART, Reason.HANG),
+                     Decision(Action.FAIL, Reason.SCRIPT_ERROR, failed={0: 1})):
+        assert streak_acted_on(streak, decision, observed=2) is streak
+
+
+def test_a_round_formed_afresh_restarts_in_place_workers_uncounted() -> None:
+    assert formed_afresh(Reason.PEER_LOST, fresh_world=False) is None
+    assert formed_afresh(Reason.SCALE_UP, True) == Decision(Action.RESTART, Reason.SCALE_UP)
+    for reason in (Reason.WORKER_FAILED, Reason.HANG, Reason.REFORM, Reason.FROZEN, None):
+        restart = formed_afresh(reason, True)
+        assert restart == Decision(Action.RESTART, Reason.PEER_LOST) and not restart.counted
 
 
 # ---------------------------------------------------------------------- crash loops
