@@ -256,7 +256,9 @@ class Acts:
                       round=run.round.number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
-        if decision.reason not in (Reason.STRAGGLER, Reason.SDC, Reason.HEALTH):
+        if decision.reason is Reason.STRAGGLER:
+            self.metrics.straggler_evictions.inc()
+        elif decision.reason not in (Reason.SDC, Reason.HEALTH):
             self.metrics.crash_loops.inc()
         self.sdc.forget()
         self.pace.forget()

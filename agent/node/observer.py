@@ -69,7 +69,7 @@ class Observer:
         fresh = failed or membership is not None or reform or stalled is not None
         self.frozen = self.freeze.look(self.workers.pids(), run.round.number, run.round.participants)
         unusable, run.unusable_round = run.unusable_round, None
-        suspect = self.sdc.look() or ""
+        sdc = self.sdc.look()
         return Observation(
             exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
             whole_node=whole_node,
@@ -80,9 +80,9 @@ class Observer:
             etcd_lost=self.rdzv.etcd_lost(self._stale_fence(), self.run_id) if failures else "",
             health=self.health.look(),
             min_nodes=self.rdzv.min_nodes,
-            straggler=self.pace.look(run.round.participants, self.rdzv.min_nodes) or "",
-            sdc_suspect=suspect,
-            spares_waiting=self._spares_waiting(suspect),
+            pace=self.pace.look(run.round.participants),
+            sdc=sdc,
+            spares_waiting=self._spares_waiting(sdc.suspect),
             written_off=self.freeze.written_off(run.round.number, run.round.participants, fresh=fresh) or "",
             frozen=self.frozen.nodes if self.frozen is not None else (),
             frozen_detail=self.frozen.detail if self.frozen is not None else "",

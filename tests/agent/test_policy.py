@@ -15,7 +15,9 @@ from agent.node.policy import (
     Failure,
     JobEnd,
     Observation,
+    PaceFacts,
     Reason,
+    SdcFacts,
     Streak,
     after_round,
     decide,
@@ -23,10 +25,12 @@ from agent.node.policy import (
     last_words,
     next_streak,
     refunded,
+    sdc_keep_out,
     settled,
     stop_signal,
     streak_acted_on,
 )
+from agent.node.stragglers import Straggler
 from elastic.contract import FailureKind
 
 RUNNING = {0: None, 1: None}
@@ -392,38 +396,68 @@ def test_a_stale_group_on_every_node_is_no_script_error() -> None:
 
 # ---------------------------------------------------------------- the watches that feed the decision
 
+SLOW = Straggler("b", compute=0.3, others=0.1, windows=3)  # 3.0x the others
+
+
+def pace(mine: bool = True, world: int = 3, spares: int = 0, evict: bool = True) -> PaceFacts:
+    return PaceFacts(SLOW, mine=mine, world=world, spares=spares, evict=evict)
+
+
+def outliers(*at: float, now: float = 1000.0) -> SdcFacts:
+    return SdcFacts(at, now=now, window_s=500.0)
+
+
+SUSPECT = outliers(900.0, 950.0)
+SUSPECT_LINE = sdc_keep_out(SUSPECT.outlier_at, SUSPECT.now, SUSPECT.window_s)
+
+
 def test_a_straggler_that_may_go_is_kept_out() -> None:
-    decision = decide(obs(straggler="b trains 40% slower; evicted: a spare waits"))
-    assert decision == Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail="b trains 40% slower; evicted: a spare waits")
+    decision = decide(obs(pace=pace(spares=1)))
+    assert decision == Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=f"{SLOW.describe()}; evicted: a spare waits "
+                                                                          "to take its place")
+    assert decide(obs(pace=pace(world=3), min_nodes=2)).reason is Reason.STRAGGLER  # 2 at their pace train faster
+
+
+def test_only_the_stragglers_own_agent_evicts_it_and_only_where_the_job_gains() -> None:
+    assert decide(obs(pace=pace(mine=False, spares=1))) == CONTINUE  # another node's agent names it too
+    assert decide(obs(pace=pace(evict=False, spares=1))) == CONTINUE  # ELASTIC_STRAGGLER_EVICT=0: named only
+    assert decide(obs(pace=pace(world=2), min_nodes=2)) == CONTINUE  # without it, fewer than the job needs
+    assert decide(obs(pace=PaceFacts(Straggler("b", 0.14, 0.1, 3), mine=True, world=3), min_nodes=1)) == CONTINUE
+    # (1.4x: two nodes at their pace would not train faster than three at its)
 
 
 def test_a_straggler_yields_to_anything_the_workers_or_the_round_say() -> None:
-    assert decide(obs(straggler="slow", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
-    assert decide(obs(straggler="slow", exits={0: 1, 1: None})).reason is Reason.WORKER_FAILED
+    assert decide(obs(pace=pace(spares=1), membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
+    assert decide(obs(pace=pace(spares=1), exits={0: 1, 1: None})).reason is Reason.WORKER_FAILED
 
 
 def test_an_sdc_suspect_is_kept_out_when_the_others_can_train_on() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=2, min_nodes=2))
-    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=2, min_nodes=2))
+    assert SUSPECT_LINE and decision == Decision(Action.KEEP_OUT, Reason.SDC, detail=SUSPECT_LINE)
+
+
+def test_one_vote_or_votes_outside_the_window_are_no_suspect() -> None:
+    for facts in (outliers(950.0), outliers(100.0, 950.0), outliers()):
+        assert facts.suspect == "" and decide(obs(sdc=facts, nodes_without_us=2, min_nodes=2)) == CONTINUE
 
 
 def test_an_sdc_suspect_the_job_cannot_spare_trains_on_and_is_said_once() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2))
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=1, min_nodes=2))
     assert decision.action is Action.CONTINUE and decision.reason is None
-    assert decision.unheeded.startswith("suspect hardware; not kept out: without it 1 node(s)")
+    assert decision.unheeded.startswith(f"{SUSPECT_LINE}; not kept out: without it 1 node(s)")
 
 
 def test_an_sdc_suspect_at_the_jobs_minimum_is_kept_out_when_a_warm_spare_waits() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2, spares_waiting=1))
-    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=1, min_nodes=2, spares_waiting=1))
+    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail=SUSPECT_LINE)
 
 
 def test_an_sdc_suspect_without_a_rendezvous_that_keeps_out_changes_nothing() -> None:
-    assert decide(obs(sdc_suspect="suspect hardware")) == Decision(Action.CONTINUE)
+    assert decide(obs(sdc=SUSPECT)) == Decision(Action.CONTINUE)
 
 
 def test_a_straggler_goes_before_an_sdc_suspect_is_looked_at() -> None:
-    decision = decide(obs(straggler="slow", sdc_suspect="suspect", nodes_without_us=2, min_nodes=1))
+    decision = decide(obs(pace=pace(spares=1), sdc=SUSPECT, nodes_without_us=2, min_nodes=1))
     assert decision.reason is Reason.STRAGGLER
 
 
@@ -443,12 +477,12 @@ def test_frozen_peers_are_written_off_and_the_round_formed_again_only_when_all_e
     decision = decide(obs(frozen=("b",), frozen_detail="b frozen"))
     assert decision == Decision(Action.REJOIN, Reason.FROZEN, detail="b frozen", nodes=("b",))
     assert decide(obs(frozen=("b",), frozen_detail="b frozen", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
-    assert decide(obs(frozen=("b",), straggler="slow")).reason is Reason.STRAGGLER
+    assert decide(obs(frozen=("b",), pace=pace(spares=1))).reason is Reason.STRAGGLER
 
 
 def test_an_unheeded_sdc_suspect_is_still_said_when_a_freeze_decides() -> None:
-    decision = decide(obs(sdc_suspect="s", nodes_without_us=0, min_nodes=1, frozen=("b",), frozen_detail="b"))
-    assert decision.reason is Reason.FROZEN and decision.unheeded.startswith("s; not kept out")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=0, min_nodes=1, frozen=("b",), frozen_detail="b"))
+    assert decision.reason is Reason.FROZEN and decision.unheeded.startswith(f"{SUSPECT_LINE}; not kept out")
 
 
 def test_a_round_in_place_workers_cannot_take_restarts_them_counted_as_the_act_that_found_it() -> None:
