@@ -19,11 +19,11 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elastic.inplace.channel import AgentChannel
-from agent.rendezvous.keepout import KeepOut, backoff, next_strikes
 
 from agent.node.fork_server import ForkServer
 from agent.node.fault_cause import timeline_reason
 from agent.node.goodput import GoodputAccountant, fault_nodes
+from agent.node.keep_outs import KeepOuts
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun
 from agent.node.nulls import NoChannel, NoPool
@@ -46,13 +46,12 @@ class Acts:
     def __init__(self, run: NodeRun, group: Group, *, node: str, settings: AgentSettings, metrics: AgentMetrics,
                  workers: LocalWorkers, watch: HangWatch, rdzv: AgentRendezvous, goodput: GoodputAccountant,
                  sdc: SdcWatch, pace: Any, freeze: Any, channel: AgentChannel | NoChannel,
-                 pool: ForkServer | NoPool, observer: Observer, reporting: Reporting) -> None:
+                 pool: ForkServer | NoPool, observer: Observer, reporting: Reporting, keep_outs: KeepOuts) -> None:
+        self.keep_outs = keep_outs  # the one strike counter of every keep-out (agent.node.keep_outs)
         self.run, self.group, self.node, self.settings, self.metrics = run, group, node, settings, metrics
         self.workers, self.watch, self.rdzv, self.goodput = workers, watch, rdzv, goodput
         self.sdc, self.pace, self.freeze, self.channel, self.pool = sdc, pace, freeze, channel, pool
         self.observer, self.reporting = observer, reporting
-        self.crash_strikes = 0  # keep-outs for a crash loop (agent.rendezvous.keepout.backoff)
-        self.back_in_at: float | None = None  # when this node last came back from such a keep-out
         self.restarted: Restarted | None = None  # the last restart, until its first progress explains it
 
     def carry_out(self, decision: Decision) -> RunResult | None:
@@ -250,10 +249,7 @@ class Acts:
         node that holds one (``Reachability.excluded``), so the others' round, which may
         already be open, closes without this node instead of waiting for it."""
         run = self.run
-        back_for = None if self.back_in_at is None else time.monotonic() - self.back_in_at
-        self.crash_strikes = next_strikes(self.crash_strikes, back_for)
-        out = KeepOut(self.node, self.crash_strikes, backoff(self.crash_strikes), cause=decision.detail,
-                      round=run.round.number)
+        out = self.keep_outs.strike(decision.detail, run.round.number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
         if decision.reason is Reason.STRAGGLER:
@@ -262,7 +258,7 @@ class Acts:
             self.metrics.crash_loops.inc()
         self.sdc.forget()
         self.pace.forget()
-        self.rdzv.keep_out(out)
+        self.rdzv.keep_out(out)  # first: the others' round may be open already (see above)
         self.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
         pids = self.workers.pids()
         self.group.stop(signal.SIGKILL, 0.0)
@@ -272,12 +268,9 @@ class Acts:
         self.metrics.set_state(AgentState.STOPPED)
         self.restarted = None
         self.pool.fill()  # the standbys import while this node waits: its return starts warm
-        deadline = time.monotonic() + out.backoff
-        while time.monotonic() < deadline and not self.rdzv.is_closed():
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        back = self.keep_outs.stay_out(out)
         self.rdzv.keep_out(None)
-        self.back_in_at = time.monotonic()
-        if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
+        if back:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
                      else "replica votes name it the outlier twice again" if decision.reason is Reason.SDC
                      else "a health check still fails" if decision.reason is Reason.HEALTH
