@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from elastic.collectives import (TORCH_TYPES, CollectiveFailure, collective_failures, failure_kind, first_line,
                                  is_collective_failure)
 from elastic.contract import FailureKind
+from tests.support.torch_errors import raised_in_torch
 
 EXPECTED = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
 
@@ -48,14 +48,10 @@ def raised_at(path: str, message: str) -> RuntimeError:
     raise AssertionError("not raised")
 
 
-def in_torch(message: str) -> RuntimeError:
-    return raised_at(str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py"), message)
-
-
 def test_an_untyped_runtime_error_from_torch_counts_by_what_gloo_says() -> None:
-    assert failure_kind(in_torch(GLOO_LOST)) is FailureKind.PEER_LOST and is_collective_failure(in_torch(GLOO_LOST))
-    assert failure_kind(in_torch(GLOO_TIMEOUT)) is FailureKind.TIMEOUT
-    assert not is_collective_failure(in_torch("mat1 and mat2 shapes cannot be multiplied"))
+    assert failure_kind(raised_in_torch(GLOO_LOST)) is FailureKind.PEER_LOST and is_collective_failure(raised_in_torch(GLOO_LOST))
+    assert failure_kind(raised_in_torch(GLOO_TIMEOUT)) is FailureKind.TIMEOUT
+    assert not is_collective_failure(raised_in_torch("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_collective_failure(ValueError("nccl"))  # not a RuntimeError: a bug, whatever it says
 
 
