@@ -258,7 +258,7 @@ class Acts:
             self.metrics.crash_loops.inc()
         self.sdc.forget()
         self.pace.forget()
-        self.rdzv.keep_out(out)  # first: the others' round may be open already (see above)
+        self.rdzv.keep_out(out)
         self.goodput.acted(Reason.HEALTH.value if decision.reason is Reason.HEALTH else Reason.WORKER_FAILED.value)
         pids = self.workers.pids()
         self.group.stop(signal.SIGKILL, 0.0)

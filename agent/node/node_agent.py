@@ -140,8 +140,8 @@ class NodeAgent(ElasticAgent):
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
-        # node health: a sick node does not join, and goes out when it falls sick (agent/node/health_watch.py)
         self.keep_outs = KeepOuts(self.node, self.rdzv.is_closed)  # one strike counter for every keep-out
+        # node health: a sick node does not join, and goes out when it falls sick (agent/node/health_watch.py)
         self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,
                                   self.rdzv.etcd_settings(), metrics.health_failing)
         # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/node/freeze.py)
