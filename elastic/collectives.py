@@ -2,21 +2,27 @@
 
 A collective fails when a peer is lost (killed, partitioned, reconfigured away): the step is
 abandoned and the world re-forms, so such a failure is turned into :class:`CollectiveFailure`
-while any other error (a bug, a bad batch) still propagates. Torch types most of them
-(``torch.distributed.DistError`` and its subclasses below), and the type decides. It does not
-type them all: with torch 2.14.1 a gloo peer lost mid-collective raises a plain
-``RuntimeError("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ...")``, from
-``all_reduce`` and from ``work.wait()`` alike. So for a ``RuntimeError`` that torch did not type,
-and only then, the message is read (:data:`_UNTYPED_WORDS`). tests/elastic/test_collectives.py fails loudly if torch renames the
-types or starts typing the gloo failure.
+while any other error (a bug, a bad batch) still propagates. :func:`failure_kind` classifies an
+error once, where it is caught, as a :class:`~elastic.contract.FailureKind`, and the kind travels
+with it (``CollectiveFailure.kind``, and torchrun's error file for the agent): nothing downstream
+reads its words again. Torch types most of these failures (``torch.distributed.DistError`` and its
+subclasses below), and the type decides. It does not type them all: with torch 2.14.1 a gloo peer
+lost mid-collective raises a plain ``RuntimeError``. So an untyped ``RuntimeError`` raised inside
+torch's own code, and only then, is read by :mod:`elastic.torch_untyped`; one the script raised
+itself is the script's, whatever it says. tests/elastic/test_collectives.py fails loudly if torch
+renames the types or starts typing the gloo failure.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch.distributed as dist
+
+from .contract import FailureKind
+from .torch_untyped import raised_in_torch, untyped_kind
 
 # torch's types for a collective, its process group's transport or its store failing; a
 # collective's timeout is one of them (NCCL's watchdog: DistBackendError; a store wait:
@@ -25,22 +31,38 @@ TORCH_TYPES: tuple[type[BaseException], ...] = (
     dist.DistError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError,
 )
 
-# What gloo and NCCL say in the untyped RuntimeError described above.
-_UNTYPED_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-                  "timeout", "socket", "processgroup", "c10d", "peer", "aborted", "reconfigure")
-
 
 class CollectiveFailure(RuntimeError):
-    """A collective of this step failed: the world is broken, the step is abandoned."""
+    """A collective of this step failed: the world is broken, the step is abandoned.
+
+    ``kind`` says how (a peer lost unless the raiser knows better: a timeout, or this group
+    abandoned for a newer round)."""
+
+    def __init__(self, message: str = "", kind: FailureKind = FailureKind.PEER_LOST) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """How ``exc`` happened, from its type and where it was raised; never from its words alone."""
+    snapshots = sys.modules.get("elastic.snapshots")  # not imported: its fence cannot have raised
+    if isinstance(exc, CollectiveFailure):
+        return exc.kind
+    if snapshots is not None and isinstance(exc, snapshots.StaleGroupError):  # a newer round commits
+        return FailureKind.ABANDONED
+    if isinstance(exc, dist.DistStoreError):  # torch raises it when a store wait passes its timeout
+        return FailureKind.TIMEOUT
+    if isinstance(exc, TORCH_TYPES):
+        return FailureKind.PEER_LOST
+    if type(exc) is RuntimeError and raised_in_torch(exc.__traceback__):
+        return untyped_kind(exc) or FailureKind.USER
+    return FailureKind.USER
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, (CollectiveFailure, *TORCH_TYPES)):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(word in text for word in _UNTYPED_WORDS)
+    """The world broke under ``exc`` (a peer lost, a timeout): the step is abandoned, not failed."""
+    kind = failure_kind(exc)
+    return kind.world_broke or (kind is FailureKind.ABANDONED and isinstance(exc, CollectiveFailure))
 
 
 def first_line(exc: BaseException) -> str:
@@ -58,6 +80,7 @@ def collective_failures() -> Iterator[None]:
     except CollectiveFailure:
         raise
     except RuntimeError as exc:
-        if is_collective_failure(exc):
-            raise CollectiveFailure(first_line(exc)) from exc
+        kind = failure_kind(exc)
+        if kind.world_broke:
+            raise CollectiveFailure(first_line(exc), kind) from exc
         raise

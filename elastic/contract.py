@@ -155,6 +155,12 @@ WAKE_FIFO = "wake"  # a FIFO: a worker writes one byte after a request, the agen
 WHOLE_NODE_KEY = "whole_node"  # in a worker status's extra: start this node's ranks again together (HSDP)
 NODE_VERDICT_FILE = "verdict-{local_rank}"  # HSDP: each worker's outcome of its last steps, for its node's others
 
+# $TORCHELASTIC_ERROR_FILE (torch's own format, ``{"message": {"message": ..., "extraInfo": {...}}}``): the
+# worker (agent.worker.worker_boot, elastic.failure_record) writes it as it fails, with one key of ours in
+# "extraInfo", FAILURE_KIND_KEY: the FailureKind (part 3) of the error, classified where it was caught; the
+# agent (agent.node.workers) reads it. A file without the key (an older worker) is a failure of the script's own.
+FAILURE_KIND_KEY = "elastic_failure_kind"
+
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.node.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
 HEARTBEAT_FILE = HEARTBEAT_PREFIX + "{local_rank}"  # 56 bytes at offset 0: step, time, pid, kind, loss, samples, finished
@@ -204,6 +210,26 @@ SIGNAL_EXIT_BASE = 128  # 128 + signum: ElasticRun stopped for a signal (SIGTERM
 
 def signal_exit(signum: int) -> int:
     return SIGNAL_EXIT_BASE + int(signum)
+
+
+class FailureKind(str, Enum):
+    """Why a worker's error happened, as the worker classified it where it caught it (by the
+    error's type and origin, never its words: elastic.collectives.failure_kind). The agent's
+    policy reads it from torchrun's error file (FAILURE_KIND_KEY) to tell a broken world from
+    a failure of the node's own."""
+
+    PEER_LOST = "peer_lost"  # a collective broke: a peer died or cut the connection
+    TIMEOUT = "timeout"  # a collective or its store waited past its timeout on a silent peer
+    ABANDONED = "abandoned"  # the world gave this node's group up (a newer round commits; the run replaced it)
+    USER = "user"  # the script's own error (a bug, a bad batch, a RuntimeError of its own whatever it says)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def world_broke(self) -> bool:
+        """A peer's doing, not this node's: it never counts towards a crash loop."""
+        return self in (FailureKind.PEER_LOST, FailureKind.TIMEOUT)
 
 
 # What a worker reports in its status file ($ELASTIC_CONTROL_DIR/worker-{local_rank}.json):

@@ -13,7 +13,8 @@ from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from . import worker_env
+from . import failure_record, worker_env
+from .contract import FailureKind
 from .distributed import DistInfo, init_distributed
 from .formation import Holding, Joined, Source, StatePlan, TrainingWorld
 from .collectives import CollectiveFailure
@@ -87,15 +88,11 @@ class FixedWorld(TrainingWorld):
 
 
 def exit_for_restart(where: str, step: int, noticed: str) -> NoReturn:
-    """One line, also in torchrun's error file, and exit code 1: the agent restarts the worker."""
+    """One line, also in torchrun's error file with its kind (a peer lost), and exit code 1: the
+    agent restarts the worker and never counts it towards a crash loop."""
     message = f"lost a peer in step {step} ({noticed}); the agent restarts this worker"
     log.warning("%s %s", where, message)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(CollectiveFailure(message))
-    except OSError as exc:
-        log.debug("cannot write the error file: %s", exc)
+    failure_record.record(CollectiveFailure(message), kind=FailureKind.PEER_LOST)  # the agent reads the kind
     raise SystemExit(1)
 
 

@@ -19,16 +19,16 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elastic.inplace.channel import AgentChannel
-from agent.rendezvous.keepout import KeepOut, backoff, next_strikes
 
 from agent.node.fork_server import ForkServer
 from agent.node.fault_cause import timeline_reason
 from agent.node.goodput import GoodputAccountant, fault_nodes
+from agent.node.keep_outs import KeepOuts
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun
 from agent.node.nulls import NoChannel, NoPool
 from agent.node.observer import Observer
-from agent.node.policy import Action, Decision, Reason, refunded, settled, stop_signal
+from agent.node.policy import Action, Decision, Reason, Streak, after_round, formed_afresh, settled, stop_signal
 from agent.node.rendezvous_api import AgentRendezvous
 from agent.node.reporting import Reporting, Restarted, change
 from agent.node.sdc import SdcWatch
@@ -46,13 +46,12 @@ class Acts:
     def __init__(self, run: NodeRun, group: Group, *, node: str, settings: AgentSettings, metrics: AgentMetrics,
                  workers: LocalWorkers, watch: HangWatch, rdzv: AgentRendezvous, goodput: GoodputAccountant,
                  sdc: SdcWatch, pace: Any, freeze: Any, channel: AgentChannel | NoChannel,
-                 pool: ForkServer | NoPool, observer: Observer, reporting: Reporting) -> None:
+                 pool: ForkServer | NoPool, observer: Observer, reporting: Reporting, keep_outs: KeepOuts) -> None:
+        self.keep_outs = keep_outs  # the one strike counter of every keep-out (agent.node.keep_outs)
         self.run, self.group, self.node, self.settings, self.metrics = run, group, node, settings, metrics
         self.workers, self.watch, self.rdzv, self.goodput = workers, watch, rdzv, goodput
         self.sdc, self.pace, self.freeze, self.channel, self.pool = sdc, pace, freeze, channel, pool
         self.observer, self.reporting = observer, reporting
-        self.crash_strikes = 0  # keep-outs for a crash loop (agent.rendezvous.keepout.backoff)
-        self.back_in_at: float | None = None  # when this node last came back from such a keep-out
         self.restarted: Restarted | None = None  # the last restart, until its first progress explains it
 
     def carry_out(self, decision: Decision) -> RunResult | None:
@@ -84,7 +83,7 @@ class Acts:
         self.metrics.set_state(AgentState.HEALTHY)
         if run.crash_streak:
             youngest = min((w.ran_for() for w in self.workers.workers.values()), default=0.0)
-            run.crash_streak = settled(run.crash_streak, youngest)
+            run.streak = Streak(settled(run.crash_streak, youngest), run.streak.before)
             if not run.crash_streak:
                 self.rdzv.publish(crash="")  # it trains: its old failure says nothing about the script any more
         if self.restarted is not None and self.watch.progressed():
@@ -129,10 +128,11 @@ class Acts:
         if joined_from is None:
             self.group.rendezvous(RoundCause.JOIN if reason in (Reason.SCALE_UP, Reason.LEASE_LOST)
                                   else RoundCause.FAILURE)
-        if refunded(reason, previous, run.round.participants):
-            reason = Reason.PEER_LOST  # our worker died because a peer did; not our failure to count
-            run.remaining_restarts += 1
-            run.crash_streak = run.streak_before  # nor a step of a crash loop of ours
+        after = after_round(reason, previous, run.round.participants, run.streak)
+        reason = after.reason  # our worker died because a peer did: not our failure to count...
+        run.remaining_restarts += int(after.refund)
+        if after.streak is not None:
+            run.streak = after.streak  # ... nor a step of a crash loop of ours
         rendezvous_done = time.time()
         self.goodput.restarted(cause if reason is Reason.WORKER_FAILED else reason.value,
                                fault_nodes(reason.value, self.node, previous, run.round.participants), acted_at,
@@ -222,16 +222,14 @@ class Acts:
                  run.round.number, ranks, " and ".join(modes) or "?", run.remaining_restarts)
 
     def _formed_afresh(self, decision: Decision, before: tuple[str, ...]) -> bool:
-        """After an in-place rejoin or replace: a round that closed while no member's workers
-        ran in place (this node's said so just after) forms afresh, every member starting its
-        workers anew, as its closer recorded for all of them alike. This node's workers
-        cannot follow it in place: they start again in it (True)."""
-        if not self.run.round.fresh_world:
+        """After an in-place rejoin or replace: carry out :func:`agent.node.policy.formed_afresh`'s
+        restart, if the round formed afresh (True)."""
+        restart = formed_afresh(decision.reason, self.run.round.fresh_world)
+        if restart is None:
             return False
         log.info("[%s] round %d formed afresh (no member's workers ran in place when it closed): starting local "
                  "workers anew in it", self.node, self.run.round.number)
-        self.restart(Decision(Action.RESTART, Reason.SCALE_UP if decision.reason is Reason.SCALE_UP
-                              else Reason.PEER_LOST), joined_from=before)
+        self.restart(restart, joined_from=before)
         return True
 
     def _unusable(self, reason: Reason) -> None:
@@ -251,13 +249,12 @@ class Acts:
         node that holds one (``Reachability.excluded``), so the others' round, which may
         already be open, closes without this node instead of waiting for it."""
         run = self.run
-        back_for = None if self.back_in_at is None else time.monotonic() - self.back_in_at
-        self.crash_strikes = next_strikes(self.crash_strikes, back_for)
-        out = KeepOut(self.node, self.crash_strikes, backoff(self.crash_strikes), cause=decision.detail,
-                      round=run.round.number)
+        out = self.keep_outs.strike(decision.detail, run.round.number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
-        if decision.reason not in (Reason.STRAGGLER, Reason.SDC, Reason.HEALTH):
+        if decision.reason is Reason.STRAGGLER:
+            self.metrics.straggler_evictions.inc()
+        elif decision.reason not in (Reason.SDC, Reason.HEALTH):
             self.metrics.crash_loops.inc()
         self.sdc.forget()
         self.pace.forget()
@@ -271,12 +268,9 @@ class Acts:
         self.metrics.set_state(AgentState.STOPPED)
         self.restarted = None
         self.pool.fill()  # the standbys import while this node waits: its return starts warm
-        deadline = time.monotonic() + out.backoff
-        while time.monotonic() < deadline and not self.rdzv.is_closed():
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        back = self.keep_outs.stay_out(out)
         self.rdzv.keep_out(None)
-        self.back_in_at = time.monotonic()
-        if time.monotonic() >= deadline:  # else the job ended meanwhile, and the rendezvous says so
+        if back:  # else the job ended meanwhile, and the rendezvous says so
             again = ("it is still a straggler" if decision.reason is Reason.STRAGGLER
                      else "replica votes name it the outlier twice again" if decision.reason is Reason.SDC
                      else "a health check still fails" if decision.reason is Reason.HEALTH

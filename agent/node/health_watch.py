@@ -4,7 +4,7 @@ Before each round it joins (at start, after a restart or a keep-out), the agent 
 :meth:`HealthWatch.gate`: a node that fails a check does not join. It holds a keep-out key
 with the failed check as its cause (``elastic top`` shows it; the registry's state says
 ``kept_out``), logs one line naming the check and the fix, and looks again after the
-back-off unreachable nodes get (:func:`agent.rendezvous.keepout.backoff`): it joins as
+back-off of its strike, counted with every keep-out of the node (:mod:`agent.node.keep_outs`): it joins as
 soon as every check passes. While it trains, :meth:`HealthWatch.look` runs the checks every
 :data:`agent.node.health.INTERVAL_S`; ``agent.node.policy`` decides what a failure then means.
 """
@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from agent.rendezvous.keepout import KeepOut, backoff
+from agent.rendezvous.keepout import KeepOut
 
 from elastic import contract
 from agent.node import health
 from agent.node.health import Check, HealthReport, Limits
+from agent.node.keep_outs import KeepOuts
 
 log = logging.getLogger("elastic.agent")
-_RECHECK_S = 0.5
 
 
 _PROBE_TIMEOUT_S = 2.0  # the bucket's HEAD: a look must not hold the agent up
@@ -88,7 +88,6 @@ class HealthWatch:
         self.limits = limits or Limits.from_env(os.environ)
         self.interval = self.limits.interval_s
         self.report: HealthReport | None = None
-        self._strikes = 0
         self._said = ""
 
     def checks(self) -> HealthReport:
@@ -132,29 +131,24 @@ class HealthWatch:
         self._said = line
         return line
 
-    def gate(self, round_number: int, publish: Callable[[KeepOut | None], None],
-             closed: Callable[[], bool]) -> bool:
+    def gate(self, round_number: int, keep_outs: KeepOuts, publish: Callable[[KeepOut | None], None]) -> bool:
         """Before a round: return at once for a healthy node; else stay out (``publish`` the
-        keep-out key, with the failed checks as its cause) until every check passes. False
-        if the job ended meanwhile."""
+        keep-out key, with the failed checks as its cause, its strikes counted with every other
+        keep-out of this node: :mod:`agent.node.keep_outs`) until every check passes. False if
+        the job ended meanwhile."""
         line = self.look(force=True, quiet=True)  # its own line says it, with the keep-out
         if not line:
             return True
         since = time.monotonic()
         while line:
-            self._strikes += 1
-            out = KeepOut(self.node, self._strikes, backoff(self._strikes), cause=line, round=round_number)
+            out = keep_outs.strike(line, round_number)
             log.error("[%s] not joining the job: %s; kept out %.0f s (strike %d), then checked again",
                       self.node, line, out.backoff, out.strikes)
             publish(out)
-            deadline = time.monotonic() + out.backoff
-            while time.monotonic() < deadline:
-                if closed():
-                    publish(None)
-                    return False
-                time.sleep(min(_RECHECK_S, max(0.0, deadline - time.monotonic())))
+            if not keep_outs.stay_out(out):
+                publish(None)
+                return False
             line = self.look(force=True, quiet=True)
-        self._strikes = 0
         publish(None)
         log.info("[%s] health checks pass again after %.0f s kept out; joining the job", self.node,
                  time.monotonic() - since)

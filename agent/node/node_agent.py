@@ -62,11 +62,12 @@ from agent.node.metrics import AgentMetrics
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel, NoPool
 from agent.node.observer import Observer
-from agent.node.policy import Reason, decide
+from agent.node.policy import decide, streak_acted_on
 from agent.node.preemption import terminate
 from agent.node.rendezvous_api import JobFinishedError, Round, agent_rendezvous
 from agent.node.reporting import Reporting
 from agent.node.health_watch import HealthWatch
+from agent.node.keep_outs import KeepOuts
 from agent.node.sdc import SdcWatch
 from agent.node.settings import AgentSettings
 from agent.node.spare_ahead import SpareAhead
@@ -139,6 +140,7 @@ class NodeAgent(ElasticAgent):
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
+        self.keep_outs = KeepOuts(self.node, self.rdzv.is_closed)  # one strike counter for every keep-out
         # node health: a sick node does not join, and goes out when it falls sick (agent/node/health_watch.py)
         self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,
                                   self.rdzv.etcd_settings(), metrics.health_failing)
@@ -167,7 +169,7 @@ class NodeAgent(ElasticAgent):
         self.acts = Acts(run, self, node=self.node, settings=settings, metrics=metrics, workers=self.workers,
                          watch=self.watch, rdzv=self.rdzv, goodput=self.goodput, sdc=self.sdc, pace=self.pace,
                          freeze=self.freeze, channel=self.channel, pool=self.pool, observer=self.observer,
-                         reporting=self.reporting)
+                         reporting=self.reporting, keep_outs=self.keep_outs)
         self._worker_group = WorkerGroup(WorkerSpec(
             role=spec.role, local_world_size=spec.nproc, rdzv_handler=handler, entrypoint=spec.command[0],
             args=spec.command[1:], max_restarts=spec.max_restarts, monitor_interval=spec.monitor_interval,
@@ -222,9 +224,8 @@ class NodeAgent(ElasticAgent):
             self.goodput.tick(self.workers.pids(), self.rank_base)
             observed = self.observer.look()
             decision = decide(observed)
-            if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
-                # this failure is being acted on: it counts (a refund in Acts.restart takes it back)
-                self.state.streak_before, self.state.crash_streak = self.state.crash_streak, observed.crash_streak
+            # a failure being acted on counts (a refund in Acts.restart takes it back)
+            self.state.streak = streak_acted_on(self.state.streak, decision, observed.crash_streak)
             self.reporting.export_lease()
             result = self.acts.carry_out(decision)
             if result is not None:
@@ -289,7 +290,7 @@ class NodeAgent(ElasticAgent):
     def rendezvous(self, cause: RoundCause = RoundCause.JOIN, offered: bool = False) -> None:
         """Take part in the next round (``offered``: one in-place workers can take, if any comes).
         A node that fails a health check joins none until it passes (agent.node.health_watch)."""
-        if not self.health.gate(self.round_number, self._held_out, self.rdzv.is_closed):
+        if not self.health.gate(self.round_number, self.keep_outs, self._held_out):
             raise RendezvousClosedError("the job ended while this node was kept out by a failed health check")
         started = time.monotonic()
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent.node.policy import Reason
+from agent.node.policy import Reason, Streak
 from agent.node.rendezvous_api import Round
 from agent.node.states import RoundCause
 from agent.node.workers import Launch
@@ -29,9 +29,9 @@ class NodeRun:
       replace, and refunds one when a peer's loss caused the failure (the policy reads it).
     - ``restart_count``: :class:`~agent.node.acts.Acts`, once per new group (the workers' attempt
       number, their log and error-file directory).
-    - ``crash_streak``, ``streak_before``: the agent's loop counts a failure being acted on
-      (``streak_before`` keeps the count before it, for a refund); :class:`~agent.node.acts.Acts`
-      settles the streak once the workers train, or refunds it.
+    - ``streak``: the agent's loop counts a failure being acted on
+      (:func:`agent.node.policy.streak_acted_on`); :class:`~agent.node.acts.Acts` settles it once
+      the workers train, or refunds it (:func:`agent.node.policy.after_round`).
     - ``joiner_pids``: the agent's group starts and :class:`~agent.node.spare_ahead.SpareAhead`
       (workers started into a live in-place world, which the observer waits for).
     - ``recovering``: :class:`~agent.node.acts.Acts`, before a start (the workers' start-up is the
@@ -45,12 +45,15 @@ class NodeRun:
     round: Round
     remaining_restarts: int
     restart_count: int = 0
-    crash_streak: int = 0  # own failures in a row right after a start (agent.node.policy)
-    streak_before: int = 0
+    streak: Streak = Streak()  # own failures in a row right after a start (agent.node.policy)
     joiner_pids: set[int] = field(default_factory=set)
     recovering: bool = False
     unusable_round: Reason | None = None
     failure_line: str = ""
+
+    @property
+    def crash_streak(self) -> int:
+        return self.streak.current
 
 
 class Group(Protocol):

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 class NoPace:
     """agent.node.pace.PaceMonitor's place: never a straggler."""
 
-    def look(self, participants: Any, min_nodes: int) -> str | None:
+    def look(self, participants: Any) -> None:
         return None
 
     def forget(self) -> None:

@@ -69,7 +69,7 @@ class Observer:
         fresh = failed or membership is not None or reform or stalled is not None
         self.frozen = self.freeze.look(self.workers.pids(), run.round.number, run.round.participants)
         unusable, run.unusable_round = run.unusable_round, None
-        suspect = self.sdc.look() or ""
+        sdc = self.sdc.look()
         return Observation(
             exits=exits, membership=membership, stalled_for=stalled, in_place=in_place, reform_requested=reform,
             whole_node=whole_node,
@@ -80,9 +80,9 @@ class Observer:
             etcd_lost=self.rdzv.etcd_lost(self._stale_fence(), self.run_id) if failures else "",
             health=self.health.look(),
             min_nodes=self.rdzv.min_nodes,
-            straggler=self.pace.look(run.round.participants, self.rdzv.min_nodes) or "",
-            sdc_suspect=suspect,
-            spares_waiting=self._spares_waiting(suspect),
+            pace=self.pace.look(run.round.participants),
+            sdc=sdc,
+            spares_waiting=self._spares_waiting(sdc.suspect),
             written_off=self.freeze.written_off(run.round.number, run.round.participants, fresh=fresh) or "",
             frozen=self.frozen.nodes if self.frozen is not None else (),
             frozen_detail=self.frozen.detail if self.frozen is not None else "",
@@ -113,7 +113,8 @@ class Observer:
             worker = self.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
-            message = attribute(worker.error_line())  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
+            line, kind = worker.error_record()
+            message = attribute(line)  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
             if not message and code < 0:
                 message = self._kill_words.get(worker.pid, "")
                 if not message:
@@ -121,7 +122,7 @@ class Observer:
                     message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
                     self._oom_seen = now
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
-                                progressed=self.watch.progressed_since_start(rank))
+                                progressed=self.watch.progressed_since_start(rank), kind=kind)
         return out
 
     def _in_place_statuses(self) -> tuple[bool, bool, bool]:

@@ -7,7 +7,8 @@ heartbeats, and writes both into its registry record (``pace``, ``pace_step``). 
 reads every member's record from the rendezvous' mirror (no etcd request) and feeds
 :class:`agent.node.stragglers.StragglerWatch`. Every agent names the same node, in one log line
 and in ``elastic_agent_straggler{node}``; only the straggler's own agent evicts it (keeps
-itself out with the crash loop's back-off), so nobody needs to be elected.
+itself out with the crash loop's back-off), so nobody needs to be elected. This module only
+finds and says (:class:`agent.node.policy.PaceFacts`); whether to evict is the policy's.
 
 Why the agent and the registry rather than a gather among the workers: the trainer stays
 untouched, any script whose workers export the split takes part, and every agent (spares
@@ -29,7 +30,8 @@ from elastic.metrics.multiprocess import merged
 from elastic import contract
 from elastic.heartbeat import read_beats
 
-from agent.node.stragglers import Pace, Straggler, StragglerWatch, eviction
+from agent.node.policy import PaceFacts
+from agent.node.stragglers import Pace, Straggler, StragglerWatch
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,9 @@ class PaceMonitor:
         self._named: str | None = None
         self._published: tuple[float | None, int | None] = (None, None)
 
-    def look(self, participants: tuple[str, ...] | list[str], min_nodes: int) -> str | None:
-        """Returns why to evict this node (it is the straggler and may go), else None."""
+    def look(self, participants: tuple[str, ...] | list[str]) -> PaceFacts | None:
+        """The straggler named at a window this look judged, with what the policy weighs to
+        evict it (:func:`agent.node.policy.straggler_out`); None between looks or with none named."""
         now = time.monotonic()
         if now < self._next:
             return None
@@ -79,14 +82,11 @@ class PaceMonitor:
         paces = {n: _pace(records.get(n)) for n in participants}
         straggler = self.watch.observe(paces)
         self._name(straggler)
-        if straggler is None or straggler.node != self.node or not evict_enabled():
+        if straggler is None:
             return None
         spares = sum(1 for n, r in records.items() if r.state == "spare" and n not in participants)
-        why = eviction(straggler, len(participants), min_nodes, spares)
-        if why is None:
-            return None
-        self.metrics.straggler_evictions.inc()
-        return f"{straggler.describe()}; evicted: {why}"
+        return PaceFacts(straggler, mine=straggler.node == self.node, world=len(participants), spares=spares,
+                         evict=evict_enabled())
 
     def forget(self) -> None:
         """The workers stopped (a restart, a keep-out): the old figures no longer apply."""

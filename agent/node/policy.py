@@ -26,11 +26,15 @@ stop standing still for it and train on; it comes back afterwards as a newcomer,
 kept out again, for twice as long, at its next such failure. The job fails for it only
 when the others cannot go on without it (fewer than ``--nnodes MIN``).
 
-**Every decision is made here.** The straggler watch (:mod:`agent.node.pace`), the SDC watch
-(:mod:`agent.node.sdc`), the freeze watch (:mod:`agent.node.freeze`) and the agent's own acts (a
-rejoin that got no round its in-place workers can take) only feed fields of the
-:class:`Observation`; :func:`decide` weighs them against the workers and the round, and
-the agent's act step carries out what it returns, nothing else.
+**Every decision is made here.** The straggler watch (:mod:`agent.node.pace`: the straggler
+every agent names, its ratio), the SDC watch (:mod:`agent.node.sdc`: when replica votes named this
+node the outlier), the health watch (its verdict), the freeze watch (:mod:`agent.node.freeze`)
+and the agent's own acts (a rejoin that got no round its in-place workers can take) only feed
+facts into the :class:`Observation`; :func:`decide` weighs them against the workers and the
+round (:func:`straggler_out`, :func:`sdc_keep_out`), and the agent's act step carries out what it
+returns, nothing else. What a round says after a restart (:func:`after_round`, :func:`formed_afresh`)
+and the crash streak's accounting (:func:`next_streak`, :func:`streak_acted_on`, :func:`settled`)
+are decided here too, as pure functions.
 
 **The same failure on every node is the script's.** Keep-out is for a node that fails
 where the others do not. A node whose own workers fail right after their start says so,
@@ -48,6 +52,8 @@ from typing import Iterable, Mapping
 
 from elastic import contract
 
+from agent.node.stragglers import Straggler, eviction
+
 USER_ERROR_EXIT = contract.USAGE_ERROR_EXIT  # a usage error (bad flags, a snapshot from another model): retrying cannot fix it
 FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the end, its final snapshot unwritable
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
@@ -55,12 +61,8 @@ CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal,
 # to a peer's "no restarts left" given up at the same moment: it names the cause)
 SCRIPT_ERROR_WORDS = "failed right after their start with the same error, the script's own"
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
-# What a worker's last line says when a peer broke its collective (ElasticRun's restart path
-# says "lost a peer"; a plain script's traceback ends with gloo's or NCCL's own words).
-_PEER_WORDS = ("lost a peer", "connection closed", "connection reset", "closed by peer", "read error",
-               "write error", "broken pipe", "pair.cc", "nccl error", "processgroupnccl", "processgroupgloo",
-               "connectfullmesh", "distnetworkerror", "diststoreerror", "timed out", "timeout")
-
+SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
+SDC_WINDOW_S = 86400.0  # ... within this many seconds (ELASTIC_SDC_WINDOW_S)
 
 class Reason(str, enum.Enum):
     WORKER_FAILED = "worker_failed"
@@ -103,19 +105,27 @@ class Action(str, enum.Enum):
 @dataclass(frozen=True)
 class Failure:
     """One failed local worker, as the agent saw it: its exit code, how long it ran, the
-    last line of its traceback (torchrun's error file, which the worker bootstrap writes),
-    and whether it made progress since it started (None: this node never saw any)."""
+    last line of its traceback and its kind (torchrun's error file, which the worker writes:
+    :mod:`elastic.failure_record`; None where it wrote none: killed, or an older build), and
+    whether it made progress since it started (None: this node never saw any)."""
 
     code: int
     ran_for: float
     message: str = ""
     progressed: bool | None = None
+    kind: contract.FailureKind | None = None
 
     @property
     def peer_caused(self) -> bool:
-        """Its collective broke because a peer died or cut it off: not this node's doing."""
-        text = self.message.lower()
-        return any(word in text for word in _PEER_WORDS)
+        """Its collective broke because a peer died or cut it off: not this node's doing. The
+        worker said so by the error's kind; its words never decide (a script's own
+        ``RuntimeError("timeout")`` is the script's)."""
+        return self.kind is not None and self.kind.world_broke
+
+    @property
+    def abandoned(self) -> bool:
+        """Its group was given up for a newer round (its fence refused it): nothing to report."""
+        return self.kind is contract.FailureKind.ABANDONED
 
     @property
     def right_after_start(self) -> bool:
@@ -135,7 +145,7 @@ def crash_report(failures: Mapping[int, Failure]) -> str:
     """What this node tells the others of its failure ('' for none to tell): the last line of
     its own workers' error (a peer's doing or a failure after a good run tells nothing)."""
     own = {r: f for r, f in failures.items()
-           if not f.peer_caused and f.right_after_start and f.message and "StaleGroupError" not in f.message}
+           if not f.peer_caused and f.right_after_start and f.message and not f.abandoned}
     return last_words(own)[:300] if own else ""
 
 
@@ -207,10 +217,10 @@ class Observation:
     peer_crashes: Mapping[str, str] | None = None  # the round's other nodes -> their crash_report ('' for none)
     etcd_lost: str = ""  # :func:`etcd_lost`'s line: every group of this job would be refused
     health: str = ""  # agent.node.health.verdict: the failed checks with their fixes ('' for a healthy node)
-    # The watches that feed the decision (each '' or () while it has nothing to say):
-    straggler: str = ""  # agent.node.pace: this node is the straggler and may go; why
-    sdc_suspect: str = ""  # agent.node.sdc: replica votes named this node the outlier often enough; why
-    spares_waiting: int = 0  # live nodes outside the round, one of which would take a kept-out node's place
+    # The watches' facts, which the decision weighs (each None, '' or () while it has nothing to say):
+    pace: PaceFacts | None = None  # agent.node.pace: the straggler every agent names, at a window it judged
+    sdc: SdcFacts | None = None  # agent.node.sdc: when replica votes named this node the outlier
+    spares_waiting: int = 0  # live nodes outside the round, one of which would take an SDC suspect's place
     written_off: str = ""  # agent.node.freeze, thawed side: its peers wrote this node off as frozen; why
     frozen: tuple[str, ...] = ()  # agent.node.freeze, survivor side: peers whose agents did not answer
     frozen_detail: str = ""  # ... and what the log line says about them
@@ -222,6 +232,43 @@ class Observation:
     job_ended: JobEnd | None = None
     in_world: bool = False
     scripts_returned: bool = False
+
+
+@dataclass(frozen=True)
+class PaceFacts:
+    """What the straggler watch (agent.node.pace) found at a window it judged: the node every
+    agent names (:class:`~agent.node.stragglers.Straggler`, its ratio to the others), whether it
+    is this node, the round's size, the spares waiting outside it, and whether evictions are on
+    (``ELASTIC_STRAGGLER_EVICT``)."""
+
+    straggler: Straggler
+    mine: bool
+    world: int
+    spares: int = 0
+    evict: bool = True
+
+
+@dataclass(frozen=True)
+class SdcFacts:
+    """What the SDC watch (agent.node.sdc) read: when replica votes named this node the outlier."""
+
+    outlier_at: tuple[float, ...]
+    now: float
+    window_s: float = SDC_WINDOW_S
+
+    @property
+    def suspect(self) -> str:
+        """:func:`sdc_keep_out`'s line ('' : not suspect hardware)."""
+        return sdc_keep_out(self.outlier_at, self.now, self.window_s) or ""
+
+
+def straggler_out(pace: PaceFacts | None, min_nodes: int) -> str:
+    """Why this node goes as the straggler ('' : it stays): only the straggler's own agent evicts
+    it, when evictions are on and :func:`agent.node.stragglers.eviction` says the job gains."""
+    if pace is None or not pace.mine or not pace.evict:
+        return ""
+    why = eviction(pace.straggler, pace.world, min_nodes, pace.spares)
+    return "" if why is None else f"{pace.straggler.describe()}; evicted: {why}"
 
 
 @dataclass(frozen=True)
@@ -273,15 +320,17 @@ def decide(obs: Observation) -> Decision:
     stale workers (as after a lost lease) whatever else was decided, short of the end of the
     job; a survivor whose worker waits on silent peers writes them off and rejoins."""
     decision = _workers_and_round(obs)
-    if decision.action is Action.CONTINUE and obs.straggler:
-        decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=obs.straggler)
-    if decision.action is Action.CONTINUE and obs.sdc_suspect and obs.nodes_without_us is not None:
+    straggler = straggler_out(obs.pace, obs.min_nodes)
+    if decision.action is Action.CONTINUE and straggler:
+        decision = Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=straggler)
+    suspect = obs.sdc.suspect if obs.sdc is not None else ""
+    if decision.action is Action.CONTINUE and suspect and obs.nodes_without_us is not None:
         if obs.nodes_without_us + obs.spares_waiting < obs.min_nodes:  # a warm spare waiting takes its place
             decision = Decision(Action.CONTINUE, unheeded=(
-                f"{obs.sdc_suspect}; not kept out: without it {obs.nodes_without_us} node(s) would remain, fewer "
+                f"{suspect}; not kept out: without it {obs.nodes_without_us} node(s) would remain, fewer "
                 f"than the {obs.min_nodes} the job needs"))
         else:
-            decision = Decision(Action.KEEP_OUT, Reason.SDC, detail=obs.sdc_suspect)
+            decision = Decision(Action.KEEP_OUT, Reason.SDC, detail=suspect)
     if decision.action in (Action.SUCCEED, Action.FAIL, Action.END) or decision.reason is Reason.LEASE_LOST:
         return decision
     if obs.written_off:
@@ -420,8 +469,54 @@ def refunded(reason: Reason, previous: Iterable[str], current: Iterable[str]) ->
     return reason is Reason.WORKER_FAILED and bool(previous_set) and not previous_set <= set(current)
 
 
-SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
-SDC_WINDOW_S = 86400.0  # ... within this many seconds (ELASTIC_SDC_WINDOW_S)
+# ---------------------------------------------------------------------- the crash streak, as acts go
+
+@dataclass(frozen=True)
+class Streak:
+    """This node's crash streak (:func:`next_streak`) and what it was before the failure now
+    being acted on (``before``: what a refund restores)."""
+
+    current: int = 0
+    before: int = 0
+
+
+def streak_acted_on(streak: Streak, decision: Decision, observed: int) -> Streak:
+    """The streak once ``decision`` is carried out: a failure of the workers acted on (a restart,
+    a replace, a keep-out or the end for it) counts as :func:`next_streak` saw it (``observed``);
+    any other decision leaves the streak as it was."""
+    if decision.failed and decision.reason in (Reason.WORKER_FAILED, Reason.CRASH_LOOP):
+        return Streak(observed, streak.current)
+    return streak
+
+
+@dataclass(frozen=True)
+class AfterRound:
+    """What the round a restart took part in says of the failure it restarted for."""
+
+    reason: Reason  # the restart's reason as counted and reported
+    refund: bool = False  # give back the restart it spent
+    streak: Streak | None = None  # the crash streak from now on (None: unchanged)
+
+
+def after_round(reason: Reason, previous: Iterable[str], current: Iterable[str], streak: Streak) -> AfterRound:
+    """A worker failure the new round explains as a peer's death (:func:`refunded`) is refunded:
+    reported as a peer lost, its restart given back, and no step of a crash loop of this node's."""
+    if refunded(reason, previous, current):
+        return AfterRound(Reason.PEER_LOST, refund=True, streak=Streak(streak.before, streak.before))
+    return AfterRound(reason)
+
+
+def formed_afresh(reason: Reason | None, fresh_world: bool) -> Decision | None:
+    """After an in-place rejoin or replace: a round that closed while no member's workers ran in
+    place forms afresh, every member starting its workers anew, as its closer recorded for all of
+    them alike. This node's in-place workers cannot follow it: they start again in it, a restart
+    for a node joining (when that was the cause) or for a peer lost, never counted. None: the
+    round is one the workers can take in place."""
+    if not fresh_world:
+        return None
+    return Decision(Action.RESTART, Reason.SCALE_UP if reason is Reason.SCALE_UP else Reason.PEER_LOST)
+
+
 
 
 def sdc_keep_out(outlier_at: Iterable[float], now: float, window_s: float = SDC_WINDOW_S,

@@ -3,8 +3,8 @@
 A worker that a replica vote names (:mod:`elastic.consistency.report`) appends a JSON
 line to ``$ELASTIC_HEARTBEAT_DIR/sdc-{local_rank}.jsonl``. The agent reads what is new
 at each look (a file's size first: nothing to read costs one ``stat``), remembers when
-this node was the outlier, and asks :func:`agent.node.policy.sdc_keep_out` whether that makes
-it suspect hardware.
+this node was the outlier, and hands those facts to the policy, which decides whether that
+makes it suspect hardware (:func:`agent.node.policy.sdc_keep_out`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from elastic import contract
 from agent.rendezvous.registry import list_nodes
 
-from agent.node.policy import SDC_WINDOW_S, sdc_keep_out
+from agent.node.policy import SDC_WINDOW_S, SdcFacts
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class SdcWatch:
         self._offsets: dict[Path, int] = {}
         self.outlier_at: list[float] = []
 
-    def look(self, now: float | None = None) -> str | None:
+    def look(self, now: float | None = None) -> SdcFacts:
+        """When replica votes named this node the outlier within the window (the policy weighs
+        them: :attr:`agent.node.policy.SdcFacts.suspect`)."""
         now = time.time() if now is None else now
         for event in self._new_events():
             step, role = event.get("step"), event.get("role")
@@ -55,7 +57,7 @@ class SdcWatch:
             if role == "outlier" and isinstance(event.get("time"), (int, float)):
                 self.outlier_at.append(float(event["time"]))
         self.outlier_at = [t for t in self.outlier_at if now - t <= self.window_s]
-        return sdc_keep_out(self.outlier_at, now, self.window_s)
+        return SdcFacts(tuple(self.outlier_at), now, self.window_s)
 
     def forget(self) -> None:
         """Kept out: the strikes are spent (a second keep-out needs two new ones)."""

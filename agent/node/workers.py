@@ -19,7 +19,6 @@ A worker started again in place writes to fresh files beside its predecessor's
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Proce
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from elastic import contract, worker_env
+from elastic import contract, failure_record, worker_env
 
 from agent.node.fork_server import ForkServer
 from agent.node.warm_start import WarmPool
@@ -107,20 +106,17 @@ class Worker:
         return (self.exited_at or time.time()) - self.started_at
 
     def error_line(self) -> str:
-        """The first line of the error torchrun's error file holds (``ValueError: boom``), or ''.
+        """The first line of the error torchrun's error file holds (``ValueError: boom``), or ''."""
+        return self.error_record()[0]
 
-        The worker bootstrap writes it for any uncaught exception (``agent.worker.worker_boot``),
-        and so does a script decorated with torch's ``@record``."""
+    def error_record(self) -> tuple[str, contract.FailureKind | None]:
+        """(the first line of its error, the error's kind) from torchrun's error file, or ('', None).
+
+        The worker bootstrap writes both for any uncaught exception (``elastic.failure_record``),
+        and so does a script decorated with torch's ``@record`` (the bootstrap adds the kind)."""
         if not self.error_file or self.error_file == os.devnull:
-            return ""
-        try:
-            data = json.loads(Path(self.error_file).read_text(encoding="utf-8", errors="replace"))
-            message = data["message"]
-            text = message["message"] if isinstance(message, dict) else message
-        except (OSError, ValueError, KeyError, TypeError):
-            return ""
-        lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-        return lines[0][:300] if lines else ""
+            return "", None
+        return failure_record.read(self.error_file)
 
 
 @dataclass(frozen=True)

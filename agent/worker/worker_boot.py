@@ -31,18 +31,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
-import json
 import os
 import runpy
 import signal
 import sys
-import time
 import traceback
-from pathlib import Path
 from typing import Any, Sequence
 
-from elastic import contract, worker_env
-from elastic.atomic_file import write_atomically
+from elastic import contract, failure_record, worker_env
 from elastic.heartbeat import mark_finished
 
 BOOT_CODE = "import sys; sys.path.pop(0); from agent.worker.worker_boot import main; main()"
@@ -139,19 +135,11 @@ def _told_lost_peer(exc: BaseException) -> bool:
 
 
 def record_error(exc: BaseException) -> None:
-    """The traceback's last line, in torchrun's error file (torch's ``ErrorHandler`` format),
-    so the agent can name why a worker failed (``agent.node.policy``: a crash loop's cause, a
-    peer's broken connection) and torchrun-style reports show it. A file the script's own
-    ``@record`` already wrote is left as it is."""
-    path = worker_env.read().error_file or ""
-    if not path or path == os.devnull or os.path.exists(path):
-        return
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
-    try:  # whole or not at all: the agent may read it while a SIGKILL ends us mid-write
-        write_atomically(Path(path), json.dumps(data).encode())
-    except OSError:
-        pass  # the traceback above is still in the worker's log
+    """The traceback's last line and the error's kind, in torchrun's error file
+    (:mod:`elastic.failure_record`), so the agent can name why a worker failed and tell a
+    broken world from the script's own error (``agent.node.policy``) by the kind, not the
+    words. A file the script's own ``@record`` already wrote keeps its words and gains the kind."""
+    failure_record.record(exc)
 
 
 def exit_now(code: int) -> None:

@@ -7,20 +7,31 @@ import signal
 import pytest
 
 from agent.node.policy import (
+    CONTINUE,
     CRASH_WINDOW_S,
     Action,
+    AfterRound,
     Decision,
     Failure,
     JobEnd,
     Observation,
+    PaceFacts,
     Reason,
+    SdcFacts,
+    Streak,
+    after_round,
     decide,
+    formed_afresh,
     last_words,
     next_streak,
     refunded,
+    sdc_keep_out,
     settled,
     stop_signal,
+    streak_acted_on,
 )
+from agent.node.stragglers import Straggler
+from elastic.contract import FailureKind
 
 RUNNING = {0: None, 1: None}
 
@@ -160,13 +171,40 @@ def test_a_failure_explained_by_a_missing_peer_is_refunded() -> None:
     assert not refunded(Reason.HANG, ["a", "b"], ["a"])
 
 
+def test_the_round_after_a_restart_refunds_a_failure_a_lost_peer_explains() -> None:
+    streak = Streak(current=3, before=2)  # the failure restarted for made it 3
+    refund = after_round(Reason.WORKER_FAILED, ["a", "b"], ["a"], streak)
+    assert refund == AfterRound(Reason.PEER_LOST, refund=True, streak=Streak(2, 2))  # restart and streak back
+    assert after_round(Reason.WORKER_FAILED, ["a", "b"], ["a", "b"], streak) == AfterRound(Reason.WORKER_FAILED)
+    assert after_round(Reason.HANG, ["a", "b"], ["a"], streak) == AfterRound(Reason.HANG)  # a hang is ours
+
+
+def test_a_failure_acted_on_counts_towards_the_streak_and_nothing_else_does() -> None:
+    streak = Streak(current=1, before=0)
+    for decision in (Decision(Action.RESTART, Reason.WORKER_FAILED, failed={0: 1}),
+                     Decision(Action.KEEP_OUT, Reason.CRASH_LOOP, failed={0: 1})):
+        assert streak_acted_on(streak, decision, observed=2) == Streak(2, 1)
+    for decision in (CONTINUE, Decision(Action.REJOIN, Reason.PEER_LOST), Decision(Action.RESTART, Reason.HANG),
+                     Decision(Action.FAIL, Reason.SCRIPT_ERROR, failed={0: 1})):
+        assert streak_acted_on(streak, decision, observed=2) is streak
+
+
+def test_a_round_formed_afresh_restarts_in_place_workers_uncounted() -> None:
+    assert formed_afresh(Reason.PEER_LOST, fresh_world=False) is None
+    assert formed_afresh(Reason.SCALE_UP, True) == Decision(Action.RESTART, Reason.SCALE_UP)
+    for reason in (Reason.WORKER_FAILED, Reason.HANG, Reason.REFORM, Reason.FROZEN, None):
+        restart = formed_afresh(reason, True)
+        assert restart == Decision(Action.RESTART, Reason.PEER_LOST) and not restart.counted
+
+
 # ---------------------------------------------------------------------- crash loops
 
 BOOM = Failure(code=1, ran_for=3.0, message="ValueError: boom on c")
 LOST_PEER = Failure(code=1, ran_for=3.0, message="CollectiveFailure: lost a peer in step 4 (its connection closed); "
-                                                 "the agent restarts this worker")
+                                                 "the agent restarts this worker", kind=FailureKind.PEER_LOST)
 GLOO = Failure(code=1, ran_for=2.0, message="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:545] "
-                                            "Read error [127.0.0.1]:33680: Connection reset by peer")
+                                            "Read error [127.0.0.1]:33680: Connection reset by peer",
+                kind=FailureKind.PEER_LOST)
 
 
 def looping(streak: int, failure: Failure = BOOM, **kw: object) -> Observation:
@@ -230,7 +268,20 @@ def test_a_group_that_outlives_the_window_ends_the_streak() -> None:
 
 def test_what_counts_as_a_peer_s_doing() -> None:
     assert LOST_PEER.peer_caused and GLOO.peer_caused
+    assert Failure(code=1, ran_for=1.0, kind=FailureKind.TIMEOUT).peer_caused
     assert not BOOM.peer_caused and not Failure(code=-9, ran_for=1.0, message="killed by SIGKILL").peer_caused
+
+
+def test_a_scripts_own_error_is_its_own_whatever_it_says() -> None:
+    """The kind decides, never the words: a script's RuntimeError that says "timeout" (or, from
+    an older worker that wrote no kind, gloo's very words) extends the crash streak."""
+    own = Failure(code=1, ran_for=2.0, message="RuntimeError: timeout", kind=FailureKind.USER)
+    unknown = Failure(code=1, ran_for=2.0, message=GLOO.message)
+    for failure in (own, unknown):
+        assert not failure.peer_caused and next_streak(2, [failure]) == 3
+        assert decide(looping(3, failure=failure)).reason is Reason.CRASH_LOOP
+    abandoned = Failure(code=1, ran_for=2.0, message="StaleGroupError: a newer round", kind=FailureKind.ABANDONED)
+    assert not abandoned.peer_caused and abandoned.abandoned  # this node's own doing, but nothing to tell
 
 
 def test_the_cause_printed_is_the_worker_s_own_traceback_line_first() -> None:
@@ -275,7 +326,8 @@ def test_an_error_not_shared_by_every_node_is_a_nodes_own_and_restarts_or_keeps_
 
 def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdict() -> None:
     late = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)
-    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True)
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer", progressed=True,
+                   kind=FailureKind.PEER_LOST)
     for failure in (late, peer):
         decision = decide(obs(exits={0: 1, 1: None}, failures={0: failure}, crash_streak=1, nodes_without_us=1,
                               peer_crashes={"b": failure.message}))
@@ -285,7 +337,8 @@ def test_a_shared_error_after_a_good_run_or_caused_by_a_peer_is_no_script_verdic
 def test_what_a_node_tells_the_others_is_its_own_quick_failure_only() -> None:
     from agent.node.policy import crash_report, script_error
 
-    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer")
+    peer = Failure(code=1, ran_for=3.0, message="RuntimeError: Connection closed by peer",
+                   kind=FailureKind.PEER_LOST)
     assert crash_report({0: peer, 1: quick()}) == NAME_ERROR
     assert crash_report({0: peer}) == ""
     assert crash_report({0: Failure(code=-9, ran_for=200.0, message="killed by SIGKILL")}) == ""
@@ -312,7 +365,8 @@ def test_a_fence_above_every_round_etcd_holds_ends_the_job_with_the_fix() -> Non
     fence = {"run": "job", "round": 7, "snapshot_dir": "/data/snaps"}
     line = etcd_lost(fence, "job", 0)
     assert "--snapshot-dir /data/snaps" in line and "round 7" in line
-    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...",
+                    kind=FailureKind.ABANDONED)
     decision = decide(obs(exits={0: 1, 1: 1}, failures={0: stale, 1: stale}, crash_streak=1, nodes_without_us=1,
                           etcd_lost=line, peer_crashes={"b": stale.message}))
     assert decision.action is Action.FAIL and decision.reason is Reason.ETCD_LOST and decision.detail == line
@@ -335,44 +389,75 @@ def test_a_stale_group_of_a_live_job_is_no_lost_etcd(fence: dict[str, object] | 
 def test_a_stale_group_on_every_node_is_no_script_error() -> None:
     from agent.node.policy import crash_report
 
-    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...")
+    stale = Failure(code=1, ran_for=2.0, message="StaleGroupError: round 7 of this job now commits ...",
+                    kind=FailureKind.ABANDONED)
     assert crash_report({0: stale}) == ""
 
 
 # ---------------------------------------------------------------- the watches that feed the decision
 
+SLOW = Straggler("b", compute=0.3, others=0.1, windows=3)  # 3.0x the others
+
+
+def pace(mine: bool = True, world: int = 3, spares: int = 0, evict: bool = True) -> PaceFacts:
+    return PaceFacts(SLOW, mine=mine, world=world, spares=spares, evict=evict)
+
+
+def outliers(*at: float, now: float = 1000.0) -> SdcFacts:
+    return SdcFacts(at, now=now, window_s=500.0)
+
+
+SUSPECT = outliers(900.0, 950.0)
+SUSPECT_LINE = sdc_keep_out(SUSPECT.outlier_at, SUSPECT.now, SUSPECT.window_s)
+
+
 def test_a_straggler_that_may_go_is_kept_out() -> None:
-    decision = decide(obs(straggler="b trains 40% slower; evicted: a spare waits"))
-    assert decision == Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail="b trains 40% slower; evicted: a spare waits")
+    decision = decide(obs(pace=pace(spares=1)))
+    assert decision == Decision(Action.KEEP_OUT, Reason.STRAGGLER, detail=f"{SLOW.describe()}; evicted: a spare waits "
+                                                                          "to take its place")
+    assert decide(obs(pace=pace(world=3), min_nodes=2)).reason is Reason.STRAGGLER  # 2 at their pace train faster
+
+
+def test_only_the_stragglers_own_agent_evicts_it_and_only_where_the_job_gains() -> None:
+    assert decide(obs(pace=pace(mine=False, spares=1))) == CONTINUE  # another node's agent names it too
+    assert decide(obs(pace=pace(evict=False, spares=1))) == CONTINUE  # ELASTIC_STRAGGLER_EVICT=0: named only
+    assert decide(obs(pace=pace(world=2), min_nodes=2)) == CONTINUE  # without it, fewer than the job needs
+    assert decide(obs(pace=PaceFacts(Straggler("b", 0.14, 0.1, 3), mine=True, world=3), min_nodes=1)) == CONTINUE
+    # (1.4x: two nodes at their pace would not train faster than three at its)
 
 
 def test_a_straggler_yields_to_anything_the_workers_or_the_round_say() -> None:
-    assert decide(obs(straggler="slow", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
-    assert decide(obs(straggler="slow", exits={0: 1, 1: None})).reason is Reason.WORKER_FAILED
+    assert decide(obs(pace=pace(spares=1), membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
+    assert decide(obs(pace=pace(spares=1), exits={0: 1, 1: None})).reason is Reason.WORKER_FAILED
 
 
 def test_an_sdc_suspect_is_kept_out_when_the_others_can_train_on() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=2, min_nodes=2))
-    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=2, min_nodes=2))
+    assert SUSPECT_LINE and decision == Decision(Action.KEEP_OUT, Reason.SDC, detail=SUSPECT_LINE)
+
+
+def test_one_vote_or_votes_outside_the_window_are_no_suspect() -> None:
+    for facts in (outliers(950.0), outliers(100.0, 950.0), outliers()):
+        assert facts.suspect == "" and decide(obs(sdc=facts, nodes_without_us=2, min_nodes=2)) == CONTINUE
 
 
 def test_an_sdc_suspect_the_job_cannot_spare_trains_on_and_is_said_once() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2))
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=1, min_nodes=2))
     assert decision.action is Action.CONTINUE and decision.reason is None
-    assert decision.unheeded.startswith("suspect hardware; not kept out: without it 1 node(s)")
+    assert decision.unheeded.startswith(f"{SUSPECT_LINE}; not kept out: without it 1 node(s)")
 
 
 def test_an_sdc_suspect_at_the_jobs_minimum_is_kept_out_when_a_warm_spare_waits() -> None:
-    decision = decide(obs(sdc_suspect="suspect hardware", nodes_without_us=1, min_nodes=2, spares_waiting=1))
-    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail="suspect hardware")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=1, min_nodes=2, spares_waiting=1))
+    assert decision == Decision(Action.KEEP_OUT, Reason.SDC, detail=SUSPECT_LINE)
 
 
 def test_an_sdc_suspect_without_a_rendezvous_that_keeps_out_changes_nothing() -> None:
-    assert decide(obs(sdc_suspect="suspect hardware")) == Decision(Action.CONTINUE)
+    assert decide(obs(sdc=SUSPECT)) == Decision(Action.CONTINUE)
 
 
 def test_a_straggler_goes_before_an_sdc_suspect_is_looked_at() -> None:
-    decision = decide(obs(straggler="slow", sdc_suspect="suspect", nodes_without_us=2, min_nodes=1))
+    decision = decide(obs(pace=pace(spares=1), sdc=SUSPECT, nodes_without_us=2, min_nodes=1))
     assert decision.reason is Reason.STRAGGLER
 
 
@@ -392,12 +477,12 @@ def test_frozen_peers_are_written_off_and_the_round_formed_again_only_when_all_e
     decision = decide(obs(frozen=("b",), frozen_detail="b frozen"))
     assert decision == Decision(Action.REJOIN, Reason.FROZEN, detail="b frozen", nodes=("b",))
     assert decide(obs(frozen=("b",), frozen_detail="b frozen", membership=Reason.PEER_LOST)).reason is Reason.PEER_LOST
-    assert decide(obs(frozen=("b",), straggler="slow")).reason is Reason.STRAGGLER
+    assert decide(obs(frozen=("b",), pace=pace(spares=1))).reason is Reason.STRAGGLER
 
 
 def test_an_unheeded_sdc_suspect_is_still_said_when_a_freeze_decides() -> None:
-    decision = decide(obs(sdc_suspect="s", nodes_without_us=0, min_nodes=1, frozen=("b",), frozen_detail="b"))
-    assert decision.reason is Reason.FROZEN and decision.unheeded.startswith("s; not kept out")
+    decision = decide(obs(sdc=SUSPECT, nodes_without_us=0, min_nodes=1, frozen=("b",), frozen_detail="b"))
+    assert decision.reason is Reason.FROZEN and decision.unheeded.startswith(f"{SUSPECT_LINE}; not kept out")
 
 
 def test_a_round_in_place_workers_cannot_take_restarts_them_counted_as_the_act_that_found_it() -> None:

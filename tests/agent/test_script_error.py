@@ -1,6 +1,7 @@
 """A script that fails the same way on every node is the script's bug: the job ends at once.
 
-A plain DDP script (it never imports ``elastic``) with a ``NameError`` at its fifth step,
+A plain DDP script (it never imports ``elastic``) with a ``NameError`` at its fifth step (and
+one that raises its own ``RuntimeError("timeout")`` there, which must not read as a broken world),
 under ``elastic local --nodes 2 --faults 0``. Before, each node was kept out in turn with
 the crash-loop back-off until ``--timeout`` (14 crashes in 180 s, and no end without it).
 What is checked is what its user sees: exit 1, the error and a log named in the last line,
@@ -29,19 +30,25 @@ SCRIPT = textwrap.dedent('''\
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(100000):
         if step == 5:
-            print(undefined_thing)
+            FAIL
         loss = model(torch.randn(16, 8)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 ''')
 NAME_ERROR = "NameError: name 'undefined_thing' is not defined"
+# A script's own RuntimeError that says "timeout": the words of a broken world, but the script
+# raised it. Before, the agent read the words and took it for a peer's doing (restarted until its
+# restarts ran out, never the script's verdict); the worker now says its kind (elastic.failure_record).
+OWN_TIMEOUT = "RuntimeError: timeout"
+FAILURES = {NAME_ERROR: "print(undefined_thing)", OWN_TIMEOUT: 'raise RuntimeError("timeout")'}
 
 
 @pytest.mark.slow
-def test_the_same_error_on_every_node_ends_the_job_with_exit_1_and_no_keep_out(tmp_path: Path) -> None:
+@pytest.mark.parametrize("error", [NAME_ERROR, OWN_TIMEOUT])
+def test_the_same_error_on_every_node_ends_the_job_with_exit_1_and_no_keep_out(error: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT.replace("FAIL", FAILURES[error]))
     run = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "agent.cli", "local", "--nodes", "2", "--faults", "0", "--lease-ttl", "2",
@@ -54,11 +61,11 @@ def test_the_same_error_on_every_node_ends_the_job_with_exit_1_and_no_keep_out(t
     for name in ("node-0", "node-1"):  # both agents, the one that judged and its peer
         assert re.search(rf"│ {name} │ failed\b", output), output
     last = [line for line in done.stdout.splitlines() if line.strip()][-1]
-    assert NAME_ERROR in last and "log:" in last and "the job failed" in last, output
+    assert error in last and "log:" in last and "the job failed" in last, output
     for name in ("node-0", "node-1"):
         log = (run / f"{name}.log").read_text(errors="replace")
         assert "kept out of the job" not in log, log[-3000:]
-        starts = log.count(f"\n{NAME_ERROR}")
+        starts = log.count(f"\n{error}")
         assert 1 <= starts <= 2, f"{name}: {starts} failed starts\n{log[-3000:]}"
         said = [line for line in log.splitlines() if "the job fail" in line and "error" in line.lower()]
-        assert said and all(NAME_ERROR in line for line in said), log[-3000:]
+        assert said and all(error in line for line in said), log[-3000:]

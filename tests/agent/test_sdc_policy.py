@@ -1,4 +1,4 @@
-"""Suspect hardware: the pure keep-out rule, and the agent reading its workers' events."""
+"""Suspect hardware: the pure keep-out rule, and the agent reading its workers' events as facts."""
 
 from __future__ import annotations
 
@@ -29,18 +29,19 @@ def _event(path: Path, role: str, at: float, step: int = 12) -> None:
 
 def test_the_watch_counts_outlier_events_only_and_forgets_after_a_keep_out(tmp_path: Path) -> None:
     watch = SdcWatch("n1", tmp_path, window_s=600.0)
-    assert watch.look(1000.0) is None
+    assert not watch.look(1000.0).suspect
     _event(tmp_path / "sdc-0.jsonl", "suspect", 900.0)  # one of two replicas: never counts
     _event(tmp_path / "sdc-1.jsonl", "outlier", 950.0)
-    assert watch.look(1000.0) is None
+    assert not watch.look(1000.0).suspect
     with open(tmp_path / "sdc-1.jsonl", "a") as f:
         f.write('{"time": 990.0, "role": "outl')  # half a line: read at the next look, whole
-    assert watch.look(1000.0) is None
+    assert not watch.look(1000.0).suspect
     with open(tmp_path / "sdc-1.jsonl", "a") as f:
         f.write('ier", "step": 20}\n')
-    assert watch.look(1000.0) is not None
+    assert watch.look(1000.0).suspect
+    assert watch.look(1000.0).outlier_at == (950.0, 990.0)  # the facts the policy weighs
     watch.forget()
-    assert watch.look(1001.0) is None  # the same events are not read twice
+    assert not watch.look(1001.0).suspect  # the same events are not read twice
 
 
 def test_the_window_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from agent.node.pace import PaceMonitor
+from agent.node.policy import straggler_out
 from agent.node.stragglers import MIN_LAG_S, Pace, Straggler, StragglerWatch, eviction, slowest
 from elastic.metrics.step_split import SKIP_STEPS, StepSplit
 
@@ -187,13 +188,15 @@ def test_the_monitor_names_and_evicts_only_itself(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(pace, "local_step", lambda _d: mine["step"])
     monitors = {n: PaceMonitor(n, handler, metrics, tmp_path, tmp_path, period=0.0) for n in ("a", "b")}
     said = {}
-    for window in range(1, 4):
+    for window in range(1, 5):
         for n, compute in (("a", 0.1), ("b", 0.3)):
             handler.me, mine["compute"], mine["step"] = n, compute, window * 10
-            said[n] = monitors[n].look(("a", "b"), min_nodes=2)
-    assert said["a"] is None  # a names b but leaves the eviction to b's own agent
-    assert said["b"] is not None and "evicted: a spare waits" in said["b"]
-    assert metrics.straggler.values[("b",)] == 1 and metrics.straggler_evictions.values[()] == 1
+            said[n] = monitors[n].look(("a", "b"))
+    a, b = said["a"], said["b"]
+    assert a is not None and b is not None and a.straggler.node == b.straggler.node == "b"  # both name b
+    assert straggler_out(a, min_nodes=2) == ""  # a names b but leaves the eviction to b's own agent
+    assert "evicted: a spare waits" in straggler_out(b, min_nodes=2) and b.spares == 1
+    assert metrics.straggler.values[("b",)] == 1
 
 
 # ---------------------------------------------------------------------- the worker's gauges

@@ -19,6 +19,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from agent.worker.worker_boot import record_error
+from elastic import contract, failure_record
+from elastic.contract import FailureKind
 from agent.node.workers import COLD, LocalWorkers, Worker, _Warm
 
 
@@ -45,6 +47,26 @@ def test_the_bootstrap_writes_the_error_file_whole(tmp_path: Path, monkeypatch: 
     data = json.loads(error_file.read_text())
     assert data["message"]["message"] == "RuntimeError: Connection closed by peer"
     assert os.listdir(tmp_path) == ["error.json"]  # renamed into place: no temporary left beside it
+    # raised here, by the script, not by torch: its own error, whatever it says
+    assert failure_record.read(str(error_file)) == ("RuntimeError: Connection closed by peer", FailureKind.USER)
+
+
+def test_a_scripts_own_record_keeps_its_words_and_gains_the_kind(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    words = {"message": {"message": "ValueError: its own words", "extraInfo": {"py_callstack": "..."}}}
+    error_file.write_text(json.dumps(words))  # torch's @record wrote it before the bootstrap saw the error
+    try:
+        raise ValueError("ignored")
+    except ValueError as exc:
+        record_error(exc)
+    data = json.loads(error_file.read_text())
+    assert data["message"]["message"] == "ValueError: its own words"
+    assert data["message"]["extraInfo"][contract.FAILURE_KIND_KEY] == "user"
+    assert failure_record.read(str(error_file)) == ("ValueError: its own words", FailureKind.USER)
+    error_file.write_text(json.dumps({"message": {"message": "x", "extraInfo": {contract.FAILURE_KIND_KEY: "new"}}}))
+    assert failure_record.read(str(error_file)) == ("x", None)  # a kind this build does not know: the script's
 
 
 @pytest.mark.slow  # starts a process (a sleeping one, no torch)
