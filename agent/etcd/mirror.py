@@ -147,3 +147,68 @@ class PrefixMirror:
                 self.client.call(lambda c: c.cancel_watch(self._watch_id), deadline=1.0)
             except EtcdError:
                 pass
+
+
+class LazyPrefixMirror(PrefixMirror):
+    """A :class:`PrefixMirror` that reads and watches its prefix only once something asks it
+    (``entries``, ``wait``, ``healthy``, ``start``) once its owner called :meth:`allow`: a node
+    that never needs every peer's keys never hears them, and none reads them before it may
+    (the rendezvous: before its node holds its name, its key may still be a previous
+    incarnation's). Until then it is empty and not healthy, as an unstarted mirror. A first
+    read that fails is retried in the background, as after a broken watch."""
+
+    def __init__(self, client: EtcdClient, prefix: str, deadline: float | None = None) -> None:
+        self._begun = False
+        self._healthy = False
+        super().__init__(client, prefix)
+        self._deadline = deadline
+        self._begin_lock = threading.Lock()
+        self._allowed = False
+
+    @property  # type: ignore[override]
+    def healthy(self) -> bool:
+        self.ensure()
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
+
+    @property
+    def begun(self) -> bool:
+        return self._begun
+
+    def allow(self) -> None:
+        self._allowed = True
+
+    def ensure(self) -> None:
+        if self._begun or not self._allowed:
+            return
+        with self._begin_lock:
+            if self._begun:
+                return
+            self._begun = True
+            try:
+                self._sync(self._deadline)
+            except EtcdError as exc:
+                self._broken(exc)
+
+    def start(self, deadline: float | None = None) -> "PrefixMirror":
+        if deadline is not None:
+            self._deadline = deadline
+        self.allow()
+        self.ensure()
+        return self
+
+    def entries(self) -> tuple[dict[str, Entry], int]:
+        self.ensure()
+        return super().entries()
+
+    def wait(self, after_revision: int, timeout: float) -> bool:
+        self.ensure()
+        return super().wait(after_revision, timeout)
+
+    def close(self) -> None:
+        with self._begin_lock:
+            self._begun = True  # never read after closing
+        super().close()

@@ -230,6 +230,7 @@ class EtcdRendezvous(AgentRendezvous):
         h.lease.update(metrics_url=metrics_url, nproc=self.nproc)
         h.client.error_listeners.append(on_etcd_error)
         h.mirror.listeners.append(wake)
+        h.narrow.listeners.append(wake)  # the round record: how a lost peer or a new round reaches a member
         h.reachability.listeners.append(on_keep_out)
         if self.in_place:
             h.while_spare.append(while_spare)
@@ -316,7 +317,7 @@ class EtcdRendezvous(AgentRendezvous):
         if not others:
             return []
         h = self._handler
-        out = h.reachability.keep_outs(h.mirror.entries()[0])
+        out = h.reachability.keep_outs(h.narrow.entries()[0])  # keep-outs only, not every peer's keys
         return [n for n in others if n in out and out[n].round >= current.number]  # older: put back, a replay
 
     def job_ended(self) -> JobEnd | None:
@@ -371,10 +372,11 @@ class EtcdRendezvous(AgentRendezvous):
         h.reachability._publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
         deadline = time.monotonic() + _KEEP_OUT_SEEN_S
         while time.monotonic() < deadline:
-            entries, revision = h.mirror.entries()
-            if (h.node in h.reachability.keep_outs(entries)) == (out is not None):
+            entries, revision = h.narrow.entries()
+            views = [entries] + ([h.mirror.entries()[0]] if h.mirror.begun else [])  # a steward closes from the latter
+            if all((h.node in h.reachability.keep_outs(view)) == (out is not None) for view in views):
                 return
-            h.mirror.wait(revision, 0.1)
+            h.narrow.wait(revision, 0.1)
 
     def exit_barrier(self, current: Round, timeout: float) -> None:
         """A peer kept out (a crash loop) trains nothing and will not finish: not waited for."""
