@@ -143,7 +143,7 @@ class Steward:
         self.narrow.notify()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.lease.closed:  # a closed lease's node stewards nothing
             try:
                 entries, revision = self.narrow.entries()
                 held = self.holding(entries) if self.narrow.healthy else self._held
