@@ -337,7 +337,9 @@ class EtcdRendezvous(AgentRendezvous):
         return self._handler.node_records()
 
     def peer_crashes(self, current: Round) -> dict[str, str] | None:
-        records = self._handler.node_records()
+        # read from etcd, after this node's own report was written: of two nodes that crash
+        # together, one at least reads the other's (a mirror begun on demand may lag behind)
+        records = self._handler.node_records_now()
         return {n: str(records[n].extra.get("crash", "")) if n in records else "" for n in current.others(self.node)}
 
     def report_unreachable(self) -> None:

@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from agent.etcd import EtcdClient, EtcdError
-from agent.etcd.mirror import LazyPrefixMirror
+from agent.etcd.mirror import Entry, LazyPrefixMirror
 from agent.etcd.ranges import RangesMirror
 
 from agent.rendezvous.ended import JobEnded
@@ -449,6 +449,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Every live node's registry record, from the mirror (no etcd request)."""
         entries, _ = self.mirror.entries()
         return self.view.records(entries)
+
+    def node_records_now(self, deadline: float = 2.0) -> dict[str, NodeRecord]:
+        """Every live node's registry record as etcd holds it now (one request; the mirror's
+        picture if etcd does not answer within ``deadline``). For a decision that must not
+        rest on a mirror begun on demand, whose first read or watch may still be on its way."""
+        try:
+            reply = self.client.call(lambda c: c.get_prefix_response(self.keys.nodes_prefix), deadline=deadline)
+        except EtcdError:
+            return self.node_records()
+        return self.view.records({kv.key.decode(): Entry(kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+                                  for kv in reply.kvs})
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:

@@ -60,6 +60,12 @@ def test_a_member_hears_only_the_round_record_and_a_lost_peer_reaches_it_through
             assert not peers, f"{h.node} hears its peers' keys: {sorted(peers)}"
             assert not h.mirror.begun, f"{h.node} read the whole run although it stewards nothing"
             assert h.round is not None and h.round.witnesses and all(h.round.witnesses)
+        # a crash report (the agent's script-error judgement) is read as etcd holds it the moment
+        # after it was written, by a member that watches no peer's key
+        reporter, reader = members[0], members[1]
+        reporter.lease.update(extra={**reporter.lease.record.extra, "crash": "NameError: x"})
+        assert reader.node_records_now()[reporter.node].extra.get("crash") == "NameError: x"
+        assert not reader.mirror.begun
 
         lost, survivors = members[0], [steward, *members[1:]]
         lost.close()  # its lease revoked: a peer gone
