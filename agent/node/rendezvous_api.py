@@ -71,6 +71,10 @@ class Round:
     def others(self, node: str) -> list[str]:
         return [n for n in self.participants if n != node]
 
+    def count_others(self, node: str) -> int:
+        """``len(others(node))`` without building the list (asked on every look of the agent)."""
+        return len(self.participants) - (node in self.participants)
+
 
 @dataclass(frozen=True)
 class LeaseHealth:
@@ -313,12 +317,12 @@ class EtcdRendezvous(AgentRendezvous):
     def _kept_out(self, current: Round) -> list[str]:
         """Members of this node's round that hold a keep-out key: one that went out after the
         round closed (a crash loop) keeps its lease, so nothing else says so."""
-        others = current.others(self.node)
-        if not others:
-            return []
         h = self._handler
         out = h.reachability.keep_outs(h.narrow.entries()[0])  # keep-outs only, not every peer's keys
-        return [n for n in others if n in out and out[n].round >= current.number]  # older: put back, a replay
+        if not out:
+            return []  # the usual look: no work per peer
+        return [n for n in current.others(self.node)
+                if n in out and out[n].round >= current.number]  # older: put back, a replay
 
     def job_ended(self) -> JobEnd | None:
         ended = self._handler.job_end.seen()
