@@ -10,16 +10,19 @@ once its stream has ended: a watch on an ended stream is gone already.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:  # the client makes these handles itself (wait_for_event)
-    from agent.etcd.client import EtcdClient
+
+class Calls(Protocol):
+    """What a handle needs of :class:`.client.EtcdClient` (which makes handles itself)."""
+
+    def call(self, request: Callable[[Any], Any], *, deadline: float | None = None) -> Any: ...
 
 
 class OwnWatch:
     """``callback`` gets each response, or the error (None: the stream ended without one)."""
 
-    def __init__(self, client: EtcdClient, key: str | bytes, callback: Callable[[Any], None],
+    def __init__(self, client: Calls, key: str | bytes, callback: Callable[[Any], None],
                  deadline: float | None = None, **kwargs: Any) -> None:
         self.ended = False
 
