@@ -26,6 +26,7 @@ _BROKEN_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broke
                  "c10d", "peer", "aborted", "reconfigure")
 
 _TORCH_DIR: Path | None = None
+_OWN_DIR = Path(__file__).resolve().parent  # elastic/: it raises no untyped RuntimeError in gloo's words
 
 
 def _torch_dir() -> Path:
@@ -39,13 +40,16 @@ def _torch_dir() -> Path:
 
 def raised_in_torch(tb: TracebackType | None) -> bool:
     """Whether the innermost frame of ``tb`` is torch's own code (a collective, DDP's reducer,
-    the autograd engine running it), not the script's."""
+    the autograd engine running it) or this package's calling straight into torch's C++ (a
+    ``Work.wait()`` of its own, as the peer copies' exchange makes: no Python frame of torch's
+    is left on that traceback), not the script's."""
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     with suppress(OSError, ValueError):
-        return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_torch_dir())
+        where = Path(tb.tb_frame.f_code.co_filename).resolve()
+        return where.is_relative_to(_torch_dir()) or where.is_relative_to(_OWN_DIR)
     return False
 
 
