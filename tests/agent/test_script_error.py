@@ -66,9 +66,6 @@ def test_the_same_error_on_every_node_ends_the_job_with_exit_1_and_no_keep_out(e
         log = (run / f"{name}.log").read_text(errors="replace")
         assert "kept out of the job" not in log, log[-3000:]
         starts = log.count(f"\n{error}")
-        # at most three starts: the node whose workers crash first opens a new round, and on a
-        # loaded machine that can stop the other node's workers before they crash and report it
-        # (no report heard, a second start); under the whole suite one node needed a third
-        assert 1 <= starts <= 3, f"{name}: {starts} failed starts\n{log[-3000:]}"
+        assert 1 <= starts <= 2, f"{name}: {starts} failed starts\n{log[-3000:]}"
         said = [line for line in log.splitlines() if "the job fail" in line and "error" in line.lower()]
         assert said and all(error in line for line in said), log[-3000:]
