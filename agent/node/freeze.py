@@ -205,11 +205,7 @@ class FreezeWatch:
             if not level:
                 continue
             key = (pid, round_number, status.round, status.step, level)
-            # A stuck worker is judged at every look for as long as it stays stuck: a verdict of
-            # "every peer answered" (a slow peer, a joiner still starting) holds only until one of
-            # them freezes, and a verdict skipped (own lease not fresh) or refused by etcd must come
-            # again. Judged once per stall, such a freeze waited for its lease (issue 51, item 11).
-            if key not in self._seen or level >= STUCK:
+            if key not in self._seen:
                 self._seen = {k for k in self._seen if k[1] == round_number} | {key}  # older rounds: done with
                 fresh.append((rank, status, level))
         if not fresh:
@@ -226,7 +222,6 @@ class FreezeWatch:
         frozen = frozen_verdict(questions.answers())
         if not frozen and questions.asked_at < time.monotonic() - self.timeout:  # all answered, a while ago:
             questions = Questions(questions.peers, self.handler.signer, self.timeout)  # one may have frozen since
-            self._questions = (step, questions)  # the next look asks again only once this is as old
             frozen = frozen_verdict(questions.answers())
         asked = questions.asked_at
         extra = status.extra if isinstance(status.extra, dict) else {}

@@ -9,11 +9,6 @@ comes back healed. A 0.3 s pause of one worker (a GC pause) and the slow first s
 nobody off. Timings belong to ``bench/recovery.py --configs freeze,freeze-lease``; the bound
 here leaves room for a loaded 2-core machine.
 
-A peer slow and alive (node b holds 8 s in one step: its agent answers, nobody is written
-off), then frozen while the others' step is still stuck on it: written off by the probe in
-well under its 10 s lease. The stuck step was judged once ("every peer answered") and never
-again, so such a freeze waited for the lease (issue 51, item 11).
-
 A member killed while a join is pending (the round that adds a node has closed, the
 survivors still train without it): the survivors' world fails, and their join of that
 round would wait for the dead member's handle until its lease expired. With a 10 s lease,
@@ -46,11 +41,10 @@ WRITTEN_OFF = "frozen: its agent did not answer"
 
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, tmp: Path, script: Path,
-          lease_ttl: int = LEASE_TTL, extra: dict[str, str] | None = None) -> Node:
+          lease_ttl: int = LEASE_TTL) -> Node:
     env = {"PROGRESS": str(tmp / f"{name}.rows.jsonl"), "SNAPSHOTS": str(tmp / "snapshots"),
            "LEDGER": str(tmp / "ledger.jsonl"), "OMP_NUM_THREADS": "1", "DATASET": str(DATASET),
-           "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup"), "JOB_FIRST_STEPS_SLEEP": "0.4",
-           **(extra or {})}
+           "PAUSE_MARKER": str(tmp / "paused"), "SLOW_SETUP": str(tmp / "slow-setup"), "JOB_FIRST_STEPS_SLEEP": "0.4"}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), nnodes="1:3",
                  metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", str(lease_ttl)])
 
@@ -102,35 +96,6 @@ def test_a_frozen_node_is_left_out_within_a_second_and_comes_back_healed_once_th
     assert common and len({d[common[0]] for d in by_node.values()}) == 1, "replicas differ after the heal"
     assert metric(victim, "elastic_restores_total", source="replica") >= 1
     assert_trained_once(tmp_path)
-
-
-SLOW_LEASE_TTL = 10  # the lease path would take about this long
-
-
-@pytest.mark.slow
-def test_a_slow_peer_that_freezes_while_the_others_step_is_stuck_on_it_is_written_off_by_the_probe(
-    etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path
-) -> None:
-    script = agent_job.write_to(tmp_path / "slow_then_frozen.py")
-    hold = {"HOLD_MARKER": str(tmp_path / "held"), "JOB_HOLD_S": "8", "JOB_HOLD_AT": "20"}
-    group = [start(nodes, name, etcd_server, run_id, tmp_path, script, SLOW_LEASE_TTL, hold) for name in ("a", "b", "c")]
-    train_together(group, tmp_path, 3, steps=8)
-    victim = next(n for n in group if n.name == "b")
-    survivors = [n for n in group if n is not victim]
-    wait_until(lambda: (tmp_path / "held").exists(), 120, "b's hold", interval=0.01, on_timeout=logs(*group))
-    pids = {n.name: {r["pid"] for r in rows(n, tmp_path)} for n in survivors}
-    time.sleep(4)  # the others' step is stuck on b by now (4 x its pace, about 1-2 s here), b's agent answered
-    frozen_at = time.time()
-    victim.freeze()
-    wait_until(lambda: all(at_world(n, tmp_path, 2, frozen_at) for n in survivors), 30,
-               "the survivors' first step without the frozen node", on_timeout=logs(*survivors))
-    first = min(at_world(n, tmp_path, 2, frozen_at)[0]["time"] for n in survivors)
-    assert first - frozen_at <= 3.0, (f"first step without the frozen node {first - frozen_at:.2f} s after it froze "
-                                      f"(lease TTL {SLOW_LEASE_TTL} s)")
-    assert any(f"b {WRITTEN_OFF}" in n.log_path.read_text() for n in survivors), logs(*survivors)()
-    for n in survivors:
-        assert {r["pid"] for r in rows(n, tmp_path)} == pids[n.name], f"{n.name}'s worker was restarted"
-    victim.thaw()
 
 
 JOIN_LEASE_TTL = 10  # the lease path would take about this long: the bound below is far from it
