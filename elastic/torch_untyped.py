@@ -6,7 +6,8 @@ transport/tcp/pair.cc:561] Connection closed by peer ...")`` (and a gloo wait pa
 backward alike: torch gives it no type. This module is the only place in ``elastic``, ``agent``
 and ``checkpoints`` that reads an error's words to classify it, as ``gloo_private.py`` is the only
 place that touches a private interface. It is asked only about an untyped ``RuntimeError`` raised
-inside torch's own code (:func:`elastic.collectives.failure_kind` checks the origin first), so a
+inside torch's own code, or inside ``elastic``'s where it calls torch's C++ straight (a
+``Work.wait()``; :func:`elastic.collectives.failure_kind` checks the origin first), so a
 script's own ``RuntimeError("timeout")`` never reaches it. ``tests/elastic/test_collectives.py``
 fails loudly once torch types these failures, and then this module goes.
 """
