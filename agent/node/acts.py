@@ -289,6 +289,7 @@ class Acts:
         log.info("[%s] local workers finished", self.node)
         self.goodput.tick(self.workers.pids(), run.round.rank_base, force=True)  # rank 0's last steps
         self.rdzv.publish(state=NodeState.SUCCEEDED)
+        self.rdzv.announce_finished()  # before the barrier: a node joining a round with this one stops now
         # Stay in the registry until every peer has finished too, so that this node leaving
         # early is not mistaken for a peer lost (which would restart the others).
         self.rdzv.exit_barrier(run.round, self.settings.exit_barrier_timeout)

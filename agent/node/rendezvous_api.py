@@ -20,6 +20,7 @@ generic handler gets their null objects.
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -27,6 +28,7 @@ from typing import Any, Callable, Mapping
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
 
 from elastic.inplace.channel import RoundOffer, assign_ranks, make_offer
+from agent.etcd import EtcdError
 from agent.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
 from agent.rendezvous.keepout import KeepOut
 from agent.rendezvous.lease_clock import Verdict
@@ -37,6 +39,8 @@ from elastic.worker_env import joins_live_world
 from agent.node.policy import JobEnd, Reason, etcd_lost
 from agent.node.sdc import spares_waiting
 from agent.node.states import NodeState, RoundCause
+
+log = logging.getLogger("elastic.agent")
 
 _OFFER_TRIES = 5
 _KEEP_OUT_SEEN_S = 5.0  # how long to wait for the rendezvous' mirror to show our keep-out key change
@@ -162,6 +166,12 @@ class AgentRendezvous(abc.ABC):
 
     def keep_out(self, out: KeepOut | None) -> None:
         """Keep this node out of rounds (``out``) or let it back (None), seen by the rendezvous."""
+
+    def announce_finished(self) -> None:
+        """This node's workers trained the job's last step (every one exited 0): say so now, before
+        :meth:`exit_barrier`, so that a node whose workers are still joining a round with this
+        one (back just after the last step) stops them at once (``agent.node.policy`` rule 3a)
+        instead of waiting out the round's store timeout. Nothing here for torch's rendezvous."""
 
     def exit_barrier(self, current: Round, timeout: float) -> None:
         """Wait until every other member finished too (or ``timeout``)."""
@@ -375,6 +385,14 @@ class EtcdRendezvous(AgentRendezvous):
             if (h.node in h.reachability.keep_outs(entries)) == (out is not None):
                 return
             h.mirror.wait(revision, 0.1)
+
+    def announce_finished(self) -> None:
+        from agent.rendezvous.ended import SUCCEEDED
+
+        try:
+            self._handler.set_closed(SUCCEEDED)
+        except EtcdError as exc:  # the close at the agent's exit tries again
+            log.warning("[%s] could not mark the job finished yet: %s", self.node, exc)
 
     def exit_barrier(self, current: Round, timeout: float) -> None:
         """A peer kept out (a crash loop) trains nothing and will not finish: not waited for."""

@@ -20,9 +20,9 @@ from agent.node.commands import CommandWatch
 from agent.node.fork_server import ForkServer
 from agent.node.freeze import FreezeWatch
 from agent.node.pace import PaceMonitor
-from agent.node.policy import Reason
+from agent.node.policy import Action, Observation, Reason, decide
 from agent.node.rendezvous_api import Round, TorchRendezvous, agent_rendezvous
-from agent.node.states import RoundCause
+from agent.node.states import NodeState, RoundCause
 from agent.rendezvous import create_handler
 from elastic.inplace.channel import AgentChannel
 from tests.support.waiting import wait_until
@@ -153,3 +153,48 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
             node._handler.close()  # type: ignore[attr-defined]
         for store in stores:
             store.close()
+
+
+def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joiner_stops_at_once(
+        etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """Node b's workers trained the last step just as node a came back and joined a round with
+    it. b waits in its exit barrier for a, whose workers wait for a world b's workers will
+    never form: a's agent must hear the job's end from its mirror then, not when b leaves the
+    barrier (30 s later: every ``elastic local`` run whose killed node came back at the end
+    waited out the round's store timeout)."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
+    b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=1, in_place=True) for n in ("b", "a"))
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    for node, store in zip((b, a), stores):
+        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
+                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
+                    while_spare=lambda: None)
+    barrier: threading.Thread | None = None
+    try:
+        first = b.next_round(RoundCause.JOIN, Round(world_size=1))
+        results: dict[str, Any] = {}
+        joiner = threading.Thread(target=lambda: results.update(a=a.next_round(RoundCause.JOIN, Round())), daemon=True)
+        joiner.start()
+        wait_until(lambda: f"/elastic/{run_id}/rdzv/join/1/a" in a._handler.mirror.entries()[0], 30,  # type: ignore[attr-defined]
+                   "a to open round 1")
+        results["b"] = b.next_round(RoundCause.JOIN, first, offered=True)
+        joiner.join(timeout=30)
+        joined = results["b"]
+        assert a.job_ended() is None  # nothing ended yet
+        b.publish(state=NodeState.SUCCEEDED)  # as Acts.succeed does, in its order
+        b.announce_finished()
+        barrier = threading.Thread(target=b.exit_barrier, args=(joined, 30.0), daemon=True)
+        barrier.start()
+        wait_until(lambda: a.job_ended() is not None, 10, "a's mirror to show the job's end while b is in its barrier")
+        ended = a.job_ended()
+        assert ended is not None and not ended.failed and "node b" in ended.line and barrier.is_alive(), ended
+        joining = Observation(exits={0: None}, in_place=True, restarts_left=3, job_ended=ended, in_world=False)
+        assert decide(joining).action is Action.END  # a's workers, still joining, stop now
+    finally:
+        for node in (a, b):
+            node._handler.close()  # type: ignore[attr-defined]
+        for store in stores:
+            store.close()
+        if barrier is not None:
+            barrier.join(timeout=35)
