@@ -22,6 +22,7 @@ from agent.rendezvous.keepout import KeepOut
 from elastic import contract
 from agent.node import health
 from agent.node.health import Check, HealthReport, Limits
+from agent.node.events import EventLog, HealthyAgain, NoEvents, NotJoining
 from agent.node.keep_outs import KeepOuts
 
 log = logging.getLogger("elastic.agent")
@@ -68,8 +69,10 @@ class HealthWatch:
     labelled ``check``, set to 1 while that check fails."""
 
     def __init__(self, node: str, snapshot_dir: Path | str | None, work_dir: Path, worker_env: Mapping[str, str],
-                 etcd: Any = None, gauge: Any = None, limits: Limits | None = None) -> None:
+                 etcd: Any = None, gauge: Any = None, limits: Limits | None = None,
+                 events: EventLog | NoEvents | None = None) -> None:
         self.node = node
+        self.events = events if events is not None else NoEvents()  # what it did, for tools (agent.node.events)
         self.dirs = {"agent_dir": Path(work_dir)}
         disk, self.bucket = _snapshot_tiers(snapshot_dir)
         if disk is not None:
@@ -144,6 +147,7 @@ class HealthWatch:
             out = keep_outs.strike(line, round_number)
             log.error("[%s] not joining the job: %s; kept out %.0f s (strike %d), then checked again",
                       self.node, line, out.backoff, out.strikes)
+            self.events.emit(NotJoining(line, out.backoff, out.strikes))
             publish(out)
             if not keep_outs.stay_out(out):
                 publish(None)
@@ -152,4 +156,5 @@ class HealthWatch:
         publish(None)
         log.info("[%s] health checks pass again after %.0f s kept out; joining the job", self.node,
                  time.monotonic() - since)
+        self.events.emit(HealthyAgain(time.monotonic() - since))
         return True

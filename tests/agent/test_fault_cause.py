@@ -64,13 +64,12 @@ def test_a_lost_lease_in_a_nodes_log_is_told_under_the_freeze_that_caused_it(tmp
     from agent.local.local_faults import FREEZE, Cluster, ClusterNode, Fault
     from agent.local.local_node import LocalNode, NodeLog
 
-    line = "2026-01-02 10:00:0{s},000 [b] {level} elastic.agent: [b] {message}"
+    from agent.node.events import Restarted
+    from tests.support.agent_output import write_output
+
     node = LocalNode(name="b", endpoint="x", run_id="r", workdir=tmp_path)
-    node.log_path.write_text("\n".join([
-        line.format(s=1, level="WARNING", message="this node lost its own etcd lease (it was frozen or cut off); "
-                                                  "its workers are stale: stopping local workers now"),
-        line.format(s=2, level="INFO", message="restart (lease_lost): world of 1 nodes, workers started cold"),
-    ]) + "\n")
+    write_output(node.log_path, Restarted("lease_lost", "this node lost its own etcd lease (it was frozen or cut off); "
+                                                        "its workers are stale", at=2.0), agent_dir=node.agent_dir)
     log = NodeLog(node.log_path)
     assert log.read() == []  # not a crash of its workers
     [loss] = log.lease_losses
