@@ -292,6 +292,7 @@ class LocalNode:
 _TRACEBACK = "Traceback (most recent call last):"
 _LOGGING_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")  # logging's asctime: not a worker's traceback
 CRASH, HANG, LEASE_LOST = "crash", "hang", "lease_lost"
+_CAUSES = {c.value for c in contract.FaultCause}
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,7 @@ class Crash:
     error: str  # the last line of the worker's traceback; "" if it printed none
     gave_up: str = ""  # the agent's reason when it gave up on the job ("no restarts left")
     gave_up_for: str = ""  # that reason's kind (agent.node.policy.Reason's value: "script_error"...)
+    cause: str = ""  # what ended it, by the error's type (elastic.contract.FaultCause's value), if named
 
     def describe(self) -> str:
         """``worker exit 1: NameError: name 'x' is not defined``."""
@@ -312,7 +314,8 @@ class Crash:
         if self.kind == LEASE_LOST:  # the agent stopped its workers as stale: its words say why
             return f"workers stopped: {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
-        return f"{what}: {attribute(self.error)}" if self.error else what  # its kind first (agent.node.fault_cause)
+        kind = contract.FaultCause(self.cause) if self.cause in _CAUSES else None
+        return f"{what}: {attribute(self.error, kind)}" if self.error else what  # its kind first (agent.node.fault_cause)
 
 
 def _exit_words(code: str) -> str:
@@ -424,7 +427,7 @@ class NodeLog:
             base = self._pending or Crash(at, HANG if event.reason == HANG else CRASH,
                                           ", ".join(map(str, event.exits)), self._take_exception())
             self._crashes.append(Crash(base.at, base.kind, base.exit, base.error, gave_up=event.why,
-                                       gave_up_for=event.reason))
+                                       gave_up_for=event.reason, cause=base.cause))
             self._pending = None
         elif isinstance(event, KeptOut):
             self._crashes.append(self._pending or Crash(at, CRASH, "", self._take_exception()))
@@ -433,7 +436,8 @@ class NodeLog:
             failed = isinstance(event, WorkersFailed)
             crash = Crash(at, CRASH if failed else HANG,
                           ", ".join(map(str, event.exits)) if isinstance(event, WorkersFailed) else "",
-                          self._take_exception() or (event.words if isinstance(event, WorkersFailed) else ""))
+                          self._take_exception() or (event.words if isinstance(event, WorkersFailed) else ""),
+                          cause=event.cause if isinstance(event, WorkersFailed) else "")
             if event.in_place:  # only this node's ranks start again: no peer's doing
                 self._crashes.append(crash)
             else:

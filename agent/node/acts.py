@@ -114,7 +114,7 @@ class Acts:
         if reason is Reason.LEASE_LOST:
             self.group.stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
             self.rdzv.publish(fault=f"etcd lease lost: {self.reporting.describe(decision)}"[:300])  # agent.node.fault_cause
-        cause = timeline_reason(reason.value, [f.message for f in self.observer.seen_failures.values()])
+        cause = timeline_reason(reason.value, [f.cause for f in self.observer.seen_failures.values()])
         self.goodput.acted(cause, at=acted_at)
         if joined_from is None:  # else the round it takes part in has closed: it is "running" in it
             self.rdzv.publish(state=NodeState.STOPPING)

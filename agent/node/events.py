@@ -45,6 +45,7 @@ class WorkersFailed:
     exits: tuple[int, ...]  # each rank's exit code, as ``ranks``; negative: killed by a signal
     words: str = ""  # the cause the agent has: the error files' first line, its words for a signal death
     in_place: bool = False
+    cause: str = ""  # what ended them, by the error's type (elastic.contract.FaultCause's value); "": none named
     at: float = field(default_factory=_now)
     log_offset: int | None = None
 
@@ -176,7 +177,7 @@ def _typed(event: Event) -> bool:
             return False
         if f.name in ("at", "backoff", "kept_out_s", "after_s") and not isinstance(value, (int, float)):
             return False
-        if f.name in ("words", "why", "reason", "message") and not isinstance(value, str):
+        if f.name in ("words", "why", "reason", "message", "cause") and not isinstance(value, str):
             return False
     return True
 

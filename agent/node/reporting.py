@@ -109,8 +109,11 @@ class Reporting:
         that is what ``decision`` is about; nothing for another reason."""
         if decision.reason is Reason.WORKER_FAILED:
             failed = sorted(decision.failed.items())
+            seen = self.observer.seen_failures
+            cause = next((f.cause for _, f in sorted(seen.items()) if f.cause is not None), None)
             self.events.emit(WorkersFailed(tuple(r for r, _ in failed), tuple(c for _, c in failed),
-                                           self._cause_words(), in_place=in_place))
+                                           self._cause_words(), in_place=in_place,
+                                           cause=cause.value if cause is not None else ""))
         elif decision.reason is Reason.HANG:
             self.events.emit(WorkersHung(tuple(decision.ranks), in_place=in_place))
 

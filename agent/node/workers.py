@@ -114,9 +114,14 @@ class Worker:
 
         The worker bootstrap writes both for any uncaught exception (``elastic.failure_record``),
         and so does a script decorated with torch's ``@record`` (the bootstrap adds the kind)."""
+        line, kind, _ = self.error_details()
+        return line, kind
+
+    def error_details(self) -> tuple[str, contract.FailureKind | None, contract.FaultCause | None]:
+        """:meth:`error_record`, and the error's cause by its type (a full disk...), if named."""
         if not self.error_file or self.error_file == os.devnull:
-            return "", None
-        return failure_record.read(self.error_file)
+            return "", None, None
+        return failure_record.read_all(self.error_file)
 
 
 @dataclass(frozen=True)
