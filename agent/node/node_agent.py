@@ -154,7 +154,7 @@ class NodeAgent(ElasticAgent):
             self.pool.fill()  # the template imports torch while the first rendezvous runs
         else:
             discard_early()  # the template forked at the agent's start, never to be used
-        self.workers = LocalWorkers(logs_specs, spec.role, self.pool if isinstance(self.pool, ForkServer) else None,
+        self.workers = LocalWorkers(logs_specs, spec.role, self.pool,
                                     spec.numa_options,
                                     on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
         self._group_started = time.time()

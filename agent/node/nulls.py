@@ -78,6 +78,9 @@ class NoPool:
     def ready_count(self) -> int:
         return 0
 
+    def take(self, command: Any, env: Any, stdout: str | None, stderr: str | None) -> None:
+        return None  # no standby: the worker starts cold
+
     def close(self) -> None:
         pass
 
