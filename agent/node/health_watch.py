@@ -24,6 +24,7 @@ from agent.node import health
 from agent.node.health import Check, HealthReport, Limits
 from agent.node.events import EventLog, HealthyAgain, NoEvents, NotJoining
 from agent.node.keep_outs import KeepOuts
+from agent.node.nulls import NoGauge
 
 log = logging.getLogger("elastic.agent")
 
@@ -87,7 +88,8 @@ class HealthWatch:
                 if name:
                     self.chosen_by.setdefault(name, variable)
         self.interfaces = tuple(self.chosen_by)
-        self.etcd, self.gauge = etcd, gauge
+        self.etcd = etcd
+        self.gauge = gauge if gauge is not None else NoGauge()  # NoGauge: no metrics to export
         self.limits = limits or Limits.from_env(os.environ)
         self.interval = self.limits.interval_s
         self.report: HealthReport | None = None
@@ -125,9 +127,8 @@ class HealthWatch:
             return ""
         if force or self.report is None or time.time() - self.report.at >= self.interval:
             self.report = self.checks()
-            if self.gauge is not None:
-                for check in self.report.checks:
-                    self.gauge.labels(check=check.name).set(0 if check.ok else 1)
+            for check in self.report.checks:
+                self.gauge.labels(check=check.name).set(0 if check.ok else 1)
         line = health.verdict(self.report)
         if line and line != self._said and not quiet:
             log.warning("[%s] %s", self.node, line)
