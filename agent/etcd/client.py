@@ -42,7 +42,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from agent.etcd.grpc_untyped import channel_closed, tls_refused, token_expired
+from agent.etcd.grpc_untyped import channel_closed, credentials_refused, tls_refused, token_expired
 from agent.etcd.settings import EtcdSettings
 from agent.etcd.version import warn_if_old
 
@@ -341,7 +341,7 @@ class EtcdClient:
     def _access_error(self, exc: grpc.RpcError) -> EtcdError:
         code, details = exc.code(), (exc.details() or "").strip()
         where = self.settings.describe()
-        if "authentication failed" in details:
+        if credentials_refused(details):  # etcd's words (agent/etcd/grpc_untyped.py)
             return EtcdAccessError(
                 f"etcd at {where} rejected user {self.settings.user!r}: wrong user or password; "
                 "check ELASTIC_ETCD_PASSWORD / password_file"

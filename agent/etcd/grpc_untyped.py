@@ -33,9 +33,14 @@ def lease_not_found(details: str) -> bool:
     return "lease not found" in details
 
 
+def credentials_refused(details: str) -> bool:
+    """etcd's answer to a wrong user or password (``authentication failed, invalid user ID or password``)."""
+    return "authentication failed" in details
+
+
 def token_expired(details: str) -> bool:
     """An ``UNAUTHENTICATED``'s details name the auth token (expired or revoked), not the credentials."""
     return "token" in details.lower()
 
 
-__all__ = ["channel_closed", "lease_not_found", "tls_refused", "token_expired"]
+__all__ = ["channel_closed", "credentials_refused", "lease_not_found", "tls_refused", "token_expired"]

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from agent.etcd.grpc_untyped import channel_closed, lease_not_found, tls_refused, token_expired
+from agent.etcd.grpc_untyped import channel_closed, credentials_refused, lease_not_found, tls_refused, token_expired
 
 
 def test_a_call_on_a_closed_channel_reads_as_closed() -> None:
@@ -40,8 +40,11 @@ def test_a_tls_handshake_with_a_plaintext_server_reads_as_tls() -> None:
     assert not tls_refused("failed to connect to all addresses; last error: UNAVAILABLE: Connection refused")
 
 
-def test_an_expired_token_is_told_from_bad_credentials() -> None:
-    """etcd's words (its auth store), which gRPC carries as the details of UNAUTHENTICATED."""
+def test_etcds_own_words_for_a_token_credentials_and_a_lease() -> None:
+    """etcd's words (its auth and lease stores), which gRPC carries as the details; a real etcd
+    with auth and TLS says them in tests/agent/rendezvous/test_secure.py (wrong password, failed handshakes)."""
     assert token_expired("etcdserver: invalid auth token")
     assert not token_expired("etcdserver: authentication failed, invalid user ID or password")
     assert lease_not_found("etcdserver: requested lease not found")
+    assert credentials_refused("etcdserver: authentication failed, invalid user ID or password")
+    assert not credentials_refused("etcdserver: invalid auth token")
