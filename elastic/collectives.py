@@ -22,7 +22,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from .contract import FailureKind
-from .log import Noticed
+from .noticed import Noticed
 from .torch_untyped import raised_in_torch, untyped_kind, untyped_noticed
 
 # torch's types for a collective, its process group's transport or its store failing; a

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import os
-from enum import Enum
 from typing import Mapping, Sequence
 
 from . import contract
+from .noticed import BY_THE_AGENTS, Noticed  # re-exported: the line's words
 
 LIBRARY = "elastic"
 OFF = "OFF"
@@ -102,19 +102,6 @@ def show_library_lines(env: Mapping[str, str] | None = None) -> StandIn | None:
 
 
 # ---------------------------------------------------------------------- a re-formation, in words
-
-BY_THE_AGENTS = "the agents' new round"  # a lease expired, an agent stopped answering, a node kept out
-
-
-class Noticed(str, Enum):
-    """How a rank learnt that its world broke: set where the failure is raised
-    (``elastic.collectives.CollectiveFailure.noticed``), in the words rank 0's line uses."""
-
-    CLOSED = "its connection closed"
-    TIMED_OUT = "a collective timed out"
-    NODE_ABANDONED = "a rank of its node abandoned the step"  # elastic.inplace.node_verdict
-    BY_THE_AGENTS = BY_THE_AGENTS  # a newer round replaced the world
-    FAILED = "a collective failed"
 
 
 def how_noticed(failure: Noticed | BaseException | str, replaced: bool = False) -> str:

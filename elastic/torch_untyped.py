@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from .contract import FailureKind, FaultCause
-from .log import Noticed
+from .noticed import Noticed
 
 # What gloo and NCCL say first in that error (its first line only: a longer message that wraps
 # another error, such as the DataLoader's "Caught RuntimeError in DataLoader worker", is not theirs).
