@@ -63,12 +63,15 @@ _TEXT_TESTS = {"startswith", "endswith", "find", "index", "count", "search", "ma
 _ERROR_NAMES = {"e", "exc", "err", "error", "rpc", "failure"}
 
 
-def _says(node: ast.AST, names: set[str]) -> bool:
-    """``str(e)``, ``e.details()``, ``repr(e)``, ``e.args``, or any of them ``.lower()``ed, for an error ``e``."""
+def _says(node: ast.AST, names: set[str], copies: frozenset[str] = frozenset()) -> bool:
+    """``str(e)``, ``e.details()``, ``repr(e)``, ``e.args``, or any of them ``.lower()``ed, for an error
+    ``e``; or a variable ``copies`` names, assigned one of them."""
+    if isinstance(node, ast.Name):
+        return node.id in copies
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("lower", "strip"):
-        return _says(node.func.value, names)
+        return _says(node.func.value, names, copies)
     if isinstance(node, ast.BoolOp):
-        return any(_says(v, names) for v in node.values)
+        return any(_says(v, names, copies) for v in node.values)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("str", "repr") \
             and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names:
         return True
@@ -84,13 +87,21 @@ def _words_read(tree: ast.AST) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ExceptHandler) and node.name:
             names.add(node.name)
+    copied = set()  # variables an error's words were put in first: ``details = (rpc.details() or "").strip()``
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple) and isinstance(
+                    node.value, ast.Tuple) else [(target, node.value)]
+                copied.update(t.id for t, v in pairs if isinstance(t, ast.Name) and _says(v, names))
+    copies = frozenset(copied)
     found: list[int] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
-                and any(_says(c, names) for c in node.comparators):
+                and any(_says(c, names, copies) for c in node.comparators):
             found.append(node.lineno)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _TEXT_TESTS \
-                and (_says(node.func.value, names) or any(_says(a, names) for a in node.args)):
+                and (_says(node.func.value, names, copies) or any(_says(a, names, copies) for a in node.args)):
             found.append(node.lineno)
     return sorted(found)
 
@@ -112,6 +123,7 @@ def test_the_check_catches_what_it_is_for() -> None:
     caught = _words_read(ast.parse(
         "try:\n    f()\nexcept OSError as oops:\n    if 'No space' in str(oops):\n        pass\n"
         "def g(exc):\n    return str(exc).lower().startswith('round')\n"
-        "def h(rpc):\n    return 'token' in (rpc.details() or '').lower()\n"))
-    assert caught == [4, 7, 9], caught
+        "def h(rpc):\n    return 'token' in (rpc.details() or '').lower()\n"
+        "def k(exc):\n    code, text = exc.code(), (exc.details() or '').strip()\n    return 'failed' in text\n"))
+    assert caught == [4, 7, 9, 12], caught
     assert _words_read(ast.parse("def ok(exc):\n    return isinstance(exc, OSError) and exc.errno == 28\n")) == []
