@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import layout, signing
-from .errors import SnapshotError
+from .errors import ProblemKind, SnapshotError, kind_of
 from .store import SnapshotStatus, SnapshotStore, TempDirStatus
 from .stores import open_store
 
@@ -125,15 +125,12 @@ def _signatures(statuses: list[SnapshotStatus], key_from: str | None, root: str)
     counts = f"{signed} signed, {unsigned} unsigned"
     if key_from is None:
         return (f"signatures: NOT checked (no job key; set {signing.KEY_FILE_ENV} or pass --key-file): {counts}")
-    refused = [s for s in statuses if s.problems and s.problems[0] in _SIGNATURE_LINES]
+    refused = [s for s in statuses if s.problems and kind_of(s.problems[0]) is ProblemKind.SIGNATURE]
     line = f"signatures: checked with the job key from {key_from}: {counts}"
     if refused:
         line += (f"; {len(refused)} refused for their signature (a restart never uses them; "
                  f"if they are this job's own: python -m checkpoints sign {root})")
     return line
-
-
-_SIGNATURE_LINES = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
 
 
 def _sign(store: SnapshotStore) -> int:

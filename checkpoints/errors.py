@@ -6,7 +6,12 @@ so every message here must make sense on its own at 3 a.m.
 
 from __future__ import annotations
 
+from enum import Enum
+
 __all__ = [
+    "Problem",
+    "ProblemKind",
+    "kind_of",
     "SnapshotError",
     "SnapshotCorruptError",
     "SnapshotMismatchError",
@@ -55,3 +60,32 @@ class JobKeyError(SnapshotError, ValueError):
 
 
 SnapshotKeyError = JobKeyError  # the name the snapshot store's callers know
+
+
+class ProblemKind(str, Enum):
+    """What is wrong with one snapshot, for a caller to decide on (the line is for people)."""
+
+    DAMAGED = "damaged"  # a file missing, truncated or corrupt; the manifest unreadable or inconsistent
+    SIGNATURE = "signature"  # refused for its signature alone under the job key: never deleted for it
+    UNFINISHED = "unfinished"  # no manifest: a write in progress or one that never finished, not a snapshot
+    ABSENT = "absent"  # no such snapshot (pruned meanwhile, or never written)
+    FENCED = "fenced"  # committed by a writer a newer round had fenced off
+
+
+class Problem(str):
+    """One line saying what is wrong with a snapshot (it is the ``str``), with its :class:`ProblemKind`."""
+
+    kind: ProblemKind
+
+    def __new__(cls, text: str, kind: ProblemKind = ProblemKind.DAMAGED) -> "Problem":
+        made = super().__new__(cls, text)
+        made.kind = kind
+        return made
+
+    def __reduce__(self) -> tuple[type, tuple[str, ProblemKind]]:
+        return Problem, (str(self), self.kind)
+
+
+def kind_of(problem: str) -> ProblemKind:
+    """A problem's kind; a plain line is damage (what every problem without a kind is)."""
+    return problem.kind if isinstance(problem, Problem) else ProblemKind.DAMAGED

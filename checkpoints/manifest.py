@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import Problem, ProblemKind
+
 FORMAT_NAME = "elastic-trainer-snapshot"
 FORMAT_VERSION = 1
 _HMAC_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -31,7 +33,15 @@ def is_dcp_key(key: str) -> bool:
 
 
 class ManifestError(ValueError):
-    """The manifest cannot be trusted; the message says why (one line)."""
+    """The manifest cannot be trusted; the message says why (one line), ``kind`` what it means
+    for the snapshot (damage unless the raiser knows better: a signature, a write never finished)."""
+
+    def __init__(self, message: str, kind: ProblemKind = ProblemKind.DAMAGED) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def problem(self) -> Problem:
+        return Problem(str(self), self.kind)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import files, layout, signing
-from .errors import SnapshotCorruptError
+from . import files, layout
+from .errors import ProblemKind, SnapshotCorruptError, kind_of
 from .manifest import FileEntry, Manifest, ManifestError, is_dcp_key
 
 
@@ -50,13 +50,10 @@ class FileProblem(Exception):
     """One file is not what its manifest says or does not load; ``str()`` is the one-line reason."""
 
 
-_SIGNATURE_PROBLEMS = frozenset(f"{layout.MANIFEST_NAME}: {why}" for why in (signing.UNSIGNED, signing.MISMATCH))
-
-
 def signature_only(problems: list[str] | tuple[str, ...]) -> bool:
     """Refused for its signature alone (under a key), not for damage: such a snapshot may be
     the job's own from before it had a key, so it is reported once and never deleted for it."""
-    return len(problems) == 1 and problems[0] in _SIGNATURE_PROBLEMS
+    return len(problems) == 1 and kind_of(problems[0]) is ProblemKind.SIGNATURE
 
 
 def info_of(path: Any, m: Manifest) -> SnapshotInfo:

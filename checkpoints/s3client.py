@@ -73,8 +73,13 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, exc.ClientError):
         return error_code(e) in _TRANSIENT_CODES
     # the transfer manager wraps a failed part's error in its own exception types
+    import boto3.exceptions
+    import s3transfer.exceptions
+
+    wrappers = (boto3.exceptions.RetriesExceededError, boto3.exceptions.S3UploadFailedError,
+                s3transfer.exceptions.RetriesExceededError, s3transfer.exceptions.S3UploadFailedError)
     return isinstance(e, (ConnectionError, TimeoutError)) or (
-        type(e).__name__ in ("RetriesExceededError", "S3UploadFailedError")
+        isinstance(e, wrappers)
         and isinstance(e.__cause__ or e.__context__, Exception) and is_transient(e.__cause__ or e.__context__))
 
 
@@ -271,7 +276,7 @@ class S3Objects:
         try:
             self.call(fetch, progress=progress)
         except Exception as e:
-            if is_missing(e) or error_code(e) == "404" or "Not Found" in str(e):
+            if is_missing(e):  # s3transfer's HeadObject answers a missing key with a ClientError, code 404
                 raise FileNotFoundError(self.loc.key(rel)) from None
             raise
 

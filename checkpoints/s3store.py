@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 from . import files, layout, signing
-from .errors import SnapshotCorruptError, SnapshotDirError, SnapshotError, SnapshotExistsError, SnapshotKeyError
+from .errors import (Problem, ProblemKind, SnapshotCorruptError, SnapshotDirError, SnapshotError, SnapshotExistsError,
+                     SnapshotKeyError, kind_of)
 from .fence import FENCE_NAME, FenceToken
 from .location import S3Location, parse_s3
 from .manifest import FileEntry, Manifest, ManifestError
@@ -370,7 +371,7 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
             data, _ = self.objects.get(f"{sdir}/{layout.MANIFEST_NAME}")
         except FileNotFoundError:
             raise ManifestError(f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not a "
-                                "snapshot)") from None
+                                "snapshot)", ProblemKind.UNFINISHED) from None
         try:
             m = Manifest.from_bytes(data)
         except ManifestError as e:
@@ -383,7 +384,7 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
         if authenticate and self._key is not None:
             why = signing.problem(self._key, sdir, m.step, m.signed_bytes, m.signature)
             if why is not None:
-                raise ManifestError(f"{layout.MANIFEST_NAME}: {why}")
+                raise ManifestError(f"{layout.MANIFEST_NAME}: {why}", ProblemKind.SIGNATURE)
         return m
 
     def _info_of(self, step: int) -> SnapshotInfo:
@@ -393,17 +394,18 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
         fence: tuple[Any, Any] | None = scan
         objs = self._objects_of(step)
         if layout.MANIFEST_NAME not in objs:
-            return None, [f"{layout.step_dirname(step)}: no such snapshot"] if not objs else [
-                f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not a snapshot)"]
+            return None, [Problem(f"{layout.step_dirname(step)}: no such snapshot", ProblemKind.ABSENT)] \
+                if not objs else [Problem(f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not "
+                                          "a snapshot)", ProblemKind.UNFINISHED)]
         try:
             m = self._read_manifest(step)
         except ManifestError as e:
-            return None, [str(e)]
+            return None, [e.problem()]
         current, fence_time = fence if fence is not None else self.fence.stamped()
         why = stale_commit(m.extra_meta.get("fence"), current, fence_time,
                            objs[layout.MANIFEST_NAME].get("LastModified"))
         if why is not None:
-            return None, [f"{layout.MANIFEST_NAME}: {why}"]
+            return None, [Problem(f"{layout.MANIFEST_NAME}: {why}", ProblemKind.FENCED)]
         problems = []
         for entry in m.files:
             o = objs.get(entry.file)
@@ -449,8 +451,7 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
 
     def _quiet_skip(self, problems: list[str] | tuple[str, ...]) -> bool:
         # a write in progress, a dead writer's leftovers, a pruned step: never a snapshot
-        return bool(problems) and (problems[0].startswith(f"{layout.MANIFEST_NAME}: missing")
-                                   or problems[0].endswith("no such snapshot"))
+        return bool(problems) and kind_of(problems[0]) in (ProblemKind.UNFINISHED, ProblemKind.ABSENT)
 
     def _status_skip(self, step: int, problems: tuple[str, ...]) -> bool:
         return self._quiet_skip(problems)  # a write in progress or an orphan: temp_dirs() shows it

@@ -28,7 +28,7 @@ KEY_ENV = "ELASTIC_RDZV_HMAC_KEY"
 KEY_FILE_ENV = "ELASTIC_RDZV_HMAC_KEY_FILE"
 MIN_KEY_BYTES = 16
 
-# The one-line reasons a keyed store gives; load_latest tells signature problems apart by them.
+# The one-line reasons a keyed store gives (its problem's kind, errors.ProblemKind.SIGNATURE, tells them apart).
 UNSIGNED = "not signed with the job key (written without it, or forged)"
 MISMATCH = "signature does not match the job key"
 

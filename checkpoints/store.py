@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 from . import files, layout, signing
 from .workers import DaemonPool
 from .errors import (
+    Problem,
+    ProblemKind,
     SnapshotCorruptError,
     SnapshotDirError,
     SnapshotDiskFullError,
@@ -494,8 +496,8 @@ class SnapshotStore(SnapshotReader):
             data = (path / layout.MANIFEST_NAME).read_bytes()
         except FileNotFoundError:
             raise ManifestError(
-                f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not a snapshot)"
-            ) from None
+                f"{layout.MANIFEST_NAME}: missing (the write never finished; this is not a snapshot)",
+                ProblemKind.UNFINISHED) from None
         except OSError as e:
             raise ManifestError(f"{layout.MANIFEST_NAME}: unreadable ({e.strerror or e})") from None
         try:
@@ -508,7 +510,7 @@ class SnapshotStore(SnapshotReader):
         if authenticate and self._key is not None:
             why = signing.problem(self._key, path.name, m.step, m.signed_bytes, m.signature)
             if why is not None:
-                raise ManifestError(f"{layout.MANIFEST_NAME}: {why}")
+                raise ManifestError(f"{layout.MANIFEST_NAME}: {why}", ProblemKind.SIGNATURE)
         return m
 
     def _info_of(self, path: Path) -> SnapshotInfo:
@@ -525,11 +527,11 @@ class SnapshotStore(SnapshotReader):
     def _quick_check(self, step: int, scan: Any = None) -> tuple[Manifest | None, list[str]]:
         path = self._path(step)
         if not path.is_dir():
-            return None, [f"{path.name}: no such snapshot"]
+            return None, [Problem(f"{path.name}: no such snapshot", ProblemKind.ABSENT)]
         try:
             m = self._read_manifest(path)
         except ManifestError as e:
-            return None, [str(e)]
+            return None, [e.problem()]
         problems = []
         for entry in m.files:
             try:

@@ -22,7 +22,8 @@ from typing import Iterator
 import torch.distributed as dist
 
 from .contract import FailureKind
-from .torch_untyped import raised_in_torch, untyped_kind
+from .noticed import Noticed
+from .torch_untyped import raised_in_torch, untyped_kind, untyped_noticed
 
 # torch's types for a collective, its process group's transport or its store failing; a
 # collective's timeout is one of them (NCCL's watchdog: DistBackendError; a store wait:
@@ -36,11 +37,16 @@ class CollectiveFailure(RuntimeError):
     """A collective of this step failed: the world is broken, the step is abandoned.
 
     ``kind`` says how (a peer lost unless the raiser knows better: a timeout, or this group
-    abandoned for a newer round)."""
+    abandoned for a newer round); ``noticed`` how this rank learnt it, for rank 0's line
+    (given by a raiser that knows; else from ``kind``, or from torch's own words in ``message``
+    read by :mod:`elastic.torch_untyped`, the message being a torch error's first line)."""
 
-    def __init__(self, message: str = "", kind: FailureKind = FailureKind.PEER_LOST) -> None:
+    def __init__(self, message: str = "", kind: FailureKind = FailureKind.PEER_LOST,
+                 noticed: Noticed | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.noticed = noticed if noticed is not None else Noticed.TIMED_OUT if kind is FailureKind.TIMEOUT \
+            else Noticed.BY_THE_AGENTS if kind is FailureKind.ABANDONED else untyped_noticed(message)
 
 
 def failure_kind(exc: BaseException) -> FailureKind:
@@ -57,6 +63,23 @@ def failure_kind(exc: BaseException) -> FailureKind:
     if type(exc) is RuntimeError and raised_in_torch(exc.__traceback__):
         return untyped_kind(exc) or FailureKind.USER
     return FailureKind.USER
+
+
+def noticed_of(exc: BaseException) -> Noticed:
+    """How a rank learnt from ``exc`` that its world broke, by its type (and only for an
+    untyped error raised inside torch, by torch's words)."""
+    if isinstance(exc, CollectiveFailure):
+        return exc.noticed
+    kind = failure_kind(exc)
+    if kind is FailureKind.ABANDONED:
+        return Noticed.BY_THE_AGENTS
+    if kind is FailureKind.TIMEOUT:
+        return Noticed.TIMED_OUT
+    if isinstance(exc, dist.DistNetworkError):
+        return Noticed.CLOSED
+    if type(exc) is RuntimeError and raised_in_torch(exc.__traceback__):
+        return untyped_noticed(str(exc))
+    return Noticed.FAILED
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -82,5 +105,5 @@ def collective_failures() -> Iterator[None]:
     except RuntimeError as exc:
         kind = failure_kind(exc)
         if kind.world_broke:
-            raise CollectiveFailure(first_line(exc), kind) from exc
+            raise CollectiveFailure(first_line(exc), kind, noticed_of(exc)) from exc
         raise

@@ -160,6 +160,8 @@ NODE_VERDICT_FILE = "verdict-{local_rank}"  # HSDP: each worker's outcome of its
 # "extraInfo", FAILURE_KIND_KEY: the FailureKind (part 3) of the error, classified where it was caught; the
 # agent (agent.node.workers) reads it. A file without the key (an older worker) is a failure of the script's own.
 FAILURE_KIND_KEY = "elastic_failure_kind"
+# ... and FAULT_CAUSE_KEY: the FaultCause of the error (a full disk, the GPU out of memory...), by its type, if known.
+FAULT_CAUSE_KEY = "elastic_fault_cause"
 
 # $ELASTIC_HEARTBEAT_DIR (elastic.heartbeat writes, agent.node.watchdog reads and clears):
 HEARTBEAT_PREFIX = "rank-"
@@ -230,6 +232,22 @@ class FailureKind(str, Enum):
     def world_broke(self) -> bool:
         """A peer's doing, not this node's: it never counts towards a crash loop."""
         return self in (FailureKind.PEER_LOST, FailureKind.TIMEOUT)
+
+
+class FaultCause(str, Enum):
+    """What ended a worker, by the error's type (elastic.failure_record.fault_cause), for people:
+    the agent's line, ``elastic top``, ``elastic local`` and the goodput timeline name it
+    (agent.node.fault_cause). Naming never changes how the agent treats a failure."""
+
+    DISK_FULL = "disk_full"
+    GPU_OOM = "cuda_oom"
+    NCCL = "nccl_error"
+    CUDA = "cuda_error"
+    OOM = "oom"  # the host's: a MemoryError, or the OOM killer (the agent's own finding)
+    LEASE_LOST = "lease_lost"  # the group was refused by a newer round's fence
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # What a worker reports in its status file ($ELASTIC_CONTROL_DIR/worker-{local_rank}.json):

@@ -34,6 +34,7 @@ import os
 from typing import Mapping, Sequence
 
 from . import contract
+from .noticed import BY_THE_AGENTS, Noticed  # re-exported: the line's words
 
 LIBRARY = "elastic"
 OFF = "OFF"
@@ -102,25 +103,20 @@ def show_library_lines(env: Mapping[str, str] | None = None) -> StandIn | None:
 
 # ---------------------------------------------------------------------- a re-formation, in words
 
-_CLOSED = ("connection closed", "connection reset", "closed by peer", "read error", "broken pipe",
-           "end of file", "connection refused")
-_TIMED_OUT = ("timed out", "timeout", "deadline")
-BY_THE_AGENTS = "the agents' new round"  # a lease expired, an agent stopped answering, a node kept out
 
-
-def how_noticed(message: str, replaced: bool = False) -> str:
-    """How a rank learnt that its world broke, from its failed collective's message;
-    ``replaced``: the agents' newer round had already replaced the world by then."""
-    text = message.lower()
-    if replaced or "replaces this world" in text:
+def how_noticed(failure: Noticed | BaseException | str, replaced: bool = False) -> str:
+    """How a rank learnt that its world broke: by the failure's own :class:`Noticed` (a
+    :class:`~elastic.collectives.CollectiveFailure` carries it); a bare message is torch's,
+    read in :mod:`elastic.torch_untyped` alone. ``replaced``: the agents' newer round had
+    already replaced the world by then."""
+    if replaced:
         return BY_THE_AGENTS
-    if "of this node abandoned" in text:  # elastic.inplace.node_verdict
-        return "a rank of its node abandoned the step"
-    if any(word in text for word in _CLOSED):
-        return "its connection closed"
-    if any(word in text for word in _TIMED_OUT):
-        return "a collective timed out"
-    return "a collective failed"
+    noticed = failure if isinstance(failure, Noticed) else getattr(failure, "noticed", None)
+    if not isinstance(noticed, Noticed):
+        from .torch_untyped import untyped_noticed
+
+        noticed = untyped_noticed(str(failure))
+    return noticed.value
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -160,5 +156,5 @@ def reformed_line(*, lost: Sequence[str], joined: Sequence[str], lost_ranks: Map
             f"{new_world} at step {at_step}{note}, round {round_number}")
 
 
-__all__ = ["BY_THE_AGENTS", "StandIn", "how_noticed", "nodes_phrase", "parse_level",
+__all__ = ["BY_THE_AGENTS", "Noticed", "StandIn", "how_noticed", "nodes_phrase", "parse_level",
            "reformed_line", "show_library_lines", "someone_else_prints"]

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from .distributed import ElasticRunError
 from .run_config import DataConfig
 from .sampler import ElasticSampler, split_sizes
+from .torch_untyped import pin_refused
 
 RECENT_STEPS = 8  # ledger lines a new rank 0 may have to write after a re-formation
 
@@ -118,7 +119,7 @@ def _pinned_or_why(loader: DataLoader[Any], pin: bool) -> Iterator[Any]:
     try:
         yield from loader
     except RuntimeError as exc:
-        if not pin or "cannot pin" not in str(exc):
+        if not pin or not pin_refused(exc):  # torch's untyped refusal, read in elastic/torch_untyped.py
             raise
         raise ElasticRunError("the dataset yields tensors that are already on the GPU, which cannot be pinned: "
                               "give DataLoader(pin_memory=False) (the prepare API keeps it) or "

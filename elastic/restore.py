@@ -18,7 +18,7 @@ from .distributed import ElasticRunError, all_gather_ints, collective_device
 from .formation import Holding, Source, StatePlan, TrainingWorld, heal
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
-from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard
+from .inplace.user_collectives import Guard, UserCollectiveFailure
 from .log import how_noticed
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class FormsWorlds:
             except CollectiveFailure as exc:
                 log.debug("%s round %d could not be completed (%s); waiting for the next", self._where,
                           joined.round, exc)
-                min_round = self.world.incomplete(how_noticed(str(exc)))
+                min_round = self.world.incomplete(how_noticed(exc))
                 continue
             break
         self._new_world()
@@ -198,8 +198,8 @@ class FormsWorlds:
         self.state.optimizer.zero_grad(set_to_none=True)
         step = self.state.step + 1 if failed_step is None else failed_step  # given: applied, not committed
         log.debug("%s step %d: a collective failed: %s", self._where, step, exc.__cause__ or exc)
-        noticed = how_noticed(str(exc), self.world.replaced_by() is not None)
-        user_collective = self._guard.where if str(exc).startswith(USER_FAILURE_PREFIX) else ""
+        noticed = how_noticed(exc, self.world.replaced_by() is not None)
+        user_collective = self._guard.where if isinstance(exc, UserCollectiveFailure) else ""
         started = time.perf_counter()
         min_round = self.world.lost_peer(step, noticed, user_collective, self._where)  # torchrun's: exits
         self.goodput.failed()

@@ -287,14 +287,14 @@ def told_lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` (out of the script) is a lost peer of a sharded run on the restart path,
     now said in one line (and in torchrun's error file): then no traceback is due."""
     from .fixed_world import exit_for_restart
-    from .collectives import is_collective_failure
+    from .collectives import is_collective_failure, noticed_of
     from .log import how_noticed
 
     if _lost_peer_line is None or not is_collective_failure(exc):
         return False
     where, step = _lost_peer_line
     try:
-        exit_for_restart(where(), step(), how_noticed(str(exc)))
+        exit_for_restart(where(), step(), how_noticed(noticed_of(exc)))
     except SystemExit:
         pass  # the process is on its way out already, with exit code 1
     return True

@@ -114,7 +114,7 @@ from .heartbeat import Heartbeat
 from .inplace import node_verdict
 from .inplace.peer_copies import PeerCopies, peer_copies_asked, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
-from .log import show_library_lines
+from .log import Noticed, show_library_lines
 from . import sharded
 from .own_group import taken_over_line, unwrap_ddp
 from .plan import DataPlan
@@ -538,7 +538,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             return
         replaced_by = self.world.replaced_by()
         if replaced_by is not None:  # a world of one has no collective to fail: give way here
-            self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world")
+            self._pending.failure = CollectiveFailure(f"round {replaced_by} replaces this world",
+                                                       noticed=Noticed.BY_THE_AGENTS)
             return
         # What the world agrees on each step (the newest round every rank could switch to) and
         # whether this rank was told to stop: one tiny all-reduce (MAX) that overlaps forward
@@ -672,7 +673,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._node_verdict is not None:  # the step's last collective: its node's others completed it too?
             why = self._node_verdict.agree(self.round, self.state.step + 1)
             if why is not None:
-                return self._abandon(CollectiveFailure(why))
+                return self._abandon(CollectiveFailure(why, noticed=Noticed.NODE_ABANDONED))
         if self.max_grad_norm is not None and not skip_update:
             if self.state.scaler is not None:
                 self.state.scaler.unscale_(self.state.optimizer)

@@ -42,6 +42,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from agent.etcd.grpc_untyped import channel_closed, credentials_refused, tls_refused, token_expired
 from agent.etcd.settings import EtcdSettings
 from agent.etcd.version import warn_if_old
 
@@ -111,22 +112,16 @@ def _is_tls_failure(exc: BaseException) -> bool:
     rpc = _rpc_error(exc)
     if rpc is None or rpc.code() not in _TRANSIENT_CODES:
         return False
-    details = (rpc.details() or "").lower()
-    return any(word in details for word in ("ssl", "tls", "handshake", "certificate"))
+    return tls_refused(rpc.details() or "")  # gRPC's words, read in agent/etcd/grpc_untyped.py alone
 
 
 def _is_closed_channel(exc: BaseException) -> bool:
     """The request's channel was closed under it: another thread of this node rebuilt the
     shared channel after a failure of its own. Retrying uses the new channel."""
     if isinstance(exc, ValueError):  # grpc refuses to start a call on a closed channel
-        return _says_channel_closed(str(exc))
+        return channel_closed(str(exc))
     rpc = _rpc_error(exc)
-    return rpc is not None and rpc.code() == grpc.StatusCode.CANCELLED and _says_channel_closed(rpc.details() or "")
-
-
-def _says_channel_closed(text: str) -> bool:
-    text = text.lower()  # grpc words it "closed channel", "Channel closed!" or "Stream removed (Channel closed!)"
-    return "closed channel" in text or "channel closed" in text
+    return rpc is not None and rpc.code() == grpc.StatusCode.CANCELLED and channel_closed(rpc.details() or "")
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -155,7 +150,7 @@ def _is_expired_token(exc: BaseException) -> bool:
     return (
         isinstance(exc, grpc.RpcError)
         and exc.code() == grpc.StatusCode.UNAUTHENTICATED
-        and "token" in (exc.details() or "").lower()
+        and token_expired(exc.details() or "")
     )
 
 
@@ -346,7 +341,7 @@ class EtcdClient:
     def _access_error(self, exc: grpc.RpcError) -> EtcdError:
         code, details = exc.code(), (exc.details() or "").strip()
         where = self.settings.describe()
-        if "authentication failed" in details:
+        if credentials_refused(details):  # etcd's words (agent/etcd/grpc_untyped.py)
             return EtcdAccessError(
                 f"etcd at {where} rejected user {self.settings.user!r}: wrong user or password; "
                 "check ELASTIC_ETCD_PASSWORD / password_file"

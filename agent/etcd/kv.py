@@ -20,6 +20,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from agent.etcd.client import EtcdClient, EtcdError
+from agent.etcd.grpc_untyped import lease_not_found
 
 T = TypeVar("T")
 
@@ -129,7 +130,7 @@ class ExpiringLease:
 def is_lease_not_found(exc: BaseException) -> bool:
     cause: BaseException | None = exc
     while cause is not None:
-        if isinstance(cause, grpc.RpcError) and "lease not found" in (cause.details() or ""):
+        if isinstance(cause, grpc.RpcError) and lease_not_found(cause.details() or ""):  # agent/etcd/grpc_untyped.py
             return True
         cause = cause.__cause__
     return False

@@ -35,7 +35,7 @@ from agent.etcd import EmbeddedEtcd
 
 from agent.local.local_node import Crash, LocalNode
 from agent.local.local_snapshots import NewestSnapshot
-from agent.node.policy import SCRIPT_ERROR_WORDS
+from agent.node.policy import Reason
 
 KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE = "kill", "freeze", "kill-rank0-snapshot", "etcd-outage"
 KINDS = (KILL, FREEZE, KILL_SNAPSHOT, ETCD_OUTAGE)
@@ -353,7 +353,7 @@ def _why_failed(failed: list[ClusterNode]) -> str:
     such a job give up within moments of each other, and one that ran out of restarts first
     says less (its peer's crash had not reached it yet). Then a node whose workers said why:
     rank 0 alone speaks for an error every rank hits (a usage error, a diverged training)."""
-    gave_up = sorted(((SCRIPT_ERROR_WORDS not in c.gave_up, not c.error, c.at, i, n, c)
+    gave_up = sorted(((c.gave_up_for != Reason.SCRIPT_ERROR.value, not c.error, c.at, i, n, c)
                       for i, n in enumerate(failed) for c in n.node.crashes() if c.gave_up),
                      key=lambda t: (t[0], t[1], t[2], t[3]))
     if gave_up:

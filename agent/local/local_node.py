@@ -12,8 +12,8 @@ reported, if it did (``report_progress(step, loss=..., samples=...)``). Their
 ``samples`` are the rank's own since the previous row, where a progress file's are the
 step's global batch.
 
-Its crashes come from its log (:class:`NodeLog`): the workers' tracebacks and the agent's
-own lines land there, so what the agent acted on can be read back without a new channel.
+Its crashes come from its agent's events (:mod:`agent.node.events`: what the agent acted
+on, typed) and its log (:class:`NodeLog`), where the workers' tracebacks land.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from elastic import contract
 
+from agent.node.events import (EVENTS_FILE, AgentError, Event, EventReader, GaveUp, HealthyAgain, KeptOut,
+                               NotJoining, Restarted, WorkersFailed, WorkersHung)
 from agent.node.fault_cause import attribute
 from agent.node.proctree import freeze_tree, kill_tree, process_tree, thaw_tree
 
@@ -267,7 +268,7 @@ class LocalNode:
     def log(self) -> "NodeLog":
         """What this node's log says of its workers' crashes (read as it grows)."""
         if self._log is None:
-            self._log = NodeLog(self.log_path)
+            self._log = NodeLog(self.log_path, self.agent_dir / EVENTS_FILE)
         return self._log
 
     def crashes(self) -> list["Crash"]:
@@ -288,22 +289,10 @@ class LocalNode:
 
 # ---------------------------------------------------------------------------- the node's log
 
-# logging's asctime, then "[node] LEVEL logger: [node] message" (agent/node/launch.py's format)
-_AGENT_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[[^\]]*\] ([A-Z]+) elastic\.agent: "
-                         r"(?:\[[^\]]*\] )?(.*)$")
-_FAILED = re.compile(r"local worker\(s\) \[[\d, ]*\] failed \(exit ([^)]*)\)")
-_RESTART = re.compile(r"^restart \((\w+)\)")
-_SAID = re.compile(r'\) with "(.*?)"(?::|$)')  # the agent's words for the failure (an OOM kill, a signal)
-_EXITED = re.compile(r"exited with code (-?\d+)")
 _TRACEBACK = "Traceback (most recent call last):"
-_GAVE_UP = ": the job fails"
-_GAVE_UP_FIRST = "the job fails: "  # a crash loop with too few nodes left: the line ends with its cause
-_HUNG = "no rank on this node made progress"
-_KEPT_OUT = "kept out of the job for"  # a crash loop: the agent stops its workers and stays out a while
-_NOT_JOINING = re.compile(r"^not joining the job: (.*); kept out \d+ s")  # a failed health check (agent/node/health_watch.py)
-_HEALTHY_AGAIN = "health checks pass again"
+_LOGGING_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")  # logging's asctime: not a worker's traceback
 CRASH, HANG, LEASE_LOST = "crash", "hang", "lease_lost"
-_STOPPING = ": stopping local workers now"  # the agent's line for why it stops them (its lease, for one)
+_CAUSES = {c.value for c in contract.FaultCause}
 
 
 @dataclass(frozen=True)
@@ -315,6 +304,8 @@ class Crash:
     exit: str  # the exit code(s) the agent logged ("1", "-9", "1, 1"); "" if it logged none
     error: str  # the last line of the worker's traceback; "" if it printed none
     gave_up: str = ""  # the agent's reason when it gave up on the job ("no restarts left")
+    gave_up_for: str = ""  # that reason's kind (agent.node.policy.Reason's value: "script_error"...)
+    cause: str = ""  # what ended it, by the error's type (elastic.contract.FaultCause's value), if named
 
     def describe(self) -> str:
         """``worker exit 1: NameError: name 'x' is not defined``."""
@@ -323,7 +314,8 @@ class Crash:
         if self.kind == LEASE_LOST:  # the agent stopped its workers as stale: its words say why
             return f"workers stopped: {self.error}"
         what = "worker hung" if self.kind == HANG else f"worker {_exit_words(self.exit)}"
-        return f"{what}: {attribute(self.error)}" if self.error else what  # its kind first (agent.node.fault_cause)
+        kind = contract.FaultCause(self.cause) if self.cause in _CAUSES else None
+        return f"{what}: {attribute(self.error, kind)}" if self.error else what  # its kind first (agent.node.fault_cause)
 
 
 def _exit_words(code: str) -> str:
@@ -338,43 +330,65 @@ def _exit_words(code: str) -> str:
 
 
 class NodeLog:
-    """Reads a node's log as it grows, for the crashes its agent acted on.
+    """Reads what a node's agent acted on (its events, :mod:`agent.node.events`) and what its
+    workers printed (the node's log: their tracebacks and ``error:`` lines), as both grow.
 
     A worker's traceback is in the log (the agent's workers share its output), then the
-    agent's line ``local worker(s) [0] failed (exit 1): stopping local workers now``. That
-    alone is not yet a crash of this node: a worker whose peer was killed fails too, and
-    the agent's next line says which it was, ``restart (worker_failed)`` (or ``hang``)
-    against ``restart (peer_lost)``. ``...: the job fails`` is a crash the agent gave up on,
-    and ``kept out of the job ...`` one it stepped out of the job for (a crash loop).
+    agent's event that its workers failed. That alone is not yet a crash of this node: a
+    worker whose peer was killed fails too, and the agent's next event says which it was, a
+    restart for ``worker_failed`` (or ``hang``) against one for ``peer_lost``. A ``gave_up``
+    event is a crash the agent gave up on, and ``kept_out`` one it stepped out of the job
+    for (a crash loop). Each event says how long the log was when it was written, so a
+    traceback is matched with the act that followed it, as the log's own order would.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, events: Path | None = None) -> None:
         self.path = path
+        self.events = EventReader(events if events is not None else path.with_name(f"{path.stem}.agent") / EVENTS_FILE)
         self.last_error = ""  # the newest traceback's last line, or agent error, or "error: ..." line
         self._read_to = 0
         self._partial = b""
+        self._lines: list[tuple[int, str]] = []  # log lines read, not yet taken in (their end's offset)
         self._in_traceback = False
         self._exception = ""  # the last line of the newest traceback no crash has claimed yet
         self._pending: Crash | None = None  # acted on, not yet told apart from a peer's doing
         self._crashes: list[Crash] = []
         self.lease_losses: list[Crash] = []  # the agent lost its etcd lease and stopped its workers (not a crash)
-        self._stopping = ""  # why the agent last stopped its workers, in its words
         self.health_out: tuple[float, str] | None = None  # since when and why a health check keeps it out
 
     def read(self) -> list[Crash]:
         """Every crash confirmed so far; reads only what was appended since the last call."""
+        self._read_log()  # first: an event read next was written after every line read here
+        for event in self.events.read():
+            self._take_lines(event.log_offset)
+            self._event(event)
+        self._take_lines(None)
+        return list(self._crashes)
+
+    def _read_log(self) -> None:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._read_to)
                 fresh = f.read()
         except FileNotFoundError:
-            return list(self._crashes)
+            return
+        offset = self._read_to - len(self._partial)
         self._read_to += len(fresh)
         lines = (self._partial + fresh).split(b"\n")
         self._partial = lines.pop()  # a line still being written waits for its end
         for line in lines:
-            self._line(line.decode("utf-8", errors="replace").rstrip("\r"))
-        return list(self._crashes)
+            offset += len(line) + 1
+            self._lines.append((offset, line.decode("utf-8", errors="replace").rstrip("\r")))
+
+    def _take_lines(self, until: int | None) -> None:
+        """Take in the log lines that end by ``until`` (None: every one read)."""
+        taken = 0
+        for end, line in self._lines:
+            if until is not None and end > until:
+                break
+            self._line(line)
+            taken += 1
+        del self._lines[:taken]
 
     def settle(self) -> None:
         """The agent exited on its own: a crash it had not yet told apart was its own."""
@@ -389,11 +403,9 @@ class NodeLog:
         self._pending, self._exception, self._in_traceback = None, "", False
 
     def _line(self, line: str) -> None:
-        agent = _AGENT_LINE.match(line)
-        if agent is not None:
-            self._in_traceback = False
-            stamp = time.mktime(time.strptime(agent[1], "%Y-%m-%d %H:%M:%S")) + int(agent[2]) / 1000
-            self._agent(stamp, agent[3], agent[4])
+        """A line of the workers' (or the agent's own) output: a traceback's last line, an ``error:`` line."""
+        if _LOGGING_LINE.match(line):
+            self._in_traceback = False  # a logger's line (the agent's, say) between a traceback's frames
         elif line.startswith(_TRACEBACK):
             self._in_traceback = True
         elif self._in_traceback and line.strip() and not line[0].isspace():
@@ -402,42 +414,39 @@ class NodeLog:
         elif line.startswith("error: "):  # a worker's one line (a usage error, a diverged training): its crash's why
             self._exception = self.last_error = line.strip()
 
-    def _agent(self, at: float, level: str, message: str) -> None:
-        not_joining = _NOT_JOINING.match(message)
-        if not_joining is not None:
-            self.health_out = (self.health_out[0] if self.health_out else at, not_joining[1])
-        elif message.startswith(_HEALTHY_AGAIN):
+    def _event(self, event: Event) -> None:
+        self._in_traceback = False
+        at = event.at
+        if isinstance(event, NotJoining):
+            self.health_out = (self.health_out[0] if self.health_out else at, event.reason)
+        elif isinstance(event, HealthyAgain):
             self.health_out = None
-        failed = _FAILED.search(message)
-        restart = _RESTART.match(message)
-        if level == "ERROR":
-            self.last_error = message
-        if message.endswith(_GAVE_UP) or message.startswith(_GAVE_UP_FIRST):
-            gave_up = message[: -len(_GAVE_UP)] if message.endswith(_GAVE_UP) else message[len(_GAVE_UP_FIRST):]
-            code = _EXITED.search(gave_up)  # a usage error names its code
-            base = self._pending or Crash(at, HANG if "hung" in gave_up else CRASH, code[1] if code else "",
-                                          self._take_exception())
-            self._crashes.append(Crash(base.at, base.kind, base.exit, base.error, gave_up=gave_up))
+        elif isinstance(event, AgentError):
+            self.last_error = event.message
+        elif isinstance(event, GaveUp):
+            base = self._pending or Crash(at, HANG if event.reason == HANG else CRASH,
+                                          ", ".join(map(str, event.exits)), self._take_exception())
+            self._crashes.append(Crash(base.at, base.kind, base.exit, base.error, gave_up=event.why,
+                                       gave_up_for=event.reason, cause=base.cause))
             self._pending = None
-        elif message.startswith(_KEPT_OUT):
+        elif isinstance(event, KeptOut):
             self._crashes.append(self._pending or Crash(at, CRASH, "", self._take_exception()))
             self._pending = None
-        elif failed is not None or _HUNG in message:
-            kind = CRASH if failed is not None else HANG
-            said = _SAID.search(message) if failed is not None else None
-            crash = Crash(at, kind, failed[1] if failed is not None else "",
-                          self._take_exception() or (said[1] if said is not None else ""))
-            if "the others keep running" in message:  # in place: only this node's rank starts again
+        elif isinstance(event, (WorkersFailed, WorkersHung)):
+            failed = isinstance(event, WorkersFailed)
+            crash = Crash(at, CRASH if failed else HANG,
+                          ", ".join(map(str, event.exits)) if isinstance(event, WorkersFailed) else "",
+                          self._take_exception() or (event.words if isinstance(event, WorkersFailed) else ""),
+                          cause=event.cause if isinstance(event, WorkersFailed) else "")
+            if event.in_place:  # only this node's ranks start again: no peer's doing
                 self._crashes.append(crash)
             else:
                 self._pending = crash
-        elif message.endswith(_STOPPING):
-            self._stopping = message[: -len(_STOPPING)]
-        if restart is not None and restart[1] == LEASE_LOST:
-            self.lease_losses.append(Crash(at, LEASE_LOST, "", f"etcd lease lost: {self._stopping}"
-                                           if self._stopping else "etcd lease lost"))
-        if restart is not None:
-            if self._pending is not None and restart[1] in ("worker_failed", "hang"):
+        elif isinstance(event, Restarted):
+            if event.reason == LEASE_LOST:
+                self.lease_losses.append(Crash(at, LEASE_LOST, "", f"etcd lease lost: {event.why}"
+                                               if event.why else "etcd lease lost"))
+            if self._pending is not None and event.reason in ("worker_failed", HANG):
                 self._crashes.append(self._pending)
             self._pending = None  # else a peer's death failed our worker: not this node's crash
             self._exception = ""  # what the stopped workers printed is not their successors'

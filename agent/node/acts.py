@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elastic.inplace.channel import AgentChannel
 
+from agent.node.events import GaveUp, KeptOut, Restarted as RestartedEvent
 from agent.node.fork_server import ForkServer
 from agent.node.fault_cause import timeline_reason
 from agent.node.goodput import GoodputAccountant, fault_nodes
@@ -100,8 +101,11 @@ class Acts:
         run = self.run
         reason = decision.reason or Reason.SCALE_UP
         acted_at = time.time()
+        why = ""
         if joined_from is None:
-            log.warning("[%s] %s: stopping local workers now", self.node, self.reporting.describe(decision))
+            why = self.reporting.describe(decision)
+            log.warning("[%s] %s: stopping local workers now", self.node, why)
+            self.reporting.acting_on(decision)
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         sig = stop_signal(reason, self.watch.progressed())
@@ -110,7 +114,7 @@ class Acts:
         if reason is Reason.LEASE_LOST:
             self.group.stop(sig, grace)  # first: etcd may be out of reach, and no request may delay the fence
             self.rdzv.publish(fault=f"etcd lease lost: {self.reporting.describe(decision)}"[:300])  # agent.node.fault_cause
-        cause = timeline_reason(reason.value, [f.message for f in self.observer.seen_failures.values()])
+        cause = timeline_reason(reason.value, [f.cause for f in self.observer.seen_failures.values()])
         self.goodput.acted(cause, at=acted_at)
         if joined_from is None:  # else the round it takes part in has closed: it is "running" in it
             self.rdzv.publish(state=NodeState.STOPPING)
@@ -145,6 +149,7 @@ class Acts:
         log.info("[%s] restart (%s)%s: world of %d nodes, workers started %s, %d restarts left", self.node,
                  reason.value, change(previous, run.round.participants), run.round.group_world, start,
                  run.remaining_restarts)
+        self.reporting.emit(RestartedEvent(reason.value, why))
         self.restarted = Restarted(reason.value, change(previous, run.round.participants), acted_at,
                                    rendezvous_done, time.time(), start)
         self.metrics.restarts.labels(reason=reason.value).inc()
@@ -186,6 +191,7 @@ class Acts:
             self.goodput.acted(decision.reason.value)
         log.warning("[%s] %s: starting local rank(s) %s again; the others keep running", self.node,
                     self.reporting.describe(decision), ranks)
+        self.reporting.acting_on(decision, in_place=True)
         if decision.dump_stacks:
             self._dump_stacks(ranks)
         pids = [pid for rank, pid in self.workers.pids().items() if rank in ranks]
@@ -252,6 +258,8 @@ class Acts:
         out = self.keep_outs.strike(decision.detail, run.round.number)
         log.error("[%s] kept out of the job for %.0f s (strike %d), so that the other nodes train on without it: %s",
                   self.node, out.backoff, out.strikes, decision.detail)
+        self.reporting.emit(KeptOut(decision.reason.value if decision.reason else "", decision.detail, out.backoff,
+                                    out.strikes))
         if decision.reason is Reason.STRAGGLER:
             self.metrics.straggler_evictions.inc()
         elif decision.reason not in (Reason.SDC, Reason.HEALTH):
@@ -309,18 +317,23 @@ class Acts:
     def fail(self, decision: Decision) -> RunResult:
         run = self.run
         if decision.reason is Reason.ETCD_LOST:  # the fix is the line: no traceback to point at
-            run.failure_line = decision.detail
+            run.failure_line = why = decision.detail
             log.error("[%s] the job fails: %s", self.node, decision.detail)
         elif decision.reason in (Reason.CRASH_LOOP, Reason.SCRIPT_ERROR):  # one line that ends with the cause
             if decision.reason is Reason.CRASH_LOOP:
                 self.metrics.crash_loops.inc()
-            run.failure_line = f"{decision.detail}; the traceback: {self.reporting.traceback_where(decision.failed)}"
+            run.failure_line = why = \
+                f"{decision.detail}; the traceback: {self.reporting.traceback_where(decision.failed)}"
             log.error("[%s] the job fails: %s", self.node, run.failure_line)
         elif decision.final_snapshot_lost:  # the worker's line says it all; no torchrun box after it
-            run.failure_line = decision.detail
+            run.failure_line = why = decision.detail
             log.error("[%s] %s: the job fails", self.node, decision.detail)
         else:
-            log.error("[%s] %s: the job fails", self.node, self.reporting.describe(decision))
+            why = self.reporting.describe(decision)
+            log.error("[%s] %s: the job fails", self.node, why)
+        failed = sorted(decision.failed.items())
+        self.reporting.emit(GaveUp(decision.reason.value if decision.reason else "", why,
+                                   tuple(r for r, _ in failed), tuple(c for _, c in failed)))
         if decision.dump_stacks:
             self._dump_stacks(list(self.workers.pids()))
         failed_alone = self.workers.failures()  # before the stop adds its own victims

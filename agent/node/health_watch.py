@@ -22,7 +22,9 @@ from agent.rendezvous.keepout import KeepOut
 from elastic import contract
 from agent.node import health
 from agent.node.health import Check, HealthReport, Limits
+from agent.node.events import EventLog, HealthyAgain, NoEvents, NotJoining
 from agent.node.keep_outs import KeepOuts
+from agent.node.nulls import NoGauge
 
 log = logging.getLogger("elastic.agent")
 
@@ -68,8 +70,10 @@ class HealthWatch:
     labelled ``check``, set to 1 while that check fails."""
 
     def __init__(self, node: str, snapshot_dir: Path | str | None, work_dir: Path, worker_env: Mapping[str, str],
-                 etcd: Any = None, gauge: Any = None, limits: Limits | None = None) -> None:
+                 etcd: Any = None, gauge: Any = None, limits: Limits | None = None,
+                 events: EventLog | NoEvents | None = None) -> None:
         self.node = node
+        self.events = events if events is not None else NoEvents()  # what it did, for tools (agent.node.events)
         self.dirs = {"agent_dir": Path(work_dir)}
         disk, self.bucket = _snapshot_tiers(snapshot_dir)
         if disk is not None:
@@ -84,7 +88,8 @@ class HealthWatch:
                 if name:
                     self.chosen_by.setdefault(name, variable)
         self.interfaces = tuple(self.chosen_by)
-        self.etcd, self.gauge = etcd, gauge
+        self.etcd = etcd
+        self.gauge = gauge if gauge is not None else NoGauge()  # NoGauge: no metrics to export
         self.limits = limits or Limits.from_env(os.environ)
         self.interval = self.limits.interval_s
         self.report: HealthReport | None = None
@@ -122,9 +127,8 @@ class HealthWatch:
             return ""
         if force or self.report is None or time.time() - self.report.at >= self.interval:
             self.report = self.checks()
-            if self.gauge is not None:
-                for check in self.report.checks:
-                    self.gauge.labels(check=check.name).set(0 if check.ok else 1)
+            for check in self.report.checks:
+                self.gauge.labels(check=check.name).set(0 if check.ok else 1)
         line = health.verdict(self.report)
         if line and line != self._said and not quiet:
             log.warning("[%s] %s", self.node, line)
@@ -144,6 +148,7 @@ class HealthWatch:
             out = keep_outs.strike(line, round_number)
             log.error("[%s] not joining the job: %s; kept out %.0f s (strike %d), then checked again",
                       self.node, line, out.backoff, out.strikes)
+            self.events.emit(NotJoining(line, out.backoff, out.strikes))
             publish(out)
             if not keep_outs.stay_out(out):
                 publish(None)
@@ -152,4 +157,5 @@ class HealthWatch:
         publish(None)
         log.info("[%s] health checks pass again after %.0f s kept out; joining the job", self.node,
                  time.monotonic() - since)
+        self.events.emit(HealthyAgain(time.monotonic() - since))
         return True

@@ -67,6 +67,7 @@ from agent.node.preemption import terminate
 from agent.node.rendezvous_api import JobFinishedError, Round, agent_rendezvous
 from agent.node.reporting import Reporting
 from agent.node.health_watch import HealthWatch
+from agent.node.events import EVENTS_FILE, EventLog
 from agent.node.keep_outs import KeepOuts
 from agent.node.sdc import SdcWatch
 from agent.node.settings import AgentSettings
@@ -141,9 +142,10 @@ class NodeAgent(ElasticAgent):
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
         self.keep_outs = KeepOuts(self.node, self.rdzv.is_closed)  # one strike counter for every keep-out
+        self.events = EventLog(settings.work_dir / EVENTS_FILE)  # what it acted on, for tools (agent.node.events)
         # node health: a sick node does not join, and goes out when it falls sick (agent/node/health_watch.py)
         self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,
-                                  self.rdzv.etcd_settings(), metrics.health_failing)
+                                  self.rdzv.etcd_settings(), metrics.health_failing, events=self.events)
         # freezes: write off a peer whose agent does not answer; stop stale workers once thawed (agent/node/freeze.py)
         self.freeze = self.rdzv.freeze_watch(self.channel)
         self.pool: ForkServer | NoPool = ForkServer(spec.nproc, env={**os.environ, **self._node_env()}) \
@@ -152,7 +154,7 @@ class NodeAgent(ElasticAgent):
             self.pool.fill()  # the template imports torch while the first rendezvous runs
         else:
             discard_early()  # the template forked at the agent's start, never to be used
-        self.workers = LocalWorkers(logs_specs, spec.role, self.pool if isinstance(self.pool, ForkServer) else None,
+        self.workers = LocalWorkers(logs_specs, spec.role, self.pool,
                                     spec.numa_options,
                                     on_start=lambda mode: metrics.worker_starts.labels(mode=mode).inc())
         self._group_started = time.time()
@@ -163,7 +165,7 @@ class NodeAgent(ElasticAgent):
                                  pace=self.pace, sdc=self.sdc, freeze=self.freeze, health=self.health)
         self.reporting = Reporting(run, node=self.node, nproc=spec.nproc, work_dir=settings.work_dir,
                                    metrics=metrics, rdzv=self.rdzv, watch=self.watch, workers=self.workers,
-                                   observer=self.observer)
+                                   observer=self.observer, events=self.events)
         self.spares = SpareAhead(run, self, node=self.node, nproc=spec.nproc, workers=self.workers,
                                  rdzv=self.rdzv, channel=self.channel, metrics=metrics, watch=self.watch)
         self.acts = Acts(run, self, node=self.node, settings=settings, metrics=metrics, workers=self.workers,
@@ -196,6 +198,8 @@ class NodeAgent(ElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
+        errors = self.events.error_handler()  # its ERROR lines, as events a tool can show
+        log.addHandler(errors)
         try:
             self._await_standbys()
             self.rendezvous()
@@ -209,6 +213,7 @@ class NodeAgent(ElasticAgent):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            log.removeHandler(errors)
             self.spares.drop()
             self.pool.close()
             self.channel.close()

@@ -78,8 +78,21 @@ class NoPool:
     def ready_count(self) -> int:
         return 0
 
+    def take(self, command: Any, env: Any, stdout: str | None, stderr: str | None) -> None:
+        return None  # no standby: the worker starts cold
+
     def close(self) -> None:
         pass
 
 
-__all__ = ["NoChannel", "NoCommands", "NoFreeze", "NoPace", "NoPool"]
+class NoGauge:
+    """A Prometheus gauge's place (a labelled one too) where nothing exports it: a unit test's watch."""
+
+    def labels(self, *values: Any, **labels: Any) -> "NoGauge":
+        return self
+
+    def set(self, value: float) -> None:
+        pass
+
+
+__all__ = ["NoChannel", "NoCommands", "NoFreeze", "NoGauge", "NoPace", "NoPool"]

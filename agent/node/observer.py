@@ -22,7 +22,7 @@ from elastic.inplace.channel import AgentChannel
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel
 from agent.node.fault_cause import attribute
-from agent.node.oom import killed_by, oom_kills
+from agent.node.oom import killed_by, oom_killed, oom_kills
 from agent.node.policy import Failure, Observation, crash_report, last_words, next_streak
 from agent.node.rendezvous_api import AgentRendezvous
 from agent.node.sdc import SdcWatch
@@ -50,7 +50,7 @@ class Observer:
         self._said_in_place = False
         self._in_world = False  # a local worker is in a formed world, taking steps (its status says TRAINING)
         self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.node.oom)
-        self._kill_words: dict[int, str] = {}  # pid -> what killed it, judged once
+        self._kill_words: dict[int, tuple[str, contract.FaultCause | None]] = {}  # pid -> what killed it, judged once
 
     def look(self) -> Observation:
         run = self.run
@@ -113,16 +113,18 @@ class Observer:
             worker = self.workers.workers.get(rank)
             if code in (None, 0) or worker is None:
                 continue
-            line, kind = worker.error_record()
-            message = attribute(line)  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
+            line, kind, cause = worker.error_details()
+            message = attribute(line, cause)  # "disk full (ENOSPC): OSError: ..." (agent.node.fault_cause)
             if not message and code < 0:
-                message = self._kill_words.get(worker.pid, "")
-                if not message:
+                if worker.pid not in self._kill_words:
                     now = oom_kills()
-                    message = self._kill_words[worker.pid] = killed_by(-code, self._oom_seen, now)
+                    self._kill_words[worker.pid] = (killed_by(-code, self._oom_seen, now),
+                                                    contract.FaultCause.OOM if oom_killed(-code, self._oom_seen, now)
+                                                    else None)
                     self._oom_seen = now
+                message, cause = self._kill_words[worker.pid]
             out[rank] = Failure(code=int(code), ran_for=worker.ran_for(), message=message,
-                                progressed=self.watch.progressed_since_start(rank), kind=kind)
+                                progressed=self.watch.progressed_since_start(rank), kind=kind, cause=cause)
         return out
 
     def _in_place_statuses(self) -> tuple[bool, bool, bool]:

@@ -55,14 +55,20 @@ def oom_kills() -> tuple[str, int] | None:
     return None
 
 
+def oom_killed(signum: int, before: tuple[str, int] | None, after: tuple[str, int] | None) -> bool:
+    """A SIGKILL while the same scope's OOM kill count rose: the OOM killer's doing."""
+    return signum == signal.SIGKILL and before is not None and after is not None and before[0] == after[0] \
+        and after[1] > before[1]
+
+
 def killed_by(signum: int, before: tuple[str, int] | None, after: tuple[str, int] | None) -> str:
     """One line for a worker killed by ``signum``: the OOM killer when the count rose meanwhile."""
     try:
         name = signal.Signals(signum).name
     except ValueError:
         name = f"signal {signum}"
-    if signum == signal.SIGKILL and before is not None and after is not None and before[0] == after[0] \
-            and after[1] > before[1]:
+    if oom_killed(signum, before, after):
+        assert before is not None and after is not None
         return (f"killed by the OOM killer (SIGKILL; the {after[0]}'s OOM kill count went from {before[1]} to "
                 f"{after[1]}): give the job more memory or use less")
     return f"killed by {name}"

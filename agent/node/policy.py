@@ -114,6 +114,7 @@ class Failure:
     message: str = ""
     progressed: bool | None = None
     kind: contract.FailureKind | None = None
+    cause: contract.FaultCause | None = None  # what ended it, by the error's type (named for people, never decides)
 
     @property
     def peer_caused(self) -> bool:

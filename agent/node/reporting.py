@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from elastic.atomic_file import write_atomically
 
+from agent.node.events import Event, EventLog, NoEvents, WorkersFailed, WorkersHung
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import NodeRun
 from agent.node.observer import Observer
@@ -31,8 +32,10 @@ log = logging.getLogger("elastic.agent")
 
 class Reporting:
     def __init__(self, run: NodeRun, *, node: str, nproc: int, work_dir: Path, metrics: AgentMetrics,
-                 rdzv: AgentRendezvous, watch: HangWatch, workers: LocalWorkers, observer: Observer) -> None:
+                 rdzv: AgentRendezvous, watch: HangWatch, workers: LocalWorkers, observer: Observer,
+                 events: EventLog | NoEvents | None = None) -> None:
         self.run, self.node, self.nproc, self.work_dir = run, node, nproc, work_dir
+        self.events = events if events is not None else NoEvents()  # what it did, for tools (agent.node.events)
         self.metrics, self.rdzv, self.watch, self.workers, self.observer = metrics, rdzv, watch, workers, observer
 
     def write_status(self) -> None:
@@ -90,9 +93,29 @@ class Reporting:
 
     def _last_words(self) -> str:
         """`` with "ValueError: boom"``: what the failed workers' error files say, if anything."""
+        words = self._cause_words()
+        return f' with "{words}"' if words else ""
+
+    def _cause_words(self) -> str:
         seen = self.observer.seen_failures
         words = last_words(seen) if seen else ""
-        return f' with "{words}"' if words and not words.startswith("exit ") else ""
+        return words if not words.startswith("exit ") else ""
+
+    def emit(self, event: Event) -> None:
+        self.events.emit(event)
+
+    def acting_on(self, decision: Decision, *, in_place: bool = False) -> None:
+        """The event for stopping (``in_place``: restarting) workers that failed or hung, if
+        that is what ``decision`` is about; nothing for another reason."""
+        if decision.reason is Reason.WORKER_FAILED:
+            failed = sorted(decision.failed.items())
+            seen = self.observer.seen_failures
+            cause = next((f.cause for _, f in sorted(seen.items()) if f.cause is not None), None)
+            self.events.emit(WorkersFailed(tuple(r for r, _ in failed), tuple(c for _, c in failed),
+                                           self._cause_words(), in_place=in_place,
+                                           cause=cause.value if cause is not None else ""))
+        elif decision.reason is Reason.HANG:
+            self.events.emit(WorkersHung(tuple(decision.ranks), in_place=in_place))
 
     def traceback_where(self, failed: Mapping[int, int]) -> str:
         """Where a failed worker's traceback is: its stderr file, else this agent's own output."""

@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 from elastic import contract, failure_record, worker_env
 
 from agent.node.fork_server import ForkServer
+from agent.node.nulls import NoPool
 from agent.node.warm_start import WarmPool
 
 log = logging.getLogger("elastic.agent")
@@ -114,9 +115,14 @@ class Worker:
 
         The worker bootstrap writes both for any uncaught exception (``elastic.failure_record``),
         and so does a script decorated with torch's ``@record`` (the bootstrap adds the kind)."""
+        line, kind, _ = self.error_details()
+        return line, kind
+
+    def error_details(self) -> tuple[str, contract.FailureKind | None, contract.FaultCause | None]:
+        """:meth:`error_record`, and the error's cause by its type (a full disk...), if named."""
         if not self.error_file or self.error_file == os.devnull:
-            return "", None
-        return failure_record.read(self.error_file)
+            return "", None, None
+        return failure_record.read_all(self.error_file)
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,12 @@ class Launch:
 class LocalWorkers:
     """The local ranks of the current worker group."""
 
-    def __init__(self, logs_specs: LogsSpecs, name: str = "default", pool: ForkServer | WarmPool | None = None,
+    def __init__(self, logs_specs: LogsSpecs, name: str = "default",
+                 pool: ForkServer | WarmPool | NoPool | None = None,
                  numa_options: object | None = None, log_line_prefixes: Mapping[int, str] | None = None,
                  on_start: Callable[[str], None] = lambda mode: None) -> None:
-        self.logs_specs, self.name, self.pool = logs_specs, name, pool
+        self.logs_specs, self.name = logs_specs, name
+        self.pool: ForkServer | WarmPool | NoPool = pool if pool is not None else NoPool()  # NoPool: cold starts
         self.numa_options, self.log_line_prefixes = numa_options, dict(log_line_prefixes or {})
         self.on_start = on_start
         self.workers: dict[int, Worker] = {}
@@ -187,7 +195,7 @@ class LocalWorkers:
         env = {**os.environ, **launch.env}
         error_file = worker_env.read(env).error_file or ""
         handle: _Handle | None = None
-        if self.pool is not None and self.numa_options is None:
+        if self.numa_options is None:  # a NUMA binding needs the launcher's own start
             proc = self.pool.take(launch.args, env, stdout or None, stderr or None)
             if proc is not None:
                 handle, mode = _Warm(proc), WARM

@@ -60,6 +60,11 @@ WRAPPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_
 
 USER_FAILURE_PREFIX = "your dist."  # how a recorded failure's message starts (the run's line names it)
 
+
+class UserCollectiveFailure(CollectiveFailure):
+    """The script's own ``dist.*`` call broke the world (recorded by :class:`Guard`): the run's
+    line names that call, by this type, never by the message's words."""
+
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
 _active: "Guard | None" = None
@@ -110,7 +115,7 @@ class Guard:
 
     def record(self, name: str, exc: BaseException) -> None:
         if self.failure is None:
-            self.failure = CollectiveFailure(f"{USER_FAILURE_PREFIX}{name} failed: {first_line(exc)}")
+            self.failure = UserCollectiveFailure(f"{USER_FAILURE_PREFIX}{name} failed: {first_line(exc)}")
             self.where = name
             log.debug("dist.%s failed (recorded; the run abandons the step): %s", name, exc)
 
@@ -233,4 +238,4 @@ class _GuardedWork:
         return getattr(self._work, attr)
 
 
-__all__ = ["Guard", "USER_FAILURE_PREFIX", "WRAPPED", "owned", "uninstall_all"]
+__all__ = ["Guard", "USER_FAILURE_PREFIX", "UserCollectiveFailure", "WRAPPED", "owned", "uninstall_all"]

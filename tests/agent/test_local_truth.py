@@ -11,12 +11,14 @@ A second run, of a script that reports its step, loss and samples through
 ``elastic.report_progress``, must show them: a loss and a samples/s figure in the view,
 not the example jobs' alone.
 
-The log reading behind the crash count is checked on its own too, on the lines an agent
-writes: a worker that failed because its peer was killed is not a crash of its node.
+The reading behind the crash count is checked on its own too, on the events an agent
+writes and the lines its workers print: a worker that failed because its peer was killed
+is not a crash of its node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -34,8 +36,10 @@ import pytest
 from agent.local.local_cluster import parse_args
 from agent.local.local_faults import Cluster, ClusterNode
 from agent.local.local_node import LocalNode, NodeLog
+from agent.node.events import Event, GaveUp, HealthyAgain, NotJoining, Restarted, WorkersFailed
 from agent.node.policy import SCRIPT_ERROR_WORDS
 from agent.node.proctree import process_tree
+from tests.support.agent_output import write_output
 from tests.support.waiting import wait_until
 
 RUN_TIMEOUT = 150
@@ -258,17 +262,13 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ELASTIC_SNAPSHOT_DIR" in text and "elastic.report_progress(step)" in text
 
 
-AGENT = "2026-01-02 10:00:0{s},000 [{n}] {level} elastic.agent: [{n}] {message}"
+T0 = 1_767_348_000.0  # 2026-01-02 10:00:00 UTC: the events' clock
 
 
-def _log(tmp_path: Path, *lines: str) -> NodeLog:
+def _log(tmp_path: Path, *items: str | Event) -> NodeLog:
     path = tmp_path / "node-0.log"
-    path.write_text("\n".join(lines) + "\n")
+    write_output(path, *items)
     return NodeLog(path)
-
-
-def _agent(second: int, message: str, level: str = "WARNING") -> str:
-    return AGENT.format(s=second, n="node-0", level=level, message=message)
 
 
 TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 19, in <module>', "    undefined_name",
@@ -278,22 +278,20 @@ GLOO = ["Traceback (most recent call last):", '  File "train.py", line 15, in <m
 
 
 def test_a_worker_failed_by_a_killed_peer_is_not_a_crash_of_its_node(tmp_path: Path) -> None:
-    log = _log(tmp_path, *GLOO, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
-               _agent(2, "restart (peer_lost): world of 1 nodes, 3 restarts left", "INFO"))
+    log = _log(tmp_path, *GLOO, WorkersFailed((0,), (1,), at=T0 + 1), Restarted("peer_lost", at=T0 + 2))
     assert log.read() == []
 
 
 def test_a_crash_the_agent_restarted_for_and_the_one_it_gave_up_on(tmp_path: Path) -> None:
-    log = _log(tmp_path, *TRACEBACK, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
-               _agent(2, "restart (worker_failed): world of 2 nodes, 0 restarts left", "INFO"),
-               *TRACEBACK, _agent(5, "no restarts left: the job fails", "ERROR"))
+    log = _log(tmp_path, *TRACEBACK, WorkersFailed((0,), (1,), at=T0 + 1), Restarted("worker_failed", at=T0 + 2),
+               *TRACEBACK, GaveUp("worker_failed", "no restarts left", at=T0 + 5))
     first, last = log.read()
     assert first.describe() == "worker exit 1: NameError: name 'undefined_name' is not defined"
     assert not first.gave_up and last.gave_up == "no restarts left" and last.at - first.at == 4
 
 
 def test_a_crash_not_yet_told_apart_counts_once_its_agent_exits(tmp_path: Path) -> None:
-    log = _log(tmp_path, _agent(1, "local worker(s) [0] failed (exit -11): stopping local workers now"))
+    log = _log(tmp_path, WorkersFailed((0,), (-11,), at=T0 + 1))
     assert log.read() == []
     log.settle()
     assert [c.describe() for c in log.read()] == ["worker killed by SIGSEGV"]
@@ -302,16 +300,15 @@ def test_a_crash_not_yet_told_apart_counts_once_its_agent_exits(tmp_path: Path) 
 def test_an_oom_kill_is_named_as_the_agent_named_it(tmp_path: Path) -> None:
     oom = ("killed by the OOM killer (SIGKILL; the cgroup's OOM kill count went from 0 to 1): give the job more "
            "memory or use less")
-    log = _log(tmp_path, _agent(1, f'local worker(s) [0] failed (exit -9) with "{oom}": stopping local workers now'),
-               _agent(2, "restart (worker_failed): world of 2 nodes, 3 restarts left", "INFO"))
+    log = _log(tmp_path, WorkersFailed((0,), (-9,), oom, at=T0 + 1), Restarted("worker_failed", at=T0 + 2))
     assert [c.describe() for c in log.read()] == [f"worker {oom}"]
 
 
 def test_a_crash_loop_with_too_few_nodes_left_is_the_agent_giving_up(tmp_path: Path) -> None:
     """The crash-loop rule's last word names its cause at the end, so it starts with the verdict."""
-    log = _log(tmp_path, *TRACEBACK, _agent(1, "local worker(s) [0] failed (exit 1): stopping local workers now"),
-               _agent(2, "the job fails: crashed 3 times right after starting; without this node 1 of min 2 "
-                         "would remain; the cause: NameError: name 'undefined_name' is not defined", "ERROR"))
+    log = _log(tmp_path, *TRACEBACK, WorkersFailed((0,), (1,), at=T0 + 1),
+               GaveUp("crash_loop", "crashed 3 times right after starting; without this node 1 of min 2 would remain; "
+                      "the cause: NameError: name 'undefined_name' is not defined", at=T0 + 2))
     (crash,) = log.read()
     assert crash.gave_up.startswith("crashed 3 times right after starting")
     assert crash.describe() == "worker exit 1: NameError: name 'undefined_name' is not defined"
@@ -325,11 +322,10 @@ def test_the_job_wide_verdict_on_a_broken_script_is_the_why_though_a_peer_gave_u
     verdict = (f"the workers of every node (2) {SCRIPT_ERROR_WORDS} (no restart or keep-out can fix it): "
                "NameError: name 'undefined_name' is not defined")
     nodes = []
-    for name, second, message in (("node-0", 6, f"the job failed: {verdict}; the traceback: above"),
-                                  ("node-1", 5, "no restarts left")):
+    for name, second, reason, why in (("node-0", 6, "script_error", f"{verdict}; the traceback: above"),
+                                      ("node-1", 5, "worker_failed", "no restarts left")):
         node = LocalNode(name=name, endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
-        node.log_path.write_text("\n".join([*TRACEBACK, AGENT.format(s=second, n=name, level="ERROR",
-                                                                     message=f"{message}: the job fails")]) + "\n")
+        write_output(node.log_path, *TRACEBACK, GaveUp(reason, why, at=T0 + second), agent_dir=node.agent_dir)
         nodes.append(ClusterNode(node=node, exited=1))
     ok, why = Cluster(nodes, tmp_path, 1).outcome(None)
     assert not ok and why.startswith("the job failed: node-0 gave up") and SCRIPT_ERROR_WORDS in why, why
@@ -342,14 +338,11 @@ def test_a_node_kept_out_by_its_health_check_shows_why_not_starting(tmp_path: Pa
     until the timeout; it names the check, and the node is "starting" again once it passes."""
     node = LocalNode(name="node-1", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
     cluster = Cluster([ClusterNode(node=node)], tmp_path, 1)
-    out = ("not joining the job: snapshot dir /nvme/ckpt: 0.2 GiB free, below the 1 GiB floor; "
-           "kept out 5 s (strike 1), then checked again")
-    node.log_path.write_text(AGENT.format(s=1, n="node-1", level="ERROR", message=out) + "\n")
+    out = NotJoining("snapshot dir /nvme/ckpt: 0.2 GiB free, below the 1 GiB floor", 5.0, 1, at=T0 + 1)
+    write_output(node.log_path, out, agent_dir=node.agent_dir)
     state = cluster.node_state(cluster.nodes[0])
     assert state == "kept out: snapshot dir /nvme/ckpt: 0.2 GiB free, below the 1 GiB floor", state
-    with open(node.log_path, "a") as log:
-        log.write(AGENT.format(s=7, n="node-1", level="INFO",
-                               message="health checks pass again after 6 s kept out; joining the job") + "\n")
+    write_output(node.log_path, HealthyAgain(6.0, at=T0 + 7), agent_dir=node.agent_dir)
     assert cluster.node_state(cluster.nodes[0]) == "starting"
 
 
@@ -359,13 +352,12 @@ def test_an_error_every_rank_hits_is_said_by_rank_0_alone_and_is_the_why(tmp_pat
     line why names the node whose workers said it, and its crash carries the line."""
     said = ("error: training diverged at step 33: its gradients are non-finite again after a recompute, with every "
             "replica's state finite and agreeing")
-    gave_up = ("local worker(s) [0] exited with code 2 (a usage error, which would come back at every start); "
-               "not restarting: the job fails")
+    gave_up = GaveUp("worker_failed", "local worker(s) [0] exited with code 2 (a usage error, which would come back "
+                     "at every start); not restarting", (0,), (2,))
     nodes = []
     for name, second, lines in (("node-0", 5, []), ("node-1", 6, [said])):
         node = LocalNode(name=name, endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path)
-        node.log_path.write_text("\n".join([*lines, AGENT.format(s=second, n=name, level="ERROR", message=gave_up)])
-                                 + "\n")
+        write_output(node.log_path, *lines, dataclasses.replace(gave_up, at=T0 + second), agent_dir=node.agent_dir)
         nodes.append(ClusterNode(node=node, exited=2))
     (crash,) = nodes[1].node.crashes()
     assert crash.describe() == f"worker exit 2: {said}", crash.describe()

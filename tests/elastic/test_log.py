@@ -150,7 +150,15 @@ def test_a_peer_loss_is_said_in_words_never_as_gloo_s_message() -> None:
     assert how_noticed(GLOO) == "its connection closed"
     assert how_noticed("Connection closed by peer [127.0.0.1]:1234") == "its connection closed"
     assert how_noticed("[c10d] wait timeout after 30000ms") == "a collective timed out"
-    assert how_noticed("round 7 replaces this world") == BY_THE_AGENTS
+    from elastic.collectives import CollectiveFailure
+    from elastic.log import Noticed
+
+    # the run's own failures say how by their type, never by their words
+    assert how_noticed(CollectiveFailure("round 7 replaces this world", noticed=Noticed.BY_THE_AGENTS)) == BY_THE_AGENTS
+    assert how_noticed(CollectiveFailure("local rank 1 of this node abandoned step 5",
+                                         noticed=Noticed.NODE_ABANDONED)) == "a rank of its node abandoned the step"
+    assert how_noticed(CollectiveFailure(GLOO)) == "its connection closed"  # a torch error's first line: its words
+    assert how_noticed(Noticed.TIMED_OUT) == "a collective timed out"
     assert how_noticed(GLOO, replaced=True) == BY_THE_AGENTS  # the agents' round came first (a frozen peer)
     assert how_noticed("something else") == "a collective failed"
 
