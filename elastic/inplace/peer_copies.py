@@ -47,6 +47,7 @@ from ..collectives import first_line, is_collective_failure
 from .. import contract
 from ..distributed import DistInfo, ElasticRunError
 from . import buddies
+from .memory_copies import MemoryCopies, World
 from .transfer import _padded, plan
 
 log = logging.getLogger("elastic.trainer")
@@ -255,6 +256,10 @@ class PeerCopies:
         self._round = -1
         self.last_seconds = 0.0
         self.last_bytes = 0
+        # the own copy in the node's shared memory too, where it outlives this worker (set by the run)
+        self.memory: MemoryCopies | None = None
+        self.world_of: Callable[[], World] | None = None  # the run and world a copy is of
+        self.memory_seconds = 0.0  # the last write there
 
     @property
     def on(self) -> bool:
@@ -305,12 +310,15 @@ class PeerCopies:
         A copy is made current where it arrived whole; the previous one is dropped only once
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
         both: whichever step the ranks can all stand on after a loss, each still has it."""
-        if not (self.due(step) or (force and self.on)) or world_size < 2:
+        if not (self.due(step) or (force and self.on)) or (world_size < 2 and self.memory is None):
             self._lag(step)
             return True
         started = time.perf_counter()
         try:
             payload, nbytes = host_copy(capture())
+            self._keep_in_memory(step, payload)
+            if world_size < 2:
+                return True
             if not self._assigned:
                 self._assign(rank, world_size, node, local_world_size, nbytes, device)
                 if not self.on:
@@ -339,6 +347,15 @@ class PeerCopies:
             self.metrics.peer_copied(self.last_seconds, self.last_bytes, self.held_bytes())
         self._lag(step)
         return True
+
+    def _keep_in_memory(self, step: int, payload: Any) -> None:
+        """The own copy also in the node's shared memory, for a restarted worker (:mod:`.memory_copies`)."""
+        if self.memory is None or self.world_of is None:
+            return
+        t0 = time.perf_counter()
+        header, tensors = _header(payload)
+        self.memory.write(step, header, tensors, self.world_of(), self._round)
+        self.memory_seconds = time.perf_counter() - t0
 
     def _propose(self, copy_seconds: float, step_seconds: float) -> int:
         """AUTO: this rank's K once it timed :data:`PROBE_COPIES` copies (0: not yet, or not AUTO)."""
