@@ -8,8 +8,8 @@ what real scripts have: its own process group, a set-up barrier, a metric all-re
 loop body, rank 0 printing. The global batch is held (12 samples a step at any world size).
 
 First one worker is SIGKILLed alone: its agent starts that node's two ranks again together
-and they are filled from the copies their buddy kept (world of 6 kept, no other worker
-restarted). Then a node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
+and they take their old positions with their own copies from their agent's shared memory
+(world of 6 kept, no other worker restarted; elastic.inplace.memory_copies). Then a node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
 ranks, each time re-sharded over the survivors from memory (the lost node's shards from the
 copies its buddy on the next node kept). Checked, as a user would: the survivors' workers
 keep their pids, no worker's step ever goes down (0 steps rolled back: K = 1, so the last
@@ -17,7 +17,10 @@ committed step is in memory), the recovery line says ``from peer memory``, every
 each epoch is trained once (the ledger), and the trained model equals an undisturbed run's
 on one node of 2 ranks within float tolerance (the global batch is the same at every size,
 the summation order is not). That a re-shard from memory equals a snapshot reload at the new
-size bit for bit is tested with real processes in tests/elastic/inplace/test_peer_reshard.py."""
+size bit for bit is tested with real processes in tests/elastic/inplace/test_peer_reshard.py.
+
+On the restart path (``--no-in-place``) the same script's crashed worker restarts its node
+from the agent's memory instead of the snapshot (the last test)."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from tests.support.waiting import wait_until
 FORM_TIMEOUT = 150
 DATASET = 720  # 60 steps an epoch at 12 a step
 SPARE_DATASET = 480  # 40: a spare's admission, eight steps with it, and a double loss fit in the first epoch
+RESTART_DATASET = 240  # 20 steps an epoch: a kill between the first two snapshots (every 8) fits in the first
 LEASE_TTL = 5  # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
 
 FSDP = textwrap.dedent('''\
@@ -299,7 +303,7 @@ def test_on_the_restart_path_a_worker_sigkilled_alone_restarts_its_node_from_the
     agent starts both again; each rank loads its own copy from the agent's shared memory, so
     0 steps are rolled back (the snapshot would have cost up to 7), every sample is trained
     once, and the agent's memory directory is gone once the job ends."""
-    runs, node = _runs(tmp_path, nodes, etcd_server, run_id, dataset=SPARE_DATASET)
+    runs, node = _runs(tmp_path, nodes, etcd_server, run_id, dataset=RESTART_DATASET)
     rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
     a = node("a", "faulty", "1:1", agent_args=("--no-in-place",))
     log = lambda: a.log_tail(80)  # noqa: E731
@@ -326,6 +330,6 @@ def test_on_the_restart_path_a_worker_sigkilled_alone_restarts_its_node_from_the
     assert len(resumed) == 1, log()
     assert int(resumed[0].split("resumed from memory at step ")[1].split()[0]) >= before - 1, resumed  # the newest copy
     assert "resumed from snapshot step" not in text and "Traceback" not in text, log()
-    report = check_ledger(ledger, dataset_size=SPARE_DATASET, expect_epochs=2)
+    report = check_ledger(ledger, dataset_size=RESTART_DATASET, expect_epochs=2)
     assert report.ok, report.violations
     assert not [p for p in made if p.exists()], "the agent left its copies in shared memory"
