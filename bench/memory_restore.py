@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent('''\
     width, layers, every = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 
     class Data(torch.utils.data.Dataset):
-        def __len__(self): return 1 << 20
+        def __len__(self): return 1 << 16
         def __getitem__(self, i):
             g = torch.Generator().manual_seed(i)
             return torch.randn(width, generator=g), torch.randint(0, 4, (), generator=g)
@@ -68,13 +68,14 @@ SCRIPT = textwrap.dedent('''\
     ft = elastic.Elastic(snapshots=elastic.SnapshotConfig(every_steps=every))  # + the prepare lines
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     rows = open(os.environ["ROWS"], "a")
-    for x, y in loader:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        rows.write(json.dumps({"step": ft.step_count, "local": int(os.environ["LOCAL_RANK"]), "pid": os.getpid(),
-                               "time": time.time()}) + "\\n")
-        rows.flush()
+    for epoch in ft.epochs(1000):  # runs until the bench ends it
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            rows.write(json.dumps({"step": ft.step_count, "local": int(os.environ["LOCAL_RANK"]),
+                                   "pid": os.getpid(), "time": time.time()}) + "\\n")
+            rows.flush()
 ''')
 
 
@@ -108,15 +109,18 @@ def trial(config: str, work: Path, etcd: EmbeddedEtcd, args: argparse.Namespace)
         while not any(r["step"] >= args.before and r["step"] % args.snapshot_every == args.snapshot_every // 2
                       for r in _rows(rows)):
             if time.time() > deadline or not node.alive():
+                print(node.log_tail(40), file=sys.stderr)
                 return None
             time.sleep(0.01)
         old = {r["local"]: r["pid"] for r in _rows(rows)}
         steps = [r["step"] for r in _rows(rows) if r["local"] == 0]
-        step_s = statistics.median(b["time"] - a["time"] for a, b in zip(_rows(rows)[-20:-2:2], _rows(rows)[-18::2]))
+        mine = [r["time"] for r in _rows(rows) if r["local"] == 0][-11:]
+        step_s = statistics.median(b - a for a, b in zip(mine, mine[1:]))  # the steady pace before the kill
         killed_at = time.time()
         os.kill(old[1], signal.SIGKILL)
         while not any(r["pid"] not in old.values() for r in _rows(rows)):
             if time.time() > deadline or not node.alive():
+                print(node.log_tail(40), file=sys.stderr)
                 return None
             time.sleep(0.01)
         every = _rows(rows)

@@ -34,7 +34,6 @@ import torch
 
 from checkpoints.wire import decode
 
-from .. import contract
 
 log = logging.getLogger("elastic.trainer")
 
@@ -84,11 +83,11 @@ class MemoryCopies:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MemoryCopies | None":
         """The agent's directory for this local rank (None: not given, as under plain torchrun)."""
-        given = environ.get(contract.MEMORY_COPY_DIR_ENV, "").strip()
-        if not given:
-            return None
-        local = environ.get(contract.LOCAL_RANK_ENV, "0")
-        return cls(Path(given), int(local) if local.isdigit() else 0)
+        from ..worker_env import read
+
+        env = read(environ)
+        given = (env.node.memory_dir or "").strip()
+        return cls(Path(given), env.me.local_rank) if given else None
 
     def steps(self) -> list[int]:
         """The steps of this local rank's complete copies, newest first."""
