@@ -145,6 +145,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--configs", default="memory,snapshot")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the nodes and etcd are still cleaned up
     configs = args.configs.split(",")
     params = args.layers * (args.width * args.width + args.width) + 4 * args.width + 4
     print(f"FSDP2 over 2 ranks, {params / 1e6:.1f} M parameters ({params * 12 / 1e6:.0f} MB with AdamW's moments), "

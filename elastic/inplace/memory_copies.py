@@ -11,9 +11,10 @@ of the same run and world, no older than the newest snapshot (:func:`choose`).
 A copy is written to a temp name and renamed when complete: a reader never sees a torn
 one. Each local rank keeps at most two: before writing step ``s`` it drops all but its
 newest, so a worker killed mid-write still holds the one before. That is enough for every
-rank to share a step: a rank can copy step ``s + 1`` only after every rank passed step
-``s + 1``'s collectives, so after its copy of ``s``; the ranks' newest copies are never more
-than one copy apart.
+rank to share a step: a step is committed (reported trained) only once every rank's copy
+of it is written (:mod:`.peer_copies` ends each copy with one tiny all-reduce, on one node
+too), so the ranks' newest copies are never more than one copy apart, and the step every
+rank holds is the last one reported trained.
 
 The file is the peer exchange's header (tagged JSON, no pickle, :mod:`checkpoints.wire`)
 with the run and world it was taken in, then the tensors' bytes.

@@ -323,12 +323,15 @@ class PeerCopies:
                 self._assign(rank, world_size, node, local_world_size, nbytes, device)
                 if not self.on:
                     return True
-            if self.buddy is None and not self.keeps:
+            if self.buddy is not None or self.keeps:
+                received = swap(payload, self.buddy, self.keeps)
+                self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
+                self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
+                self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
+            elif self.memory is None:
                 return True
-            received = swap(payload, self.buddy, self.keeps)
-            self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
-            self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
-            self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
+            # (one node: no buddy, but the step is committed only once every rank's memory copy is
+            # complete, so a restart never finds a step trained whose copy some rank lacks)
             proposed = torch.tensor([self._propose(time.perf_counter() - started, step_seconds)], dtype=torch.int64,
                                     device=device)
             dist.all_reduce(proposed, op=dist.ReduceOp.MAX)  # fails if any rank's exchange did (it skips this)

@@ -5,8 +5,6 @@ files as a restarted worker finds them (written, torn, of another run or world).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -92,8 +90,8 @@ def test_from_env_is_the_agents_directory_and_nothing_without_it(tmp_path: Path)
 def test_the_agent_makes_its_memory_directory_removes_it_and_sweeps_one_a_killed_agent_left(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = shm / f"{MEMORY_PREFIX}{int(dead.stdout)}-x"
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it: an agent gone
+    orphan = shm / f"{MEMORY_PREFIX}{dead}-x"
     orphan.mkdir()
     (orphan / "rank-0.step-000000000001.copy").write_bytes(b"x")
     live = shm / f"{MEMORY_PREFIX}{os.getppid()}-y"  # a live agent's: never touched
