@@ -211,16 +211,18 @@ class MemoryCopies:
     def read(self, step: int) -> Any:
         """The payload of this rank's copy of ``step`` (its tensors in memory of their own)."""
         head, offset = self._header(step)
-        data = bytearray((self.directory / _name(self.local_rank, step)).read_bytes())
-        tensors = []
+        path = self.directory / _name(self.local_rank, step)
+        data = torch.empty(path.stat().st_size - offset, dtype=torch.uint8)  # one read, straight into tensor memory
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if f.readinto(data.numpy()) != data.numel():
+                raise ValueError(f"{path.name}: shorter than its header says")
+        tensors, at = [], 0
         for dtype, shape in head["tensors"]:
-            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
-            size = t.numel() * t.element_size()
-            if size:
-                t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8, count=size,
-                                                                       offset=offset))
-            tensors.append(t)
-            offset += _pad(size)
+            kind = getattr(torch, dtype)
+            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+            tensors.append(data[at:at + size].view(kind).reshape(tuple(shape)))  # a view: aligned by _pad
+            at += _pad(size)
         return decode(head["tree"], tensors)
 
 
