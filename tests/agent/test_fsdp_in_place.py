@@ -9,8 +9,9 @@ loop body, rank 0 printing. The global batch is held (12 samples a step at any w
 
 First one worker is SIGKILLed alone: its agent starts that node's two ranks again together
 and they take their old positions with their own copies from their agent's shared memory
-(world of 6 kept, no other worker restarted; elastic.inplace.memory_copies). Then a node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
-ranks, each time re-sharded over the survivors from memory (the lost node's shards from the
+(world of 6 kept, no other worker restarted; elastic.inplace.memory_copies). Then a node's
+whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2 ranks,
+each time re-sharded over the survivors from memory (the lost node's shards from the
 copies its buddy on the next node kept). Checked, as a user would: the survivors' workers
 keep their pids, no worker's step ever goes down (0 steps rolled back: K = 1, so the last
 committed step is in memory), the recovery line says ``from peer memory``, every sample of
