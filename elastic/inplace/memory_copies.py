@@ -212,17 +212,16 @@ class MemoryCopies:
         """The payload of this rank's copy of ``step`` (its tensors in memory of their own)."""
         head, offset = self._header(step)
         path = self.directory / _name(self.local_rank, step)
-        data = torch.empty(path.stat().st_size - offset, dtype=torch.uint8)  # one read, straight into tensor memory
-        with open(path, "rb") as f:
+        tensors = []
+        with open(path, "rb") as f:  # each tensor read straight into memory of its own
             f.seek(offset)
-            if f.readinto(data.numpy()) != data.numel():
-                raise ValueError(f"{path.name}: shorter than its header says")
-        tensors, at = [], 0
-        for dtype, shape in head["tensors"]:
-            kind = getattr(torch, dtype)
-            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
-            tensors.append(data[at:at + size].view(kind).reshape(tuple(shape)))  # a view: aligned by _pad
-            at += _pad(size)
+            for dtype, shape in head["tensors"]:
+                t = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+                size = t.numel() * t.element_size()
+                if size and f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != size:
+                    raise ValueError(f"{path.name}: shorter than its header says")
+                f.seek(_pad(size) - size, os.SEEK_CUR)
+                tensors.append(t)
         return decode(head["tree"], tensors)
 
 
