@@ -259,7 +259,6 @@ class PeerCopies:
         # the own copy in the node's shared memory too, where it outlives this worker (set by the run)
         self.memory: MemoryCopies | None = None
         self.world_of: Callable[[], World] | None = None  # the run and world a copy is of
-        self.memory_seconds = 0.0  # the last write there
 
     @property
     def on(self) -> bool:
@@ -355,10 +354,8 @@ class PeerCopies:
         """The own copy also in the node's shared memory, for a restarted worker (:mod:`.memory_copies`)."""
         if self.memory is None or self.world_of is None:
             return
-        t0 = time.perf_counter()
         header, tensors = _header(payload)
         self.memory.write(step, header, tensors, self.world_of(), self._round)
-        self.memory_seconds = time.perf_counter() - t0
 
     def _propose(self, copy_seconds: float, step_seconds: float) -> int:
         """AUTO: this rank's K once it timed :data:`PROBE_COPIES` copies (0: not yet, or not AUTO)."""
