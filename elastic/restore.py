@@ -22,7 +22,7 @@ from .formation import Holding, Source, StatePlan, TrainingWorld, heal
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .inplace.copy_plan import LIVE, OWN
-from .inplace.memory_copies import NONE, choose
+from .inplace.memory_copies import NONE, UNKNOWN_SNAPSHOT, choose
 from .inplace.user_collectives import USER_FAILURE_PREFIX, Guard
 from .log import how_noticed
 
@@ -208,12 +208,13 @@ class FormsWorlds:
         return True
 
     def _newest_snapshot_step(self) -> int:
-        """The newest snapshot's step by its manifest (-1: none or unreadable), rank 0's view."""
+        """The newest snapshot's step by its manifest (-1: none; :data:`UNKNOWN_SNAPSHOT`: the
+        store could not be listed), rank 0's view."""
         store = self.snapshots.store
         try:
             found = store.list() if store is not None else []
         except Exception:  # noqa: BLE001 - a store that cannot list is no reason to prefer memory
-            return 1 << 62
+            return UNKNOWN_SNAPSHOT
         return found[-1].step if found else -1
 
     def _check_same_step(self) -> None:

@@ -43,6 +43,8 @@ _LEN = struct.Struct("!Q")
 _ALIGN = 64  # every tensor's bytes start at a multiple of it (a view needs its dtype's alignment)
 SUFFIX = ".copy"
 
+UNKNOWN_SNAPSHOT = -2  # the newest snapshot's step could not be read: memory is not known to be newer
+
 # why a rank holds no usable copy (a row's first number in :func:`choose`)
 USABLE, NONE, OTHER_RUN, OTHER_WORLD, UNREADABLE = 0, 1, 2, 3, 4
 _WHY = {NONE: "no copy in memory", OTHER_RUN: "a copy of another run", OTHER_WORLD: "a copy of another world",
@@ -228,7 +230,8 @@ class MemoryCopies:
 def choose(rows: Sequence[Sequence[int]], snapshot_step: int) -> tuple[int | None, str]:
     """Whether a (re)started world loads from its nodes' memory: the step to load, or None
     and why not, in a few words. ``rows[r]``: rank ``r``'s why code then the steps of its
-    usable copies (-1: none); ``snapshot_step``: the newest snapshot's (-1: none). Memory
+    usable copies (-1: none); ``snapshot_step``: the newest snapshot's (-1: none,
+    :data:`UNKNOWN_SNAPSHOT`: unreadable). Memory
     only when every rank holds a copy of one same step, the newest such, no older than the
     snapshot: never a mix of sources, never a step behind the snapshot."""
     lacking: dict[int, list[int]] = {}
@@ -242,9 +245,11 @@ def choose(rows: Sequence[Sequence[int]], snapshot_step: int) -> tuple[int | Non
     if not common:
         return None, f"the ranks' copies are of different steps ({sorted(max(h) for h in held)})"
     step = max(common)
+    if snapshot_step == UNKNOWN_SNAPSHOT:
+        return None, "the snapshot directory could not be listed (the copies are not known to be newer)"
     if step < snapshot_step:
         return None, f"the memory copies (step {step}) are older than snapshot step {snapshot_step}"
     return step, ""
 
 
-__all__ = ["MemoryCopies", "World", "choose"]
+__all__ = ["MemoryCopies", "UNKNOWN_SNAPSHOT", "World", "choose"]

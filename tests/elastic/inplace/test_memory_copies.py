@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from agent.node.agent_dir import MEMORY_PREFIX, claim_memory_dir, release_memory_dir
-from elastic.inplace.memory_copies import (NONE, OTHER_RUN, OTHER_WORLD, USABLE, MemoryCopies, World, choose)
+from elastic.inplace.memory_copies import (NONE, OTHER_RUN, OTHER_WORLD, UNKNOWN_SNAPSHOT, USABLE, MemoryCopies, World,
+                                           choose)
 from elastic.inplace.peer_copies import _header, host_copy
 
 WORLD = World("job-1", 4, 2, 2, (4,))
@@ -40,6 +41,7 @@ def test_choose_memory_only_when_every_rank_holds_one_step_no_older_than_the_sna
     step, why = choose([[USABLE, 9, -1], [USABLE, 5, -1]], snapshot_step=0)
     assert step is None and "different steps" in why
     assert choose([[OTHER_RUN, -1, -1]], 0)[1] == "rank(s) [0] hold a copy of another run"
+    assert choose([[USABLE, 9, 8]], UNKNOWN_SNAPSHOT)[0] is None  # never chosen over a snapshot it cannot see
 
 
 def test_a_copy_reads_back_equal_and_each_local_rank_keeps_at_most_two(tmp_path: Path) -> None:
