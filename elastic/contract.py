@@ -102,6 +102,9 @@ CONTROL_DIR_ENV = _crossing(  # set only when the agent runs workers in place; s
     "the in-place channel's directory: round offers in, worker status out")
 GOODPUT_DIR_ENV = _crossing(  # set only when goodput accounting is on; see GOODPUT_JOB_FILE below
     "ELASTIC_GOODPUT_DIR", "agent", "`elastic.goodput`", "where workers hand in their goodput intervals")
+MEMORY_COPY_DIR_ENV = _crossing(  # the agent's, in shared memory; a user may set one under plain torchrun
+    "ELASTIC_MEMORY_COPY_DIR", "agent, or the user", "`elastic.inplace.memory_copies`",
+    "where each local rank keeps its own peer copy, for a restarted worker to load")
 GOODPUT_RECOVERY_ENV = _crossing(  # "1" or unset
     "ELASTIC_GOODPUT_RECOVERY", "agent", "`elastic.goodput`",
     "`1`: this worker was started to repair a broken world (its start-up is recovery time)")

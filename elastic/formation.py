@@ -48,6 +48,7 @@ class Source(str, Enum):
     REPLICA = "replica"  # healed from a rank that holds the agreed step
     FRESH = "fresh"  # nothing anywhere: the script's freshly built state is the start
     PEER_MEMORY = "peer-memory"  # FSDP across every node: a lost node's shards from its buddies' copies
+    MEMORY = "memory"  # restarted workers: each rank its own copy, kept in its node agent's shared memory
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class StatePlan:
 
     def senders(self) -> list[int]:
         return sorted(set(self.sources.values()))
+
+    def from_memory(self) -> "StatePlan":
+        """DISK, but every rank loaded its own copy from its node agent's memory instead (one step)."""
+        return StatePlan(Source.MEMORY, init_sync=self.init_sync, local_shards=self.local_shards)
 
     def fresh(self, world_size: int) -> "StatePlan":
         """Nothing on disk either: the plan for a fresh start."""

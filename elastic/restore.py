@@ -14,10 +14,15 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, ContextManager
 
+import torch
+import torch.distributed as dist
+
 from .distributed import ElasticRunError, all_gather_ints, collective_device
 from .formation import Holding, Source, StatePlan, TrainingWorld, heal
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
+from .inplace.copy_plan import LIVE, OWN
+from .inplace.memory_copies import NONE, UNKNOWN_SNAPSHOT, choose
 from .inplace.user_collectives import Guard, UserCollectiveFailure
 from .log import how_noticed
 
@@ -47,6 +52,8 @@ class FormsWorlds:
         _has_state: bool
         _committed: int
         _guard: Guard
+        copies: Any  # elastic.inplace.peer_copies.PeerCopies
+        _memory_seconds: float
 
         @property
         def _where(self) -> str: ...
@@ -95,6 +102,9 @@ class FormsWorlds:
             note, from_peers = "", 0
             if plan.source is Source.PEER_MEMORY:  # FSDP across every node: a lost node's shards from its buddies
                 from_peers, note = self._from_peer_memory(plan)
+            if plan.source is Source.DISK and self._from_node_memory():  # restarted workers: their agent's memory
+                plan = plan.from_memory()
+                note = f", from memory at step {self.state.step} (the node agents' copies, {self._memory_seconds:.2f} s)"
             if plan.source is Source.DISK:
                 t0 = time.perf_counter()
                 step, written_at = self._restore_newest()
@@ -153,10 +163,59 @@ class FormsWorlds:
                              lambda: {"state": self.state.capture(local=True), "recent": self.plan.recent_state()},
                              lambda state: self.state.load(state, local=True), self.plan.load_recent)
         self.metrics.state_from(Source.PEER_MEMORY.value)
-        how = (f"world of {plan.peer_before} kept, the lost ranks filled from their buddies' copies"
+        kinds = {src.kind for src in plan.peer.sources.values()} - {LIVE}
+        how = (f"world of {plan.peer_before} kept, the restarted ranks filled from their own copies in their node "
+               "agent's memory" if plan.peer_before == self.dist.world_size and kinds == {OWN} else
+               f"world of {plan.peer_before} kept, the lost ranks filled from their buddies' copies"
                if plan.peer_before == self.dist.world_size else
                f"world of {plan.peer_before} re-sharded over {self.dist.world_size}")
         return moved, f", from peer memory at step {plan.step} ({how}, {time.perf_counter() - t0:.2f} s)"
+
+    def _from_node_memory(self) -> bool:
+        """A (re)started world whose every rank holds its own copy in its node agent's memory
+        (:mod:`elastic.inplace.memory_copies`) of one step no older than the newest snapshot,
+        of the same run and world: each rank loads it, and True. All ranks agree in one small
+        all-gather (never a mix of sources); otherwise rank 0 says in one line why not, and
+        the snapshot is loaded. Copies off, or no agent's memory on any rank: False, silently."""
+        memory = self.copies.memory
+        code, held = memory.held(self.copies.world_of()) if memory is not None and self.copies.world_of else (-1, [])
+        snapshot = self._newest_snapshot_step() if self.dist.is_main else -1
+        row = torch.tensor([code, *(held + [-1, -1])[:2], snapshot], dtype=torch.int64,
+                           device=collective_device(self.dist))
+        rows = [torch.zeros_like(row) for _ in range(self.dist.world_size)]
+        dist.all_gather(rows, row)
+        table = [[int(x) for x in r.tolist()] for r in rows]
+        if all(r[0] < 0 or r[0] == NONE for r in table):  # copies off, or none made yet (the job's start)
+            return False
+        step, why = choose([r[:3] for r in table], table[0][3])
+        if step is None:
+            if self.dist.is_main:
+                log.info("%s not restoring from the node agents' memory: %s; loading the newest snapshot",
+                         self._where, why)
+            return False
+        assert memory is not None
+        t0 = time.perf_counter()
+        payload = memory.read(step)
+        self.state.load(payload["state"], local=True)
+        self.plan.load_recent(payload["recent"])
+        self._memory_seconds = time.perf_counter() - t0
+        self.metrics.restored(self._memory_seconds, None)
+        self.metrics.state_from(Source.MEMORY.value)
+        if self.dist.is_main:
+            log.info("%s world %d (%s, %s): resumed from memory at step %d (each rank its own copy in its node "
+                     "agent's memory; the newest snapshot is step %d)", self._where, self.dist.world_size,
+                     self.dist.backend, self.dist.device.type, step, table[0][3])
+        return True
+
+    def _newest_snapshot_step(self) -> int:
+        """The newest snapshot's step by its manifest (-1: none; :data:`UNKNOWN_SNAPSHOT`: the
+        store could not be listed), rank 0's view."""
+        store = self.snapshots.store
+        try:
+            found = store.list() if store is not None else []
+        except Exception:  # noqa: BLE001 - a store that cannot list is no reason to prefer memory
+            return UNKNOWN_SNAPSHOT
+        return found[-1].step if found else -1
 
     def _check_same_step(self) -> None:
         steps = all_gather_ints(self.state.step, self.dist)

@@ -112,6 +112,7 @@ from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import node_verdict
+from .inplace.memory_copies import MemoryCopies, World as CopyWorld
 from .inplace.peer_copies import PeerCopies, peer_copies_asked, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
 from .log import Noticed, show_library_lines
@@ -336,6 +337,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             # each rank's state in the host memory of a buddy on another node (elastic.inplace.peer_copies)
             self.copies = PeerCopies(peer_copy_setting(peer_copy_every, self.mesh, self.dist, self._where),
                                      self.metrics)
+            # ... and the own copy in the node agent's shared memory: a restarted worker loads it (memory_copies)
+            self.copies.memory = MemoryCopies.from_env() if self.copies.on else None
+            self.copies.world_of = self._memory_world
             # FSDP across every node, in place: a lost node's shards from the buddies' copies (elastic.inplace.fsdp_in_place)
             self.fsdp = sharded.take_over_fsdp(self.state.module, self.state.optimizer, self.mesh, self.world, self.sync,
                                                self.copies)
@@ -781,6 +785,11 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
                                           collective_device(d), step_seconds=now_s, force=force)
+
+    def _memory_world(self) -> CopyWorld:
+        """The run and world this rank's state is of now: a memory copy loads only into the same."""
+        return CopyWorld(worker_env.read().me.run_id or "", self.dist.world_size, self.dist.rank, _local_world_size(),
+                         tuple(self.mesh.shape) if self.mesh is not None else None)
 
     def _seed_copies(self) -> None:
         """FSDP across every node, in place, as a world forms: this rank's position from now on,

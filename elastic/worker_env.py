@@ -96,6 +96,7 @@ class NodeEnv:
     term_grace: float | None = None
     control_dir: str | None = None  # only when the agent runs workers in place
     goodput_dir: str | None = None  # only when goodput accounting is on
+    memory_dir: str | None = None  # the node's shared memory for the workers' own copies (memory_copies)
     extra: Mapping[str, str] = field(default_factory=dict)  # not ours (agent/node/netif.py's *_SOCKET_IFNAME); not parsed
 
     def to_env(self) -> dict[str, str]:
@@ -109,6 +110,7 @@ class NodeEnv:
             contract.TERM_GRACE_ENV: None if self.term_grace is None else f"{self.term_grace:g}",
             contract.CONTROL_DIR_ENV: self.control_dir,
             contract.GOODPUT_DIR_ENV: self.goodput_dir,
+            contract.MEMORY_COPY_DIR_ENV: self.memory_dir,
         }))
         return env
 
@@ -122,7 +124,8 @@ class NodeEnv:
                    snapshot_dir=_text(environ, contract.SNAPSHOT_DIR_ENV),
                    term_grace=_float(environ, contract.TERM_GRACE_ENV),
                    control_dir=_text(environ, contract.CONTROL_DIR_ENV),
-                   goodput_dir=_text(environ, contract.GOODPUT_DIR_ENV))
+                   goodput_dir=_text(environ, contract.GOODPUT_DIR_ENV),
+                   memory_dir=_text(environ, contract.MEMORY_COPY_DIR_ENV))
 
 
 @dataclass(frozen=True)

@@ -91,3 +91,48 @@ def _lock(path: Path) -> int:
 
 def _mark(path: Path) -> None:
     (path / MARKER).write_text(_MARKER_TEXT)
+
+
+SHM = Path("/dev/shm")
+MEMORY_PREFIX = "elastic-copies-"  # + the agent's pid + a random tail
+
+
+def claim_memory_dir(work: Path, shm: Path = SHM) -> Path | None:
+    """A directory of this agent's for its workers' own copies (``elastic.inplace.memory_copies``),
+    in shared memory where the node has it (``/dev/shm``), else under the agent's directory:
+    either way it outlives the workers and goes with the agent (:func:`release_memory_dir`).
+    An agent killed outright cannot remove its own; the next agent on the node removes those
+    whose agent is gone (their names hold its pid). None: none could be made (no copies kept)."""
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else work
+    _sweep_orphans(base)
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=base))
+    except OSError:
+        return None
+
+
+def release_memory_dir(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _sweep_orphans(base: Path) -> None:
+    """Remove memory-copy directories left by agents that are no longer alive (shared memory is RAM)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(MEMORY_PREFIX):].split("-", 1)[0] if name.startswith(MEMORY_PREFIX) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(base / name, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: alive, and not ours to remove
+    return True

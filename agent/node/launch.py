@@ -31,7 +31,8 @@ from elastic import contract
 from elastic.atomic_file import write_atomically
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
-from agent.node.agent_dir import MARKER, AgentDir, AgentDirError, claim_agent_dir
+from agent.node.agent_dir import (MARKER, AgentDir, AgentDirError, claim_agent_dir, claim_memory_dir,
+                                  release_memory_dir)
 from agent.tools.etcd_args import DEFAULT_ENDPOINT
 from agent.node.nnodes import apply_nnodes, environment_nnodes
 from agent.node.preflight import target_problem
@@ -322,17 +323,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_devices(parser, args.nproc_per_node)
     snapshot_dir = _checked_snapshot_dir(parser, args.snapshot_dir)
     work = _claimed_agent_dir(parser, args.agent_dir)
+    memory = claim_memory_dir(work.path)  # the workers' own copies, outliving them (elastic.inplace.memory_copies)
     try:
         problem = target_problem(args.training_script, module=args.module, no_python=args.no_python)
         if problem:  # it would fail at every start, each with a traceback: say it once, start nothing
             parser.exit(2, f"error: {problem}\n")
-        return _run(parser, args, node, snapshot_dir, work.path)
+        return _run(parser, args, node, snapshot_dir, work.path, memory)
     finally:
+        release_memory_dir(memory)  # the copies end with the job: shared memory is the node's RAM
         work.release()  # a temporary directory goes; a given --agent-dir stays
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, snapshot_dir: Path | str | None,
-         work: Path) -> int:
+         work: Path, memory: Path | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -353,7 +356,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     settings = AgentSettings(
         node_name=node, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
-        in_place=args.in_place, snapshot_dir=snapshot_dir, work_dir=work,
+        in_place=args.in_place, snapshot_dir=snapshot_dir, work_dir=work, memory_dir=memory,
         hang_startup_timeout=args.hang_startup_timeout, store_host=config.local_addr,
         graceful_stop=float(getattr(args, "shutdown_timeout", None) or 5.0),
     )

@@ -384,7 +384,8 @@ class NodeAgent(ElasticAgent):
                        agent_pid=os.getpid(), snapshot_dir=None if s.snapshot_dir is None else str(s.snapshot_dir),
                        term_grace=self.spec.term_grace,
                        control_dir=str(s.control_dir) if self.rdzv.in_place else None,
-                       goodput_dir=str(s.goodput_dir) if self.goodput.enabled else None, extra=s.worker_env).to_env()
+                       goodput_dir=str(s.goodput_dir) if self.goodput.enabled else None,
+                       memory_dir=None if s.memory_dir is None else str(s.memory_dir), extra=s.worker_env).to_env()
 
     def _env(self, local_rank: int, joining: Sequence[int] | None = None, setup_port: int = 0) -> dict[str, str]:
         """torchrun's variables for one local rank, plus ours (:class:`RankEnv`).

@@ -23,6 +23,7 @@ class AgentSettings:
     exit_barrier_timeout: float = 300.0  # a finished node waits this long for the others
     store_host: str | None = None  # the address peers reach this node's round store at
     worker_env: dict[str, str] = field(default_factory=dict)  # e.g. GLOO_SOCKET_IFNAME (agent/node/netif.py)
+    memory_dir: Path | None = None  # the workers' own copies, in shared memory (agent_dir.claim_memory_dir)
 
     @property
     def heartbeat_dir(self) -> Path:

@@ -40,7 +40,7 @@ from ..distributed import DistInfo
 from . import buddies, fsdp_guard, fsdp_private
 from .copy_plan import CopyPlan, by_position, lost_together_line
 from .fence import SocketFence
-from .peer_copies import PeerCopies
+from .peer_copies import Copy, PeerCopies
 from .peer_restore import gather, holding, regather
 
 log = logging.getLogger("elastic.trainer")
@@ -68,15 +68,40 @@ class FsdpInPlace:
         state, the job's start); and that world's size. Collectives over the new world."""
         device = torch.device("cpu")
         position = self.position if has_state else None
-        rows = _all_gather_ints([fsdp_private.group_count(), self.before if position is not None else 0],
+        claim = self._memory_claims() if position is None else []
+        copied_in = self.copies.own.round if position is not None and self.copies.own is not None else -1
+        rows = _all_gather_ints([fsdp_private.group_count(), self.before if position is not None else 0, copied_in],
                                 info.world_size, device)
         fsdp_private.set_group_count(max(r[0] for r in rows))  # every rank names the new groups alike
         before = max(r[1] for r in rows)
-        reports = gather(holding(self.copies, info.rank, position, step if position is not None else None),
-                         info.world_size, device)
+        if claim:
+            position = self._claim(claim, before, max(r[2] for r in rows))
+        live = step if position is not None and has_state else None
+        reports = gather(holding(self.copies, info.rank, position, live), info.world_size, device)
         if before == 0 or not any(r.position is not None for r in reports):
             return None, 0
         return by_position(reports, before), before
+
+    def _memory_claims(self) -> list[tuple[int, int, int, int]]:
+        """A restarted worker's own copies in its node agent's memory (:mod:`.memory_copies`)."""
+        memory, world_of = self.copies.memory, self.copies.world_of
+        return memory.in_place(world_of().run_id) if memory is not None and world_of is not None else []
+
+    def _claim(self, claims: list[tuple[int, int, int, int]], before: int, round_before: int) -> int | None:
+        """The position a restarted worker held in the world before, when its agent's memory
+        holds its own copies of that very world (its size and round, as the survivors report
+        it): they become its own copies, and the plan takes its position's state from them,
+        not over the network from its buddy. A copy of an older world is not claimed."""
+        mine = [c for c in claims if c[1] == before and c[3] == round_before and round_before >= 0]
+        if not mine or len({c[2] for c in mine}) != 1:
+            return None
+        memory = self.copies.memory
+        assert memory is not None
+        copies = [Copy(step, rank, round_, payload, 0) for step, _, rank, round_ in mine
+                  for payload in (memory.read(step),)]
+        self.copies.own = copies[0]
+        self.copies.own_prev = copies[1] if len(copies) > 1 else None
+        return mine[0][2]
 
     def lost_line(self, decided: CopyPlan, node_ranks: Mapping[str, Sequence[int]]) -> str:
         """Why the world cannot stand on a step from memory (:func:`lost_line`)."""

@@ -47,6 +47,7 @@ from ..collectives import first_line, is_collective_failure
 from .. import contract
 from ..distributed import DistInfo, ElasticRunError
 from . import buddies
+from .memory_copies import MemoryCopies, World
 from .transfer import _padded, plan
 
 log = logging.getLogger("elastic.trainer")
@@ -255,6 +256,9 @@ class PeerCopies:
         self._round = -1
         self.last_seconds = 0.0
         self.last_bytes = 0
+        # the own copy in the node's shared memory too, where it outlives this worker (set by the run)
+        self.memory: MemoryCopies | None = None
+        self.world_of: Callable[[], World] | None = None  # the run and world a copy is of
 
     @property
     def on(self) -> bool:
@@ -305,22 +309,28 @@ class PeerCopies:
         A copy is made current where it arrived whole; the previous one is dropped only once
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
         both: whichever step the ranks can all stand on after a loss, each still has it."""
-        if not (self.due(step) or (force and self.on)) or world_size < 2:
+        if not (self.due(step) or (force and self.on)) or (world_size < 2 and self.memory is None):
             self._lag(step)
             return True
         started = time.perf_counter()
         try:
             payload, nbytes = host_copy(capture())
+            self._keep_in_memory(step, payload)
+            if world_size < 2:
+                return True
             if not self._assigned:
                 self._assign(rank, world_size, node, local_world_size, nbytes, device)
                 if not self.on:
                     return True
-            if self.buddy is None and not self.keeps:
+            if self.buddy is not None or self.keeps:
+                received = swap(payload, self.buddy, self.keeps)
+                self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
+                self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
+                self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
+            elif self.memory is None:
                 return True
-            received = swap(payload, self.buddy, self.keeps)
-            self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
-            self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
-            self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
+            # (one node: no buddy, but the step is committed only once every rank's memory copy is
+            # complete, so a restart never finds a step trained whose copy some rank lacks)
             proposed = torch.tensor([self._propose(time.perf_counter() - started, step_seconds)], dtype=torch.int64,
                                     device=device)
             dist.all_reduce(proposed, op=dist.ReduceOp.MAX)  # fails if any rank's exchange did (it skips this)
@@ -339,6 +349,13 @@ class PeerCopies:
             self.metrics.peer_copied(self.last_seconds, self.last_bytes, self.held_bytes())
         self._lag(step)
         return True
+
+    def _keep_in_memory(self, step: int, payload: Any) -> None:
+        """The own copy also in the node's shared memory, for a restarted worker (:mod:`.memory_copies`)."""
+        if self.memory is None or self.world_of is None:
+            return
+        header, tensors = _header(payload)
+        self.memory.write(step, header, tensors, self.world_of(), self._round)
 
     def _propose(self, copy_seconds: float, step_seconds: float) -> int:
         """AUTO: this rank's K once it timed :data:`PROBE_COPIES` copies (0: not yet, or not AUTO)."""

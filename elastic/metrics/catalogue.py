@@ -175,7 +175,7 @@ def families() -> Families:
         restores=Counter("elastic_restores_total",
                          "Times this worker took its state from somewhere: a snapshot on disk, a live replica "
                          "(healed in place), peer copies in memory (FSDP across every node, re-cut in place), "
-                         "or nowhere (a fresh start).", ("source",), registry=r),
+                         "its own copy in its node agent's memory (a restart), or nowhere (a fresh start).", ("source",), registry=r),
         sdc_mismatches=Counter("elastic_sdc_mismatches_total",
                                "Replica consistency checks that named this node (rank 0 counts, labelled by the "
                                "node named): silent data corruption suspected.", ("node",), registry=r),

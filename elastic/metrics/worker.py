@@ -173,7 +173,7 @@ class WorkerMetrics:
         self.families.world_size.set(world_size)
 
     def state_from(self, source: str) -> None:
-        """disk | replica | fresh: where this worker's state came from at its latest world."""
+        """disk | replica | peer-memory | memory | fresh: where this worker's state came from at its latest world."""
         self.families.restores.labels(source).inc()
 
     def healed(self, seconds: float, transferred_bytes: int) -> None:

@@ -8,16 +8,20 @@ what real scripts have: its own process group, a set-up barrier, a metric all-re
 loop body, rank 0 printing. The global batch is held (12 samples a step at any world size).
 
 First one worker is SIGKILLed alone: its agent starts that node's two ranks again together
-and they are filled from the copies their buddy kept (world of 6 kept, no other worker
-restarted). Then a node's whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2
-ranks, each time re-sharded over the survivors from memory (the lost node's shards from the
+and they take their old positions with their own copies from their agent's shared memory
+(world of 6 kept, no other worker restarted; elastic.inplace.memory_copies). Then a node's
+whole process tree is SIGKILLed (rank 0's), then another: the world goes 6, 4, 2 ranks,
+each time re-sharded over the survivors from memory (the lost node's shards from the
 copies its buddy on the next node kept). Checked, as a user would: the survivors' workers
 keep their pids, no worker's step ever goes down (0 steps rolled back: K = 1, so the last
 committed step is in memory), the recovery line says ``from peer memory``, every sample of
 each epoch is trained once (the ledger), and the trained model equals an undisturbed run's
 on one node of 2 ranks within float tolerance (the global batch is the same at every size,
 the summation order is not). That a re-shard from memory equals a snapshot reload at the new
-size bit for bit is tested with real processes in tests/elastic/inplace/test_peer_reshard.py."""
+size bit for bit is tested with real processes in tests/elastic/inplace/test_peer_reshard.py.
+
+On the restart path (``--no-in-place``) the same script's crashed worker restarts its node
+from the agent's memory instead of the snapshot (the last test)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from tests.support.waiting import wait_until
 FORM_TIMEOUT = 150
 DATASET = 720  # 60 steps an epoch at 12 a step
 SPARE_DATASET = 480  # 40: a spare's admission, eight steps with it, and a double loss fit in the first epoch
+RESTART_DATASET = 240  # 20 steps an epoch: a kill between the first two snapshots (every 8) fits in the first
 LEASE_TTL = 5  # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
 
 FSDP = textwrap.dedent('''\
@@ -119,13 +124,13 @@ def _runs(tmp_path: Path, nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id
     script = tmp_path / "fsdp.py"
     script.write_text(FSDP)
 
-    def node(name: str, run: str, nnodes: str, nproc: int = 2, **extra: str) -> Node:
+    def node(name: str, run: str, nnodes: str, nproc: int = 2, agent_args: tuple[str, ...] = (), **extra: str) -> Node:
         env = {"OMP_NUM_THREADS": "1", "ROWS": str(runs[run] / "rows.jsonl"), "LEDGER": str(runs[run] / "ledger.jsonl"),
                "ELASTIC_SNAPSHOT_DIR": str(runs[run] / "snapshots"), "NODE": name,
                "FINALS": str(runs[run] / "finals"), "ELASTIC_PEER_COPY_EVERY": "1", **extra}
         return nodes(name=name, endpoint=etcd.endpoint, run_id=f"{run_id}{run}", script=str(script),
                      module_args=[str(dataset)], nnodes=nnodes, nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT,
-                     env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
+                     env=env, agent_args=["--lease-ttl", str(LEASE_TTL), *agent_args])
     return runs, node
 
 
@@ -198,7 +203,9 @@ def test_fsdp_over_3_nodes_loses_two_in_turn_re_shards_from_peer_memory_and_ends
     log = "\n".join(n.log_path.read_text() for n in (first, second, kept))
     assert "in-place recovery off" not in log and "Traceback" not in log, every_log()
     assert log.count("from peer memory at step") == 3, every_log()
-    assert "world of 6 kept, the lost ranks filled from their buddies' copies" in log, every_log()
+    # the crashed node's ranks took their own copies from their agent's shared memory, not their buddy's
+    assert "world of 6 kept, the restarted ranks filled from their own copies in their node agent's memory" in log, \
+        every_log()
     assert "starting local rank(s) [0, 1] again" in by_name[hit].log_path.read_text(), every_log()
     assert "resumed from snapshot step" not in log, every_log()
     report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
@@ -291,3 +298,42 @@ def test_a_spare_takes_a_lost_fsdp_nodes_place_from_its_buddys_memory_bit_for_bi
     mine, theirs = _full(runs["faulty"] / "snapshots"), _full(runs["calm"] / "snapshots")
     for name, tensor in mine.items():
         assert torch.allclose(tensor, theirs[name], rtol=0, atol=1e-6), (name, (tensor - theirs[name]).abs().max().item())
+
+
+def test_on_the_restart_path_a_worker_sigkilled_alone_restarts_its_node_from_the_agents_memory_not_the_snapshot(
+        etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node], tmp_path: Path) -> None:
+    """The restart path (``--no-in-place``: every worker restarts, as under plain torchrun):
+    one worker of a node of 2 ranks is SIGKILLed alone between snapshots (every 8 steps). The
+    agent starts both again; each rank loads its own copy from the agent's shared memory, so
+    0 steps are rolled back (the snapshot would have cost up to 7), every sample is trained
+    once, and the agent's memory directory is gone once the job ends."""
+    runs, node = _runs(tmp_path, nodes, etcd_server, run_id, dataset=RESTART_DATASET)
+    rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
+    a = node("a", "faulty", "1:1", agent_args=("--no-in-place",))
+    log = lambda: a.log_tail(80)  # noqa: E731
+    wait_until(lambda: any(r["step"] >= 11 and r["step"] % 8 not in (0, 7) for r in _rows(rows)), FORM_TIMEOUT,
+               "FSDP over 2 ranks to train past its first snapshot", on_timeout=log)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None  # else under the agent's own directory
+    made = list(shm.glob(f"elastic-copies-{a.pid}-*")) if shm is not None else []
+    if shm is not None:  # the agent's directory in shared memory, each local rank's copies in it
+        assert len(made) == 1 and {p.name.split(".")[0] for p in made[0].glob("rank-*.copy")} == {"rank-0", "rank-1"}
+    old = {r["local"]: r["pid"] for r in _rows(rows)}
+    os.kill(old[1], signal.SIGKILL)
+    wait_until(lambda: any(r["pid"] not in old.values() for r in _rows(rows)), FORM_TIMEOUT,
+               "node a's ranks restarted and training", on_timeout=log)
+    wait_until(lambda: not a.alive(), FORM_TIMEOUT, "the job to finish", on_timeout=log)
+    assert a.process is not None and a.process.returncode == 0, log()
+
+    every = _rows(rows)
+    before = max(r["step"] for r in every if r["pid"] in old.values())  # the last step the old workers trained
+    after = min(r["step"] for r in every if r["pid"] not in old.values())
+    # 0 steps rolled back: a step is reported trained only once every rank's copy of it is in memory
+    assert after == before + 1, f"restarted at step {after}: the last trained before the kill was {before}"
+    text = a.log_path.read_text()
+    resumed = [line for line in text.splitlines() if "resumed from memory at step" in line]
+    assert len(resumed) == 1, log()
+    assert int(resumed[0].split("resumed from memory at step ")[1].split()[0]) == before, resumed
+    assert "resumed from snapshot step" not in text and "Traceback" not in text, log()
+    report = check_ledger(ledger, dataset_size=RESTART_DATASET, expect_epochs=2)
+    assert report.ok, report.violations
+    assert not [p for p in made if p.exists()], "the agent left its copies in shared memory"
