@@ -153,3 +153,8 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
             node._handler.close()  # type: ignore[attr-defined]
         for store in stores:
             store.close()
+
+
+def test_a_round_counts_the_other_members_as_its_list_of_them_does() -> None:
+    current = Round(participants=("a", "b", "c"))
+    assert [current.count_others(n) for n in ("a", "z")] == [len(current.others("a")), len(current.others("z"))] == [2, 3]
