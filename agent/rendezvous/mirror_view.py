@@ -203,6 +203,15 @@ class MirrorView:
             log.warning("[%s] ignoring %s: it verifies but is stale, %s", self.node, key, stale)
         return False
 
+    def forged_lately(self, entries: dict) -> set[str]:  # type: ignore[type-arg]
+        """Nodes whose registry key is there but has failed verification for less than the grace
+        (after :meth:`records` read ``entries``): not known dead. A view started after the
+        forgery has no last good value to stand in, and its owner, if alive, rewrites the key
+        within the grace; until then the node is neither live nor lost."""
+        now, prefix = time.monotonic(), self.keys.nodes_prefix
+        return {key[len(prefix):] for key in entries if key.startswith(prefix)
+                and (age := self._nodes_good.forged_for(key, now)) is not None and age < self._nodes_good.grace}
+
     def live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         """Every live node's registry state (``rendezvous``, ``running``, ``spare``...), by name."""
         return {node: record.state for node, record in self.records(entries).items()}

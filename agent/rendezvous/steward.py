@@ -211,7 +211,8 @@ class Steward:
         if self.lease.suspect_lost():
             return  # just thawed: our picture is older than our peers'
         live = self.view.live(entries)
-        lost = lost_members(record, live)
+        forged = self.view.forged_lately(entries)  # a forgery over a live member's key is no death
+        lost = [n for n in lost_members(record, live) if n not in forged]
         if not lost or not self._standing(round_rev, len([n for n in self._ahead() if n in live and n not in lost])):
             return
         if self.writer.swap(round_rev, record.next_open(FAILURE, lost)):
