@@ -131,6 +131,16 @@ class _RawProxy:
 
         return on_event
 
+    @property
+    def watcher(self) -> "_CountedWatcher":
+        """The shared client's watcher, counting this participant's watches' events (a mirror's
+        watch is made on a watcher itself: :class:`agent.etcd.watches.OwnWatch`)."""
+        return _CountedWatcher(self._raw.watcher, self._counted)
+
+    @watcher.setter
+    def watcher(self, value: Any) -> None:
+        self._raw.watcher = value.raw if isinstance(value, _CountedWatcher) else value
+
     def add_watch_callback(self, key: Any, callback: Callable[[Any], None], **kwargs: Any) -> Any:
         return self._raw.add_watch_callback(key, self._counted(callback), **kwargs)
 
@@ -156,6 +166,25 @@ class _RawProxy:
         reply = self._raw.get_response(*args, **kwargs)
         self._counter.add(read_bytes=_kv_bytes(reply))
         return reply
+
+
+class _CountedWatcher:
+    """A watcher whose new watches' events are counted; equal to another view of the same one."""
+
+    def __init__(self, raw: Any, counted: Callable[[Callable[[Any], None]], Callable[[Any], None]]) -> None:
+        self.raw, self._counted = raw, counted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+    def __eq__(self, other: object) -> bool:
+        return self.raw is (other.raw if isinstance(other, _CountedWatcher) else other)
+
+    def __hash__(self) -> int:
+        return id(self.raw)
+
+    def add_callback(self, key: Any, callback: Callable[[Any], None], **kwargs: Any) -> Any:
+        return self.raw.add_callback(key, self._counted(callback), **kwargs)
 
 
 class _SharedChannel:

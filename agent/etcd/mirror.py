@@ -19,7 +19,7 @@ from etcd3 import events as etcd_events
 from etcd3.utils import prefix_range_end, to_bytes
 
 from agent.etcd.client import EtcdClient, EtcdError
-from agent.etcd.watches import OwnWatch
+from agent.etcd.watches import OwnWatch, is_compacted, resume_plan
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,10 @@ class PrefixMirror:
 
     While the watch is broken (etcd down, network cut) ``healthy`` is False and the
     entries are frozen at the last known revision; callers must not read a missing
-    node into a frozen picture. On reconnection the mirror re-reads the whole prefix,
-    so nothing that happened meanwhile is missed, compacted history or not.
+    node into a frozen picture. On reconnection each watch resumes from the revision
+    after the last one it applied, so nothing that happened meanwhile is missed; where
+    etcd compacted that history the mirror re-reads everything instead
+    (:func:`.watches.resume_plan`).
     """
 
     def __init__(self, client: EtcdClient, prefix: str) -> None:
@@ -54,6 +56,8 @@ class PrefixMirror:
         self._closed = False
         self._resyncing = False
         self._broke_again = False  # a watch of the read being resynced broke before it was done
+        self._seen: list[int] = []  # per watch range: the last revision applied from it (0: never read)
+        self._compacted = False  # a watch was told its history is gone: the next resync reads afresh
         self._nudges = 0
         self.listeners: list[Callable[[], None]] = []  # called after every change; must not block
 
@@ -104,13 +108,47 @@ class PrefixMirror:
             self._generation += 1
             generation = self._generation
             self._entries, self.revision, self.healthy = entries, revision, True
+            self._seen = [revision] * len(self._watch_ranges())
+            self._compacted = False
             self._cond.notify_all()
         self._tell_listeners()
-        for key, end in self._watch_ranges():
-            kwargs: dict[str, Any] = {"start_revision": revision + 1}
+        self._watch(generation, [revision + 1] * len(self._seen), deadline)
+
+    def _resume(self, deadline: float | None = None) -> None:
+        """Re-make every watch from the revision after the last one it applied; a read
+        afresh where that history is gone or there is none (:func:`.watches.resume_plan`)."""
+        self._retire()
+        with self._cond:
+            starts = resume_plan(self._seen, self._compacted)
+            if starts is None:
+                generation = 0
+            else:
+                self._generation += 1  # responses of the broken watches still on their way are dropped
+                generation = self._generation
+        if starts is None:
+            self._sync(deadline)
+            return
+        try:
+            self._watch(generation, starts, deadline)
+        except Exception as exc:
+            if not is_compacted(exc):
+                raise
+            with self._cond:
+                self._compacted = True
+            self._sync(deadline)  # etcd no longer has the history to replay: read it afresh
+            return
+        with self._cond:
+            if generation == self._generation:
+                self.healthy = True
+                self._cond.notify_all()
+        self._tell_listeners()
+
+    def _watch(self, generation: int, starts: list[int], deadline: float | None) -> None:
+        for index, ((key, end), start) in enumerate(zip(self._watch_ranges(), starts)):
+            kwargs: dict[str, Any] = {"start_revision": start}
             if end is not None:
                 kwargs["range_end"] = end
-            self._watches.append(OwnWatch(self.client, key, functools.partial(self._on_watch, generation),
+            self._watches.append(OwnWatch(self.client, key, functools.partial(self._on_watch, generation, index),
                                           deadline, **kwargs))
 
     def _retire(self) -> None:
@@ -122,13 +160,20 @@ class PrefixMirror:
             except Exception:  # noqa: BLE001 - a watch that cannot be cancelled is ignored anyway
                 log.debug("could not cancel a watch on %s", self.prefix, exc_info=True)
 
-    def _on_watch(self, generation: int, response: Any) -> None:
+    def _on_watch(self, generation: int, index: int, response: Any) -> None:
         if response is None or isinstance(response, BaseException):
+            if is_compacted(response):
+                with self._cond:
+                    if generation == self._generation:
+                        self._compacted = True
             self._broken(response or EtcdError("the watch stream ended"), generation)
             return
         with self._cond:
             if generation != self._generation:
                 return  # an older read's watch, still alive on an old stream: its news may be older
+            # a watch's responses come in revision order, and a response's revision covers all
+            # of that watch's events up to it: a resumed watch starts after it, missing nothing
+            self._seen[index] = max(self._seen[index], response.header.revision)
             for event in response.events:
                 key = event.key.decode()
                 if isinstance(event, etcd_events.DeleteEvent):
@@ -169,11 +214,11 @@ class PrefixMirror:
             with self._cond:
                 self._broke_again = False
             try:
-                self._sync(deadline=2.0)
-            except EtcdError as exc:
+                self._resume(deadline=2.0)
+            except Exception as exc:  # noqa: BLE001 - this thread is the mirror's only way back: it must not die
                 with self._cond:
                     self.healthy = False
-                log.debug("resync of %s failed: %s", self.prefix, exc)
+                log.debug("resync of %s failed: %s", self.prefix, exc, exc_info=not isinstance(exc, EtcdError))
                 continue
             with self._cond:
                 if self._broke_again:
