@@ -171,9 +171,13 @@ class PrefixMirror:
         with self._cond:
             if generation != self._generation:
                 return  # an older read's watch, still alive on an old stream: its news may be older
-            # a watch's responses come in revision order, and a response's revision covers all
-            # of that watch's events up to it: a resumed watch starts after it, missing nothing
-            self._seen[index] = max(self._seen[index], response.header.revision)
+            # a watch's events come in revision order, every event of a revision in one response:
+            # a resumed watch starts after the last one applied, missing nothing. Not after the
+            # response's own revision: etcd sends a watch catching up over more than 1,000
+            # revisions in parts, each part stamped with the current revision. An empty response
+            # (a progress notice, sent only to a watch that is caught up) covers its revision.
+            last = response.events[-1].mod_revision if response.events else response.header.revision
+            self._seen[index] = max(self._seen[index], last)
             for event in response.events:
                 key = event.key.decode()
                 if isinstance(event, etcd_events.DeleteEvent):
