@@ -45,6 +45,7 @@ from tenacity import (
 from agent.etcd.grpc_untyped import channel_closed, credentials_refused, tls_refused, token_expired
 from agent.etcd.settings import EtcdSettings
 from agent.etcd.version import warn_if_old
+from agent.etcd.watches import OwnWatch
 
 log = logging.getLogger(__name__)
 
@@ -375,16 +376,13 @@ class EtcdClient:
         kwargs: dict[str, Any] = {"start_revision": start_revision}
         if range_end is not None:
             kwargs["range_end"] = range_end
-        watch_id = self.call(lambda c: c.add_watch_callback(key, events.put, **kwargs))
+        watch = OwnWatch(self, key, events.put, **kwargs)
         try:
             item = events.get(timeout=max(timeout, 0.0))
         except queue.Empty:
             return False
         finally:
-            try:
-                self.call(lambda c: c.cancel_watch(watch_id), deadline=1.0)
-            except EtcdError:
-                pass
+            watch.cancel()  # on its own stream only: its number may be another watch's on a new one
         if isinstance(item, BaseException):
             if isinstance(item, etcd_exc.RevisionCompactedError):
                 return True  # history is gone; the caller re-reads the current value

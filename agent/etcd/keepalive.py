@@ -27,6 +27,7 @@ have its agent wait 5 s on a dead connection on its way to fencing itself.
 from __future__ import annotations
 
 import queue
+import os
 import random
 import threading
 import time
@@ -66,9 +67,10 @@ class KeepAlive:
             raise ValueError(f"{first} is not one of the etcd endpoints {', '.join(self._members)}")
         self._preferred = first if first is not None else random.choice(self._members)
         self._channels: dict[str, grpc.Channel] = {}
-        # one waiter per member in flight, plus a cancelled call or two still returning
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(self._members) + 1,
-                                        thread_name_prefix="elastic-keepalive")
+        # one waiter per member in flight, plus a cancelled call or two still returning, from the
+        # process's one pool: an agent holds one lease, the simulation hundreds (a pool each was
+        # a thread each that mostly slept)
+        self._pool = _waiters(2 * len(self._members) + 1)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -174,8 +176,31 @@ class KeepAlive:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
-            channel.close()  # ends any call still in flight
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            channel.close()  # ends any call still in flight, so its waiter returns
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_SHARED_WAITERS = 64  # enough for hundreds of leases whose replies come in milliseconds
+
+
+def _waiters(at_least: int) -> ThreadPoolExecutor:
+    """The process's keep-alive waiters (threads start only as replies are awaited at once)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < at_least:
+            _POOL_SIZE = max(at_least, _SHARED_WAITERS)
+            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="elastic-keepalive")
+        return _POOL
+
+
+def _after_fork() -> None:  # a forked child has none of the pool's threads: it makes its own
+    global _POOL, _POOL_SIZE
+    _POOL, _POOL_SIZE = None, 0
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _wait_for_reply(attempt: _Attempt, results: "queue.Queue[tuple[_Attempt, int | BaseException]]") -> None:

@@ -75,8 +75,8 @@ class Observer:
             whole_node=whole_node,
             restarts_left=run.remaining_restarts, failures=failures,
             crash_streak=next_streak(run.crash_streak, failures.values()),
-            nodes_without_us=len(run.round.others(self.node)) if self.rdzv.can_keep_out else None,
-            peer_crashes=self.rdzv.peer_crashes(run.round),
+            nodes_without_us=run.round.count_others(self.node) if self.rdzv.can_keep_out else None,
+            peer_crashes=self.rdzv.peer_crashes(run.round) if report else None,  # read only for a crash of ours
             etcd_lost=self.rdzv.etcd_lost(self._stale_fence(), self.run_id) if failures else "",
             health=self.health.look(),
             min_nodes=self.rdzv.min_nodes,

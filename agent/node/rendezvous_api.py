@@ -75,6 +75,10 @@ class Round:
     def others(self, node: str) -> list[str]:
         return [n for n in self.participants if n != node]
 
+    def count_others(self, node: str) -> int:
+        """``len(others(node))`` without building the list (asked on every look of the agent)."""
+        return len(self.participants) - (node in self.participants)
+
 
 @dataclass(frozen=True)
 class LeaseHealth:
@@ -240,6 +244,7 @@ class EtcdRendezvous(AgentRendezvous):
         h.lease.update(metrics_url=metrics_url, nproc=self.nproc)
         h.client.error_listeners.append(on_etcd_error)
         h.mirror.listeners.append(wake)
+        h.narrow.listeners.append(wake)  # the round record: how a lost peer or a new round reaches a member
         h.reachability.listeners.append(on_keep_out)
         if self.in_place:
             h.while_spare.append(while_spare)
@@ -322,12 +327,12 @@ class EtcdRendezvous(AgentRendezvous):
     def _kept_out(self, current: Round) -> list[str]:
         """Members of this node's round that hold a keep-out key: one that went out after the
         round closed (a crash loop) keeps its lease, so nothing else says so."""
-        others = current.others(self.node)
-        if not others:
-            return []
         h = self._handler
-        out = h.reachability.keep_outs(h.mirror.entries()[0])
-        return [n for n in others if n in out and out[n].round >= current.number]  # older: put back, a replay
+        out = h.reachability.keep_outs(h.narrow.entries()[0])  # keep-outs only, not every peer's keys
+        if not out:
+            return []  # the usual look: no work per peer
+        return [n for n in current.others(self.node)
+                if n in out and out[n].round >= current.number]  # older: put back, a replay
 
     def job_ended(self) -> JobEnd | None:
         ended = self._handler.job_end.seen()
@@ -346,7 +351,9 @@ class EtcdRendezvous(AgentRendezvous):
         return self._handler.node_records()
 
     def peer_crashes(self, current: Round) -> dict[str, str] | None:
-        records = self._handler.node_records()
+        # read from etcd, after this node's own report was written: of two nodes that crash
+        # together, one at least reads the other's (a mirror begun on demand may lag behind)
+        records = self._handler.node_records_now()
         return {n: str(records[n].extra.get("crash", "")) if n in records else "" for n in current.others(self.node)}
 
     def report_unreachable(self) -> None:
@@ -381,10 +388,11 @@ class EtcdRendezvous(AgentRendezvous):
         h.reachability._publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
         deadline = time.monotonic() + _KEEP_OUT_SEEN_S
         while time.monotonic() < deadline:
-            entries, revision = h.mirror.entries()
-            if (h.node in h.reachability.keep_outs(entries)) == (out is not None):
+            entries, revision = h.narrow.entries()
+            views = [entries] + ([h.mirror.entries()[0]] if h.mirror.begun else [])  # a steward closes from the latter
+            if all((h.node in h.reachability.keep_outs(view)) == (out is not None) for view in views):
                 return
-            h.mirror.wait(revision, 0.1)
+            h.narrow.wait(revision, 0.1)
 
     def announce_finished(self) -> None:
         from agent.rendezvous.ended import SUCCEEDED

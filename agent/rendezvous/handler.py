@@ -3,7 +3,7 @@
 torch's ``DynamicRendezvousHandler`` polls its backend once a second and can only learn
 that a node is dead by missing its heartbeats; a node loss costs seconds in rendezvous
 alone. This handler keeps per-node keys under short etcd leases and a round record
-updated by transaction (JSON, HMAC-sealed), and learns of every change through one watch:
+updated by transaction (JSON, HMAC-sealed), and learns of what concerns it through watches:
 
 * ``{run}/nodes/{node}``: the node registry (:mod:`.registry`), one key per live agent.
 * ``{run}/rdzv/round``: the current round: number, ``open``/``closed``, participants.
@@ -11,6 +11,14 @@ updated by transaction (JSON, HMAC-sealed), and learns of every change through o
   node's lease, so a node that dies while joining leaves no ghost.
 * ``{run}/rdzv/closed``: the job is over (:meth:`set_closed`), and how it ended: a
   ``succeeded`` or ``failed`` outcome and its cause, so every agent exits as the job did.
+* ``{run}/rdzv/steward/{i}``: the few nodes that hear every peer (:mod:`.steward`): they
+  close rounds and open the next one after a member's loss, naming it in the record.
+
+A node hears only the round record, the job's end, its own registry key, the steward
+slots, and keep-outs and reachability reports (written only after a failure): O(1) events
+per round however many peers it has (:mod:`agent.etcd.ranges`). The run's whole prefix
+(``mirror``) is read only where something needs every peer's keys: a steward, and the
+agent's own features (:mod:`agent.etcd.mirror`'s ``LazyPrefixMirror``).
 
 A later round closes the moment every surviving member has joined; only a member that
 looks alive but has not moved (its lease outlives a SIGKILL by up to the TTL) costs a
@@ -45,7 +53,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from agent.etcd import EtcdClient, EtcdError
-from agent.etcd.mirror import PrefixMirror
+from agent.etcd.mirror import Entry, LazyPrefixMirror
+from agent.etcd.ranges import RangesMirror
 
 from agent.rendezvous.ended import JobEnded
 from agent.rendezvous.job_end import JobEnd
@@ -57,10 +66,10 @@ from agent.rendezvous.options import RendezvousOptions, connect
 from agent.rendezvous.reachability import Reachability
 from agent.rendezvous.registry import NodeLease, NodeNameInUseError, NodeRecord, default_node_name
 from agent.rendezvous.round_writes import RoundWriter
-from agent.rendezvous.rounds import (CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings, lost_members, rank_order,
-                                     should_close)
+from agent.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings
 from agent.rendezvous.signing import StateSigner
 from agent.rendezvous.spare_wait import SpareWait
+from agent.rendezvous.steward import Steward, slot_prefix
 from agent.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -104,20 +113,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             NodeRecord(node=node_name, host=socket.gethostname(), pid=os.getpid(), addr=local_addr),
             signer, options.lease_ttl,
         )
-        self.mirror = PrefixMirror(client, keys.prefix + "/")
+        # every key of the run, read only where something needs every peer's (a steward, the
+        # agent's own features); the round protocol itself reads ``narrow``
+        self.mirror = LazyPrefixMirror(client, keys.prefix + "/", deadline=options.connect_timeout)
         # the collaborators, one idea each: writes, verified reads, the job's end, late members
         self.writer = RoundWriter(node_name, client, signer, keys, self.lease)
         self.view = MirrorView(node_name, signer, keys, self.lease, float(options.lease_ttl), self.writer.swap)
         self.job_end = JobEnd(node_name, client, signer, keys.closed,
-                              lambda: self.mirror.entries()[0] if self._started else {}, self.view.signed)
-        self.late = LateMembers(signer, self.lease, self.view.records, lambda: self.mirror.notify())
+                              lambda: self.narrow.entries()[0] if self._started else {}, self.view.signed)
+        # the stewards' reading of the whole run: a view of its own, since the full mirror and the
+        # narrow one stand at different revisions (one view fed both took a lagging copy of the
+        # round record for an older one put back, and put the newer one "back" over it)
+        self.steward_view = MirrorView(node_name, signer, keys, self.lease, float(options.lease_ttl), self.writer.swap)
+        self.late = LateMembers(signer, self.lease, self.steward_view.records, lambda: self.mirror.notify())
         self._lock = threading.Lock()
         self.round: RoundRecord | None = None  # the round our current workers belong to
         self._lease_generation = 0
         self._started = False
         self._joined_once = False
         self.on_round: list[Callable[[RoundRecord], None]] = []
-        self.spares = SpareWait(node_name, self.lease, max_nodes, self.view.live)
+        self.spares = SpareWait(node_name, self.lease, max_nodes, self._members_alive)
         self.on_spare, self.while_spare = self.spares.on_spare, self.spares.while_spare  # the same lists
         self._joined_at = 0.0  # monotonic: when this node joined the round it is in the rendezvous for
         # why this node may open a round; set by our agent before next_rendezvous. Under torchrun's
@@ -139,6 +154,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.first_round = 0
         self.lease_watch = LeaseWatch(node_name, self.lease, signer)
         self.reachability = Reachability(node_name, client, signer, self.lease, keys.prefix)
+        # What this node hears: the round record, the job's end, its own registry key, who
+        # stewards, and keep-outs and reachability reports (written only after a failure):
+        # O(1) events per round however many peers it has (:mod:`.steward`).
+        self.narrow = RangesMirror(client, [keys.round, keys.closed, self.lease.key],
+                                   [slot_prefix(keys), self.reachability.reach_prefix,
+                                    self.reachability.keepout_prefix])
+        self.steward = Steward(node_name, client, signer, keys, self.lease, self.narrow, self.mirror, self.steward_view,
+                               self.writer, self.late, self.reachability, self.timings, options.stewards)
+        self._join_lease: int | None = None  # the lease our join key of the round we joined lives under
+        self._peers: list[str] = []  # the current round's other members
 
     # --------------------------------------------------------------- torch's ABC
 
@@ -173,6 +198,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank, world = record.participants.index(self.node), len(record.participants)
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
+            self._peers = [n for n in record.participants if n != self.node]
             self._joined_once = True
         self.lease.update(state="running", round=record.round, rank=rank, world=world)
         # A spare's wait began long before the round (it waited beside a full world): its
@@ -235,29 +261,28 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def restart_reason(self) -> str | None:
         """Why this node's workers should stop now (None: they should not).
 
-        Answered from the watch-fed mirror, so it costs no etcd request and cannot hang.
-        While the watch is broken (etcd unreachable) the answer is "no reason": a silent
-        etcd says nothing about our peers, who keep training.
+        Answered from the watch-fed narrow mirror (the round record, not every peer's key),
+        so it costs no etcd request, cannot hang, and does no work per peer. A peer's lost
+        lease reaches it as the next round, which a steward opened naming the lost
+        (:mod:`.steward`). While the watch is broken (etcd unreachable) the answer is "no
+        reason": a silent etcd says nothing about our peers, who keep training.
         """
         with self._lock:
-            current, generation = self.round, self._lease_generation
+            current, generation, peers = self.round, self._lease_generation, self._peers
         if current is None:
             return None
         if self.lease.generation != generation or self.lease.suspect_lost():
             return LEASE_LOST
-        if self.lease_watch.verdict([n for n in current.participants if n != self.node]) is Verdict.CUT_OFF:
+        if self.lease_watch.verdict(peers) is Verdict.CUT_OFF:
             return LEASE_LOST
-        if not self.mirror.healthy:
+        if not self.narrow.healthy:
             return None
-        entries, _ = self.mirror.entries()
+        entries, _ = self.narrow.entries()
         if self.view.closed_in(entries):
             return None
         record = self._decode_round(entries)
         if record is not None and record.round > current.round:
-            return NEW_ROUND
-        live = self.view.live(entries)
-        if any(node not in live for node in current.participants):
-            return PEER_LOST
+            return PEER_LOST if record.lost and not set(record.lost).isdisjoint(current.participants) else NEW_ROUND
         return None
 
     def report_unreachable(self) -> list[str]:
@@ -271,8 +296,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def close(self) -> None:
         """Leave: revoke the lease (peers notice now, not at TTL) and stop watching."""
+        self.steward.close()
         self.lease_watch.close()
         self.lease.close()
+        self.narrow.close()
         self.mirror.close()
 
     @property
@@ -281,14 +308,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self.spares.since
 
     def _round_peers(self) -> dict[str, str | None] | None:
-        """The current round's other members and their witnesses, from the mirror (no etcd request)."""
+        """The current round's other members and their witnesses, from the round record (no etcd
+        request: this is asked while etcd may not answer); a record without them (written by an
+        older closer) from the registry's mirror."""
         with self._lock:
             current = self.round
         if current is None:
             return None
+        if current.witnesses:
+            return {n: addr for n, addr in current.witness_of().items() if n != self.node}
         records = self.view.records(self.mirror.entries()[0])
         return {n: (records[n].witness_addr if n in records else None)
                 for n in current.participants if n != self.node}
+
+    def _members_alive(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
+        """The round record's members, taken as alive: a member's loss reaches this node as the
+        next round, which a steward opens (so a spare waits for the round record alone)."""
+        record = self._decode_round(entries)
+        return {n: "running" for n in record.participants} if record is not None else {}
 
     # --------------------------------------------------------------- the protocol
 
@@ -300,13 +337,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.lease.start()
         except NodeNameInUseError as exc:
             raise RendezvousStateError(str(exc)) from None
-        self.mirror.start(deadline=self.options.connect_timeout)
+        self.narrow.start(deadline=self.options.connect_timeout)
+        self.mirror.allow()  # every peer's keys, once asked, now that this node holds its name
+        self.steward.start()
         self._started = True
 
     def _join_until_closed(self, deadline: float) -> RoundRecord:
         joined_round: int | None = None
         join_revision = 0
-        first_seen: dict[int, float] = {}  # round -> when the close clock started, locally
         while True:
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
@@ -314,18 +352,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"{self.options.timings['join_timeout']} s (min {self.timings.min_nodes} nodes); "
                     "start more agents or raise --rdzv-conf join_timeout"
                 )
-            entries, revision = self.mirror.entries()
+            entries, revision = self.narrow.entries()
             if self.view.closed_in(entries):
                 raise RendezvousClosedError(f"run {self.run_id!r} has ended (its rendezvous was closed); "
                                              "a new job needs a new --rdzv-id")
-            if not self.mirror.healthy:
-                self.mirror.wait(revision, _TICK_S * 5)
+            if not self.narrow.healthy:
+                self.narrow.wait(revision, _TICK_S * 5)
                 continue
             record = self._decode_round(entries)
             round_rev = entries[self._round_key].mod_revision if self._round_key in entries else 0
             if record is not None and self.reachability.must_stay_out(record, entries):
                 self.reachability.stay_out(record, entries, self.node_records,
-                                           lambda: self.view.closed_in(self.mirror.entries()[0]))
+                                           lambda: self.view.closed_in(self.narrow.entries()[0]))
                 joined_round = None
                 continue
             if self.spares.now(record, entries, joined_round):
@@ -346,51 +384,41 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if joined_round == record.round and self.node in record.participants:
                     return record
                 if joined_round == record.round + 1:
-                    self.mirror.wait(revision, _TICK_S)  # we opened the next one; the mirror lags behind
+                    self.narrow.wait(revision, _TICK_S)  # we opened the next one; the mirror lags behind
                 elif self.node in record.participants or len(record.participants) < self.timings.max_nodes:
                     opened = self.writer.open_and_join(round_rev, record.next_open(self._cause()), joined_round)
                     if opened is not None:  # our join is in the same transaction: the round cannot close without us
                         joined_round, join_revision = record.round + 1, opened
-                        self._joined_at = time.monotonic()
-                elif lost_members(record, self.view.live(entries)):  # a full world lost a member: a spare steps in
-                    opened = self.writer.open_and_join(round_rev, record.next_open(FAILURE), joined_round)
-                    if opened is not None:
-                        joined_round, join_revision = record.round + 1, opened
-                        self._joined_at = time.monotonic()
+                        self._joined(time.monotonic())
                 else:
+                    # a full world: wait as a spare for the next round, which a steward opens
+                    # when a member is lost (and a spare, too, takes a steward's free slot)
                     self.spares.tick()
-                    self.mirror.wait(revision, 1.0)  # a full world: wait as a spare for the next round
+                    self.narrow.wait(revision, 1.0)
             elif joined_round != record.round:
                 join_revision = self.writer.join(record.round, joined_round)
                 joined_round = record.round
-                self._joined_at = time.monotonic()
+                self._joined(time.monotonic())
             else:
-                excluded = self.reachability.excluded(record, entries)
-                keys = self.view.joined(entries, record.round)
-                joined = {n: rev for n, rev in keys.items() if n not in excluded}
-                live = self.view.live(entries)
-                # our join key itself gone, not left out of this round (a keep-out that still
-                # stands for it: rejoining would only write the key again, thousands of times)
-                if self.node not in keys and revision >= join_revision:
-                    # our join key went with a lost lease (a freeze, a starved keep-alive)
+                # Joined: a steward closes the round (:mod:`.steward`). Our join key lives under
+                # our lease, like our registry key: that key gone or under another lease means
+                # the join went with a lost lease (a freeze, a starved keep-alive).
+                own = entries.get(self.lease.key)
+                if revision >= join_revision and (own is None or own.lease != self._join_lease):
                     log.warning("[%s] our join of round %d vanished with our lease; joining again",
                                 self.node, record.round)
                     join_revision = self.writer.join(record.round, None)
+                    self._joined(None)
                     continue
-                if len(joined) >= self.timings.min_nodes or record.previous:
-                    first_seen.setdefault(record.round, time.monotonic())
-                waited = time.monotonic() - first_seen.get(record.round, time.monotonic())
-                dead = self.late.proven_dead(record, joined, entries) | excluded  # neither is waited for
-                vouched = self.late.vouched(record, joined, entries, live, dead, first_seen.get(record.round))
-                if self.node in joined and should_close(record, joined, live, self.timings, waited, dead, vouched):
-                    participants = rank_order(joined, record.previous, self.timings.max_nodes)
-                    running = [n for n, r in self.view.records(entries).items() if r.extra.get("in_place")]
-                    if self.writer.swap(round_rev, record.closed_with(participants, running)):
-                        self.writer.forget(record.round - 2)
-                    continue
-                self.mirror.wait(revision, _TICK_S)
+                self.narrow.wait(revision, _TICK_S)
                 continue
-            self.mirror.wait(revision, _TICK_S)
+            self.narrow.wait(revision, _TICK_S)
+
+    def _joined(self, at: float | None) -> None:
+        """Our join of a round was just written (``at``: when, for the log; None: a rewrite)."""
+        self._join_lease = self.lease._lease_id
+        if at is not None:
+            self._joined_at = at
 
     def _await_good_round(self, revision: int) -> None:
         """Wait for a member to put a good round record back over one that does not verify;
@@ -404,7 +432,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 f"the same HMAC key (hmac_key_file=); if the keys agree, somebody else wrote it: delete it "
                 f"(etcdctl del {self._round_key}) and start the agents again"
             )
-        self.mirror.wait(revision, _TICK_S * 5)
+        self.narrow.wait(revision, _TICK_S * 5)
 
     # --------------------------------------------------------------- reading the mirror
 
@@ -421,6 +449,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Every live node's registry record, from the mirror (no etcd request)."""
         entries, _ = self.mirror.entries()
         return self.view.records(entries)
+
+    def node_records_now(self, deadline: float = 2.0) -> dict[str, NodeRecord]:
+        """Every live node's registry record as etcd holds it now (one request; the mirror's
+        picture if etcd does not answer within ``deadline``). For a decision that must not
+        rest on a mirror begun on demand, whose first read or watch may still be on its way."""
+        try:
+            reply = self.client.call(lambda c: c.get_prefix_response(self.keys.nodes_prefix), deadline=deadline)
+        except EtcdError:
+            return self.node_records()
+        return self.view.records({kv.key.decode(): Entry(kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+                                  for kv in reply.kvs})
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:

@@ -9,10 +9,10 @@ tick): a pure judgement over what is already in memory, logged once per change.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable, Mapping
 
+from agent.rendezvous import ticker
 from agent.rendezvous.lease_clock import Verdict, deadline, judge, outage_proven_at, should_ask
 from agent.rendezvous.registry import NodeLease
 from agent.rendezvous.signing import StateSigner
@@ -29,22 +29,21 @@ class LeaseWatch:
         self.verdict_now = Verdict.HELD
         self.outage_proven: float | None = None  # the last proof of the outage this node trains through
         self.detail = ""  # why the node was judged cut off, for the agent's log line
-        self._stop = threading.Event()
+        self._duty: ticker.Duty | None = None
 
     def start(self, advertise_host: str | None, peers: Callable[[], Mapping[str, str | None] | None]) -> str:
         """Serve our witness; ask ``peers()`` (the round's other members -> witness address,
         None outside a round) while our keep-alives fail. Returns the witness address."""
         self.server = WitnessServer(self.node, self.signer, self.lease.clock).start()
-        threading.Thread(target=self._ask_while_failing, args=(peers,), name="elastic-lease-watch",
-                         daemon=True).start()
+        self._duty = ticker.shared().every(max(0.05, self.lease.ttl / 16), lambda: self._ask_while_failing(peers))
         return f"{advertise_host or '127.0.0.1'}:{self.server.port}"
 
     def _ask_while_failing(self, peers: Callable[[], Mapping[str, str | None] | None]) -> None:
-        while not self._stop.wait(max(0.05, self.lease.ttl / 16)):
-            if should_ask(self.lease.clock(), time.monotonic(), self.asker.last_asked):
-                addrs = peers()
-                if addrs:
-                    self.asker.ask_all(addrs)
+        """On the process's ticker (:mod:`.ticker`); never blocks: the questions go in the background."""
+        if should_ask(self.lease.clock(), time.monotonic(), self.asker.last_asked):
+            addrs = peers()
+            if addrs:
+                self.asker.ask_all(addrs)
 
     def seconds_to_deadline(self) -> float | None:
         """While keep-alives fail: how long until the lease must have been judged."""
@@ -87,6 +86,7 @@ class LeaseWatch:
         return verdict
 
     def close(self) -> None:
-        self._stop.set()
+        if self._duty is not None:
+            self._duty.cancel()
         if self.server is not None:
             self.server.close()

@@ -74,6 +74,10 @@ class MirrorView:
         self._forgery_warned_at: dict[str, float] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        # (mod revision, record) of the last round record that verified: etcd gives every write
+        # of the key a new revision, so one seen before is not opened and parsed again (the
+        # record names every member: per monitor tick that was O(N) work on every node)
+        self._round_memo: tuple[int, RoundRecord] | None = None
 
     def signed(self, key: str, value: bytes) -> bool:
         try:
@@ -97,10 +101,15 @@ class MirrorView:
         if entry is None:
             return None
         record: RoundRecord | None = None
-        try:
-            record = RoundRecord.from_json(self.signer.open(key.encode(), entry.value))
-        except (SignatureError, ValueError, KeyError, TypeError) as exc:
-            self._answer_forgery(key, entry.mod_revision, str(exc) or type(exc).__name__, self._put_round_back)
+        memo = self._round_memo
+        if memo is not None and memo[0] == entry.mod_revision:
+            record = memo[1]
+        else:
+            try:
+                record = RoundRecord.from_json(self.signer.open(key.encode(), entry.value))
+                self._round_memo = (entry.mod_revision, record)
+            except (SignatureError, ValueError, KeyError, TypeError) as exc:
+                self._answer_forgery(key, entry.mod_revision, str(exc) or type(exc).__name__, self._put_round_back)
         last = self.round_good.last(key)
         if record is not None and last is not None and round_stale(
                 round_order(last.round, last.state == CLOSED), round_order(record.round, record.state == CLOSED)):
@@ -193,6 +202,15 @@ class MirrorView:
             self._forgeries_seen.add((key, entry.mod_revision))
             log.warning("[%s] ignoring %s: it verifies but is stale, %s", self.node, key, stale)
         return False
+
+    def forged_lately(self, entries: dict) -> set[str]:  # type: ignore[type-arg]
+        """Nodes whose registry key is there but has failed verification for less than the grace
+        (after :meth:`records` read ``entries``): not known dead. A view started after the
+        forgery has no last good value to stand in, and its owner, if alive, rewrites the key
+        within the grace; until then the node is neither live nor lost."""
+        now, prefix = time.monotonic(), self.keys.nodes_prefix
+        return {key[len(prefix):] for key in entries if key.startswith(prefix)
+                and (age := self._nodes_good.forged_for(key, now)) is not None and age < self._nodes_good.grace}
 
     def live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         """Every live node's registry state (``rendezvous``, ``running``, ``spare``...), by name."""

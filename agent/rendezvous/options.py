@@ -47,7 +47,7 @@ TUNED_DEFAULTS: dict[str, int] = {
 _ETCD_KEYS = {"cacert", "cert", "key", "user", "password", "password_file", "request_timeout"}
 _OWN_KEYS = {
     "key_prefix", "state_ttl", "hmac_key_file", "connect_timeout", "etcd_retry_timeout",
-    "lease_ttl", "rejoin_timeout", "node_name",
+    "lease_ttl", "rejoin_timeout", "node_name", "stewards",
 }
 DEFAULT_REJOIN_TIMEOUT = 0.5
 _TORCH_KEYS = set(TUNED_DEFAULTS) | {"heartbeat_timeout", "timeout", "rank", "is_host", "local_addr"}
@@ -67,6 +67,7 @@ class RendezvousOptions:
     last_call: float = 1.0
     rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
     node_name: str | None = None
+    stewards: int = 3  # steward slots: nodes that hear every peer and close rounds (agent.rendezvous.steward)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> "RendezvousOptions":
@@ -102,6 +103,7 @@ class RendezvousOptions:
             last_call=last_call,
             rejoin_timeout=_positive_float(config, "rejoin_timeout", DEFAULT_REJOIN_TIMEOUT),
             node_name=config.get("node_name") or None,
+            stewards=_positive_int(config, "stewards", 3),
         )
 
 

@@ -183,6 +183,11 @@ class NodeLease:
     def record(self) -> NodeRecord:
         return self._record
 
+    @property
+    def closed(self) -> bool:
+        """Closed (or stopped): the lease is never granted again, by any thread of this node."""
+        return self._stop.is_set()
+
     def ours(self, mod_revision: int, value: bytes) -> bool:
         """Whether ``value`` at ``mod_revision`` of this node's key is its own latest write (or one
         in flight); False for anything written there since by somebody else, e.g. an older
@@ -196,6 +201,8 @@ class NodeLease:
             return known  # no lock: the keep-alive must never wait behind another thread's request
         with self._lock:
             if self._lease_id is None:
+                if self._stop.is_set():
+                    raise EtcdError(f"node {self._record.node}'s lease was closed; it is not granted again")
                 self._grant()
             assert self._lease_id is not None
             return self._lease_id
@@ -351,10 +358,12 @@ class NodeLease:
         with self._lock:
             if lost_id is not None and self._lease_id not in (lost_id, None):
                 return  # another thread already replaced it
-            log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
-                        self._record.node, self.ttl)
             self.generation += 1
             self._lease_id = None
+            if self._stop.is_set():
+                return  # closed (or stopped, as a frozen agent's): no thread of ours brings it back
+            log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
+                        self._record.node, self.ttl)
             self._record = replace(self._record, state="rejoining", round=None, rank=None, world=None)
             try:
                 self._grant()

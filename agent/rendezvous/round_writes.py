@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from etcd3 import transactions as tx
 
@@ -52,8 +53,10 @@ class RoundWriter:
             ops = [tx.Put(key, value), tx.Put(join_key, join_value, lease=lease_id)]
             if stale:
                 ops.append(tx.Delete(stale))
-            result = transact(self.client, [tx.Mod(key) == expected_mod_revision], ops)
-            return result.revision if result.succeeded else None
+            result = transact(self.client, [tx.Mod(key) == expected_mod_revision], ops, [tx.Get(join_key)])
+            if result.succeeded:
+                return result.revision
+            return committed_before(result.responses, join_value)
 
         return self.lease.write(put)
 
@@ -95,3 +98,15 @@ class RoundWriter:
             return RoundRecord.from_json(self.signer.open(self.keys.round.encode(), raw)).round
         except (SignatureError, ValueError, KeyError, TypeError):
             return None
+
+
+def committed_before(responses: list[Any], join_value: bytes) -> int | None:
+    """The revision of our own join if a failed transaction found it in place: an earlier
+    attempt of the same transaction committed and its reply was lost (the etcd leader died
+    under it; the client retried, and the retry's guard failed on our own write). Else None.
+
+    The join value carries its writer's clock, so no other write holds the same bytes."""
+    rows = responses[0] if responses else []
+    if rows and rows[0][0] == join_value:
+        return int(rows[0][1].mod_revision)
+    return None

@@ -36,6 +36,14 @@ class RoundRecord:
     # two agents reading the registry a moment apart once chose differently, and each
     # waited for the other's kind of start.
     in_place: tuple[str, ...] = ()
+    # The members whose lost lease opened this round (a steward saw their leases go,
+    # :mod:`.steward`): the other members, who watch only this record and not each peer's
+    # key, read from it that a peer was lost rather than that a node arrived.
+    lost: tuple[str, ...] = ()
+    # Where each participant's witness answers (parallel to ``participants``; "" unknown),
+    # written by the closer: a member asks them while its own keep-alives fail, when etcd
+    # may no longer answer, so it must hold them before (:mod:`.lease_watch`).
+    witnesses: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -61,18 +69,31 @@ class RoundRecord:
         participants, in_place = _names(data.get("participants", [])), _names(data.get("in_place", []))
         if not set(in_place) <= set(participants):
             raise ValueError(f"in_place {list(in_place)!r:.60} names nodes outside the round")
+        witnesses = _names(data.get("witnesses", []))
+        if witnesses and len(witnesses) != len(participants):
+            raise ValueError(f"{len(witnesses)} witnesses for {len(participants)} participants")
         return cls(round=number, state=state, participants=participants,
                    previous=_names(data.get("previous", [])), opened_at=float(opened_at),
-                   closed_at=None if closed_at is None else float(closed_at), cause=cause, in_place=in_place)
+                   closed_at=None if closed_at is None else float(closed_at), cause=cause, in_place=in_place,
+                   lost=_names(data.get("lost", [])), witnesses=witnesses)
 
-    def next_open(self, cause: str = JOIN) -> "RoundRecord":
-        return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause)
+    def next_open(self, cause: str = JOIN, lost: Iterable[str] = ()) -> "RoundRecord":
+        return RoundRecord(self.round + 1, OPEN, previous=self.participants or self.previous, cause=cause,
+                           lost=tuple(lost))
 
-    def closed_with(self, participants: Iterable[str], in_place: Collection[str] = ()) -> "RoundRecord":
-        """Closed with ``participants``; ``in_place``: those of them whose workers run in place now."""
+    def closed_with(self, participants: Iterable[str], in_place: Collection[str] = (),
+                    witnesses: Mapping[str, str | None] | None = None) -> "RoundRecord":
+        """Closed with ``participants``; ``in_place``: those of them whose workers run in place now;
+        ``witnesses``: where each one's witness answers, where known."""
         members = tuple(participants)
+        addrs = tuple((witnesses or {}).get(n) or "" for n in members) if witnesses is not None else ()
         return RoundRecord(self.round, CLOSED, members, self.previous, self.opened_at, time.time(), self.cause,
-                           tuple(n for n in members if n in in_place))
+                           tuple(n for n in members if n in in_place), self.lost, addrs)
+
+    def witness_of(self) -> dict[str, str | None]:
+        """Each participant's witness address (None: unknown)."""
+        return {n: (self.witnesses[i] or None) if i < len(self.witnesses) else None
+                for i, n in enumerate(self.participants)}
 
     @property
     def forms_in_place(self) -> bool:

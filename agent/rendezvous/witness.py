@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -37,7 +39,8 @@ def _sealing_key(node: str, nonce: str) -> bytes:
 
 
 class WitnessServer:
-    """Answers ``lease?<nonce>`` with this node's sealed lease clock; one thread, bounded."""
+    """Answers ``lease?<nonce>`` with this node's sealed lease clock. Every witness of a process
+    is served by one thread (:class:`_Acceptor`): an agent has one, the simulation hundreds."""
 
     def __init__(self, node: str, signer: StateSigner, clock: Callable[[], LeaseClock], host: str = "0.0.0.0") -> None:
         self.node, self.signer, self.clock = node, signer, clock
@@ -45,13 +48,11 @@ class WitnessServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self._sock.listen(32)
-        self._sock.settimeout(_ACCEPT_POLL_S)
+        self._sock.setblocking(False)
         self.port = int(self._sock.getsockname()[1])
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="elastic-witness", daemon=True)
 
     def start(self) -> "WitnessServer":
-        self._thread.start()
+        _acceptor.add(self)
         return self
 
     def answer(self, nonce: str) -> bytes:
@@ -60,27 +61,75 @@ class WitnessServer:
                               "failing": clock.failing_since is not None}).encode()
         return self.signer.seal(_sealing_key(self.node, nonce), payload)
 
-    def _serve(self) -> None:
-        while not self._closed.is_set():
+    def serve_one(self) -> None:
+        """Answer one waiting question (the acceptor saw our socket readable)."""
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return  # taken already, or closed
+        with conn:
             try:
-                conn, _ = self._sock.accept()
+                conn.settimeout(0.5)
+                request = conn.recv(_REQUEST_BYTES).decode(errors="replace").strip()
+                if request.startswith("lease?"):
+                    conn.sendall(self.answer(request[len("lease?"):]))
             except OSError:
-                continue  # the accept timeout, or closed
-            with conn:
-                try:
-                    conn.settimeout(0.5)
-                    request = conn.recv(_REQUEST_BYTES).decode(errors="replace").strip()
-                    if request.startswith("lease?"):
-                        conn.sendall(self.answer(request[len("lease?"):]))
-                except OSError:
-                    pass
+                pass
 
     def close(self) -> None:
-        self._closed.set()
+        _acceptor.remove(self)
         try:
             self._sock.close()
         except OSError:
             pass
+
+
+class _Acceptor:
+    """One thread and one selector over every witness socket of the process."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, server: WitnessServer) -> None:
+        with self._lock:
+            self._selector.register(server._sock, selectors.EVENT_READ, server)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="elastic-witness", daemon=True)
+                self._thread.start()
+
+    def remove(self, server: WitnessServer) -> None:
+        with self._lock:
+            try:
+                self._selector.unregister(server._sock)
+            except (KeyError, ValueError):
+                pass
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                idle = not self._selector.get_map()
+            if idle:
+                time.sleep(_ACCEPT_POLL_S)
+                continue
+            try:
+                ready = self._selector.select(timeout=_ACCEPT_POLL_S)
+            except (OSError, ValueError):
+                continue  # a socket closed under the select: the next one goes without it
+            for key, _events in ready:
+                key.data.serve_one()
+
+
+_acceptor = _Acceptor()
+
+
+def _after_fork() -> None:  # a forked child has no acceptor thread: it starts its own on first use
+    global _acceptor
+    _acceptor = _Acceptor()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def ask(addr: str, node: str, signer: StateSigner, timeout: float) -> PeerWord | None:

@@ -198,3 +198,8 @@ def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joi
             store.close()
         if barrier is not None:
             barrier.join(timeout=35)
+
+
+def test_a_round_counts_the_other_members_as_its_list_of_them_does() -> None:
+    current = Round(participants=("a", "b", "c"))
+    assert [current.count_others(n) for n in ("a", "z")] == [len(current.others("a")), len(current.others("z"))] == [2, 3]

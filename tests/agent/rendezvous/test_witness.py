@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from agent.rendezvous.lease_clock import LeaseClock
@@ -46,3 +47,20 @@ def test_a_peer_nobody_answers_for_leaves_no_word() -> None:
         assert set(asker.words()) == {"b"} and not asker.words()["b"].failing
     finally:
         server.close()
+
+
+def test_a_hundred_witnesses_in_one_process_answer_from_one_thread_and_a_closed_one_stops() -> None:
+    """The simulation holds hundreds of handlers per process: their witnesses share a thread."""
+    before = threading.active_count()
+    servers = [WitnessServer(f"n{i}", StateSigner(KEY), lambda: LeaseClock(2.0, time.monotonic())).start()
+               for i in range(100)]
+    try:
+        assert threading.active_count() - before <= 1
+        words = [ask(f"127.0.0.1:{s.port}", s.node, StateSigner(KEY), timeout=2.0) for s in servers]
+        assert all(w is not None and not w.failing for w in words)
+        servers[0].close()
+        assert ask(f"127.0.0.1:{servers[0].port}", "n0", StateSigner(KEY), timeout=0.5) is None
+        assert ask(f"127.0.0.1:{servers[1].port}", "n1", StateSigner(KEY), timeout=2.0) is not None
+    finally:
+        for server in servers:
+            server.close()
