@@ -52,6 +52,7 @@ class CopyPlan:
     step: int  # the step every rank stands on afterwards (-1: none from memory)
     sources: dict[int, Source] = field(default_factory=dict)  # new rank -> where its position's state is
     missing: tuple[int, ...] = ()  # positions held nowhere at any step the others have (step -1)
+    trained: dict[int, int] = field(default_factory=dict)  # new rank -> the position it trained at (survivors)
 
     @property
     def from_memory(self) -> bool:
@@ -120,7 +121,20 @@ def by_position(holdings: Sequence[Holding], positions: int) -> CopyPlan:
     """:func:`plan` for a world of another size, whose ranks each gather a new cut from several
     positions: ``sources`` keyed by **position** of the world before (the rank that trained at
     it first, if it has the state, else whoever holds it)."""
-    return plan(holdings, positions, {p: p for p in range(positions)}, by_rank=False)
+    decided = plan(holdings, positions, {p: p for p in range(positions)}, by_rank=False)
+    trained = {h.rank: h.position for h in holdings if h.position is not None}
+    return CopyPlan(decided.step, decided.sources, decided.missing, trained)
+
+
+def buffers_of(decided: CopyPlan, positions: int, world_size: int) -> list[int]:
+    """The position whose buffers (BatchNorm's running stats: FSDP2 leaves every rank its own,
+    whole) each rank of the new world takes: a survivor keeps its own (as of the plan's step);
+    a rank that trained nowhere (a spare, a newcomer) takes, in rank order, those of the
+    positions no survivor keeps (the lost ranks'), and position 0's once none is left (a
+    world that grew)."""
+    kept = set(decided.trained.values())
+    free = iter(sorted(set(range(positions)) - kept))
+    return [decided.trained[r] if r in decided.trained else next(free, 0) for r in range(world_size)]
 
 
 def rows(n: int, world: int) -> list[tuple[int, int]]:
@@ -152,5 +166,5 @@ def lost_together_line(missing: Sequence[int], node_of: Mapping[int, str], keepe
             f"{', '.join(keepers) or '?'}, which kept their copies; resuming from the newest snapshot")
 
 
-__all__ = ["CopyPlan", "HELD", "Holding", "LIVE", "OWN", "Source", "by_position", "lost_together_line", "pieces",
+__all__ = ["CopyPlan", "HELD", "Holding", "LIVE", "OWN", "Source", "buffers_of", "by_position", "lost_together_line", "pieces",
            "plan", "rows", "seats"]

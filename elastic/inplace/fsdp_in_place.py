@@ -17,6 +17,8 @@ lost, as it does for DDP and HSDP:
    from whichever rank holds them (:func:`.peer_restore.regather`), the script's mesh is
    rebuilt over the new world and the model cut anew over it (:func:`.fsdp_private.reshard`),
    and the rows are loaded. At the same size and place (nothing moved) the shards stay.
+   Buffers (BatchNorm's running stats, each rank's own and whole) come whole from one
+   position: a survivor keeps its own, a spare takes a lost rank's (:func:`.copy_plan.buffers_of`).
 4. A position held nowhere (a node lost together with the node that kept its copies, or a
    second loss before the new world's first copy): the newest snapshot, with one line
    naming why (:func:`.copy_plan.lost_together_line`).

@@ -4,9 +4,9 @@ A model sharded across every node (FSDP2 on a 1-D mesh) has no replica: a lost n
 its shards with it, and without a copy elsewhere the job goes back to its last snapshot.
 After every ``K``-th committed step each rank here
 
-1. copies its own state to host memory (its shards and their optimizer state, and the
-   run's own state: step, sampler position, RNG, registered user state, the recent
-   batches' record): its **own copy**;
+1. copies its own state to host memory (its shards and their optimizer state, its
+   buffers, whole, as FSDP2 leaves them, and the run's own state: step, sampler
+   position, RNG, registered user state, the recent batches' record): its **own copy**;
 2. sends it to its **buddy**, a rank on the next node (:mod:`.buddies`), and receives the
    copies of the ranks whose buddy it is, all at once (every send and receive posted
    before any is waited on: a ring of blocking sends would wait on itself).

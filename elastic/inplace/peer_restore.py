@@ -106,10 +106,13 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
     each parameter's global first dimension. Returns this rank's new state, as a copy's
     ``state`` (model and optimizer local tensors of the new cut; the rest of the run's state
     as the first position had it, with its ``recent`` batches' record when its payload had
-    one), for :func:`.hsdp.load_local` after :func:`.fsdp_private.reshard`."""
-    from .copy_plan import pieces, rows
+    one), for :func:`.hsdp.load_local` after :func:`.fsdp_private.reshard`. The model's
+    buffers (every entry of its state that is not a parameter: FSDP2 leaves each rank its
+    own, whole) come whole from one position's state: :func:`.copy_plan.buffers_of`."""
+    from .copy_plan import buffers_of, pieces, rows
 
     after = len(ranks)
+    whose_buffers = buffers_of(decided, before, after)
     mine = sorted(p for p, src in decided.sources.items() if src.rank == me)
     payloads = {p: _payload(copies, decided.sources[p].kind, p, decided.step, capture_live) for p in mine}
     states = {p: payloads[p]["state"] for p in mine}
@@ -128,6 +131,8 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
                 cut_state[index] = {k: (v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                                     for k, v in held.items()}
             parts[p] = {"model": cut_model, "optimizer": cut_state}
+            if whose_buffers[target] == p:
+                parts[p]["buffers"] = {k: v for k, v in model.items() if k not in lengths}
             if p == 0:
                 parts[p]["rest"] = {k: v for k, v in states[p].items() if k not in ("model", "optimizer")}
                 if "recent" in payloads[p]:  # the recent batches' record, as of the step (exactly-once)
@@ -156,6 +161,7 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
                 entry[k] = v
         if entry:
             optimizer_state[index] = entry
+    model_state.update(by_position[whose_buffers[me]]["buffers"])
     first = by_position[0]
     return {"model": model_state, "optimizer": {"state": optimizer_state, "param_groups": first["param_groups"]},
             **first["rest"]}

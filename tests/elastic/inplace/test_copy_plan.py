@@ -123,3 +123,22 @@ def test_a_smaller_world_gathers_each_ranks_new_rows_from_the_positions_that_hol
     assert got.step == 7
     assert got.sources == {0: Source(LIVE, 0), 1: Source(LIVE, 1), 2: Source(HELD, 2), 3: Source(HELD, 3),
                            4: Source(LIVE, 2), 5: Source(LIVE, 3)}
+
+
+def test_buffers_stay_with_a_survivor_and_a_rank_new_to_its_position_takes_a_lost_ranks() -> None:
+    """BatchNorm's running stats are each rank's own, whole (FSDP2 does not shard buffers)."""
+    from elastic.inplace.copy_plan import buffers_of, by_position
+
+    # node b lost, no spare: the survivors, re-numbered 0..3, keep the buffers of where they trained
+    holdings = [_survivor(0, 0, 7), _survivor(1, 1, 7), _survivor(2, 4, 7), _survivor(3, 5, 7)]
+    got = by_position(holdings, 6)
+    assert got.trained == {0: 0, 1: 1, 2: 4, 3: 5}
+    assert buffers_of(got, 6, 4) == [0, 1, 4, 5]
+    # a spare (holding nothing of its own) takes the lost ranks' (2, 3), wherever the world seats it
+    holdings = [_survivor(0, 0, 7), _survivor(1, 1, 7), _spare(2), _spare(3), _survivor(4, 4, 7), _survivor(5, 5, 7)]
+    assert buffers_of(by_position(holdings, 6), 6, 6) == [0, 1, 2, 3, 4, 5]
+    holdings = [_survivor(0, 0, 7), _survivor(1, 1, 7), _survivor(2, 4, 7), _survivor(3, 5, 7), _spare(4), _spare(5)]
+    assert buffers_of(by_position(holdings, 6), 6, 6) == [0, 1, 4, 5, 2, 3]
+    # a world that grew: a newcomer past the lost ranks takes position 0's
+    holdings = [_survivor(0, 0, 7), _survivor(1, 1, 7), _spare(2)]
+    assert buffers_of(by_position(holdings, 2), 2, 3) == [0, 1, 0]

@@ -12,6 +12,11 @@ re-cuts its model (``fsdp_private.reshard``) and loads them. A model built 4-way
 from the snapshot with DCP (which re-shards itself) must hold the same shards and optimizer
 state, bit for bit, and both train two more steps alike.
 
+The model has a BatchNorm, whose running stats FSDP2 leaves each rank whole and its own
+(they differ: each rank saw its own batches). Rank 4 reports as a newcomer would (no
+position of its own, only the copies it keeps), so it takes position 2 of the new cut: its
+buffers must be rank 2's (which left) bit for bit, and each survivor's its own.
+
 Not a node loss under agents (node 1's processes end on their own; the in-place world that
 would re-form around a SIGKILL is not built for this layout yet): what is tested is the
 re-shard from memory once the smaller world has formed."""
@@ -50,7 +55,7 @@ SCRIPT = textwrap.dedent('''\
 
     def build(mesh):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 5))
+        model = nn.Sequential(nn.Linear(16, 30), nn.BatchNorm1d(30), nn.ReLU(), nn.Linear(30, 5))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -76,6 +81,9 @@ SCRIPT = textwrap.dedent('''\
     for step in range(1, 5):
         train(live, xs[step], rank, world)
         assert copies.after_step(step, rank, world, node, local, lambda: capture(live, step), cpu)
+    params = {n for n, _ in live[0].named_parameters()}
+    buffers = {k: v.clone() for k, v in capture_local(*live)[0].items() if k not in params}
+    torch.save(buffers, f"buffers{rank}.pt")  # before the save's collective: every rank is past it below
     model_sd, optim_sd = get_state_dict(*live)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=snapshot)
     if rank not in left:  # node 1 leaves
@@ -85,18 +93,33 @@ SCRIPT = textwrap.dedent('''\
     me = left.index(rank)
     names = [n for n, _ in live[0].named_parameters()]
     lengths = {n: p.shape[0] for n, p in live[0].named_parameters()}
-    reports = gather(holding(copies, me, rank, 4), len(left), group=smaller)
+    # rank 4 reports as a newcomer would (no position, no live state, only the copies it keeps):
+    # it takes position 2 in the new cut, so the buffers of rank 2, which left
+    reports = gather(holding(copies, me, None if rank == 4 else rank, 4), len(left), group=smaller)
     decided = by_position(reports, world)
     state = regather(decided, copies, me, left, world, names, lengths, lambda: capture(live, 4), group=smaller)
     mesh = DeviceMesh.from_group(smaller, "cpu", mesh=torch.tensor(left), mesh_dim_names=("shard",))
     fsdp_private.reshard(live[0], mesh)
+    for k, v in live[0].named_buffers():
+        v.fill_(7)  # what the load must overwrite
     load_local(live[0], live[1], state["model"], state["optimizer"])
+    # buffers (BatchNorm's running stats, each rank's own): a survivor keeps its own, rank 4 takes rank 2's
+    wanted = torch.load(f"buffers{2 if rank == 4 else rank}.pt")
+    other = torch.load(f"buffers{3 if rank == 4 else (rank + 1) % 2}.pt")
+    got = {k: v for k, v in live[0].named_buffers()}
+    assert set(got) == set(wanted) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}, set(got)
+    assert all(torch.equal(got[k], wanted[k]) for k in wanted), rank
+    assert not torch.equal(got["1.running_mean"], other["1.running_mean"])  # the ranks' stats do differ
+    print(f"BUFFERS {rank} of rank {2 if rank == 4 else rank}", flush=True)
     # the reference: the same model built 4-way and loaded from the snapshot by DCP
     ref = build(DeviceMesh.from_group(smaller, "cpu", mesh=torch.tensor(left), mesh_dim_names=("shard",)))
     model_sd, optim_sd = get_state_dict(*ref)
     loaded = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(loaded, checkpoint_id=snapshot, process_group=smaller)
     set_state_dict(*ref, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    with torch.no_grad():  # a snapshot holds one rank's buffers: the reference takes this rank's
+        for (_, a), (_, b) in zip(ref[0].named_buffers(), live[0].named_buffers()):
+            a.copy_(b)
 
     def differ():
         (ma, oa), (mb, ob) = capture_local(*ref), capture_local(*live)
@@ -132,10 +155,16 @@ def test_a_smaller_world_re_shards_from_memory_to_what_a_snapshot_reload_at_its_
         procs.append(python([str(tmp_path / "job.py")], out / f"rank{rank}.log", env=env, cwd=out))
     ddp._wait(procs, tmp_path, timeout=300)
     said = {rank: (out / f"rank{rank}.log").read_text() for rank in range(world)}
-    # node 1's positions from node 2's copies; every other position from the rank that trained at it
-    sources = "[(0, 'live', 0), (1, 'live', 1), (2, 'held', 4), (3, 'held', 5), (4, 'live', 4), (5, 'live', 5)]"
+    # node 1's positions from node 2's copies; position 4 (rank 4 reports as a newcomer) from the copy
+    # node 0 keeps; every other position from the rank that trained at it
+    sources = "[(0, 'live', 0), (1, 'live', 1), (2, 'held', 4), (3, 'held', 5), (4, 'held', 0), (5, 'live', 5)]"
     for rank in (0, 1, 4, 5):
         assert f"SOURCES {rank} {sources}" in said[rank], said[rank]
         assert f"EQUAL {rank}" in said[rank], said[rank]
-    assert "EQUAL 0 {'0.weight': (8, 16), '0.bias': (8,), '2.weight': (2, 30), '2.bias': (2,)}" in said[0], said[0]
-    assert "EQUAL 5 {'0.weight': (6, 16), '0.bias': (6,), '2.weight': (0, 30), '2.bias': (0,)}" in said[5], said[5]
+        # BatchNorm's running stats: a survivor keeps its own; the newcomer at position 2 takes rank 2's
+        assert f"BUFFERS {rank} of rank {2 if rank == 4 else rank}" in said[rank], said[rank]
+    stats = "'1.running_mean': (30,), '1.running_var': (30,), '1.num_batches_tracked': ()"
+    assert (f"EQUAL 0 {{'0.weight': (8, 16), '0.bias': (8,), '1.weight': (8,), '1.bias': (8,), {stats}, "
+            "'3.weight': (2, 30), '3.bias': (2,)}") in said[0], said[0]
+    assert (f"EQUAL 5 {{'0.weight': (6, 16), '0.bias': (6,), '1.weight': (6,), '1.bias': (6,), {stats}, "
+            "'3.weight': (0, 30), '3.bias': (0,)}") in said[5], said[5]
