@@ -2,13 +2,12 @@
 
 Each rank of the new world reports what it holds (:func:`holding`: its position in the world
 before, its live step, its own copies' steps, the copies it keeps), every rank gathers every
-report (:func:`gather`, one all-gather of a few integers), and :func:`.copy_plan.plan` picks
-the step and each rank's source. :func:`carry_out` then moves the state: a rank that is
-a source sends what the plan names (its live state, its own copy, or a copy it keeps for a
-lost rank) to each rank that takes it, every send and receive posted at once
-(:func:`.peer_copies.exchange`), and returns what the rank must load (None: its live state
-stands already). Nothing here touches the model: the caller loads what it gets (after
-:func:`.fsdp_private.reshard` where the rank's cut changed).
+report (:func:`gather`, one all-gather of a few integers), and :func:`.copy_plan.by_position`
+picks the step and, for each old position, the rank that holds it. :func:`regather` then moves
+the state: each rank of the new world gathers its new rows of every parameter and of its
+optimizer state (and the buffers of the position it takes) from whichever rank holds them,
+every send and receive posted at once. Nothing here touches the model: the caller loads what
+it gets (after :func:`.fsdp_private.reshard` where the rank's cut changed).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .copy_plan import HELD, LIVE, OWN, CopyPlan, Holding
+from .copy_plan import LIVE, OWN, CopyPlan, Holding
 from .peer_copies import Copy, PeerCopies, exchange, host_copy
 
 MAX_HELD = 8  # (position, step) pairs one rank reports: its copies and the ones before them
@@ -63,31 +62,6 @@ def _copy_of(copies: PeerCopies, kind: str, position: int, step: int) -> Copy:
         if c is not None and c.step == step and (kind == OWN or c.rank == position):
             return c
     raise LookupError(f"no {kind} copy of rank {position} at step {step} here")  # the plan said there was: a bug
-
-
-def carry_out(plan: CopyPlan, seated: Mapping[int, int], copies: PeerCopies, rank: int,
-              capture_live: Callable[[], Any]) -> Any | None:
-    """Send what the plan has this rank send; the payload it must load (None: its live state
-    is the plan's already). ``seated``: new rank -> the position it takes."""
-    assert plan.from_memory
-    sends: dict[int, Any] = {}
-    for target, source in sorted(plan.sources.items()):
-        if source.rank != rank or target == rank:
-            continue
-        if source.kind == LIVE:
-            sends[target] = host_copy(capture_live())[0]
-        else:
-            sends[target] = _copy_of(copies, source.kind, seated[target], plan.step).payload
-    mine = plan.sources[rank]
-    srcs = [mine.rank] if mine.rank != rank else []
-    received = exchange(sends, srcs)
-    if srcs:
-        return received[mine.rank]
-    if mine.kind == LIVE:
-        return None
-    if mine.kind == HELD:  # a rank taking the position whose copy it keeps itself
-        return _copy_of(copies, HELD, seated[rank], plan.step).payload
-    return _copy_of(copies, OWN, seated[rank], plan.step).payload
 
 
 def _payload(copies: PeerCopies, kind: str, position: int, step: int, capture_live: Callable[[], Any]) -> Any:
@@ -167,4 +141,4 @@ def regather(decided: CopyPlan, copies: PeerCopies, me: int, ranks: Sequence[int
             **first["rest"]}
 
 
-__all__ = ["MAX_HELD", "carry_out", "decode", "encode", "gather", "holding", "regather"]
+__all__ = ["MAX_HELD", "decode", "encode", "gather", "holding", "regather"]
