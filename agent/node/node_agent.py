@@ -136,7 +136,7 @@ class NodeAgent(ElasticAgent):
                          wake=self._wake, on_keep_out=lambda out: self.reporting.on_keep_out(out),
                          while_spare=lambda: self.spares.start_ahead())
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
-                                         self.rdzv.goodput_handler())
+                                         self.rdzv.goodput_session())
         # stragglers: publish this node's pace, name the slow node, evict it (agent/node/pace.py)
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)

@@ -34,6 +34,7 @@ from agent.rendezvous.keepout import KeepOut
 from agent.rendezvous.lease_clock import Verdict
 from agent.rendezvous.rounds import JOIN
 from agent.rendezvous.registry import NodeRecord
+from agent.rendezvous.session import EtcdSession, RendezvousSession
 from elastic.worker_env import joins_live_world
 
 from agent.node.policy import JobEnd, Reason, etcd_lost
@@ -198,8 +199,8 @@ class AgentRendezvous(abc.ABC):
         from agent.node.nulls import NoCommands
         return NoCommands()
 
-    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
-        """The handler goodput's shared account lives in (None: no account, agent.node.goodput)."""
+    def goodput_session(self) -> RendezvousSession | None:
+        """The session goodput's shared account lives in (None: no account, agent.node.goodput)."""
         return None
 
 
@@ -225,6 +226,7 @@ class EtcdRendezvous(AgentRendezvous):
 
     def __init__(self, handler: EtcdV3RendezvousHandler, node: str, nproc: int, in_place: bool) -> None:
         super().__init__(handler, node, nproc, in_place)
+        self.session = EtcdSession(handler)  # all the watches get of the rendezvous
 
     @property
     def can_keep_out(self) -> bool:
@@ -367,7 +369,7 @@ class EtcdRendezvous(AgentRendezvous):
         self.keep_out(out)
 
     def spares_waiting(self, current: Round) -> int:
-        return spares_waiting(self._handler, current.participants)
+        return spares_waiting(self.session, current.participants)
 
     def lease_health(self) -> LeaseHealth:
         h = self._handler
@@ -416,7 +418,7 @@ class EtcdRendezvous(AgentRendezvous):
 
     def pace_monitor(self, metrics: Any, metrics_dir: Any, heartbeat_dir: Any) -> Any:
         from agent.node.pace import PaceMonitor
-        return PaceMonitor(self.node, self._handler, metrics, metrics_dir, heartbeat_dir)
+        return PaceMonitor(self.node, self.session, metrics, metrics_dir, heartbeat_dir)
 
     def freeze_watch(self, channel: Any) -> Any:
         if not self.in_place:
@@ -426,12 +428,12 @@ class EtcdRendezvous(AgentRendezvous):
 
     def command_watch(self, heartbeat_dir: str) -> Any:
         from agent.node.commands import CommandWatch
-        watch = CommandWatch(self._handler, self.node)
+        watch = CommandWatch(self.session, self.node)
         watch.heartbeat_dir = heartbeat_dir  # `elastic inject-sdc`: the request goes there
         return watch
 
-    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
-        return self._handler
+    def goodput_session(self) -> RendezvousSession | None:
+        return self.session
 
 
 _EXTRA_DEFAULTS: dict[str, object] = {"crash": "", "in_place": False}  # what a record without the key says
