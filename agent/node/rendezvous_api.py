@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elastic.inplace.channel import RoundOffer, assign_ranks, make_offer
 from agent.etcd import EtcdError
 from agent.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from agent.rendezvous.ended import JobEnded
 from agent.rendezvous.keepout import KeepOut
 from agent.rendezvous.lease_clock import Verdict
 from agent.rendezvous.rounds import JOIN
@@ -439,6 +440,68 @@ class EtcdRendezvous(AgentRendezvous):
 _EXTRA_DEFAULTS: dict[str, object] = {"crash": "", "in_place": False}  # what a record without the key says
 
 
+class HandlerSide:
+    """What the launcher asks of the handler torchrun's registry built, before and after the
+    agent runs: any torch handler answers with nothing (no outcome, no spares, no round numbers
+    of its own) and is shut down as torch's contract says."""
+
+    fences_rounds = False  # whether its round numbers are the snapshot directory's fence tokens
+
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self._handler = handler
+
+    def closed_outcome(self) -> JobEnded | None:
+        """How the job ended, as another node closed it (None: not closed, or cannot say)."""
+        return None
+
+    def close_job(self, outcome: str, cause: str) -> None:
+        """Close the job's rendezvous (``outcome``/``cause``: how it ended, for the other agents)."""
+        self._handler.shutdown()
+
+    def leave(self) -> None:
+        """Leave without closing the job (peers notice now, not at a lease's end), where the
+        handler can (torch's ABC has no such call: those without a ``close`` do nothing)."""
+        close = getattr(self._handler, "close", None)
+        if callable(close):
+            close()
+
+    def on_spare(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(True/False)`` as this node starts and stops waiting as a spare."""
+
+    def start_rounds_above(self, fence_round: int) -> int | None:
+        """Start the job's rounds above ``fence_round`` if etcd holds none; returns the newest round
+        etcd holds when that is below the fence (no group of this job raised it), else None."""
+        return None
+
+
+class EtcdHandlerSide(HandlerSide):
+    """:class:`HandlerSide` of the etcd-v3 handler: the job's end travels with its close."""
+
+    fences_rounds = True
+    _handler: EtcdV3RendezvousHandler
+
+    def closed_outcome(self) -> JobEnded | None:
+        return self._handler.closed_outcome()
+
+    def close_job(self, outcome: str, cause: str) -> None:
+        self._handler.shutdown(outcome=outcome, cause=cause)
+
+    def on_spare(self, callback: Callable[[bool], None]) -> None:
+        self._handler.on_spare.append(callback)
+
+    def start_rounds_above(self, fence_round: int) -> int | None:
+        newest = self._handler.newest_round()
+        if newest is None:
+            self._handler.first_round = fence_round + 1
+            return None
+        return newest if fence_round > newest else None
+
+
+def handler_side(handler: RendezvousHandler) -> HandlerSide:
+    """The launcher's side of ``handler``: ours over etcd-v3, else torch's (which does nothing more)."""
+    return EtcdHandlerSide(handler) if isinstance(handler, EtcdV3RendezvousHandler) else HandlerSide(handler)
+
+
 def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place: bool) -> AgentRendezvous:
     """The interface over ``handler``: ours over etcd-v3, else the generic one (in-place needs ours)."""
     if isinstance(handler, EtcdV3RendezvousHandler):
@@ -446,4 +509,5 @@ def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place
     return TorchRendezvous(handler, node, nproc, in_place=False)
 
 
-__all__ = ["AgentRendezvous", "JobFinishedError", "EtcdRendezvous", "LeaseHealth", "Round", "TorchRendezvous", "agent_rendezvous"]
+__all__ = ["AgentRendezvous", "EtcdHandlerSide", "EtcdRendezvous", "HandlerSide", "JobFinishedError", "LeaseHealth",
+           "Round", "TorchRendezvous", "agent_rendezvous", "handler_side"]
