@@ -103,6 +103,23 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
             line for line in text.splitlines() if re.search(r"self\.(pace|freeze|commands|channel|pool|ours)\b", line)))
 
 
+# Until branch `freeze` lands, freeze.py still takes the handler (issue 54 item 1's last watch).
+_HANDLER_STILL = {"freeze"}
+
+
+def test_only_the_interface_module_knows_the_etcd_handler() -> None:
+    """The watches get a narrow session (agent/rendezvous/session.py), the launcher a
+    ``HandlerSide``: no module of the agent but rendezvous_api.py names the etcd-v3 handler
+    class or reaches into a handler (``._handler``, ``handler.``)."""
+    for path in sorted(AGENT.glob("*.py")):
+        if path.stem in ("rendezvous_api", *_HANDLER_STILL):
+            continue
+        code = re.sub(r"#.*", "", path.read_text())
+        assert "EtcdV3RendezvousHandler" not in code, f"{path.name} names the etcd-v3 handler"
+        for line in code.splitlines():
+            assert not re.search(r"\._handler\b|\bhandler\.\w|\.handler\.\w", line), f"{path.name}: {line.strip()}"
+
+
 def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
     """Node b formed the job alone; its workers had not yet said they run in place when
