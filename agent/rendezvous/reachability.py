@@ -30,6 +30,7 @@ from agent.rendezvous.probe import UNREACHABLE, reach
 from agent.rendezvous.registry import NodeLease, NodeRecord
 from agent.rendezvous.rounds import CLOSED, RoundRecord
 from agent.rendezvous.signing import SignatureError, StateSigner
+from agent.rendezvous.states import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class Reachability:
         except EtcdError as exc:
             log.warning("[%s] could not %s its keep-out record: %s", self.node,
                         "clear" if out is None else "write", exc)
-        self.lease.update(state="kept_out" if out is not None else "rendezvous",
+        self.lease.update(state=NodeState.KEPT_OUT.value if out is not None else NodeState.RENDEZVOUS.value,
                           extra={"kept_out": out.describe()} if out is not None else {})
         for listener in list(self.listeners):
             listener(out)

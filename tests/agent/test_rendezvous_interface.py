@@ -220,3 +220,16 @@ def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joi
 def test_a_round_counts_the_other_members_as_its_list_of_them_does() -> None:
     current = Round(participants=("a", "b", "c"))
     assert [current.count_others(n) for n in ("a", "z")] == [len(current.others("a")), len(current.others("z"))] == [2, 3]
+
+
+def test_the_states_the_rendezvous_writes_are_the_agents_enums_as_plain_strings() -> None:
+    """One spelling (agent.rendezvous.states, re-exported by agent.node.states), written as its
+    value: an enum member hashes by its name and would miss a set of strings."""
+    from agent.node import states
+    from agent.rendezvous.registry import NodeRecord
+    from agent.rendezvous.rounds import FAILURE, JOIN, ON_THEIR_WAY
+
+    assert states.NodeState is NodeState and states.RoundCause is RoundCause
+    assert type(NodeRecord(node="a", host="h", pid=1).state) is str and all(type(s) is str for s in ON_THEIR_WAY)
+    assert ON_THEIR_WAY == {NodeState.STOPPING.value, NodeState.RENDEZVOUS.value}
+    assert (JOIN, FAILURE) == (RoundCause.JOIN.value, RoundCause.FAILURE.value)
