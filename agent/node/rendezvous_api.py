@@ -366,7 +366,7 @@ class EtcdRendezvous(AgentRendezvous):
         return self._handler.client.settings
 
     def hold_out(self, out: KeepOut | None) -> None:
-        self._handler._start()  # the lease and mirror the keep-out key needs
+        self._handler.start()  # the lease and mirror the keep-out key needs
         self.keep_out(out)
 
     def spares_waiting(self, current: Round) -> int:
@@ -388,7 +388,7 @@ class EtcdRendezvous(AgentRendezvous):
         node its peers cannot reach, and wait until the rendezvous' own mirror shows it: a
         stale key there would make the next round keep this node out again, as unreachable."""
         h = self._handler
-        h.reachability._publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
+        h.reachability.publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
         deadline = time.monotonic() + _KEEP_OUT_SEEN_S
         while time.monotonic() < deadline:
             entries, revision = h.narrow.entries()

@@ -186,7 +186,7 @@ class Reachability:
                     f" ({', '.join(cut)})" if cut else "", backoff(self.strikes), self.strikes)
         while True:
             out = KeepOut(self.node, self.strikes, backoff(self.strikes), cut, round=record.round)
-            self._publish(out)
+            self.publish(out)
             if self._sleep(out.backoff, closed):
                 return
             training = record.participants if record.state == CLOSED else record.previous
@@ -199,7 +199,7 @@ class Reachability:
                         self.node, ", ".join(cut), time.monotonic() - since, backoff(self.strikes), self.strikes)
         log.info("[%s] reaches its peers again after %.0f s kept out; rejoining", self.node, time.monotonic() - since)
         self._back_at = time.monotonic()
-        self._publish(None)
+        self.publish(None)
 
     def _sleep(self, seconds: float, closed: Callable[[], bool]) -> bool:
         """True if the job closed meanwhile."""
@@ -210,7 +210,9 @@ class Reachability:
             time.sleep(min(_RECHECK_S, max(0.0, end - time.monotonic())))
         return closed()
 
-    def _publish(self, out: KeepOut | None) -> None:
+    def publish(self, out: KeepOut | None) -> None:
+        """Write (or, with None, clear) this node's keep-out key, and its state with it: the one
+        writer of keep-out keys (a node its peers cannot reach, or one the agent keeps out)."""
         key = self.keepout_prefix + self.node
         self._out = out
 
