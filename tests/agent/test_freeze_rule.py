@@ -263,6 +263,7 @@ def _look_for(watch: FreezeWatch, seconds: float) -> tuple[Frozen | None, float]
     return None, seconds
 
 
+@pytest.mark.slow  # starts witness processes (a freeze is a SIGSTOP of a process)
 def test_a_stall_judged_alive_writes_off_a_peer_that_freezes_later_never_one_busy_for_a_moment(
     witnesses: Callable[[str], tuple[subprocess.Popen[str], str]]
 ) -> None:
@@ -286,6 +287,7 @@ def test_a_stall_judged_alive_writes_off_a_peer_that_freezes_later_never_one_bus
     assert "did not answer 2 questions in a row" in found.said, found.said
 
 
+@pytest.mark.slow  # starts witness processes (a freeze is a SIGSTOP of a process)
 def test_a_verdict_skipped_for_a_stale_own_keep_alive_is_judged_again(
     witnesses: Callable[[str], tuple[subprocess.Popen[str], str]]
 ) -> None:
