@@ -1,19 +1,19 @@
 """A member frozen while a gloo reconfigure's pairs connect (issue 51, item 12): three real
 processes, real gloo, a real SIGSTOP.
 
-Rank 2 freezes after posting its address, before reading the others' (so before connecting). A survivor whose pair waits for rank 2 to
-connect (gloo: the higher rank of a pair connects) waited gloo's connect timeout, 5 s, which
+Rank 2 freezes after posting its address, before reading the others' (so before it
+connects). A survivor whose pair waits for rank 2 to connect (gloo: the higher rank of a
+pair connects) waited gloo's connect timeout, 5 s, which
 nothing interrupts; and once rank 2 was thawed, its late connect reached the pair the
 survivor had given up on and gloo aborted the survivor (``pair.cc:684 state_ <= CONNECTED.
-5 vs 4``, SIGABRT, in about 1 run in 5: ``bench/gloo_freeze_mid_connect.py``). Here the
+5 vs 4``, SIGABRT; both, in 2 runs of 2 of this test without the release). Here the
 survivors do what :class:`elastic.inplace.membership.Membership`'s watcher does when the
 agents' next round leaves rank 2 out, 0.8 s in: abandon the round's store and release the
 pairs that wait for rank 2 (:func:`elastic.inplace.gloo_private.release_pending_connect`, on
 the listener :func:`elastic.inplace.fence.listening` found the group's device open). The
 round is then given up at once, the survivors form the next one, and rank 2, thawed, can no
-longer abort them. Not deterministic on the old code: a survivor whose own connect to the
-frozen rank completed in the kernel forms round 1 (then its first collective stalls, which
-the freeze probe handles), and in a few runs rank 2 froze too late to hold anyone.
+longer abort them. A survivor may also form round 1 (a pair rank 2 connected before it
+froze); its first collective then stalls, which the freeze probe handles.
 """
 
 from __future__ import annotations
