@@ -19,11 +19,13 @@ froze); its first collective then stalls, which the freeze probe handles.
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
 
 from elastic.inplace.channel import RoundOffer
+from elastic.inplace.fence import _address, listening
 from elastic.inplace.membership import waited_for
 from tests.support.pair import run_ranks
 
@@ -94,6 +96,16 @@ print("round 2 world", dist.get_world_size(), "sum", x.item(), flush=True)
 if rank == 0:
     time.sleep(1)
 """
+
+
+def test_this_processs_listeners_are_found_with_their_addresses() -> None:
+    assert _address("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert _address("00000000000000000000000001000000:0050") == ("::1", 80)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        assert ("127.0.0.1", server.getsockname()[1]) not in listening().values(), "bound is not listening"
+        server.listen(1)
+        assert ("127.0.0.1", server.getsockname()[1]) in listening().values()
 
 
 def test_which_ranks_a_pair_waits_for_when_a_newer_round_leaves_their_node_out() -> None:
