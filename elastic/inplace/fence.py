@@ -49,6 +49,31 @@ def _tcp_inodes() -> set[str]:
     return inodes
 
 
+def _address(hex_addr: str) -> tuple[str, int]:
+    """``/proc/net/tcp``'s ``0100007F:1F90`` (or tcp6's 32 hex digits) as ``("127.0.0.1", 8080)``."""
+    ip, _, port = hex_addr.partition(":")
+    raw = bytes.fromhex(ip)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words), int(port, 16)
+
+
+def listening() -> dict[str, tuple[str, int]]:
+    """This process's listening TCP sockets: inode -> (address, port)."""
+    mine = {target[8:-1] for target in socket_fds().values()}
+    found: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == _LISTEN and fields[9] in mine:
+                        found[fields[9]] = _address(fields[1])
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def socket_fds() -> dict[int, str]:
     """This process's open sockets: fd -> ``socket:[inode]``."""
     found: dict[int, str] = {}
