@@ -323,7 +323,8 @@ class Host:
             # every participant's lease on one keep-alive stream of this process (bench/sim_keepalive.py)
             first = self.connections[0]
             metadata, credentials = first.client.request_metadata(deadline=10.0)
-            self.keepalive = HostKeepAlive(first.channel(host, int(port)), metadata, credentials, spec.lease_ttl)
+            self.keepalive = HostKeepAlive(first.channel(host, int(port)), metadata, credentials, spec.lease_ttl,
+                                           streams=max(1, -(-len(indices) // 8)))  # 8 leases a stream
             sim_keepalive.install(self.keepalive)
         self.participants = [Participant(i, spec, self.connections[k % len(self.connections)])
                              for k, i in enumerate(indices)]
@@ -703,7 +704,7 @@ def main() -> None:
     print(f"rendezvous_sim: {args.hosts} host processes + the victim's, {args.per_connection} participants per etcd "
           f"connection, lease TTL {args.lease_ttl} s, "
           f"monitor every {args.monitor_interval} s, joins spread over {args.join_spread} s, "
-          f"one keep-alive stream per host for its leases, {CORES} cores, load {_load()}", flush=True)
+          f"a host's leases on keep-alive streams of 8, {CORES} cores, load {_load()}", flush=True)
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
               f"{'k-a/n':>6}  {'ev/node':>8} {'med':>5} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
               f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7} {'etcd':>6}  load")

@@ -35,18 +35,22 @@ _DONE = object()
 
 
 class HostKeepAlive:
-    """Every lease of this process on one ``LeaseKeepAlive`` stream, refreshed each TTL/4."""
+    """Every lease of this process on a few ``LeaseKeepAlive`` streams, refreshed each TTL/4."""
 
-    def __init__(self, channel: Any, metadata: Any, credentials: Any, ttl: float) -> None:
+    def __init__(self, channel: Any, metadata: Any, credentials: Any, ttl: float, streams: int = 1) -> None:
         self._channel, self._metadata, self._credentials = channel, metadata, credentials
         self.interval = ttl / 4
         self._lock = threading.Lock()
         self._leases: dict[int, tuple[registry.NodeLease, Any]] = {}  # id(lease) -> (lease, counter)
         self._sent: dict[int, tuple[registry.NodeLease, float]] = {}  # lease id -> (lease, send time) unanswered
-        self._requests: queue.Queue[Any] = queue.Queue()
+        # etcd answers a stream's keep-alives one after another (each renewal waits for its apply
+        # to catch up), so 128 leases on one stream were answered after more than TTL/4 while a
+        # round wrote: a few streams, each lease always on the same one
+        self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(streams)]
         self._stop = threading.Event()
         self.sent = self.replies = self.streams = self.missed = 0
-        threading.Thread(target=self._stream_loop, name="sim-keepalive-stream", daemon=True).start()
+        for q in self._queues:
+            threading.Thread(target=self._stream_loop, args=(q,), name="sim-keepalive-stream", daemon=True).start()
         threading.Thread(target=self._tick_loop, name="sim-keepalive-tick", daemon=True).start()
 
     def add(self, lease: registry.NodeLease, counter: Any) -> None:
@@ -55,7 +59,8 @@ class HostKeepAlive:
 
     def close(self) -> None:
         self._stop.set()
-        self._requests.put(_DONE)
+        for q in self._queues:
+            q.put(_DONE)
 
     # ------------------------------------------------------------------ sending
 
@@ -88,23 +93,23 @@ class HostKeepAlive:
                 with self._lock:
                     self._sent[lease_id] = (lease, now)
                 self.sent += 1
-                self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+                self._queues[lease_id % len(self._queues)].put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
 
-    def _feed(self) -> Iterator[Any]:
+    def _feed(self, requests: "queue.Queue[Any]") -> Iterator[Any]:
         while True:
-            request = self._requests.get()
+            request = requests.get()
             if request is _DONE:
                 return
             yield request
 
     # ------------------------------------------------------------------ receiving
 
-    def _stream_loop(self) -> None:
+    def _stream_loop(self, requests: "queue.Queue[Any]") -> None:
         while not self._stop.is_set():
             self.streams += 1
             try:
                 call = etcdrpc.LeaseStub(self._channel).LeaseKeepAlive(
-                    self._feed(), metadata=self._metadata, credentials=self._credentials)
+                    self._feed(requests), metadata=self._metadata, credentials=self._credentials)
                 for reply in call:
                     self._answer(int(reply.ID), int(reply.TTL))
             except Exception as exc:  # noqa: BLE001 - the stream broke: unanswered leases fail at the next tick
