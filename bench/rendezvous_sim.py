@@ -2,10 +2,11 @@
 
 ``bench/rendezvous_scale.py`` runs one process per node (9 MiB each plus a zygote, and
 CPU-bound past 64 on 2 cores). Here a few **host** processes each hold many participants:
-every participant is a real :class:`EtcdV3RendezvousHandler` with its own lease (and its
-keep-alive thread), its own registry key, join keys and watches, its own witness; only an
-etcd connection (a client, its gRPC channel and watch stream) is shared, by ``--per-connection``
-participants of a host. The **victim** (the last node) is a process of its own, holding one
+every participant is a real :class:`EtcdV3RendezvousHandler` with its own lease, its own
+registry key, join keys and watches, its own witness; an etcd connection (a client, its gRPC
+channel and watch stream) is shared, by ``--per-connection`` participants of a host, and the
+host keeps all its leases alive on a few ``LeaseKeepAlive`` streams instead of a thread per
+lease (:mod:`sim_keepalive`: a thread each starved at 1,024 on 2 cores). The **victim** (the last node) is a process of its own, holding one
 participant, so that its loss is a SIGKILL: its lease stops being kept alive, its witness
 and keep-alives die with it.
 
@@ -268,6 +269,7 @@ class Spec:
     c10d_port: int = 0
     monitor_interval: float = MONITOR_INTERVAL_S
     join_spread: float = 0.0
+    request_timeout: float = 5.0
 
 
 class Participant:
@@ -314,7 +316,8 @@ class Host:
         # one connection per ``per_connection`` participants: hundreds of keep-alive streams and
         # watch creations on one HTTP/2 connection and one python3-etcd3 watcher (which creates
         # watches one at a time) stalled 256 participants' start for minutes
-        self.connections = [Connection_(EtcdSettings(endpoints=((host, int(port)),)))
+        self.connections = [Connection_(EtcdSettings(endpoints=((host, int(port)),),
+                                                     request_timeout=spec.request_timeout))
                             for _ in range(max(1, -(-len(indices) // per_connection)))]
         self.keepalive: HostKeepAlive | None = None
         if spec.backend == OURS:
@@ -570,7 +573,8 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
     trial = Trial(backend, n)
     run_id = f"sim{'loss' if kill else 'form'}{n}-{time.time_ns()}"
     spec = Spec(backend, etcd.endpoint, run_id, n - 1 if kill else n, n, args.lease_ttl,
-                free_port() if backend == C10D else 0, args.monitor_interval, args.join_spread)
+                free_port() if backend == C10D else 0, args.monitor_interval, args.join_spread,
+                args.request_timeout)
     hosts = Hosts(spec, n, args.hosts, args.give_up, args.per_connection)
     watch_client: EtcdClient | None = None
     watch = None
@@ -692,6 +696,8 @@ def main() -> None:
                         help="the agent's monitor loop interval per host, s (default torch's 0.1)")
     parser.add_argument("--join-spread", type=float, default=0.0,
                         help="a host starts its participants' first rendezvous over this many seconds (0: at once)")
+    parser.add_argument("--request-timeout", type=float, default=5.0,
+                        help="etcd request timeout, s (the endpoint option request_timeout; default 5)")
     parser.add_argument("--c10d-max", type=int, default=256, help="run c10d up to this many nodes")
     parser.add_argument("--give-up", type=float, default=300.0, help="seconds before a phase counts as failed")
     parser.add_argument("--no-kill", action="store_true", help="formation only")
@@ -702,7 +708,7 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"rendezvous_sim: {args.hosts} host processes + the victim's, {args.per_connection} participants per etcd "
-          f"connection, lease TTL {args.lease_ttl} s, "
+          f"connection, lease TTL {args.lease_ttl} s, request timeout {args.request_timeout} s, "
           f"monitor every {args.monitor_interval} s, joins spread over {args.join_spread} s, "
           f"a host's leases on keep-alive streams of 8, {CORES} cores, load {_load()}", flush=True)
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
