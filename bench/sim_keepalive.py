@@ -43,9 +43,9 @@ class HostKeepAlive:
         self._lock = threading.Lock()
         self._leases: dict[int, tuple[registry.NodeLease, Any]] = {}  # id(lease) -> (lease, counter)
         self._sent: dict[int, tuple[registry.NodeLease, float]] = {}  # lease id -> (lease, send time) unanswered
-        # etcd answers a stream's keep-alives one after another (each renewal waits for its apply
-        # to catch up), so 128 leases on one stream were answered after more than TTL/4 while a
-        # round wrote: a few streams, each lease always on the same one
+        # a few streams, each lease always on the same one (tried against late replies with 128
+        # leases on one stream; they came late with 8 a stream too: the machine's load, not the
+        # stream, see docs/BENCHMARKS.md), so that one slow stream does not hold every lease
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(streams)]
         self._stop = threading.Event()
         self.sent = self.replies = self.streams = self.missed = 0
