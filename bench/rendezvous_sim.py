@@ -2,10 +2,11 @@
 
 ``bench/rendezvous_scale.py`` runs one process per node (9 MiB each plus a zygote, and
 CPU-bound past 64 on 2 cores). Here a few **host** processes each hold many participants:
-every participant is a real :class:`EtcdV3RendezvousHandler` with its own lease (and its
-keep-alive thread), its own registry key, join keys and watches, its own witness; only an
-etcd connection (a client, its gRPC channel and watch stream) is shared, by ``--per-connection``
-participants of a host. The **victim** (the last node) is a process of its own, holding one
+every participant is a real :class:`EtcdV3RendezvousHandler` with its own lease, its own
+registry key, join keys and watches, its own witness; an etcd connection (a client, its gRPC
+channel and watch stream) is shared, by ``--per-connection`` participants of a host, and the
+host keeps all its leases alive on a few ``LeaseKeepAlive`` streams instead of a thread per
+lease (:mod:`sim_keepalive`: a thread each starved at 1,024 on 2 cores). The **victim** (the last node) is a process of its own, holding one
 participant, so that its loss is a SIGKILL: its lease stops being kept alive, its witness
 and keep-alives die with it.
 
@@ -64,6 +65,8 @@ from agent.rendezvous import EtcdV3RendezvousHandler, registry  # noqa: E402
 from agent.rendezvous.options import RendezvousOptions  # noqa: E402
 from agent.rendezvous.signing import StateSigner  # noqa: E402
 from forked_nodes import tree_cpu_seconds  # noqa: E402
+import sim_keepalive  # noqa: E402
+from sim_keepalive import HostKeepAlive  # noqa: E402
 
 OURS, C10D = "etcd-v3", "c10d"
 MONITOR_INTERVAL_S = 0.1  # torch's monitor interval
@@ -225,7 +228,14 @@ class CountingClient(EtcdClient):
         self._version_checked = True  # the shared client checks once
 
     def _raw(self) -> Any:
-        return _RawProxy(self.shared.client._raw(), self.counter)
+        raw = self.shared.client._raw()
+        for endpoint in raw.endpoints.values():
+            # python3-etcd3 marks an endpoint failed after one request's timeout, and every other
+            # request on the client then fails at once ("No endpoint available") until it is
+            # retried: on one machine each agent's client is its own, here one participant's late
+            # answer failed 31 others' requests for 30 s at 1,024 (as for ``_reset`` below)
+            endpoint.time_retry = 0
+        return _RawProxy(raw, self.counter)
 
     def _reset(self, failed: Any = None, error: BaseException | None = None) -> None:
         """Not the shared channel: on their own machines one node's timed-out request rebuilds
@@ -257,6 +267,9 @@ class Spec:
     max_nodes: int
     lease_ttl: int
     c10d_port: int = 0
+    monitor_interval: float = MONITOR_INTERVAL_S
+    join_spread: float = 0.0
+    request_timeout: float = 5.0
 
 
 class Participant:
@@ -303,11 +316,19 @@ class Host:
         # one connection per ``per_connection`` participants: hundreds of keep-alive streams and
         # watch creations on one HTTP/2 connection and one python3-etcd3 watcher (which creates
         # watches one at a time) stalled 256 participants' start for minutes
-        self.connections = [Connection_(EtcdSettings(endpoints=((host, int(port)),)))
+        self.connections = [Connection_(EtcdSettings(endpoints=((host, int(port)),),
+                                                     request_timeout=spec.request_timeout))
                             for _ in range(max(1, -(-len(indices) // per_connection)))]
+        self.keepalive: HostKeepAlive | None = None
         if spec.backend == OURS:
             for shared in self.connections:
                 shared.client.call(lambda c: c.get("/"))  # each connection, checked once
+            # every participant's lease on one keep-alive stream of this process (bench/sim_keepalive.py)
+            first = self.connections[0]
+            metadata, credentials = first.client.request_metadata(deadline=10.0)
+            self.keepalive = HostKeepAlive(first.channel(host, int(port)), metadata, credentials, spec.lease_ttl,
+                                           streams=max(1, -(-len(indices) // 8)))  # 8 leases a stream
+            sim_keepalive.install(self.keepalive)
         self.participants = [Participant(i, spec, self.connections[k % len(self.connections)])
                              for k, i in enumerate(indices)]
         if spec.backend == OURS:  # up before "go", as agents that have been running are: lease, watch
@@ -348,7 +369,7 @@ class Host:
                     noticed = time.monotonic()
                     p.handler.lease.update(state="stopping")
                     self.start_round(p, noticed)
-            self._quiet.wait(max(0.0, MONITOR_INTERVAL_S - (time.monotonic() - tick)))
+            self._quiet.wait(max(0.0, self.spec.monitor_interval - (time.monotonic() - tick)))
 
     def serve(self) -> None:
         self.send("ready", os.getpid())
@@ -356,7 +377,10 @@ class Host:
             command = self.link.recv()
             if command == "go":
                 now = time.monotonic()
-                for p in self.participants:
+                gap = self.spec.join_spread / max(1, len(self.participants))
+                for k, p in enumerate(self.participants):  # staggered over --join-spread (0: at once)
+                    if gap:
+                        time.sleep(max(0.0, now + k * gap - time.monotonic()))
                     self.start_round(p, now)
             elif command == "follow":
                 self._quiet.clear()
@@ -373,6 +397,8 @@ class Host:
             elif command == "stop":
                 for p in self.participants:
                     _stop(p.handler)
+                if self.keepalive is not None:
+                    self.keepalive.close()
                 self.send("stopped")
                 return
 
@@ -547,7 +573,8 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
     trial = Trial(backend, n)
     run_id = f"sim{'loss' if kill else 'form'}{n}-{time.time_ns()}"
     spec = Spec(backend, etcd.endpoint, run_id, n - 1 if kill else n, n, args.lease_ttl,
-                free_port() if backend == C10D else 0)
+                free_port() if backend == C10D else 0, args.monitor_interval, args.join_spread,
+                args.request_timeout)
     hosts = Hosts(spec, n, args.hosts, args.give_up, args.per_connection)
     watch_client: EtcdClient | None = None
     watch = None
@@ -665,6 +692,12 @@ def main() -> None:
                         help="participants sharing one etcd connection (client, channel, watch stream) in a host")
     parser.add_argument("--lease-ttl", type=int, default=15,
                         help="lease TTL, s (default 15: a thousand leases' keep-alives on 2 loaded cores)")
+    parser.add_argument("--monitor-interval", type=float, default=MONITOR_INTERVAL_S,
+                        help="the agent's monitor loop interval per host, s (default torch's 0.1)")
+    parser.add_argument("--join-spread", type=float, default=0.0,
+                        help="a host starts its participants' first rendezvous over this many seconds (0: at once)")
+    parser.add_argument("--request-timeout", type=float, default=5.0,
+                        help="etcd request timeout, s (the endpoint option request_timeout; default 5)")
     parser.add_argument("--c10d-max", type=int, default=256, help="run c10d up to this many nodes")
     parser.add_argument("--give-up", type=float, default=300.0, help="seconds before a phase counts as failed")
     parser.add_argument("--no-kill", action="store_true", help="formation only")
@@ -675,8 +708,9 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"rendezvous_sim: {args.hosts} host processes + the victim's, {args.per_connection} participants per etcd "
-          f"connection, lease TTL {args.lease_ttl} s, "
-          f"{CORES} cores, load {_load()}", flush=True)
+          f"connection, lease TTL {args.lease_ttl} s, request timeout {args.request_timeout} s, "
+          f"monitor every {args.monitor_interval} s, joins spread over {args.join_spread} s, "
+          f"a host's leases on keep-alive streams of 8, {CORES} cores, load {_load()}", flush=True)
     header = (f"{'nodes':>5}  {'':>4}  {'ours s':>7}  {'c10d s':>6}  {'ratio':>5}  {'req/node':>8} {'med':>5} {'max':>6}  "
               f"{'k-a/n':>6}  {'ev/node':>8} {'med':>5} {'max':>6}  {'evKiB/n':>8} {'rdKiB/n':>8}  "
               f"{'req tot':>8} {'ev tot':>9} {'MiB tot':>8}  {'cpu s':>7} {'etcd':>6}  load")
@@ -697,6 +731,8 @@ def main() -> None:
             c10d_loss = _attempt(f"{C10D} loss {n}", lambda: run_trial(C10D, n, args, etcd, kill=True)) \
                 if n <= args.c10d_max else None
             if loss is not None:
+                if form is None:  # --no-form: the loss trial's own first round (N of N-1:N) is a formation too
+                    print(_row(loss, None, "form"), flush=True)
                 print(_row(loss, c10d_loss, "loss"), flush=True)
     shutil.rmtree(data_dir, ignore_errors=True)
     print("(form: go -> all hold; loss: lease expiry -> all survivors hold (c10d: kill -> all hold, and the ratio\n"

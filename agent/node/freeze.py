@@ -25,6 +25,18 @@ world failed although that round removed nobody from it (:func:`waiting_level`) 
 same verdict's trigger: the round's other members are asked at once, and the silent are
 written off in it.
 
+**A stall judged alive and then a freeze.** A stuck step whose peers all answered (a slow
+peer, a long heal, a join waiting on a joiner still starting) stays stuck; if one of them
+freezes then, no new report comes (the worker says "stuck" once per step), and judged once
+per stall, such a freeze waited for the lease; so did a verdict skipped because this
+node's own keep-alive was not fresh, or refused by etcd (issue 51 item 11: two of four
+freezes of a chaos run, 2.95 s and 3.46 s at a 3 s lease). So while the step stays stuck
+the agent asks again (:class:`Recheck`, in the background, never blocking its loop), and
+writes off a peer only after :data:`RECHECK_MISSES` questions *in a row* went unanswered,
+each given :data:`RECHECK_TIMEOUT_S` (late answers count): a live agent busy re-forming
+may miss one 0.3 s question (re-asking at every look with one miss enough wrote off such a
+live node, dd51539), but not a second of silence; a frozen one misses every question.
+
 Guard: only a node that holds its own lease (a recent confirmed keep-alive) judges, and in
 a round of three or more only if some other peer answered it: a node that is itself cut
 off hears nobody, and must not evict the others (its own-clock fence stops it instead).
@@ -61,6 +73,9 @@ log = logging.getLogger("elastic.agent")
 
 ANSWER_TIMEOUT_S = 0.3  # a live agent answers in ms, even on a loaded 2-core machine
 OWN_LEASE_FRESH = 0.5  # judge only with a keep-alive confirmed within this fraction of the TTL
+RECHECK_TIMEOUT_S = 0.5  # a re-asked question waits this long for a late answer
+RECHECK_MISSES = 2  # questions in a row a peer leaves unanswered before a re-judged stall writes it off
+RECHECK_EVERY_S = 0.25  # the least time between two re-asks of one stall (a live peer answers in ms)
 
 
 def probe_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -78,6 +93,21 @@ def frozen_verdict(answered: Mapping[str, bool]) -> list[str]:
     if len(answered) >= 2 and len(silent) == len(answered):
         return []
     return silent
+
+
+def missed_in_a_row(before: Mapping[str, int], answered: Mapping[str, bool]) -> dict[str, int]:
+    """Each peer's count of questions in a row it left unanswered, after one more question."""
+    return {n: 0 if ok else before.get(n, 0) + 1 for n, ok in answered.items()}
+
+
+def recheck_verdict(missed: Mapping[str, int], answered: Mapping[str, bool], need: int = RECHECK_MISSES) -> list[str]:
+    """The peers to write off when a stall judged before is judged again: those silent on the
+    latest question (``answered``) that also missed ``need`` questions in a row (``missed``),
+    under :func:`frozen_verdict`'s guard (a node that hears none of two or more peers evicts
+    nobody). One missed question is not enough here: a live agent busy for a moment (re-forming
+    after a kill, on a loaded machine) can miss one, and re-asking gives it that chance again
+    and again."""
+    return [n for n in frozen_verdict(answered) if missed.get(n, 0) >= need]
 
 
 def waiting_level(status: WorkerStatus, round_number: int, participants: Sequence[str],
@@ -131,6 +161,11 @@ class Questions:
             self._answered[node] = ok
             self._done.notify_all()
 
+    def done(self) -> bool:
+        """Every peer answered, or had ``timeout`` to (never blocks)."""
+        with self._done:
+            return len(self._answered) >= len(self._nodes) or time.monotonic() >= self.asked_at + self.timeout
+
     def answers(self) -> dict[str, bool]:
         """node -> answered; waits until every peer answered or had ``timeout`` to."""
         with self._done:
@@ -176,6 +211,17 @@ class Frozen:
     said: str = ""  # the log line once they are
 
 
+@dataclass
+class Recheck:
+    """One stall judged before (its peers answered, or the verdict was skipped or refused),
+    still stuck: the question in flight and each peer's misses in a row (:func:`recheck_verdict`)."""
+
+    stall: tuple[int, int, int, int]  # (pid, round, its round, step)
+    questions: Questions | None = None
+    missed: dict[str, int] | None = None
+    asked_at: float = 0.0  # when the latest question went out (RECHECK_EVERY_S)
+
+
 class FreezeWatch:
     def __init__(self, node: str, handler: EtcdV3RendezvousHandler, channel: AgentChannel,
                  timeout: float = ANSWER_TIMEOUT_S, enabled: bool | None = None) -> None:
@@ -184,6 +230,8 @@ class FreezeWatch:
         self._seen: set[tuple[int, int, int, int, int]] = set()  # (pid, round, its round, step, level) acted on
         self._questions: tuple[tuple[int, int, int], Questions] | None = None  # (round, its round, step): questions
         self._worlds: dict[int, tuple[str, ...]] = {}  # recent rounds' members (waiting_level)
+        self._recheck: Recheck | None = None  # a stuck stall judged before, asked about again
+        self.recheck_timeout, self.recheck_misses = RECHECK_TIMEOUT_S, RECHECK_MISSES
 
     # ------------------------------------------------------------------ survivor side
 
@@ -209,13 +257,11 @@ class FreezeWatch:
                 self._seen = {k for k in self._seen if k[1] == round_number} | {key}  # older rounds: done with
                 fresh.append((rank, status, level))
         if not fresh:
-            return None
+            return self._judge_again(pids, round_number, participants)
         rank, status, level = max(fresh, key=lambda found: found[2])
         step = (round_number, status.round, status.step)
         if self._questions is None or self._questions[0] != step:
-            records = self.handler.node_records()
-            peers = {n: (records[n].witness_addr if n in records else None) for n in participants if n != self.node}
-            self._questions = (step, Questions(peers, self.handler.signer, self.timeout))
+            self._questions = (step, Questions(self._peers(participants), self.handler.signer, self.timeout))
         if level < STUCK or not self._holds_lease():
             return None
         questions = self._questions[1]
@@ -223,27 +269,71 @@ class FreezeWatch:
         if not frozen and questions.asked_at < time.monotonic() - self.timeout:  # all answered, a while ago:
             questions = Questions(questions.peers, self.handler.signer, self.timeout)  # one may have frozen since
             frozen = frozen_verdict(questions.answers())
-        asked = questions.asked_at
+        if not frozen:
+            log.debug("[%s] %s, but every peer's agent answered", self.node, self._while(rank, status, round_number, 1))
+            return None
+        return self._found(frozen, rank, status, round_number,
+                           f"did not answer within {self.timeout:g} s", questions.asked_at)
+
+    def _judge_again(self, pids: Mapping[int, int], round_number: int, participants: tuple[str, ...]) -> Frozen | None:
+        """A stall judged before and still stuck: ask again in the background (at most every
+        :data:`RECHECK_EVERY_S`, one question at a time), write off the peers silent on
+        :attr:`recheck_misses` questions in a row (:func:`recheck_verdict`)."""
+        stuck = []
+        for rank, pid in sorted(pids.items()):
+            status = self.channel.status(rank)
+            if status is not None and status.pid == pid and \
+                    waiting_level(status, round_number, participants, self._worlds) >= STUCK:
+                stuck.append((rank, status))
+        if not stuck:
+            self._recheck = None
+            return None
+        rank, status = stuck[0]
+        stall = (status.pid, round_number, status.round, status.step)
+        if self._recheck is None or self._recheck.stall != stall:
+            self._recheck = Recheck(stall, asked_at=time.monotonic())  # the first judgment just asked
+        again, now = self._recheck, time.monotonic()
+        if again.questions is not None:
+            if not again.questions.done():
+                return None
+            answered = again.questions.answers()
+            again.questions, again.missed = None, missed_in_a_row(again.missed or {}, answered)
+            frozen = recheck_verdict(again.missed, answered, self.recheck_misses)
+            if frozen and self._holds_lease():
+                return self._found(frozen, rank, status, round_number,
+                                   f"did not answer {self.recheck_misses} questions in a row "
+                                   f"({self.recheck_timeout:g} s each)", again.asked_at)
+        if now - again.asked_at >= RECHECK_EVERY_S:
+            again.questions = Questions(self._peers(participants), self.handler.signer, self.recheck_timeout)
+            again.asked_at = again.questions.asked_at
+        return None
+
+    def _peers(self, participants: Sequence[str]) -> dict[str, str | None]:
+        records = self.handler.node_records()
+        return {n: (records[n].witness_addr if n in records else None) for n in participants if n != self.node}
+
+    def _while(self, rank: int, status: WorkerStatus, round_number: int, silent: int) -> str:
+        """What the local worker was waiting for, for the log line."""
         extra = status.extra if isinstance(status.extra, dict) else {}
-        last = extra.get("last_step_at")
-        waited = f"{time.time() - last:.2f} s" if isinstance(last, (int, float)) else "?"
-        joining = extra.get("joining") == round_number
-        behind = status.round != round_number and not joining
-        its = "its" if len(frozen) == 1 else "their"
-        what = "lost or frozen" if behind or joining else "frozen"
-        if joining:
+        its = "its" if silent == 1 else "their"
+        if extra.get("joining") == round_number:
             began = extra.get("join_started_at")
             since = f"{time.time() - began:.2f} s" if isinstance(began, (int, float)) else "?"
-            while_ = f"local rank {rank}'s join of round {round_number} waited {since} for the exchange"
-        elif behind:
-            while_ = (f"local rank {rank}'s world of round {status.round} failed before it could switch to round "
-                      f"{round_number}, which waits for {its} workers")
-        else:
-            while_ = f"local rank {rank}'s step {status.step + 1} waited; detected {waited} after the last step"
-        if not frozen:
-            log.debug("[%s] %s, but every peer's agent answered", self.node, while_)
-            return None
-        said = (f"{', '.join(frozen)} {what}: {its} agent did not answer within {self.timeout:g} s while {while_} "
+            return f"local rank {rank}'s join of round {round_number} waited {since} for the exchange"
+        if status.round != round_number:
+            return (f"local rank {rank}'s world of round {status.round} failed before it could switch to round "
+                    f"{round_number}, which waits for {its} workers")
+        last = extra.get("last_step_at")
+        waited = f"{time.time() - last:.2f} s" if isinstance(last, (int, float)) else "?"
+        return f"local rank {rank}'s step {status.step + 1} waited; detected {waited} after the last step"
+
+    def _found(self, frozen: list[str], rank: int, status: WorkerStatus, round_number: int, how: str,
+               asked: float) -> Frozen:
+        extra = status.extra if isinstance(status.extra, dict) else {}
+        joining = extra.get("joining") == round_number
+        what = "lost or frozen" if joining or status.round != round_number else "frozen"
+        its = "its" if len(frozen) == 1 else "their"
+        said = (f"{', '.join(frozen)} {what}: {its} agent {how} while {self._while(rank, status, round_number, len(frozen))} "
                 f"(asked {time.monotonic() - asked:.2f} s before); written off in round {round_number}, not waiting "
                 f"for {its} etcd lease")
         return Frozen(tuple(frozen), f"{', '.join(frozen)} {what} ({its} agent did not answer)", round_number, said)

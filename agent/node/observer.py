@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ class Observer:
         self._in_world = False  # a local worker is in a formed world, taking steps (its status says TRAINING)
         self._oom_seen = oom_kills()  # the kernel's OOM kill count, to tell an OOM kill from a SIGKILL (agent.node.oom)
         self._kill_words: dict[int, tuple[str, contract.FaultCause | None]] = {}  # pid -> what killed it, judged once
+        self._failed_since: float | None = None  # when the current failed workers were first seen (monotonic)
 
     def look(self) -> Observation:
         run = self.run
@@ -60,6 +62,8 @@ class Observer:
         in_place, reform, whole_node = self._in_place_statuses()
         self.rdzv.publish(in_place=self._runs_in_place)
         failures = self.seen_failures = self._failures(exits)
+        now = time.monotonic()
+        self._failed_since = (self._failed_since or now) if failures else None
         report = crash_report(failures)
         if report:  # tell the other nodes what this node's workers failed with right after their start
             self.rdzv.publish(crash=report)
@@ -89,7 +93,8 @@ class Observer:
             unusable_round=unusable,
             job_ended=self.rdzv.job_ended(),
             in_world=self._in_world,
-            scripts_returned=self.watch.scripts_returned(len(exits)))
+            scripts_returned=self.watch.scripts_returned(len(exits)),
+            failed_for=now - self._failed_since if self._failed_since is not None else 0.0)
 
     def _spares_waiting(self, suspect: str) -> int:
         """Only when it matters (an SDC suspect in a round at the job's minimum size): a read of etcd."""

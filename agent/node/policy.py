@@ -59,6 +59,7 @@ FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the e
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
 # the words of the job-wide verdict that the script itself is broken (elastic local prefers it
 # to a peer's "no restarts left" given up at the same moment: it names the cause)
+PEER_WORDS_GRACE_S = 2.0  # out of restarts: how long to wait for the round's other members to say they failed too
 SCRIPT_ERROR_WORDS = "failed right after their start with the same error, the script's own"
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
@@ -179,6 +180,12 @@ def script_error(report: str, peers: Mapping[str, str] | None) -> str | None:
     return report
 
 
+def peers_still_silent(peers: Mapping[str, str] | None) -> bool:
+    """Some other member of the round has said no crash yet (None: they cannot be heard, so
+    nothing is worth waiting for)."""
+    return peers is not None and any(not words for words in peers.values())
+
+
 def settled(streak: int, youngest_ran_for: float) -> int:
     """The streak once every local worker has run ``youngest_ran_for`` seconds: a group that
     outlived the window has shown this node can train, and ends it."""
@@ -233,6 +240,7 @@ class Observation:
     job_ended: JobEnd | None = None
     in_world: bool = False
     scripts_returned: bool = False
+    failed_for: float = 0.0  # seconds since this look's failed workers were first seen failed (0: none failed)
 
 
 @dataclass(frozen=True)
@@ -418,6 +426,11 @@ def _workers_and_round(obs: Observation) -> Decision:
                                f"than the {obs.min_nodes} the job needs (--nnodes); the cause: {cause}")
     if failed:
         if obs.restarts_left <= 0:
+            # The last restart is spent, but a peer that failed with this node (the same bug at the same
+            # step) may not have said so yet: its words a moment later make this the script's error,
+            # said as such on every node, not "no restarts left" here and the script's error there.
+            if own_quick and obs.failed_for < PEER_WORDS_GRACE_S and peers_still_silent(obs.peer_crashes):
+                return Decision(Action.CONTINUE)
             return Decision(Action.FAIL, Reason.WORKER_FAILED, failed=failed, detail="no restarts left")
         if obs.in_place:
             return Decision(Action.REPLACE, Reason.WORKER_FAILED, ranks=_replaced(obs, failed), failed=failed)

@@ -31,22 +31,45 @@ _FD_DIR = "/proc/self/fd"
 _LISTEN = "0A"  # /proc/net/tcp's state of a listening socket
 
 
-def _tcp_inodes() -> set[str]:
-    """The inodes of this process's connected TCP sockets. Listening ones are left out: a
-    gloo device's listener shut down makes gloo's accept fail with EINVAL, and gloo
-    terminates the process (seen when a new group's sockets were put on the fence)."""
-    inodes: set[str] = set()
+def _tcp_rows() -> Iterator[list[str]]:
+    """Every row of this process's ``/proc/self/net/tcp`` and ``tcp6`` tables, split (a table
+    that cannot be read is skipped)."""
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] != _LISTEN:
-                        inodes.add(fields[9])
+                rows = [line.split() for line in f]
         except OSError:
             continue
-    return inodes
+        yield from (fields for fields in rows if len(fields) > 9)
+
+
+def _tcp_inodes() -> set[str]:
+    """The inodes of this process's connected TCP sockets. Listening ones are left out: a
+    gloo device's listener shut down makes gloo's accept fail with EINVAL, and gloo
+    terminates the process (seen when a new group's sockets were put on the fence)."""
+    return {fields[9] for fields in _tcp_rows() if fields[3] != _LISTEN}
+
+
+def _address(hex_addr: str) -> tuple[str, int]:
+    """``/proc/net/tcp``'s ``0100007F:1F90`` (or tcp6's 32 hex digits) as ``("127.0.0.1", 8080)``."""
+    ip, _, port = hex_addr.partition(":")
+    raw = bytes.fromhex(ip)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words), int(port, 16)
+
+
+def listening() -> dict[str, tuple[str, int]]:
+    """This process's listening TCP sockets: inode -> (address, port)."""
+    mine = {target[8:-1] for target in socket_fds().values()}
+    found: dict[str, tuple[str, int]] = {}
+    for fields in _tcp_rows():
+        if fields[3] == _LISTEN and fields[9] in mine:
+            try:
+                found[fields[9]] = _address(fields[1])
+            except ValueError:
+                continue
+    return found
 
 
 def socket_fds() -> dict[int, str]:

@@ -15,8 +15,11 @@ test_gloo_private.py`` fails loudly if a torch upgrade changes it.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterable
 
 import torch.distributed as dist
 
@@ -46,4 +49,20 @@ def group_on(store: dist.Store, rank: int, size: int, interface: str, timeout: t
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-__all__ = ["group_on", "unsupported_reason"]
+def release_pending_connect(listeners: Iterable[tuple[str, int]], ranks: Iterable[int], timeout: float = 0.5) -> int:
+    """Complete, as a closed connection, the wait of this process's pairs for ``ranks`` on each
+    of its gloo ``listeners`` (address, port); returns how many connections were made. A rank
+    whose pair is not waiting leaves a socket gloo keeps unused until a later round's pair with
+    that rank takes it, reads it closed, and that round is given up for the next."""
+    made = 0
+    for host, port in listeners:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                with socket.create_connection((host, port), timeout=timeout) as conn:
+                    conn.sendall(struct.pack("<Q", rank))
+                made += 1
+    return made
+
+
+__all__ = ["group_on", "release_pending_connect", "unsupported_reason"]

@@ -29,7 +29,11 @@ raises at once instead of waiting for its timeout. It also tells the agent when 
 beyond this rank's own pace (:mod:`.stall`), so that a frozen peer, which fails no collective,
 is written off by the agents (``agent/node/freeze.py``) instead of at its lease's expiry; and when
 a join of a round waits beyond the stall floor (:func:`.stall.join_level`), which is how a
-member frozen while a round forms (its store host among them) shows when no step runs.
+member frozen while a round forms (its store host among them) shows when no step runs. A
+newer round that leaves out members of the round whose pairs are connecting right now
+(they were written off, frozen mid-connect) releases this rank's pairs that wait for them
+(:func:`.gloo_private.release_pending_connect`): the connect fails at once rather than after
+gloo's connect timeout, and the frozen member, thawed, cannot abort this process.
 
 The watcher never waits on a peer: it reads the offer file, trips the fence and writes its
 status. Posting this worker's handle ahead for a round that only adds members, through that
@@ -57,7 +61,8 @@ from .. import worker_env
 from ..contract import WorkerMode, WorkerState
 from ..worker_env import Place, update_env
 from .channel import RoundOffer, WorkerChannel, WorkerStatus
-from .fence import SocketFence
+from . import gloo_private
+from .fence import SocketFence, listening
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure, reconfigure_timeout
 from .round_store import RoundAbandoned, RoundStore
 from .stall import STUCK, StallRule, join_level
@@ -76,6 +81,20 @@ class World:
     rank: int
     world_size: int
     participants: tuple[str, ...]
+
+
+def waited_for(connecting: RoundOffer, newer: RoundOffer, rank: int) -> list[int]:
+    """The ranks of ``connecting`` (a round whose pairs connect) that ``newer`` leaves out and
+    that rank ``rank`` waits for to connect (gloo: the higher rank of a pair connects); none
+    if the members' process counts are unknown."""
+    if len(connecting.nprocs) != len(connecting.participants):
+        return []
+    kept, found, base = set(newer.participants), [], 0
+    for node, count in zip(connecting.participants, connecting.nprocs):
+        if node not in kept:
+            found += [r for r in range(base, base + count) if r > rank]
+        base += count
+    return found
 
 
 def _key(rank: int) -> str:
@@ -114,6 +133,9 @@ class Membership:
         self._joining = False
         self._joining_round = -1
         self._join_clock: tuple[int, float] | None = None  # (round, when its join began), while joining it
+        self._connecting: RoundOffer | None = None  # the round whose pairs gloo connects right now
+        self._released_for = -1  # the newest round whose left-out members' pairs were released
+        self._gloo_listeners: list[tuple[str, int]] = []  # the default group's device listener(s)
         self._want_after: int | None = None  # a request for a round newer than this, until one is joined
         self._why = ""
         self.step = 0
@@ -127,8 +149,11 @@ class Membership:
         self._report(WorkerState.JOINING)
 
     def start(self, stable_rank: int, stable_ranks: int, device: torch.device | None = None) -> None:
+        before = listening() if self.backend == "gloo" else {}
         init_group(self.backend, self.store, stable_rank, stable_ranks, self.timeout,
                    device if self.backend == "nccl" else None)
+        if self.backend == "gloo":
+            self._gloo_listeners = [addr for inode, addr in listening().items() if inode not in before]
         self._handle = handle()
         self._report(WorkerState.JOINING)
         self._thread = threading.Thread(target=self._watch, name="elastic-membership", daemon=True)
@@ -184,7 +209,11 @@ class Membership:
                     os._exit(contract.DUPLICATE_HANDLE_EXIT)
                 return None
             self.fence.before_connect()
-            reconfigure(offer.round, handles, reconfigure_timeout(self.backend, self.timeout))
+            self._connecting = offer
+            try:
+                reconfigure(offer.round, handles, reconfigure_timeout(self.backend, self.timeout))
+            finally:
+                self._connecting = None
             self.fence.after_connect()
         except (RoundAbandoned, ReconfigureError, dist.DistStoreError, RuntimeError, ValueError, OSError) as exc:
             # Part of forming a world, not news: a newer round came, or a member died as this
@@ -294,6 +323,7 @@ class Membership:
         if self._joining:
             if offer.round > self._joining_round >= 0:
                 self.store.abandon()  # the main thread waits on an older round: let it move on
+                self._release_left_out(offer)
             return
         world = self.world
         if world is None or offer.round <= world.round:
@@ -314,6 +344,20 @@ class Membership:
                       world.rank, offer.round, why, shut, ", NCCL abort" if aborted else "")
         if grows_only:
             self._post_and_check(offer)
+
+    def _release_left_out(self, offer: RoundOffer) -> None:
+        """The pairs connecting for an older round wait for members ``offer`` leaves out
+        (written off, frozen mid-connect): release them (:func:`.gloo_private.release_pending_connect`)."""
+        connecting = self._connecting
+        if connecting is None or offer.round <= self._released_for or not self._gloo_listeners:
+            return
+        self._released_for = offer.round
+        ranks = waited_for(connecting, offer, connecting.rank_base + self.local_rank)
+        if ranks:
+            made = gloo_private.release_pending_connect(self._gloo_listeners, ranks)
+            log.debug("[%s local rank %d] round %d leaves out members of round %d, whose pairs connect: released "
+                      "the wait for ranks %s (%d connections)", self.node, self.local_rank, offer.round,
+                      connecting.round, ranks, made)
 
     def _check_stuck(self) -> None:
         """At most twice per step: tell the agent when the step in flight waits beyond this

@@ -6,11 +6,19 @@ listens and never accepts is exactly that, with no process to stop.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
+from typing import Callable, Iterator
 
-from agent.node.freeze import (ANSWER_TIMEOUT_S, Questions, frozen_verdict, probe_enabled, waiting_level, written_off_by,
-                          written_off_later)
+import pytest
+
+from agent.node.freeze import (ANSWER_TIMEOUT_S, FreezeWatch, Frozen, Questions, frozen_verdict, missed_in_a_row,
+                               probe_enabled, recheck_verdict, waiting_level, written_off_by, written_off_later)
 from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import SLOW, STUCK, StallRule, join_level
 from agent.rendezvous.keepout import ReachReport, choose_kept_out
@@ -155,3 +163,143 @@ def test_a_node_written_off_in_a_round_its_agent_never_saw_has_stale_workers() -
     assert written_off_later("a", 5, later) is None, "its own round is written_off_by's"
     assert written_off_later("b", 4, later) is None
     assert written_off_later("a", 4, {5: [ReachReport("a", 5, ("b",), ("b",))]}) is None, "its own report"
+
+
+# ---------------------------------------------------------------- a stall judged alive, then a freeze (issue 51, 11)
+
+
+def test_judged_again_one_missed_question_is_not_enough_two_in_a_row_are() -> None:
+    """A live agent busy for a moment may miss one question; a frozen one misses them all."""
+    once = missed_in_a_row({}, {"b": True, "c": False})
+    assert once == {"b": 0, "c": 1} and recheck_verdict(once, {"b": True, "c": False}) == []
+    twice = missed_in_a_row(once, {"b": True, "c": False})
+    assert recheck_verdict(twice, {"b": True, "c": False}) == ["c"]
+    late = missed_in_a_row(missed_in_a_row(twice, {"b": True, "c": True}), {"b": True, "c": False})
+    assert late["c"] == 1 and recheck_verdict(late, {"b": True, "c": False}) == [], "an answer starts the count again"
+    assert recheck_verdict(missed_in_a_row({"b": 1}, {"b": False}), {"b": False}) == ["b"], "a world of two"
+    silent = missed_in_a_row({"b": 5, "c": 5}, {"b": False, "c": False})
+    assert recheck_verdict(silent, {"b": False, "c": False}) == [], "hearing nobody, this node is the cut-off one"
+
+
+class _Lease:
+    """Stands in for the agent's etcd lease: its last keep-alive confirmed ``age`` seconds ago."""
+
+    def __init__(self) -> None:
+        self.ttl, self.age = 10.0, 0.0
+
+    def suspect_lost(self) -> bool:
+        return False
+
+    def clock(self) -> LeaseClock:
+        return LeaseClock(self.ttl, time.monotonic() - self.age)
+
+
+class _Handler:
+    """Stands in for the rendezvous handler: the members' witness addresses (etcd's registry)."""
+
+    def __init__(self, addrs: dict[str, str]) -> None:
+        self.addrs, self.signer, self.lease = addrs, StateSigner(KEY), _Lease()
+
+    def node_records(self) -> dict[str, SimpleNamespace]:
+        return {n: SimpleNamespace(witness_addr=a) for n, a in self.addrs.items()}
+
+
+class _Channel:
+    """Stands in for the worker channel: local rank 0's latest status."""
+
+    def __init__(self) -> None:
+        self.latest = WorkerStatus(4242, round=5, step=10, state="training")
+
+    def status(self, rank: int) -> WorkerStatus | None:
+        return self.latest if rank == 0 else None
+
+
+WITNESS = f"""
+import sys, time
+from agent.rendezvous.lease_clock import LeaseClock
+from agent.rendezvous.signing import StateSigner
+from agent.rendezvous.witness import WitnessServer
+w = WitnessServer(sys.argv[1], StateSigner({KEY!r}), lambda: LeaseClock(10.0, time.monotonic()), host="127.0.0.1").start()
+print(w.port, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def witnesses() -> Iterator[Callable[[str], tuple[subprocess.Popen[str], str]]]:
+    """A real witness per node in a process of its own, so that SIGSTOP freezes it as it would an agent."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(node: str) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen([sys.executable, "-c", WITNESS, node], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        started.append(proc)
+        assert proc.stdout is not None
+        return proc, f"127.0.0.1:{proc.stdout.readline().strip()}"
+
+    yield start
+    for proc in started:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def _stuck(watch: FreezeWatch, channel: _Channel) -> Frozen | None:
+    """The worker's step goes slow (ask), then stuck (judge): the first judgment."""
+    channel.latest = WorkerStatus(4242, round=5, step=10, state="training", stalled=SLOW)
+    assert watch.look({0: 4242}, 5, ("a", "b", "c")) is None
+    channel.latest = WorkerStatus(4242, round=5, step=10, state="training", stalled=STUCK)
+    return watch.look({0: 4242}, 5, ("a", "b", "c"))
+
+
+def _look_for(watch: FreezeWatch, seconds: float) -> tuple[Frozen | None, float]:
+    """Look every 0.05 s (the agent's loop) until something is written off or ``seconds`` pass."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        found = watch.look({0: 4242}, 5, ("a", "b", "c"))
+        if found is not None:
+            return found, time.monotonic() - started
+        time.sleep(0.05)
+    return None, seconds
+
+
+@pytest.mark.slow  # starts witness processes (a freeze is a SIGSTOP of a process)
+def test_a_stall_judged_alive_writes_off_a_peer_that_freezes_later_never_one_busy_for_a_moment(
+    witnesses: Callable[[str], tuple[subprocess.Popen[str], str]]
+) -> None:
+    """Every peer answered when the step was judged stuck (a slow peer, a heal, a join waiting on
+    a starting joiner); judged once, a freeze after that waited for the lease. A peer silent for
+    0.6 s (an agent busy re-forming on a loaded machine) is not written off; one frozen is, in
+    about a second, far from a lease."""
+    (b, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
+    channel = _Channel()
+    watch = FreezeWatch("a", _Handler({"b": b_addr, "c": c_addr}), channel, enabled=True)  # type: ignore[arg-type]
+    assert _stuck(watch, channel) is None, "every peer answered"
+    b.send_signal(signal.SIGSTOP)
+    found, _ = _look_for(watch, 0.6)
+    b.send_signal(signal.SIGCONT)
+    assert found is None, f"a peer silent for 0.6 s was written off: {found}"
+    assert _look_for(watch, 0.4)[0] is None
+    c.send_signal(signal.SIGSTOP)
+    found, took = _look_for(watch, 4.0)
+    assert found is not None and found.nodes == ("c",), f"c frozen, not written off: {found}"
+    assert took < 2.0, f"written off {took:.2f} s after it froze"
+    assert "did not answer 2 questions in a row" in found.said, found.said
+
+
+@pytest.mark.slow  # starts witness processes (a freeze is a SIGSTOP of a process)
+def test_a_verdict_skipped_for_a_stale_own_keep_alive_is_judged_again(
+    witnesses: Callable[[str], tuple[subprocess.Popen[str], str]]
+) -> None:
+    """Judged once, a stuck step whose verdict was skipped (this agent's own keep-alive not fresh
+    at that moment, on a loaded machine) waited for the frozen peer's lease."""
+    (_, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
+    channel, handler = _Channel(), _Handler({"b": b_addr, "c": c_addr})
+    watch = FreezeWatch("a", handler, channel, enabled=True)  # type: ignore[arg-type]
+    c.send_signal(signal.SIGSTOP)
+    handler.lease.age = 6.0  # over half the TTL: this node may be the cut-off one, it does not judge
+    assert _stuck(watch, channel) is None
+    handler.lease.age = 0.0
+    found, took = _look_for(watch, 4.0)
+    assert found is not None and found.nodes == ("c",), f"c frozen, not written off: {found}"
+    assert took < 2.0, f"written off {took:.2f} s after the keep-alive was fresh again"

@@ -523,3 +523,22 @@ def test_workers_whose_scripts_returned_are_left_to_exit_and_their_own_end_decid
     assert decide(obs(job_ended=FAILED, exits={0: 0, 1: 0})) == Decision(Action.SUCCEED)
     usage = decide(obs(job_ended=FAILED, exits={0: 2, 1: None}))
     assert usage.action is Action.FAIL and usage.usage_error  # its own usage error says more
+
+
+def test_out_of_restarts_a_node_waits_a_moment_for_its_peers_words_before_it_fails_alone() -> None:
+    """The same bug hit both nodes a few ms apart: the node out of restarts waits (at most
+    PEER_WORDS_GRACE_S) for the other's crash report, so the job ends as the script's error on
+    every node, not "no restarts left" here (a whole suite under load saw that race)."""
+    from agent.node.policy import PEER_WORDS_GRACE_S
+
+    base = dict(exits={0: 1}, failures={0: quick()}, restarts_left=0, nodes_without_us=1)
+    assert decide(obs(**base, peer_crashes={"b": ""}, failed_for=0.1)) == Decision(Action.CONTINUE)
+    said = decide(obs(**base, peer_crashes={"b": NAME_ERROR}, failed_for=0.3))
+    assert said.action is Action.FAIL and said.reason is Reason.SCRIPT_ERROR
+    for late in (dict(peer_crashes={"b": ""}, failed_for=PEER_WORDS_GRACE_S),  # it never came: this node's own
+                 dict(peer_crashes={}, failed_for=0.0),  # alone: nothing to wait for
+                 dict(peer_crashes=None, failed_for=0.0)):  # cannot hear the others
+        decision = decide(obs(**base, **late))
+        assert decision.action is Action.FAIL and decision.detail == "no restarts left", late
+    slow = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)  # not a start-up bug
+    assert decide(obs(**{**base, "failures": {0: slow}}, peer_crashes={"b": ""}, failed_for=0.1)).action is Action.FAIL

@@ -17,6 +17,8 @@ Knobs, all optional:
 - ``SLOW_SETUP``: while that file exists, start-up takes 2 s longer (a joiner loading data).
 - ``PAUSE_MARKER``: node ``b`` pauses 0.3 s once, after step 40 (a GC pause), and makes
   the file so that it happens once.
+- ``HOLD_MARKER``: once the file ``$HOLD_MARKER.arm`` exists, node ``b`` holds ``JOB_HOLD_S``
+  (6 s) once, alive (a long validation on one rank), and makes ``$HOLD_MARKER`` as it starts.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
     first_steps_sleep = float(env.get("JOB_FIRST_STEPS_SLEEP", "0"))
     slow_flag, slow_s = env.get("SLOW_FLAG", ""), float(env.get("JOB_SLOW_S", "0.15"))
     pause = env.get("PAUSE_MARKER", "")
+    hold, hold_s = env.get("HOLD_MARKER", ""), float(env.get("JOB_HOLD_S", "6"))
     if os.path.exists(env.get("SLOW_SETUP", "/nonexistent")):
         time.sleep(2)  # a joiner's slow set-up (loading its data): the survivors train on meanwhile
     for x, y in run:
@@ -80,6 +83,10 @@ def main() -> None:
                     and not os.path.exists(pause)):
                 open(pause, "w").close()
                 time.sleep(0.3)  # a GC pause: the others wait 0.3 s in the next step's all-reduce
+            if (hold and env.get("ELASTIC_NODE_NAME") == "b" and os.path.exists(hold + ".arm")
+                    and not os.path.exists(hold)):
+                open(hold, "w").close()
+                time.sleep(hold_s)  # alive and slow: the others' next step is stuck, b's agent answers
         time.sleep(step_sleep)
 
 

@@ -19,8 +19,9 @@ after the last one it applied, or a read afresh where etcd compacted that histor
 
 from __future__ import annotations
 
+import contextlib
 import queue
-from typing import Any
+from typing import Any, Iterator
 
 import etcd3
 import etcd3.watch
@@ -138,10 +139,13 @@ def test_a_late_confirmation_of_a_timed_out_watch_is_not_taken_for_the_next_watc
         client.close()
 
 
-def test_a_broken_narrow_mirror_resumes_its_watches_without_reading_again(
-        etcd_server: EmbeddedEtcd, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _broken_narrow(etcd_server: EmbeddedEtcd, run_id: str, monkeypatch: pytest.MonkeyPatch,
+                   pause: float) -> Iterator[tuple[EtcdClient, RangesMirror, list[str], list[int]]]:
+    """A started narrow mirror whose watches were just broken (its channel dropped); it stays
+    broken ``pause`` s, so writes made then land while it is; ``reads`` counts its full reads."""
     client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
-    monkeypatch.setattr(mirror_module, "_RESYNC_PAUSE_S", 1.0)  # the writes below land while it is broken
+    monkeypatch.setattr(mirror_module, "_RESYNC_PAUSE_S", pause)
     keys = [f"/{run_id}/round", f"/{run_id}/closed"]
     narrow = RangesMirror(client, keys, [f"/{run_id}/keepout/"])
     reads: list[int] = []
@@ -151,6 +155,15 @@ def test_a_broken_narrow_mirror_resumes_its_watches_without_reading_again(
         narrow.start(deadline=5.0)
         client.drop_channel()
         wait_until(lambda: not narrow.healthy, 10, "the mirror to see its watches break")
+        yield client, narrow, keys, reads
+    finally:
+        narrow.close()
+        client.close()
+
+
+def test_a_broken_narrow_mirror_resumes_its_watches_without_reading_again(
+        etcd_server: EmbeddedEtcd, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _broken_narrow(etcd_server, run_id, monkeypatch, 1.0) as (client, narrow, keys, reads):
         client.call(lambda c: c.put(keys[0], "while broken"))
         client.call(lambda c: c.put(f"/{run_id}/keepout/x", "while broken"))
         wait_until(lambda: narrow.healthy and not narrow._resyncing, 10, "the mirror to resume")
@@ -159,24 +172,11 @@ def test_a_broken_narrow_mirror_resumes_its_watches_without_reading_again(
         client.call(lambda c: c.put(keys[1], "after"))
         wait_until(lambda: keys[1] in narrow.entries()[0], 10, "the resumed watches to hear new writes")
         assert len(reads) == 1, "the mirror read everything again instead of resuming its watches"
-    finally:
-        narrow.close()
-        client.close()
 
 
 def test_a_mirror_whose_history_was_compacted_reads_afresh(
         etcd_server: EmbeddedEtcd, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
-    monkeypatch.setattr(mirror_module, "_RESYNC_PAUSE_S", 1.5)  # the compaction lands while it is broken
-    keys = [f"/{run_id}/round", f"/{run_id}/closed"]
-    narrow = RangesMirror(client, keys, [f"/{run_id}/keepout/"])
-    reads: list[int] = []
-    real_read = narrow._read
-    monkeypatch.setattr(narrow, "_read", lambda deadline: reads.append(1) or real_read(deadline))
-    try:
-        narrow.start(deadline=5.0)
-        client.drop_channel()
-        wait_until(lambda: not narrow.healthy, 10, "the mirror to see its watches break")
+    with _broken_narrow(etcd_server, run_id, monkeypatch, 1.5) as (client, narrow, keys, reads):
         client.call(lambda c: c.put(keys[0], "one"))
         client.call(lambda c: c.delete(keys[0]))
         revision = client.call(lambda c: c.put(keys[1], "two")).header.revision
@@ -187,6 +187,3 @@ def test_a_mirror_whose_history_was_compacted_reads_afresh(
         assert keys[0] not in narrow.entries()[0]
         client.call(lambda c: c.put(keys[0], "after"))
         wait_until(lambda: keys[0] in narrow.entries()[0], 10, "the new watches to hear new writes")
-    finally:
-        narrow.close()
-        client.close()
