@@ -425,7 +425,7 @@ class EtcdRendezvous(AgentRendezvous):
         if not self.in_place:
             return super().freeze_watch(channel)
         from agent.node.freeze import FreezeWatch
-        return FreezeWatch(self.node, self._handler, channel)
+        return FreezeWatch(self.node, self.session, channel)
 
     def command_watch(self, heartbeat_dir: str) -> Any:
         from agent.node.commands import CommandWatch

@@ -1,23 +1,30 @@
 """What the agent's watches may do with the rendezvous: a narrow session, never the handler.
 
-The straggler, command, goodput and SDC watches (``agent/node``) each need a little of the
-etcd-v3 rendezvous: the run's keys, signed reads and writes of their own records, this
-node's registry record, every node's. They get a :class:`RendezvousSession` and nothing
-else, so that the handler's round protocol (its fields, its private members) stays its
-own and a watch can be tested against any object that answers these few calls.
+The straggler, freeze, command, goodput and SDC watches (``agent/node``) each need a little
+of the etcd-v3 rendezvous: the run's keys, signed reads and writes of their own records,
+this node's registry record, every node's, reach reports and how fresh this node's lease
+is. They get a :class:`RendezvousSession` and nothing else, so that the handler's round
+protocol (its fields, its private members) stays its own and a watch can be tested against
+any object that answers these few calls.
 :class:`EtcdSession` is the one implementation, over :class:`.handler.EtcdV3RendezvousHandler`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
+from agent.etcd import EtcdError
 from agent.etcd.mirror import Entry
+from agent.rendezvous.keepout import ReachReport
 from agent.rendezvous.registry import NodeRecord, list_nodes
 from agent.rendezvous.signing import StateSigner
 
 if TYPE_CHECKING:
     from agent.rendezvous.handler import EtcdV3RendezvousHandler
+
+log = logging.getLogger("elastic.agent")
 
 
 class RendezvousSession(Protocol):
@@ -59,6 +66,20 @@ class RendezvousSession(Protocol):
         (0: absent; None: whatever it holds). Returns (it took, the revision it took at)."""
 
     def delete(self, key: str, deadline: float) -> None: ...
+
+    def lease_fresh(self, within: float) -> bool:
+        """Whether this node's lease is not suspect and a keep-alive was confirmed within
+        ``within`` of its TTL (a node that may itself be the cut-off one judges no peer)."""
+
+    def record_reach(self, report: ReachReport) -> bool:
+        """Put this node's reach report (under its lease); False if etcd refused it."""
+
+    def reach_entries(self, fresh: bool = False) -> Mapping[str, Entry]:
+        """The entries to read reach reports from: the mirror's, or with ``fresh`` (and etcd
+        answering) the reports' keys as etcd holds them now (the mirror's if it fails to answer)."""
+
+    def reach_reports(self, entries: Mapping[str, Entry], round_number: int) -> list[ReachReport]:
+        """The verified reach reports for ``round_number`` among ``entries``."""
 
 
 class EtcdSession:
@@ -112,6 +133,31 @@ class EtcdSession:
 
     def delete(self, key: str, deadline: float) -> None:
         self._h.client.call(lambda c: c.delete(key), deadline=deadline)
+
+    def lease_fresh(self, within: float) -> bool:
+        lease = self._h.lease
+        if lease.suspect_lost():
+            return False
+        age = lease.clock().age(time.monotonic())
+        return age is not None and age < within * lease.ttl
+
+    def record_reach(self, report: ReachReport) -> bool:
+        return bool(self._h.reachability.record(report))
+
+    def reach_entries(self, fresh: bool = False) -> Mapping[str, Entry]:
+        entries = self.entries()
+        if fresh and self.healthy:  # etcd answers: no request may wait on an outage
+            prefix = self._h.reachability.reach_prefix
+            try:
+                reply = self._h.client.call(lambda c: c.get_prefix_response(prefix), deadline=1.0)
+                entries = {kv.key.decode(): Entry(kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+                           for kv in reply.kvs}
+            except EtcdError as exc:
+                log.debug("[%s] cannot read the reach reports: %s", self._h.node, exc)
+        return entries
+
+    def reach_reports(self, entries: Mapping[str, Entry], round_number: int) -> list[ReachReport]:
+        return self._h.reachability.reports(entries, round_number)
 
 
 __all__ = ["EtcdSession", "RendezvousSession"]
