@@ -103,16 +103,12 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
             line for line in text.splitlines() if re.search(r"self\.(pace|freeze|commands|channel|pool|ours)\b", line)))
 
 
-# Until branch `freeze` lands, freeze.py still takes the handler (issue 54 item 1's last watch).
-_HANDLER_STILL: set[str] = set()
-
-
 def test_only_the_interface_module_knows_the_etcd_handler() -> None:
     """The watches get a narrow session (agent/rendezvous/session.py), the launcher a
     ``HandlerSide``: no module of the agent but rendezvous_api.py names the etcd-v3 handler
     class or reaches into a handler (``._handler``, ``handler.``)."""
     for path in sorted(AGENT.glob("*.py")):
-        if path.stem in ("rendezvous_api", *_HANDLER_STILL):
+        if path.stem == "rendezvous_api":
             continue
         code = re.sub(r"#.*", "", path.read_text())
         assert "EtcdV3RendezvousHandler" not in code, f"{path.name} names the etcd-v3 handler"
