@@ -30,7 +30,7 @@ from agent.rendezvous.signing import SignatureError, StateSigner
 from agent.node.proctree import kill_tree, process_tree
 
 if TYPE_CHECKING:
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler
+    from agent.rendezvous.session import RendezvousSession
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +201,9 @@ def carry_out(command: Command) -> None:
 
 
 class CommandWatch:
-    def __init__(self, handler: "EtcdV3RendezvousHandler", node: str) -> None:
-        self.handler, self.node = handler, node
-        self.key = command_key(handler.options.key_prefix, handler.run_id, node)
+    def __init__(self, session: "RendezvousSession", node: str) -> None:
+        self.session, self.node = session, node
+        self.key = command_key(session.key_prefix, session.run_id, node)
         self._started = time.time()
         self.heartbeat_dir: str | None = None  # SDC, CHECK: where the node's first worker looks for a request
         self._asked = False  # a check was asked of a worker: look for its outcome (one stat per poll)
@@ -214,16 +214,15 @@ class CommandWatch:
             self._forward_result()
         if self._flip_asked:
             self._forward_flip_result()
-        entries, _ = self.handler.mirror.entries()
-        entry = entries.get(self.key)
+        entry = self.session.entries().get(self.key)
         if entry is None:
             return
-        command = decode_command(self.handler.signer, self.key, entry.value)
+        command = decode_command(self.session.signer, self.key, entry.value)
         if command is None or command.issued_at < self._started:
             return  # forged, or meant for an earlier agent of the same name
         self._started = time.time()
         try:
-            self.handler.client.call(lambda c: c.delete(self.key), deadline=2.0)
+            self.session.delete(self.key, deadline=2.0)
         except Exception:  # noqa: BLE001 - acting matters more than tidying
             pass
         if command.action == SDC:
@@ -260,11 +259,9 @@ class CommandWatch:
         self._put_result(sdc_result_key, result)
 
     def _put_result(self, key_of: Callable[[str, str, str], str], result: dict[str, object]) -> None:
-        h = self.handler
-        key = key_of(h.options.key_prefix, h.run_id, self.node)
-        body = h.signer.seal(key.encode(), json.dumps(result).encode())
+        key = key_of(self.session.key_prefix, self.session.run_id, self.node)
         try:
-            h.client.call(lambda c: c.put(key, body), deadline=2.0)
+            self.session.put_signed(key, json.dumps(result).encode(), deadline=2.0)
         except Exception as exc:  # noqa: BLE001 - the job goes on; the command says it got no answer
             log.warning("could not put a command's outcome in etcd at %s: %s", key, exc)
 

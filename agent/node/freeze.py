@@ -58,16 +58,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from elastic import contract
-from agent.etcd import EtcdError
-from agent.etcd.mirror import Entry
 from elastic.inplace.channel import AgentChannel, WorkerStatus
 from elastic.inplace.stall import STUCK
-from agent.rendezvous.handler import EtcdV3RendezvousHandler
 from agent.rendezvous.keepout import ReachReport, choose_kept_out
 from agent.rendezvous.witness import ask
+
+if TYPE_CHECKING:
+    from agent.rendezvous.session import RendezvousSession
 
 log = logging.getLogger("elastic.agent")
 
@@ -223,9 +223,9 @@ class Recheck:
 
 
 class FreezeWatch:
-    def __init__(self, node: str, handler: EtcdV3RendezvousHandler, channel: AgentChannel,
+    def __init__(self, node: str, session: "RendezvousSession", channel: AgentChannel,
                  timeout: float = ANSWER_TIMEOUT_S, enabled: bool | None = None) -> None:
-        self.node, self.handler, self.channel, self.timeout = node, handler, channel, timeout
+        self.node, self.session, self.channel, self.timeout = node, session, channel, timeout
         self.enabled = probe_enabled() if enabled is None else enabled
         self._seen: set[tuple[int, int, int, int, int]] = set()  # (pid, round, its round, step, level) acted on
         self._questions: tuple[tuple[int, int, int], Questions] | None = None  # (round, its round, step): questions
@@ -261,13 +261,13 @@ class FreezeWatch:
         rank, status, level = max(fresh, key=lambda found: found[2])
         step = (round_number, status.round, status.step)
         if self._questions is None or self._questions[0] != step:
-            self._questions = (step, Questions(self._peers(participants), self.handler.signer, self.timeout))
+            self._questions = (step, Questions(self._peers(participants), self.session.signer, self.timeout))
         if level < STUCK or not self._holds_lease():
             return None
         questions = self._questions[1]
         frozen = frozen_verdict(questions.answers())
         if not frozen and questions.asked_at < time.monotonic() - self.timeout:  # all answered, a while ago:
-            questions = Questions(questions.peers, self.handler.signer, self.timeout)  # one may have frozen since
+            questions = Questions(questions.peers, self.session.signer, self.timeout)  # one may have frozen since
             frozen = frozen_verdict(questions.answers())
         if not frozen:
             log.debug("[%s] %s, but every peer's agent answered", self.node, self._while(rank, status, round_number, 1))
@@ -304,12 +304,12 @@ class FreezeWatch:
                                    f"did not answer {self.recheck_misses} questions in a row "
                                    f"({self.recheck_timeout:g} s each)", again.asked_at)
         if now - again.asked_at >= RECHECK_EVERY_S:
-            again.questions = Questions(self._peers(participants), self.handler.signer, self.recheck_timeout)
+            again.questions = Questions(self._peers(participants), self.session.signer, self.recheck_timeout)
             again.asked_at = again.questions.asked_at
         return None
 
     def _peers(self, participants: Sequence[str]) -> dict[str, str | None]:
-        records = self.handler.node_records()
+        records = self.session.node_records()
         return {n: (records[n].witness_addr if n in records else None) for n in participants if n != self.node}
 
     def _while(self, rank: int, status: WorkerStatus, round_number: int, silent: int) -> str:
@@ -342,17 +342,13 @@ class FreezeWatch:
         """Write off the peers :meth:`look` found frozen: a report for its round names them, so
         that every closer of the next round leaves them out. False if etcd refused it (nothing
         written off: the next look judges again)."""
-        if not self.handler.reachability.record(ReachReport(self.node, frozen.round, frozen.nodes, frozen.nodes)):
+        if not self.session.record_reach(ReachReport(self.node, frozen.round, frozen.nodes, frozen.nodes)):
             return False
         log.info("[%s] %s", self.node, frozen.said)
         return True
 
     def _holds_lease(self) -> bool:
-        lease = self.handler.lease
-        if lease.suspect_lost():
-            return False
-        age = lease.clock().age(time.monotonic())
-        return age is not None and age < OWN_LEASE_FRESH * lease.ttl
+        return self.session.lease_fresh(OWN_LEASE_FRESH)
 
     # ------------------------------------------------------------------ thawed side
 
@@ -363,20 +359,11 @@ class FreezeWatch:
         worker's failed collective already asks for a new round."""
         if round_number < 0 or self.node not in participants:
             return None
-        entries: Mapping[str, object] = self.handler.mirror.entries()[0]
-        if fresh and self.handler.mirror.healthy:  # etcd answers: no request may wait on an outage
-            prefix = self.handler.reachability.reach_prefix
-            try:
-                reply = self.handler.client.call(lambda c: c.get_prefix_response(prefix), deadline=1.0)
-                entries = {kv.key.decode(): Entry(kv.value, kv.mod_revision, kv.create_revision, kv.lease)
-                           for kv in reply.kvs}
-            except EtcdError as exc:
-                log.debug("[%s] cannot read the reach reports: %s", self.node, exc)
-        reach = self.handler.reachability
-        by = written_off_by(self.node, participants, reach.reports(entries, round_number))
+        entries = self.session.reach_entries(fresh)
+        by = written_off_by(self.node, participants, self.session.reach_reports(entries, round_number))
         if not by:
-            later = written_off_later(self.node, round_number,
-                                      {r: reach.reports(entries, r) for r in range(round_number + 1, round_number + 9)})
+            later = written_off_later(self.node, round_number, {r: self.session.reach_reports(entries, r)
+                                                                for r in range(round_number + 1, round_number + 9)})
             if later is None:
                 return None
             round_number, by = later

@@ -53,7 +53,7 @@ from agent.rendezvous.registry import run_prefix
 from agent.rendezvous.signing import SignatureError, StateSigner
 
 if TYPE_CHECKING:
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler
+    from agent.rendezvous.session import RendezvousSession
 
 log = logging.getLogger("elastic.agent")
 
@@ -163,17 +163,17 @@ class _Beats:
 
 
 class GoodputAccountant:
-    """See the module doc. With ``handler`` None (no etcd-v3 rendezvous) it does nothing."""
+    """See the module doc. With ``session`` None (no etcd-v3 rendezvous) it does nothing."""
 
     def __init__(self, node: str, directory: Path, heartbeat_dir: Path, registry: CollectorRegistry,
-                 handler: "EtcdV3RendezvousHandler | None", push_every: float = PUSH_EVERY_S,
+                 session: "RendezvousSession | None", push_every: float = PUSH_EVERY_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.node, self.directory, self.heartbeat_dir = node, directory, heartbeat_dir
-        self.handler, self.push_every, self.clock = handler, push_every, clock
+        self.session, self.push_every, self.clock = session, push_every, clock
         directory.mkdir(parents=True, exist_ok=True)
         self.metrics = GoodputMetrics(registry)
-        self.key = account_key(handler.options.key_prefix, handler.run_id) if handler else ""
-        self.notes = notes_prefix(handler.options.key_prefix, handler.run_id) if handler else ""
+        self.key = account_key(session.key_prefix, session.run_id) if session else ""
+        self.notes = notes_prefix(session.key_prefix, session.run_id) if session else ""
         self.record = Account()
         self.revision = 0  # the record's mod revision in etcd; 0: none yet
         self._pending: list[Interval] = []  # not yet written: its own (a restart of rank 0), rank 0's beats
@@ -184,7 +184,7 @@ class GoodputAccountant:
 
     @property
     def enabled(self) -> bool:
-        return self.handler is not None
+        return self.session is not None
 
     # ------------------------------------------------------------------ what the agent tells us
 
@@ -192,17 +192,13 @@ class GoodputAccountant:
         """This agent acted on ``reason`` (at ``at``, default now); a local one is noted for
         the accountant. Each attempt is capped like the whole (etcd3's own request timeout is
         5 s, and a node cut off from etcd calls this on its way to fencing itself)."""
-        if self.handler is None or reason not in LOCAL_REASONS:
+        if self.session is None or reason not in LOCAL_REASONS:
             return
-        from etcd3 import transactions as tx
-
-        from agent.etcd.kv import transact
-
         key = self.notes + self.node
         when = self.clock() if at is None else at
-        value = self.handler.signer.seal(key.encode(), json.dumps({"reason": reason, "at": when}).encode())
         try:
-            transact(self.handler.client, [], [tx.Put(key, value)], deadline=ETCD_DEADLINE_S)
+            self.session.swap_signed(key, json.dumps({"reason": reason, "at": when}).encode(), None,
+                                     deadline=ETCD_DEADLINE_S)
         except EtcdError as exc:
             log.debug("goodput note not written: %s", exc)
 
@@ -210,7 +206,7 @@ class GoodputAccountant:
         """Workers are started anew because the job's world broke (or grew): the time to
         ``acted_at`` was detection and the rest rendezvous (for a node joining: both are the
         join's). A node whose own lease was lost witnessed nothing of the job's time."""
-        if self.handler is None or reason == "lease_lost":
+        if self.session is None or reason == "lease_lost":
             return
         first, second = (JOIN, JOIN) if reason == "scale_up" else (DETECTION, RENDEZVOUS)
         self._pending += [Interval(end=acted_at, cause=first, reason=reason, nodes=nodes),
@@ -231,7 +227,7 @@ class GoodputAccountant:
 
     def tick(self, workers: Mapping[int, int], rank_base: int, force: bool = False) -> None:
         """``workers``: local rank -> pid of the current group; ``rank_base``: global rank of local rank 0."""
-        if self.handler is None:
+        if self.session is None:
             return
         self._refresh()
         now = self.clock()
@@ -248,7 +244,7 @@ class GoodputAccountant:
         news = any(iv.reason and iv.end > counted for iv in intervals)  # a fault: record it now
         if not (force or news) and now - self._last_push < self.push_every:
             return
-        if not self.handler.mirror.healthy:
+        if not self.session.healthy:
             return  # etcd is away: keep it all for when it is back
         self._last_push = now
         if self._write(intervals):
@@ -290,11 +286,11 @@ class GoodputAccountant:
 
     def _refresh(self) -> None:
         """Take a newer record from the mirror: keep ``job.json`` and the gauges current."""
-        assert self.handler is not None
-        entry = self.handler.mirror.entries()[0].get(self.key)
+        assert self.session is not None
+        entry = self.session.entries().get(self.key)
         if entry is None or entry.mod_revision <= self.revision:
             return
-        record = decode_account(self.handler.signer, self.key, entry.value)
+        record = decode_account(self.session.signer, self.key, entry.value)
         if record is not None:
             self._adopt(record, entry.mod_revision)
 
@@ -308,35 +304,29 @@ class GoodputAccountant:
 
     def _write(self, intervals: list[Interval]) -> bool:
         """One compare-and-swap from the record we hold; True if it took."""
-        from etcd3 import transactions as tx
-
-        from agent.etcd.kv import transact
-
-        assert self.handler is not None
+        assert self.session is not None
         old = self.record
         new = extend(old, intervals)
         new = name_faults(new, self._notes(), since=len(old.faults) - (old.state != "idle"))
-        value = self.handler.signer.seal(self.key.encode(), new.to_json())
-        guard = tx.Version(self.key) == 0 if self.revision == 0 else tx.Mod(self.key) == self.revision
         try:
-            result = transact(self.handler.client, [guard], [tx.Put(self.key, value)], deadline=ETCD_DEADLINE_S)
+            took, revision = self.session.swap_signed(self.key, new.to_json(), self.revision, deadline=ETCD_DEADLINE_S)
         except EtcdError as exc:
             log.debug("goodput record not written: %s", exc)
             self._retry_at = self.clock() + 2.0
             return False
-        if not result.succeeded:
+        if not took:
             return False  # someone wrote first: the mirror brings their record, and we fold again
         self.metrics.wrote(new, old)
-        self._adopt(new, result.revision)
+        self._adopt(new, revision)
         return True
 
     def _notes(self) -> dict[str, tuple[str, float]]:
-        assert self.handler is not None
+        assert self.session is not None
         notes = {}
-        for key, entry in self.handler.mirror.entries()[0].items():
+        for key, entry in self.session.entries().items():
             if not key.startswith(self.notes):
                 continue
-            note = decode_note(self.handler.signer, key, entry.value)
+            note = decode_note(self.session.signer, key, entry.value)
             if note is not None:
                 notes[key[len(self.notes):]] = note
         return notes

@@ -41,6 +41,7 @@ from agent.node.states import DEFAULT_TERM_GRACE_S
 
 if TYPE_CHECKING:
     from agent.node.metrics import AgentMetrics
+    from agent.node.rendezvous_api import HandlerSide
 
 # Outside 9100-9999, which Prometheus' default-port list has filled (9400 is NVIDIA's DCGM
 # exporter, on the very GPU nodes we run on), and clear of Kubernetes' 10249-10259, Zabbix's
@@ -343,10 +344,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
 
     from elastic.metrics.multiprocess import prepare_dir
     from agent.rendezvous.ended import FAILED, SUCCEEDED
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler, RendezvousStateError
+    from agent.rendezvous.handler import RendezvousStateError
 
     from agent.node.metrics import AgentMetrics
     from agent.node.node_agent import AgentSignal, AgentSpec, JobFinishedError, NodeAgent, exit_code_for
+    from agent.node.rendezvous_api import handler_side
 
     _standalone(args)
     try:
@@ -380,10 +382,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                                   run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **rdzv_configs)
     handler = get_rendezvous_handler(params)
-    fenced = _start_rounds_above_the_fence(handler, snapshot_dir, config.run_id, rdzv_configs.get("hmac_key_file"))
+    side = handler_side(handler)  # what this launcher asks of it beyond torch's contract
+    fenced = _start_rounds_above_the_fence(side, snapshot_dir, config.run_id, rdzv_configs.get("hmac_key_file"))
     if fenced:
         parser.exit(2, f"error: {fenced}\n")
-    _export_spare(handler, metrics)
+    _export_spare(side, metrics)
     settings = _with_network(settings, config.rdzv_endpoint, config.local_addr, args.nnodes, rdzv_configs)
     command = _worker_command(cmd, cmd_args, with_python=not args.no_python, module=args.module)
     spec = AgentSpec(role=config.role, nproc=config.nproc_per_node, command=command,
@@ -394,10 +397,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     try:
         result = agent.run()
     except RendezvousClosedError as exc:
-        ended = handler.closed_outcome() if isinstance(handler, EtcdV3RendezvousHandler) else None
-        handler_close = getattr(handler, "close", None)
-        if callable(handler_close):
-            handler_close()
+        ended = side.closed_outcome()
+        side.leave()
         if isinstance(exc, JobFinishedError) or ended is None or not ended.failed:
             logging.getLogger("elastic.agent").info("[%s] %s: nothing to join; exiting", node,
                                                     ended.line() if ended is not None else exc)
@@ -405,21 +406,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
         print(f"error: [{node}] {ended.line()}", file=sys.stderr)  # the same cause on every node
         return 1
     except AgentSignal as exc:
-        handler_close = getattr(handler, "close", None)  # leave now (peers notice), but keep the job open
-        if callable(handler_close):
-            handler_close()
+        side.leave()  # leave now (peers notice), but keep the job open
         return exit_code_for(exc)
     except RendezvousStateError as exc:
-        handler.close()  # this agent cannot join; the job itself goes on without it
+        side.leave()  # this agent cannot join; the job itself goes on without it
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:
-        _close_job(handler, FAILED, f"the agent on {node} crashed: {type(exc).__name__}: {exc}")
+        side.close_job(FAILED, f"the agent on {node} crashed: {type(exc).__name__}: {exc}")
         raise
     if not result.is_failed():
-        _close_job(handler, SUCCEEDED, "")
+        side.close_job(SUCCEEDED, "")
         return 0
-    _close_job(handler, FAILED, agent.failure_line or "a local worker failed")
+    side.close_job(FAILED, agent.failure_line or "a local worker failed")
     if agent.failure_line:  # the agent said it in one line (a script error, a crash loop): no torchrun box
         print(f"error: [{node}] the job failed: {agent.failure_line}", file=sys.stderr)
     else:
@@ -437,16 +436,6 @@ def _say_metrics_port(work: Path, url: str) -> None:
     write_atomically(work / METRICS_PORT_FILE, (port + "\n").encode())
 
 
-def _close_job(handler: Any, outcome: str, cause: str) -> None:
-    """Close the job's rendezvous; ours also carries how the job ended to the other agents."""
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler
-
-    if isinstance(handler, EtcdV3RendezvousHandler):
-        handler.shutdown(outcome=outcome, cause=cause)
-    else:
-        handler.shutdown()
-
-
 def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> AgentDir:
     try:
         return claim_agent_dir(value)
@@ -454,16 +443,13 @@ def _claimed_agent_dir(parser: argparse.ArgumentParser, value: str | None) -> Ag
         parser.exit(2, f"error: --agent-dir {exc}\n")
 
 
-def _export_spare(handler: object, metrics: AgentMetrics) -> None:
+def _export_spare(side: HandlerSide, metrics: AgentMetrics) -> None:
     """``elastic_agent_spare``: 1 while the rendezvous holds this node as a spare (a full
     world without it), so a dashboard shows how many nodes stand ready to replace a loss."""
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler
-
-    if isinstance(handler, EtcdV3RendezvousHandler):
-        handler.on_spare.append(lambda spare: metrics.spare.set(1 if spare else 0))
+    side.on_spare(lambda spare: metrics.spare.set(1 if spare else 0))
 
 
-def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | str | None, run_id: str,
+def _start_rounds_above_the_fence(side: HandlerSide, snapshot_dir: Path | str | None, run_id: str,
                                   key_file: object = None) -> str | None:
     """A job whose etcd lost its state starts its rounds again at 0, below the fence its
     snapshot directory holds, and every new group would be refused as stale: start them
@@ -476,19 +462,14 @@ def _start_rounds_above_the_fence(handler: object, snapshot_dir: Path | str | No
     from checkpoints.signing import load_key
     from checkpoints.stores import open_fence
 
-    from agent.rendezvous.handler import EtcdV3RendezvousHandler
-
-    if snapshot_dir is None or not isinstance(handler, EtcdV3RendezvousHandler):
+    if snapshot_dir is None or not side.fences_rounds:
         return None
     fence = open_fence(snapshot_dir, key=load_key(str(key_file))[0]) if key_file else open_fence(snapshot_dir)
     token = fence.current()
     if token is None or token.run != run_id:
         return None
-    newest = handler.newest_round()
-    if newest is None:
-        handler.first_round = token.round + 1
-        return None
-    if token.round > newest:
+    newest = side.start_rounds_above(token.round)
+    if newest is not None:
         return (f"the snapshot directory's fence {fence.path} stands at round {token.round} of run {run_id!r}, above "
                 f"the newest round etcd holds for this job ({newest}): no group of this job raised it (the file was "
                 f"edited or copied in), and it would refuse every snapshot; if no other group of this job runs, "

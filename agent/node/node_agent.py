@@ -136,7 +136,7 @@ class NodeAgent(ElasticAgent):
                          wake=self._wake, on_keep_out=lambda out: self.reporting.on_keep_out(out),
                          while_spare=lambda: self.spares.start_ahead())
         self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
-                                         self.rdzv.goodput_handler())
+                                         self.rdzv.goodput_session())
         # stragglers: publish this node's pace, name the slow node, evict it (agent/node/pace.py)
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)
@@ -400,7 +400,7 @@ class NodeAgent(ElasticAgent):
         me = RankEnv(place, local_rank=local_rank, role=self.spec.role, master_addr=self.master_addr,
                      master_port=self.master_port, restart_count=self.state.restart_count,
                      max_restarts=self.spec.max_restarts, run_id=self.spec.run_id,
-                     use_agent_store=self.handler.use_agent_store,
+                     use_agent_store=self.rdzv.use_agent_store,
                      nccl_async_error_handling=os.environ.get(contract.NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
                      recovering=self.state.recovering)
         return {**self._node_env(), **(me.in_setup_world(joining, setup_port) if joining else me).to_env()}

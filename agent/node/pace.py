@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from elastic.metrics.multiprocess import merged
 
@@ -32,6 +32,9 @@ from elastic.heartbeat import read_beats
 
 from agent.node.policy import PaceFacts
 from agent.node.stragglers import Pace, Straggler, StragglerWatch
+
+if TYPE_CHECKING:
+    from agent.rendezvous.session import RendezvousSession
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,9 @@ def evict_enabled() -> bool:
 class PaceMonitor:
     """Owned by the node agent; :meth:`look` from its loop while the workers train."""
 
-    def __init__(self, node: str, handler: Any, metrics: Any, metrics_dir: Path, heartbeat_dir: Path,
+    def __init__(self, node: str, session: "RendezvousSession", metrics: Any, metrics_dir: Path, heartbeat_dir: Path,
                  period: float = PERIOD_S) -> None:
-        self.node, self.handler, self.metrics = node, handler, metrics
+        self.node, self.session, self.metrics = node, session, metrics
         self.metrics_dir, self.heartbeat_dir, self.period = metrics_dir, heartbeat_dir, period
         self.watch = StragglerWatch()
         self._next = 0.0
@@ -78,7 +81,7 @@ class PaceMonitor:
             return None
         self._next = now + self.period
         self._publish(local_pace(self.metrics_dir), local_step(self.heartbeat_dir))
-        records = self.handler.node_records()
+        records = self.session.node_records()
         paces = {n: _pace(records.get(n)) for n in participants}
         straggler = self.watch.observe(paces)
         self._name(straggler)
@@ -99,7 +102,7 @@ class PaceMonitor:
             return
         self._published = (compute, step)
         self.metrics.pace.set(compute if compute is not None else 0.0)
-        self.handler.lease.update(pace=compute, pace_step=step)
+        self.session.publish(pace=compute, pace_step=step)
 
     def _name(self, straggler: Straggler | None) -> None:
         node = straggler.node if straggler is not None else None

@@ -30,10 +30,12 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elastic.inplace.channel import RoundOffer, assign_ranks, make_offer
 from agent.etcd import EtcdError
 from agent.rendezvous.handler import LEASE_LOST, NEW_ROUND, PEER_LOST, EtcdV3RendezvousHandler
+from agent.rendezvous.ended import JobEnded
 from agent.rendezvous.keepout import KeepOut
 from agent.rendezvous.lease_clock import Verdict
 from agent.rendezvous.rounds import JOIN
 from agent.rendezvous.registry import NodeRecord
+from agent.rendezvous.session import EtcdSession, RendezvousSession
 from elastic.worker_env import joins_live_world
 
 from agent.node.policy import JobEnd, Reason, etcd_lost
@@ -198,8 +200,8 @@ class AgentRendezvous(abc.ABC):
         from agent.node.nulls import NoCommands
         return NoCommands()
 
-    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
-        """The handler goodput's shared account lives in (None: no account, agent.node.goodput)."""
+    def goodput_session(self) -> RendezvousSession | None:
+        """The session goodput's shared account lives in (None: no account, agent.node.goodput)."""
         return None
 
 
@@ -225,6 +227,7 @@ class EtcdRendezvous(AgentRendezvous):
 
     def __init__(self, handler: EtcdV3RendezvousHandler, node: str, nproc: int, in_place: bool) -> None:
         super().__init__(handler, node, nproc, in_place)
+        self.session = EtcdSession(handler)  # all the watches get of the rendezvous
 
     @property
     def can_keep_out(self) -> bool:
@@ -363,11 +366,11 @@ class EtcdRendezvous(AgentRendezvous):
         return self._handler.client.settings
 
     def hold_out(self, out: KeepOut | None) -> None:
-        self._handler._start()  # the lease and mirror the keep-out key needs
+        self._handler.start()  # the lease and mirror the keep-out key needs
         self.keep_out(out)
 
     def spares_waiting(self, current: Round) -> int:
-        return spares_waiting(self._handler, current.participants)
+        return spares_waiting(self.session, current.participants)
 
     def lease_health(self) -> LeaseHealth:
         h = self._handler
@@ -385,7 +388,7 @@ class EtcdRendezvous(AgentRendezvous):
         node its peers cannot reach, and wait until the rendezvous' own mirror shows it: a
         stale key there would make the next round keep this node out again, as unreachable."""
         h = self._handler
-        h.reachability._publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
+        h.reachability.publish(out)  # the one writer of keep-out keys (agent/rendezvous/reachability.py)
         deadline = time.monotonic() + _KEEP_OUT_SEEN_S
         while time.monotonic() < deadline:
             entries, revision = h.narrow.entries()
@@ -416,25 +419,87 @@ class EtcdRendezvous(AgentRendezvous):
 
     def pace_monitor(self, metrics: Any, metrics_dir: Any, heartbeat_dir: Any) -> Any:
         from agent.node.pace import PaceMonitor
-        return PaceMonitor(self.node, self._handler, metrics, metrics_dir, heartbeat_dir)
+        return PaceMonitor(self.node, self.session, metrics, metrics_dir, heartbeat_dir)
 
     def freeze_watch(self, channel: Any) -> Any:
         if not self.in_place:
             return super().freeze_watch(channel)
         from agent.node.freeze import FreezeWatch
-        return FreezeWatch(self.node, self._handler, channel)
+        return FreezeWatch(self.node, self.session, channel)
 
     def command_watch(self, heartbeat_dir: str) -> Any:
         from agent.node.commands import CommandWatch
-        watch = CommandWatch(self._handler, self.node)
+        watch = CommandWatch(self.session, self.node)
         watch.heartbeat_dir = heartbeat_dir  # `elastic inject-sdc`: the request goes there
         return watch
 
-    def goodput_handler(self) -> EtcdV3RendezvousHandler | None:
-        return self._handler
+    def goodput_session(self) -> RendezvousSession | None:
+        return self.session
 
 
 _EXTRA_DEFAULTS: dict[str, object] = {"crash": "", "in_place": False}  # what a record without the key says
+
+
+class HandlerSide:
+    """What the launcher asks of the handler torchrun's registry built, before and after the
+    agent runs: any torch handler answers with nothing (no outcome, no spares, no round numbers
+    of its own) and is shut down as torch's contract says."""
+
+    fences_rounds = False  # whether its round numbers are the snapshot directory's fence tokens
+
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self._handler = handler
+
+    def closed_outcome(self) -> JobEnded | None:
+        """How the job ended, as another node closed it (None: not closed, or cannot say)."""
+        return None
+
+    def close_job(self, outcome: str, cause: str) -> None:
+        """Close the job's rendezvous (``outcome``/``cause``: how it ended, for the other agents)."""
+        self._handler.shutdown()
+
+    def leave(self) -> None:
+        """Leave without closing the job (peers notice now, not at a lease's end), where the
+        handler can (torch's ABC has no such call: those without a ``close`` do nothing)."""
+        close = getattr(self._handler, "close", None)
+        if callable(close):
+            close()
+
+    def on_spare(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(True/False)`` as this node starts and stops waiting as a spare."""
+
+    def start_rounds_above(self, fence_round: int) -> int | None:
+        """Start the job's rounds above ``fence_round`` if etcd holds none; returns the newest round
+        etcd holds when that is below the fence (no group of this job raised it), else None."""
+        return None
+
+
+class EtcdHandlerSide(HandlerSide):
+    """:class:`HandlerSide` of the etcd-v3 handler: the job's end travels with its close."""
+
+    fences_rounds = True
+    _handler: EtcdV3RendezvousHandler
+
+    def closed_outcome(self) -> JobEnded | None:
+        return self._handler.closed_outcome()
+
+    def close_job(self, outcome: str, cause: str) -> None:
+        self._handler.shutdown(outcome=outcome, cause=cause)
+
+    def on_spare(self, callback: Callable[[bool], None]) -> None:
+        self._handler.on_spare.append(callback)
+
+    def start_rounds_above(self, fence_round: int) -> int | None:
+        newest = self._handler.newest_round()
+        if newest is None:
+            self._handler.first_round = fence_round + 1
+            return None
+        return newest if fence_round > newest else None
+
+
+def handler_side(handler: RendezvousHandler) -> HandlerSide:
+    """The launcher's side of ``handler``: ours over etcd-v3, else torch's (which does nothing more)."""
+    return EtcdHandlerSide(handler) if isinstance(handler, EtcdV3RendezvousHandler) else HandlerSide(handler)
 
 
 def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place: bool) -> AgentRendezvous:
@@ -444,4 +509,5 @@ def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place
     return TorchRendezvous(handler, node, nproc, in_place=False)
 
 
-__all__ = ["AgentRendezvous", "JobFinishedError", "EtcdRendezvous", "LeaseHealth", "Round", "TorchRendezvous", "agent_rendezvous"]
+__all__ = ["AgentRendezvous", "EtcdHandlerSide", "EtcdRendezvous", "HandlerSide", "JobFinishedError", "LeaseHealth",
+           "Round", "TorchRendezvous", "agent_rendezvous", "handler_side"]

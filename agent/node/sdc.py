@@ -14,12 +14,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from elastic import contract
-from agent.rendezvous.registry import list_nodes
 
 from agent.node.policy import SDC_WINDOW_S, SdcFacts
+
+if TYPE_CHECKING:
+    from agent.rendezvous.session import RendezvousSession
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +92,15 @@ class SdcWatch:
         return events
 
 
-def spares_waiting(handler: Any, participants: Iterable[str]) -> int:
+def spares_waiting(session: "RendezvousSession", participants: Iterable[str]) -> int:
     """Live nodes of the run outside the round: warm spares, one of which takes the place of
     a node kept out (so a job at its minimum size can still keep a suspect node out). Read
     from etcd on this rare path only; 0 if etcd does not answer."""
     try:
-        live = list_nodes(handler.client, handler.run_id, handler.signer, handler.options.key_prefix)
+        live = session.live_nodes()
     except Exception:  # noqa: BLE001 - no answer: count no spare, keep the node in
         return 0
-    return len({n.node for n in live} - set(participants))
+    return len(set(live) - set(participants))
 
 
 __all__ = ["SdcWatch", "spares_waiting", "window_from_env"]

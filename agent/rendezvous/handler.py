@@ -69,6 +69,7 @@ from agent.rendezvous.round_writes import RoundWriter
 from agent.rendezvous.rounds import CLOSED, FAILURE, JOIN, OPEN, RoundRecord, Timings
 from agent.rendezvous.signing import StateSigner
 from agent.rendezvous.spare_wait import SpareWait
+from agent.rendezvous.states import NodeState
 from agent.rendezvous.steward import Steward, slot_prefix
 from agent.rendezvous.store import EtcdV3Store
 
@@ -183,10 +184,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return FAILURE if self._joined_once else JOIN
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._start()
+        self.start()
         with self._lock:
             self.round = None
-        self.lease.update(state="rendezvous", round=None, rank=None, world=None)
+        self.lease.update(state=NodeState.RENDEZVOUS.value, round=None, rank=None, world=None)
         started = time.monotonic()
         self.spares.begin()
         try:
@@ -200,7 +201,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.round, self._lease_generation = record, self.lease.generation
             self._peers = [n for n in record.participants if n != self.node]
             self._joined_once = True
-        self.lease.update(state="running", round=record.round, rank=rank, world=world)
+        self.lease.update(state=NodeState.RUNNING.value, round=record.round, rank=rank, world=world)
         # A spare's wait began long before the round (it waited beside a full world): its
         # "closed in" counts from its join of this round, or it reads as a slow close.
         since = self._joined_at if self.spares.first is not None and self._joined_at > started else started
@@ -325,11 +326,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The round record's members, taken as alive: a member's loss reaches this node as the
         next round, which a steward opens (so a spare waits for the round record alone)."""
         record = self._decode_round(entries)
-        return {n: "running" for n in record.participants} if record is not None else {}
+        return {n: NodeState.RUNNING.value for n in record.participants} if record is not None else {}
 
     # --------------------------------------------------------------- the protocol
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Hold this node's name and lease, and follow etcd, before any round (idempotent):
+        the first round does it, and the agent before it where a keep-out key needs the lease."""
         if self._started:
             return
         self.lease.update(witness_addr=self.lease_watch.start(self.advertise_host, self._round_peers))
@@ -341,6 +344,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.mirror.allow()  # every peer's keys, once asked, now that this node holds its name
         self.steward.start()
         self._started = True
+
+    _start = start  # the name bench/rendezvous_sim.py calls it by
 
     def _join_until_closed(self, deadline: float) -> RoundRecord:
         joined_round: int | None = None

@@ -30,6 +30,7 @@ from agent.rendezvous.probe import UNREACHABLE, reach
 from agent.rendezvous.registry import NodeLease, NodeRecord
 from agent.rendezvous.rounds import CLOSED, RoundRecord
 from agent.rendezvous.signing import SignatureError, StateSigner
+from agent.rendezvous.states import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class Reachability:
                     f" ({', '.join(cut)})" if cut else "", backoff(self.strikes), self.strikes)
         while True:
             out = KeepOut(self.node, self.strikes, backoff(self.strikes), cut, round=record.round)
-            self._publish(out)
+            self.publish(out)
             if self._sleep(out.backoff, closed):
                 return
             training = record.participants if record.state == CLOSED else record.previous
@@ -198,7 +199,7 @@ class Reachability:
                         self.node, ", ".join(cut), time.monotonic() - since, backoff(self.strikes), self.strikes)
         log.info("[%s] reaches its peers again after %.0f s kept out; rejoining", self.node, time.monotonic() - since)
         self._back_at = time.monotonic()
-        self._publish(None)
+        self.publish(None)
 
     def _sleep(self, seconds: float, closed: Callable[[], bool]) -> bool:
         """True if the job closed meanwhile."""
@@ -209,7 +210,9 @@ class Reachability:
             time.sleep(min(_RECHECK_S, max(0.0, end - time.monotonic())))
         return closed()
 
-    def _publish(self, out: KeepOut | None) -> None:
+    def publish(self, out: KeepOut | None) -> None:
+        """Write (or, with None, clear) this node's keep-out key, and its state with it: the one
+        writer of keep-out keys (a node its peers cannot reach, or one the agent keeps out)."""
         key = self.keepout_prefix + self.node
         self._out = out
 
@@ -227,7 +230,7 @@ class Reachability:
         except EtcdError as exc:
             log.warning("[%s] could not %s its keep-out record: %s", self.node,
                         "clear" if out is None else "write", exc)
-        self.lease.update(state="kept_out" if out is not None else "rendezvous",
+        self.lease.update(state=NodeState.KEPT_OUT.value if out is not None else NodeState.RENDEZVOUS.value,
                           extra={"kept_out": out.describe()} if out is not None else {})
         for listener in list(self.listeners):
             listener(out)

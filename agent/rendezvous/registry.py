@@ -27,6 +27,7 @@ from agent.etcd.kv import is_lease_not_found, transact
 
 from agent.rendezvous.lease_clock import LeaseClock
 from agent.rendezvous.signing import HmacKeyError, SignatureError, StateSigner
+from agent.rendezvous.states import NodeState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,7 +57,7 @@ class NodeRecord:
     pid: int
     addr: str | None = None
     metrics_url: str | None = None
-    state: str = "starting"
+    state: str = NodeState.STARTING.value
     round: int | None = None
     rank: int | None = None
     world: int | None = None
@@ -364,7 +365,7 @@ class NodeLease:
                 return  # closed (or stopped, as a frozen agent's): no thread of ours brings it back
             log.warning("node %s lost its etcd lease (frozen or cut off for over %d s); rejoining",
                         self._record.node, self.ttl)
-            self._record = replace(self._record, state="rejoining", round=None, rank=None, world=None)
+            self._record = replace(self._record, state=NodeState.REJOINING.value, round=None, rank=None, world=None)
             try:
                 self._grant()
             except EtcdError as exc:

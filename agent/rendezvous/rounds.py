@@ -14,9 +14,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Collection, Iterable, Mapping
 
+from agent.rendezvous.states import NodeState, RoundCause
+
 OPEN, CLOSED = "open", "closed"
-JOIN, FAILURE = "join", "failure"  # why a round was opened: a node arriving, or a broken world
-ON_THEIR_WAY = frozenset({"stopping", "rendezvous"})  # registry states of nodes heading to the next round
+JOIN, FAILURE = RoundCause.JOIN.value, RoundCause.FAILURE.value  # why a round was opened: a node arriving, or a broken world
+ON_THEIR_WAY = frozenset({NodeState.STOPPING.value, NodeState.RENDEZVOUS.value})  # states of nodes heading to the next round
 
 
 @dataclass(frozen=True)

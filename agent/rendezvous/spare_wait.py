@@ -16,6 +16,7 @@ from typing import Callable
 
 from agent.rendezvous.registry import NodeLease
 from agent.rendezvous.rounds import CLOSED, RoundRecord, waits_as_spare
+from agent.rendezvous.states import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class SpareWait:
                      "the next member lost", self.node, record.round, ", ".join(record.participants),
                      self.max_nodes)
         if write:
-            self.lease.update(state="spare" if spare else "rendezvous")
+            self.lease.update(state=NodeState.SPARE.value if spare else NodeState.RENDEZVOUS.value)
         for callback in list(self.on_spare):
             callback(spare)
 

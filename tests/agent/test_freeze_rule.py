@@ -23,6 +23,7 @@ from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import SLOW, STUCK, StallRule, join_level
 from agent.rendezvous.keepout import ReachReport, choose_kept_out
 from agent.rendezvous.lease_clock import LeaseClock
+from agent.rendezvous.session import EtcdSession
 from agent.rendezvous.signing import StateSigner
 from agent.rendezvous.witness import WitnessServer
 
@@ -273,7 +274,7 @@ def test_a_stall_judged_alive_writes_off_a_peer_that_freezes_later_never_one_bus
     about a second, far from a lease."""
     (b, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
     channel = _Channel()
-    watch = FreezeWatch("a", _Handler({"b": b_addr, "c": c_addr}), channel, enabled=True)  # type: ignore[arg-type]
+    watch = FreezeWatch("a", EtcdSession(_Handler({"b": b_addr, "c": c_addr})), channel, enabled=True)  # type: ignore[arg-type]
     assert _stuck(watch, channel) is None, "every peer answered"
     b.send_signal(signal.SIGSTOP)
     found, _ = _look_for(watch, 0.6)
@@ -295,7 +296,7 @@ def test_a_verdict_skipped_for_a_stale_own_keep_alive_is_judged_again(
     at that moment, on a loaded machine) waited for the frozen peer's lease."""
     (_, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
     channel, handler = _Channel(), _Handler({"b": b_addr, "c": c_addr})
-    watch = FreezeWatch("a", handler, channel, enabled=True)  # type: ignore[arg-type]
+    watch = FreezeWatch("a", EtcdSession(handler), channel, enabled=True)  # type: ignore[arg-type]
     c.send_signal(signal.SIGSTOP)
     handler.lease.age = 6.0  # over half the TTL: this node may be the cut-off one, it does not judge
     assert _stuck(watch, channel) is None

@@ -26,6 +26,7 @@ from elastic.goodput.account import Interval
 from elastic.atomic_file import write_atomically
 from elastic.goodput.files import WorkerReport, read_job_file, worker_file
 from elastic.heartbeat import JOB_STEP, LOCAL_COUNT, Beat, Heartbeat
+from agent.rendezvous.session import EtcdSession
 from agent.rendezvous.signing import StateSigner
 from tests.support.waiting import wait_until
 
@@ -61,7 +62,7 @@ def accountant(handler: Handler, tmp_path: Path, node: str, **kw: Any) -> Goodpu
     (tmp_path / node / "heartbeat").mkdir(parents=True)
     kw.setdefault("push_every", 0.0)
     return GoodputAccountant(node, tmp_path / node / "goodput", tmp_path / node / "heartbeat", CollectorRegistry(),
-                             handler, **kw)  # type: ignore[arg-type]
+                             EtcdSession(handler), **kw)  # type: ignore[arg-type]
 
 
 def report(acc: GoodputAccountant, rows: list[tuple[float | None, float, str, int | None]], rank: int = 0,

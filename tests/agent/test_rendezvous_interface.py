@@ -103,6 +103,19 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
             line for line in text.splitlines() if re.search(r"self\.(pace|freeze|commands|channel|pool|ours)\b", line)))
 
 
+def test_only_the_interface_module_knows_the_etcd_handler() -> None:
+    """The watches get a narrow session (agent/rendezvous/session.py), the launcher a
+    ``HandlerSide``: no module of the agent but rendezvous_api.py names the etcd-v3 handler
+    class or reaches into a handler (``._handler``, ``handler.``)."""
+    for path in sorted(AGENT.glob("*.py")):
+        if path.stem == "rendezvous_api":
+            continue
+        code = re.sub(r"#.*", "", path.read_text())
+        assert "EtcdV3RendezvousHandler" not in code, f"{path.name} names the etcd-v3 handler"
+        for line in code.splitlines():
+            assert not re.search(r"\._handler\b|\bhandler\.\w|\.handler\.\w", line), f"{path.name}: {line.strip()}"
+
+
 def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
     """Node b formed the job alone; its workers had not yet said they run in place when
@@ -203,3 +216,16 @@ def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joi
 def test_a_round_counts_the_other_members_as_its_list_of_them_does() -> None:
     current = Round(participants=("a", "b", "c"))
     assert [current.count_others(n) for n in ("a", "z")] == [len(current.others("a")), len(current.others("z"))] == [2, 3]
+
+
+def test_the_states_the_rendezvous_writes_are_the_agents_enums_as_plain_strings() -> None:
+    """One spelling (agent.rendezvous.states, re-exported by agent.node.states), written as its
+    value: an enum member hashes by its name and would miss a set of strings."""
+    from agent.node import states
+    from agent.rendezvous.registry import NodeRecord
+    from agent.rendezvous.rounds import FAILURE, JOIN, ON_THEIR_WAY
+
+    assert states.NodeState is NodeState and states.RoundCause is RoundCause
+    assert type(NodeRecord(node="a", host="h", pid=1).state) is str and all(type(s) is str for s in ON_THEIR_WAY)
+    assert ON_THEIR_WAY == {NodeState.STOPPING.value, NodeState.RENDEZVOUS.value}
+    assert (JOIN, FAILURE) == (RoundCause.JOIN.value, RoundCause.FAILURE.value)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from agent.node.pace import PaceMonitor
+from agent.rendezvous.session import EtcdSession
 from agent.node.policy import straggler_out
 from agent.node.stragglers import MIN_LAG_S, Pace, Straggler, StragglerWatch, eviction, slowest
 from elastic.metrics.step_split import SKIP_STEPS, StepSplit
@@ -186,7 +187,8 @@ def test_the_monitor_names_and_evicts_only_itself(tmp_path: Path, monkeypatch: p
     mine = {"compute": 0.1, "step": 0}
     monkeypatch.setattr(pace, "local_pace", lambda _d: mine["compute"])
     monkeypatch.setattr(pace, "local_step", lambda _d: mine["step"])
-    monitors = {n: PaceMonitor(n, handler, metrics, tmp_path, tmp_path, period=0.0) for n in ("a", "b")}
+    session = EtcdSession(handler)  # type: ignore[arg-type]  # the two calls the monitor makes of the rendezvous
+    monitors = {n: PaceMonitor(n, session, metrics, tmp_path, tmp_path, period=0.0) for n in ("a", "b")}
     said = {}
     for window in range(1, 5):
         for n, compute in (("a", 0.1), ("b", 0.3)):

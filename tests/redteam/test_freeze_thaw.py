@@ -36,6 +36,7 @@ out = Path(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(out / "child.beats")])
 (out / "child.pid").write_text(str(child.pid))
 from agent.node.commands import FREEZE, CommandWatch, Command, command_key
+from agent.rendezvous.session import EtcdSession
 from agent.rendezvous.signing import StateSigner
 signer = StateSigner(b"k" * 32)
 key = command_key("/elastic", "run", "node")
@@ -44,7 +45,7 @@ handler = types.SimpleNamespace(
     options=types.SimpleNamespace(key_prefix="/elastic"), run_id="run", signer=signer,
     mirror=types.SimpleNamespace(entries=lambda: (mirror, 0)),
     client=types.SimpleNamespace(call=lambda request, deadline=None: mirror.clear()))
-watch = CommandWatch(handler, "node")
+watch = CommandWatch(EtcdSession(handler), "node")
 while not (out / "go").exists():
     time.sleep(0.02)
 value = signer.seal(key.encode(), Command(FREEZE, float(sys.argv[3]), time.time()).to_json())

@@ -58,6 +58,7 @@ from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from agent.node import commands as agent_commands
+from agent.rendezvous.session import EtcdSession
 from agent.node.commands import (
     FREEZE,
     KILL,
@@ -355,7 +356,7 @@ def test_the_agent_never_acts_on_a_command_that_does_not_verify(raw: bytes, payl
     handler = types.SimpleNamespace(options=types.SimpleNamespace(key_prefix="/elastic"), run_id="fuzz",
                                     signer=SIGNED, mirror=types.SimpleNamespace(entries=lambda: (mirror, 0)),
                                     client=types.SimpleNamespace(call=lambda request, deadline=None: None))
-    watch = CommandWatch(handler, "a")  # type: ignore[arg-type]
+    watch = CommandWatch(EtcdSession(handler), "a")  # type: ignore[arg-type]
     watch._started = 0.0  # any issued_at counts as new
     real, agent_commands.carry_out = agent_commands.carry_out, acted.append  # type: ignore[assignment]
     try:
