@@ -243,7 +243,6 @@ class EtcdRendezvous(AgentRendezvous):
         h = self._handler
         if store_addr is not None:
             h.lease.update(store_addr=store_addr)
-        h.advertise_host = advertise_host  # where peers ask for its witness
         h.lease.update(metrics_url=metrics_url, nproc=self.nproc)
         h.client.error_listeners.append(on_etcd_error)
         h.mirror.listeners.append(wake)
@@ -251,7 +250,7 @@ class EtcdRendezvous(AgentRendezvous):
         h.reachability.listeners.append(on_keep_out)
         if self.in_place:
             h.while_spare.append(while_spare)
-            h.bootstrap_needed = self._needs_bootstrap
+        h.serve_as(advertise_host, self._needs_bootstrap if self.in_place else None)  # where peers ask for its witness
 
     def next_round(self, cause: RoundCause, previous: Round, offered: bool = False) -> Round:
         if not offered:
@@ -259,22 +258,17 @@ class EtcdRendezvous(AgentRendezvous):
         # A round whose every member's record says where its store is (a member that died as
         # the round closed has none: the next round leaves it out). In-place workers need no
         # torchrun bootstrap (MASTER_ADDR), which could wait on a dead rank 0.
-        self._handler.bootstrap = False
-        try:
-            current = previous
-            for _ in range(_OFFER_TRIES):
-                current = self._one_round(cause, current)
-                if current.offer is not None:
-                    break
-            return current
-        finally:
-            self._handler.bootstrap = True
+        current = previous
+        for _ in range(_OFFER_TRIES):
+            current = self._one_round(cause, current, master_addr_read=False)
+            if current.offer is not None:
+                break
+        return current
 
-    def _one_round(self, cause: RoundCause, previous: Round) -> Round:
+    def _one_round(self, cause: RoundCause, previous: Round, master_addr_read: bool = True) -> Round:
         h = self._handler
-        h.next_cause = cause.value
         self._refuse_a_finished_job()
-        info = h.next_rendezvous()
+        info = h.next_rendezvous_for(cause.value, bootstrap=master_addr_read)
         bootstrap = info.bootstrap_store_info
         master_addr, master_port = ((bootstrap.master_addr, bootstrap.master_port) if bootstrap is not None
                                     else (previous.master_addr, previous.master_port))
@@ -492,7 +486,7 @@ class EtcdHandlerSide(HandlerSide):
     def start_rounds_above(self, fence_round: int) -> int | None:
         newest = self._handler.newest_round()
         if newest is None:
-            self._handler.first_round = fence_round + 1
+            self._handler.start_rounds_at(fence_round + 1)
             return None
         return newest if fence_round > newest else None
 

@@ -183,6 +183,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return self.next_cause
         return FAILURE if self._joined_once else JOIN
 
+    # --------------------------------------------------------------- what our agent says
+
+    def serve_as(self, advertise_host: str | None,
+                 bootstrap_needed: Callable[[RoundRecord], bool] | None = None) -> None:
+        """Our agent's settings, before its first round: where peers reach this node's witness,
+        and (in place) whether its workers will read MASTER_ADDR in a round just closed."""
+        self.advertise_host = advertise_host
+        if bootstrap_needed is not None:
+            self.bootstrap_needed = bootstrap_needed
+
+    def start_rounds_at(self, first: int) -> None:
+        """The number this job's first round takes (above a snapshot fence, after etcd lost its state)."""
+        self.first_round = first
+
+    def next_rendezvous_for(self, cause: str, bootstrap: bool = True) -> RendezvousInfo:
+        """:meth:`next_rendezvous` for our agent, which says why this node opens a round and whether
+        its workers need torchrun's bootstrap (MASTER_ADDR) in it: in-place workers do not."""
+        self.next_cause, self.bootstrap = cause, bootstrap
+        try:
+            return self.next_rendezvous()
+        finally:
+            self.bootstrap = True
+
     def next_rendezvous(self) -> RendezvousInfo:
         self.start()
         with self._lock:

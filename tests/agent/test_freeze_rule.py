@@ -48,6 +48,9 @@ def test_the_switch_turns_it_off() -> None:
 
 
 def test_a_live_witness_answers_and_a_frozen_one_times_out_concurrently() -> None:
+    # a whole suite's load once kept this in-process witness from answering within the agent's
+    # 0.3 s; what is checked here is that the questions go out at once, which 1 s tells as well
+    timeout = max(ANSWER_TIMEOUT_S, 1.0)
     signer = StateSigner(KEY)
     live = WitnessServer("b", signer, lambda: LeaseClock(3.0, time.monotonic())).start()
     frozen = socket.socket()
@@ -56,13 +59,13 @@ def test_a_live_witness_answers_and_a_frozen_one_times_out_concurrently() -> Non
     try:
         started = time.monotonic()
         answered = Questions({"b": f"127.0.0.1:{live.port}", "c": f"127.0.0.1:{frozen.getsockname()[1]}",
-                              "d": f"127.0.0.1:{frozen.getsockname()[1]}", "e": None}, signer, ANSWER_TIMEOUT_S).answers()
+                              "d": f"127.0.0.1:{frozen.getsockname()[1]}", "e": None}, signer, timeout).answers()
         took = time.monotonic() - started
     finally:
         live.close()
         frozen.close()
     assert answered == {"b": True, "c": False, "d": False, "e": True}, "no address is no reason to evict"
-    assert took < ANSWER_TIMEOUT_S + 0.5, f"asked one after another ({took:.2f} s)"
+    assert took < timeout + 0.5, f"asked one after another ({took:.2f} s)"  # one after another: 2 x timeout
     assert frozen_verdict(answered) == ["c", "d"]
 
 
