@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 # tests wait (leases, recoveries) about a third of the time, and a third worker fills it.
 # 20.5 min for 1496 tests (2026-12-02; 25.8 before the agents and the tests' ranks were forked
 # from a zygote): the suite is CPU-bound, `make test-profile` says where.
+# 12.6 min for 1640 tests (2026-12-02, third stop: 13.7 with a fresh venv and lint), after a
+# finished node stopped holding a returning one for 30 s (docs/BENCHMARKS.md).
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
