@@ -179,13 +179,17 @@ class WriterProcess:
             self._raise()
 
     def wait_ready(self, timeout: float) -> bool:
+        """Someone waits for the start, so it runs at the boost priority until ready, whichever
+        child it is: one that replaced a dead one here (``is_ready`` starts it) starts at idle
+        priority, and two busy processes beside it kept it from ever running (a whole suite
+        under that load waited out 60 s)."""
         deadline = time.monotonic() + timeout
         while not self.is_ready():
             left = deadline - time.monotonic()
             if left <= 0 or self._sock is None:
                 return False
-            if self._hurried:
-                self._raise()  # again: its bootstrap sets its own priority, which may come after ours
+            self._hurried = True
+            self._raise()  # again each time: its bootstrap sets its own priority, which may come after ours
             select.select([self._sock], [], [], min(left, 0.2))
         return True
 
