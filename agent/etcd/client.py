@@ -42,6 +42,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from agent.etcd.chain import raised_from
 from agent.etcd.grpc_untyped import channel_closed, credentials_refused, tls_refused, token_expired
 from agent.etcd.settings import EtcdSettings
 from agent.etcd.version import warn_if_old
@@ -100,13 +101,7 @@ class EtcdAccessError(EtcdError):
 
 def _rpc_error(exc: BaseException | None) -> grpc.RpcError | None:
     """The gRPC error behind ``exc``: etcd3 re-raises its own types and drops the details."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if isinstance(exc, grpc.RpcError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
+    return raised_from(exc, grpc.RpcError)
 
 
 def _is_tls_failure(exc: BaseException) -> bool:

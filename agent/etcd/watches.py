@@ -25,6 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from etcd3 import exceptions as etcd_exc
 
+from agent.etcd.chain import raised_from
+
 
 class Calls(Protocol):
     """What a handle needs of :class:`.client.EtcdClient` (which makes handles itself)."""
@@ -80,10 +82,4 @@ def resume_plan(seen: Sequence[int], compacted: bool) -> list[int] | None:
 
 def is_compacted(error: BaseException | None) -> bool:
     """The watch's history is gone (etcd compacted past the revision it resumes from)."""
-    seen = 0
-    while error is not None and seen < 5:
-        if isinstance(error, etcd_exc.RevisionCompactedError):
-            return True
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return False
+    return raised_from(error, etcd_exc.RevisionCompactedError) is not None
