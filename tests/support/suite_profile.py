@@ -170,13 +170,29 @@ def _row(c: TestCost) -> str:
     return f"| `{c.test}` | {c.wall_s:.1f} | {c.cpu_s:.1f} | {c.started} | {c.torch} | {c.kind} |"
 
 
-def report(costs: list[TestCost], top: int = 30) -> str:
+def run_totals(out: Path) -> tuple[float | None, dict | None]:
+    """CPU the workers' shared servers used outside any test, and the machine's over the run."""
+    outlived = [json.loads(f.read_text())["cpu_s"] for f in sorted(out.glob("outlived-*.json"))]
+    machine = out / "machine.json"
+    return (sum(outlived) if outlived else None), (json.loads(machine.read_text()) if machine.exists() else None)
+
+
+def report(costs: list[TestCost], top: int = 30, outlived_s: float | None = None, machine: dict | None = None) -> str:
     head = "| test | wall s | CPU s | processes started | torch imports | kind |\n|---|---:|---:|---:|---:|---|"
+    tests_cpu = sum(c.cpu_s for c in costs)
     lines = [
         f"{len(costs)} tests: wall {sum(c.wall_s for c in costs):.0f} s (summed over xdist workers), "
-        f"CPU {sum(c.cpu_s for c in costs):.0f} s, processes started {sum(c.started for c in costs)}, "
+        f"CPU {tests_cpu:.0f} s, processes started {sum(c.started for c in costs)}, "
         f"torch imports {sum(c.torch for c in costs)}, tests that left a process behind "
         f"{sum(1 for c in costs if c.leftover)}",
+    ]
+    if outlived_s is not None:
+        lines.append(f"CPU outside any test (shared servers and the zygote after the test that started them): "
+                     f"{outlived_s:.0f} s; the suite's processes in all {tests_cpu + outlived_s:.0f} s")
+    if machine is not None:
+        lines.append(f"The machine over the run: {machine['wall_s']:.0f} s of wall, {machine['busy_cpu_s']:.0f} s of "
+                     f"busy CPU on {machine['cores']} cores (everything on it, pytest itself and any other work)")
+    lines += [
         "",
         "By kind:",
         "",
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if not costs:
             print(f"error: no test records in {args.dir}; run `make test-profile` first", file=sys.stderr)
             return 2
-        print(report(costs, args.top))
+        print(report(costs, args.top, *run_totals(args.dir)))
         return 0
     if args.compare:
         lines = dropped(all_checks(args.compare), all_checks(args.rev))
