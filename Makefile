@@ -27,12 +27,16 @@ $(STAMP): pyproject.toml
 # from a zygote): the suite is CPU-bound, `make test-profile` says where.
 # 12.6 min for 1640 tests (2026-12-02, third stop: 13.7 with a fresh venv and lint), after a
 # finished node stopped holding a returning one for 30 s (docs/BENCHMARKS.md).
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) no process
+# writes bytecode, so each of the suite's interpreter starts (agents, CLIs, torchrun) would
+# compile the project's modules again (~0.2 s of CPU each); compiled once, they all read it.
 # `make test-serial` runs one test at a time. PYTEST_ARGS adds pytest options to either
 # (e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
 test: lint
 	sh deploy/prometheus/ensure-prometheus.sh
 	sh tests/support/ensure-libfaketime.sh
+	$(PY) -m compileall -q elastic agent checkpoints tests bench >/dev/null
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-serial: $(STAMP)
