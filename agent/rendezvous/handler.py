@@ -48,7 +48,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
@@ -56,6 +55,7 @@ from agent.etcd import EtcdClient, EtcdError
 from agent.etcd.mirror import Entry, LazyPrefixMirror
 from agent.etcd.ranges import RangesMirror
 
+from agent.rendezvous.bootstrap import bootstrap_info
 from agent.rendezvous.ended import JobEnded
 from agent.rendezvous.job_end import JobEnd
 from agent.rendezvous.late_members import LateMembers
@@ -243,7 +243,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # then every member starts its workers afresh, this one's too (agent.node.acts.rejoin).
         needed = (self.bootstrap or not record.in_place) and \
             (self.bootstrap_needed is None or self.bootstrap_needed(record))
-        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if needed or rank == 0 else None
+        # a read or a few before any watch: N-1 watches on one key at once timed out at 1,024 nodes
+        prefix = f"round/{record.round}/"
+        bootstrap = bootstrap_info(rank, store, lambda keys: self._store.peek([prefix + k for k in keys]),
+                                   self.local_addr) if needed or rank == 0 else None
         for callback in list(self.on_round):
             callback(record)
         return RendezvousInfo(store, rank, world, bootstrap)
