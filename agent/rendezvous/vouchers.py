@@ -24,6 +24,11 @@ The set is chosen to make that partition unlikely:
   hold them all; each node's set differs, so no single member is asked by everyone but the
   stewards.
 
+The stewards are the exception to O(1): while many keep-alives fail each of the three answers
+every failing node (an accept and an HMAC each, on its process's one witness thread), as they
+already hear O(N) events a round. The set is fixed when the round is taken (the stewards as
+the narrow mirror shows them then): a failing node cannot read etcd for a newer one.
+
 If it does happen (the stewards and ``spread`` members a ring-fraction apart all cut off
 with this node, while others reach etcd), the others re-form only after new stewards take
 the slots the cut-off ones held (a TTL later), and this node's stale workers cannot go on
