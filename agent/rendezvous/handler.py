@@ -48,7 +48,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
@@ -56,6 +55,7 @@ from agent.etcd import EtcdClient, EtcdError
 from agent.etcd.mirror import Entry, LazyPrefixMirror
 from agent.etcd.ranges import RangesMirror
 
+from agent.rendezvous.bootstrap import bootstrap_info
 from agent.rendezvous.ended import JobEnded
 from agent.rendezvous.job_end import JobEnd
 from agent.rendezvous.late_members import LateMembers
@@ -72,6 +72,7 @@ from agent.rendezvous.spare_wait import SpareWait
 from agent.rendezvous.states import NodeState
 from agent.rendezvous.steward import Steward, slot_prefix
 from agent.rendezvous.store import EtcdV3Store
+from agent.rendezvous.vouchers import vouchers
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.steward = Steward(node_name, client, signer, keys, self.lease, self.narrow, self.mirror, self.steward_view,
                                self.writer, self.late, self.reachability, self.timings, options.stewards)
         self._join_lease: int | None = None  # the lease our join key of the round we joined lives under
-        self._peers: list[str] = []  # the current round's other members
+        self._peers: list[str] = []  # the current round's members this node asks while failing
 
     # --------------------------------------------------------------- torch's ABC
 
@@ -222,7 +223,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank, world = record.participants.index(self.node), len(record.participants)
         with self._lock:
             self.round, self._lease_generation = record, self.lease.generation
-            self._peers = [n for n in record.participants if n != self.node]
+            # the members whose word on etcd this node weighs (and asks) while its keep-alives
+            # fail: the stewards and a few spread around the round, not all N-1 (:mod:`.vouchers`)
+            self._peers = vouchers(record.participants, self.node, self.steward.holders())
             self._joined_once = True
         self.lease.update(state=NodeState.RUNNING.value, round=record.round, rank=rank, world=world)
         # A spare's wait began long before the round (it waited beside a full world): its
@@ -240,7 +243,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # then every member starts its workers afresh, this one's too (agent.node.acts.rejoin).
         needed = (self.bootstrap or not record.in_place) and \
             (self.bootstrap_needed is None or self.bootstrap_needed(record))
-        bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr) if needed or rank == 0 else None
+        # a read or a few before any watch: N-1 watches on one key at once timed out at 1,024 nodes
+        prefix = f"round/{record.round}/"
+        bootstrap = bootstrap_info(rank, store, lambda keys: self._store.peek([prefix + k for k in keys]),
+                                   self.local_addr) if needed or rank == 0 else None
         for callback in list(self.on_round):
             callback(record)
         return RendezvousInfo(store, rank, world, bootstrap)
@@ -332,18 +338,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self.spares.since
 
     def _round_peers(self) -> dict[str, str | None] | None:
-        """The current round's other members and their witnesses, from the round record (no etcd
-        request: this is asked while etcd may not answer); a record without them (written by an
-        older closer) from the registry's mirror."""
+        """The round's members this node asks while its keep-alives fail (:mod:`.vouchers`) and
+        their witnesses, from the round record (no etcd request: this is asked while etcd may not
+        answer); a record without them (written by an older closer) from the registry's mirror."""
         with self._lock:
-            current = self.round
+            current, peers = self.round, self._peers
         if current is None:
             return None
         if current.witnesses:
-            return {n: addr for n, addr in current.witness_of().items() if n != self.node}
+            witness = current.witness_of()
+            return {n: witness.get(n) for n in peers}
         records = self.view.records(self.mirror.entries()[0])
-        return {n: (records[n].witness_addr if n in records else None)
-                for n in current.participants if n != self.node}
+        return {n: (records[n].witness_addr if n in records else None) for n in peers}
 
     def _members_alive(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
         """The round record's members, taken as alive: a member's loss reaches this node as the

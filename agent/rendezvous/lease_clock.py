@@ -11,12 +11,14 @@ But etcd can also be down for everyone. Then nobody's lease expires (etcd extend
 lease when it comes back, and nothing can form a new round meanwhile), so stopping would
 throw away training for nothing. The two cases look the same from one node, and differ
 from its peers': if etcd is merely unreachable from *this* node, the others' keep-alives
-still succeed. So a failing node asks the members of its round, over a channel that does
-not need etcd (:mod:`.witness`), how long ago their last confirmed keep-alive was sent.
+still succeed. So a failing node asks members of its round, over a channel that does
+not need etcd (:mod:`.witness`), how long ago their last confirmed keep-alive was sent: the
+round's stewards and a few members spread around it (:mod:`.vouchers`, every other member
+in a round of up to 11; below, "the members" are those), a bounded number at any size.
 
 The rule, :func:`judge`, for a node whose own deadline has passed:
 
-* **outage** (keep training) only if *every* other member of the round answered a
+* **outage** (keep training) only if *every* member it asks answered a
   question sent late enough to tell, each says its own keep-alives fail too, and none has
   had one confirmed since this node's began to fail;
 * **cut off** (stop the workers) otherwise: a peer that still reaches etcd, a peer that
@@ -128,7 +130,7 @@ def still_reaches_etcd(word: PeerWord, ttl: float) -> bool:
 
 
 def proves_outage(clock: LeaseClock, peers: Collection[str], words: Mapping[str, PeerWord]) -> bool:
-    """Every other member of the round says it lost etcd too, since before our failure."""
+    """Every member asked (:mod:`.vouchers`) says it lost etcd too, since before our failure."""
     return clock.failing_since is not None and bool(peers) and all(
         p in words and lost_etcd_too(clock, words[p]) for p in peers)
 

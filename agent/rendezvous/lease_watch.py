@@ -1,7 +1,8 @@
 """This node's verdict on its own lease, kept current: the I/O around :mod:`.lease_clock`.
 
 It runs this node's witness (peers ask it how our keep-alives fare) and, while our own
-keep-alives fail, asks the current round's other members in the background. The
+keep-alives fail, asks a bounded set of the current round's members in the background (the
+stewards and a few spread around the round: :mod:`.vouchers`, O(1) whatever the round's size). The
 rendezvous calls :meth:`LeaseWatch.verdict` on every ``restart_reason`` (every monitor
 tick): a pure judgement over what is already in memory, logged once per change.
 """
@@ -32,8 +33,9 @@ class LeaseWatch:
         self._duty: ticker.Duty | None = None
 
     def start(self, advertise_host: str | None, peers: Callable[[], Mapping[str, str | None] | None]) -> str:
-        """Serve our witness; ask ``peers()`` (the round's other members -> witness address,
-        None outside a round) while our keep-alives fail. Returns the witness address."""
+        """Serve our witness; ask ``peers()`` (the round's members this node weighs, from
+        :func:`.vouchers.vouchers` -> witness address, None outside a round) while our
+        keep-alives fail. Returns the witness address."""
         self.server = WitnessServer(self.node, self.signer, self.lease.clock).start()
         self._duty = ticker.shared().every(max(0.05, self.lease.ttl / 16), lambda: self._ask_while_failing(peers))
         return f"{advertise_host or '127.0.0.1'}:{self.server.port}"
@@ -70,8 +72,8 @@ class LeaseWatch:
             return verdict
         age = clock.age(now) or 0.0
         if verdict is Verdict.OUTAGE:
-            log.warning("[%s] no etcd keep-alive confirmed for %.1f s, and none of the round's %d other member(s) "
-                        "reaches etcd either: etcd is down for everyone; training goes on (etcd extends every "
+            log.warning("[%s] no etcd keep-alive confirmed for %.1f s, and none of the %d round member(s) it "
+                        "asked reaches etcd either: etcd is down for everyone; training goes on (etcd extends every "
                         "lease when it returns)", self.node, age, len(peers))
         elif verdict is Verdict.CUT_OFF:
             said = ", ".join(f"{p}: " + ("no answer" if p not in words else

@@ -98,6 +98,11 @@ class Steward:
         except (SignatureError, ValueError, KeyError, TypeError):
             return None
 
+    def holders(self) -> list[str]:
+        """The nodes holding the slots now, as the narrow mirror shows them (no etcd request)."""
+        entries = self.narrow.entries()[0]
+        return [n for n in (self._holder(entries, f"{self.prefix}{i}") for i in range(self.slots)) if n is not None]
+
     def holding(self, entries: dict | None = None) -> str | None:  # type: ignore[type-arg]
         """The slot key this node holds under its current lease, as the narrow mirror shows it."""
         entries = self.narrow.entries()[0] if entries is None else entries

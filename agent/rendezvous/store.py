@@ -123,6 +123,13 @@ class EtcdV3Store(dist.Store):
         full = self._key(key)
         return self._wait_for([full], self.timeout)[full]
 
+    def peek(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The keys' values in one read if every one exists, else None: never waits, never
+        watches (:mod:`.bootstrap` reads this way before it falls back to a blocking ``get``)."""
+        full = [self._key(k) for k in keys]
+        found, _ = self._read(full)
+        return [found[k] for k in full] if len(found) == len(full) else None
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         full = [self._key(k) for k in keys]
         found = self._wait_for(full, self.timeout)

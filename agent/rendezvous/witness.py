@@ -7,10 +7,11 @@ can make a cut-off node believe etcd is down for everyone. Its address goes into
 node's registry record (``witness_addr``), which every member of a round already holds
 in its mirror, so asking needs no etcd request.
 
-A node whose own keep-alives fail asks every other member of its round
+A node whose own keep-alives fail asks a bounded set of its round's members (the stewards
+and a few spread around the round, :mod:`.vouchers`; every other member in a small round)
 (:class:`PeerAsker`, in the background, a bounded connect per peer) and
-:mod:`.lease_clock` judges the answers. The questions are few: only while failing, about
-twice per keep-alive interval, one short connection per peer.
+:mod:`.lease_clock` judges the answers. The questions are few: only while failing, four
+times per keep-alive interval, one short connection per asked peer, at most 11 at any size.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from datetime import timedelta
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from agent.etcd import EmbeddedEtcd, EtcdClient
 from agent.rendezvous import EtcdV3Store, StateSigner
+from agent.rendezvous.bootstrap import bootstrap_info, read_delays
 
 KEY = b"s" * 32
 
@@ -134,3 +136,52 @@ def test_add_under_contention_from_several_processes(etcd_server: EmbeddedEtcd, 
     ranks(_add_many, (etcd_server.endpoint, prefix, times, str(tmp_path)), workers, tmp_path / "logs", timeout=120)
     seen = [value for rank in range(workers) for value in json.loads((tmp_path / f"adds-{rank}.json").read_text())]
     assert sorted(seen) == list(range(1, workers * times + 1))
+
+
+def test_peek_reads_once_and_never_waits(store: EtcdV3Store, etcd_client: EtcdClient, run_id: str) -> None:
+    assert store.peek(["p", "q"]) is None
+    store.set("p", "1")
+    assert store.peek(["p", "q"]) is None  # all or nothing
+    store.set("q", "2")
+    assert store.peek(["p", "q"]) == [b"1", b"2"]
+    etcd_client.call(lambda c: c.put(f"/test/{run_id}/store/q", b"forged"))
+    with pytest.raises(dist.DistStoreError, match="refusing"):
+        store.peek(["p", "q"])
+
+
+def test_bootstrap_address_is_read_without_a_watch(store: EtcdV3Store, etcd_client: EtcdClient,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member reads MASTER_ADDR/PORT again on a back-off, not a watch per member (issue 53:
+    1,023 watch creations on one key timed out); torch's blocking get only if still missing.
+    The spy counts the client's watches; the etcd, store and torch's build are real."""
+    watches: list[object] = []
+    real_wait = etcd_client.wait_for_event
+    monkeypatch.setattr(etcd_client, "wait_for_event",
+                        lambda *a, **k: watches.append(a) or real_wait(*a, **k))
+    round_store = dist.PrefixStore("round/7", store)
+    peek = lambda keys: store.peek([f"round/7/{k}" for k in keys])  # noqa: E731 - as the handler does
+    late = threading.Timer(0.3, bootstrap_info, args=(0, round_store, peek, "10.0.0.7"))
+    late.start()
+    try:
+        info = bootstrap_info(3, round_store, peek, "10.0.0.9", delays=[0.1] * 30)
+    finally:
+        late.cancel()
+    assert info.master_addr == "10.0.0.7" and 0 < info.master_port < 65536
+    assert watches == []  # found by a read: no watch
+    # still missing after the reads: torch's own build, whose get waits (a watch) for rank 0
+    other = dist.PrefixStore("round/8", store)
+    late = threading.Timer(0.4, other.multi_set, args=(["MASTER_ADDR", "MASTER_PORT"], ["10.0.0.8", "29500"]))
+    late.start()
+    try:
+        info = bootstrap_info(1, other, lambda keys: store.peek([f"round/8/{k}" for k in keys]), None,
+                              delays=[0.05])
+    finally:
+        late.cancel()
+    assert (info.master_addr, info.master_port) == ("10.0.0.8", 29500) and watches
+
+
+def test_read_delays_back_off_with_jitter_within_the_budget() -> None:
+    delays = read_delays(first=0.05, cap=0.5, budget=2.0, rng=random.Random(1))
+    assert 2.0 <= sum(delays) < 2.0 + 0.75 and len(delays) <= 10
+    assert delays[0] < 0.08 and max(delays) <= 0.75  # jittered 0.5-1.5 x the step, capped
+    assert read_delays(rng=random.Random(1)) != read_delays(rng=random.Random(2))  # members out of step
