@@ -58,7 +58,6 @@ from elastic.worker_env import NodeEnv, Place, RankEnv
 
 from agent.node.acts import Acts
 from agent.node.fork_server import ForkServer, discard_early
-from agent.node.goodput import GoodputAccountant
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel, NoPool
@@ -137,8 +136,7 @@ class NodeAgent(ElasticAgent):
                          store_addr=store_addr, on_etcd_error=lambda kind: metrics.etcd_errors.labels(op=kind).inc(),
                          wake=self._wake, on_keep_out=lambda out: self.reporting.on_keep_out(out),
                          while_spare=lambda: self.spares.start_ahead())
-        self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
-                                         self.rdzv.session())
+        self.goodput = self.rdzv.goodput(settings.goodput_dir, settings.heartbeat_dir, metrics.registry)
         # stragglers: publish this node's pace, name the slow node, evict it (agent/node/pace.py)
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
 
@@ -37,6 +38,11 @@ from agent.rendezvous.session import RendezvousSession
 
 from agent.node.policy import JobEnd, Reason
 from agent.node.states import RoundCause
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from agent.node.goodput import GoodputAccountant, NoGoodput
 
 
 class JobFinishedError(RendezvousClosedError):
@@ -199,6 +205,15 @@ class AgentRendezvous(abc.ABC):
             return NoFreeze()
         from agent.node.freeze import FreezeWatch
         return FreezeWatch(self.node, session, channel)
+
+    def goodput(self, directory: Path, heartbeat_dir: Path, registry: CollectorRegistry) -> GoodputAccountant | NoGoodput:
+        """Goodput's shared account in the session, or its null without one (the same gauges, no account)."""
+        from agent.node.goodput import GoodputAccountant, NoGoodput
+
+        session = self.session()
+        if session is None:
+            return NoGoodput(registry)
+        return GoodputAccountant(self.node, directory, heartbeat_dir, registry, session)
 
     def command_watch(self, heartbeat_dir: str) -> Any:
         session = self.session()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
@@ -20,6 +21,7 @@ from agent.node import nulls
 from agent.node.commands import CommandWatch
 from agent.node.fork_server import ForkServer
 from agent.node.freeze import FreezeWatch
+from agent.node.goodput import GoodputAccountant, NoGoodput
 from agent.node.pace import PaceMonitor
 from agent.node.policy import Action, Observation, Reason, decide
 from agent.node.rendezvous_api import Round, TorchRendezvous
@@ -78,11 +80,12 @@ def test_any_torch_handler_gives_numbered_rounds_and_nothing_it_cannot_do() -> N
     assert rdzv.lease_health().due_in is None and rdzv.peers() == {}
     for absent in (rdzv.pace_monitor(None, None, None), rdzv.freeze_watch(None), rdzv.command_watch("")):
         assert type(absent).__module__ == "agent.node.nulls"
+    assert isinstance(rdzv.goodput(Path("g"), Path("h"), CollectorRegistry()), NoGoodput)
 
 
 @pytest.mark.parametrize("null, real", [(nulls.NoPace, PaceMonitor), (nulls.NoFreeze, FreezeWatch),
                                         (nulls.NoCommands, CommandWatch), (nulls.NoChannel, AgentChannel),
-                                        (nulls.NoPool, ForkServer)])
+                                        (nulls.NoPool, ForkServer), (NoGoodput, GoodputAccountant)])
 def test_every_null_part_answers_what_the_agent_asks_of_the_real_one(null: type, real: type) -> None:
     for name, method in vars(null).items():
         if name.startswith("_") or not callable(method):
