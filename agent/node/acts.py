@@ -23,7 +23,7 @@ from elastic.inplace.channel import AgentChannel
 from agent.node.events import GaveUp, KeptOut, Restarted as RestartedEvent
 from agent.node.fork_server import ForkServer
 from agent.node.fault_cause import timeline_reason
-from agent.node.goodput import GoodputAccountant, fault_nodes
+from agent.node.goodput import GoodputAccountant, NoGoodput, fault_nodes
 from agent.node.keep_outs import KeepOuts
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun
@@ -45,7 +45,7 @@ _STACK_DUMP_WAIT_S = 1.0
 
 class Acts:
     def __init__(self, run: NodeRun, group: Group, *, node: str, settings: AgentSettings, metrics: AgentMetrics,
-                 workers: LocalWorkers, watch: HangWatch, rdzv: AgentRendezvous, goodput: GoodputAccountant,
+                 workers: LocalWorkers, watch: HangWatch, rdzv: AgentRendezvous, goodput: GoodputAccountant | NoGoodput,
                  sdc: SdcWatch, pace: Any, freeze: Any, channel: AgentChannel | NoChannel,
                  pool: ForkServer | NoPool, observer: Observer, reporting: Reporting, keep_outs: KeepOuts) -> None:
         self.keep_outs = keep_outs  # the one strike counter of every keep-out (agent.node.keep_outs)

@@ -163,17 +163,20 @@ class _Beats:
 
 
 class GoodputAccountant:
-    """See the module doc. With ``session`` None (no etcd-v3 rendezvous) it does nothing."""
+    """See the module doc. Without an etcd-v3 rendezvous (no session) the agent holds a
+    :class:`NoGoodput` instead."""
+
+    enabled = True  # the workers get GOODPUT_DIR and report into it
 
     def __init__(self, node: str, directory: Path, heartbeat_dir: Path, registry: CollectorRegistry,
-                 session: "RendezvousSession | None", push_every: float = PUSH_EVERY_S,
+                 session: "RendezvousSession", push_every: float = PUSH_EVERY_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.node, self.directory, self.heartbeat_dir = node, directory, heartbeat_dir
         self.session, self.push_every, self.clock = session, push_every, clock
         directory.mkdir(parents=True, exist_ok=True)
         self.metrics = GoodputMetrics(registry)
-        self.key = account_key(session.key_prefix, session.run_id) if session else ""
-        self.notes = notes_prefix(session.key_prefix, session.run_id) if session else ""
+        self.key = account_key(session.key_prefix, session.run_id)
+        self.notes = notes_prefix(session.key_prefix, session.run_id)
         self.record = Account()
         self.revision = 0  # the record's mod revision in etcd; 0: none yet
         self._pending: list[Interval] = []  # not yet written: its own (a restart of rank 0), rank 0's beats
@@ -182,17 +185,13 @@ class GoodputAccountant:
         self._retry_at = 0.0
         self._reports: dict[Path, tuple[tuple[int, int], WorkerReport | None]] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return self.session is not None
-
     # ------------------------------------------------------------------ what the agent tells us
 
     def acted(self, reason: str, at: float | None = None) -> None:
         """This agent acted on ``reason`` (at ``at``, default now); a local one is noted for
         the accountant. Each attempt is capped like the whole (etcd3's own request timeout is
         5 s, and a node cut off from etcd calls this on its way to fencing itself)."""
-        if self.session is None or reason not in LOCAL_REASONS:
+        if reason not in LOCAL_REASONS:
             return
         key = self.notes + self.node
         when = self.clock() if at is None else at
@@ -206,7 +205,7 @@ class GoodputAccountant:
         """Workers are started anew because the job's world broke (or grew): the time to
         ``acted_at`` was detection and the rest rendezvous (for a node joining: both are the
         join's). A node whose own lease was lost witnessed nothing of the job's time."""
-        if self.session is None or reason == "lease_lost":
+        if reason == "lease_lost":
             return
         first, second = (JOIN, JOIN) if reason == "scale_up" else (DETECTION, RENDEZVOUS)
         self._pending += [Interval(end=acted_at, cause=first, reason=reason, nodes=nodes),
@@ -227,8 +226,6 @@ class GoodputAccountant:
 
     def tick(self, workers: Mapping[int, int], rank_base: int, force: bool = False) -> None:
         """``workers``: local rank -> pid of the current group; ``rank_base``: global rank of local rank 0."""
-        if self.session is None:
-            return
         self._refresh()
         now = self.clock()
         if now < self._retry_at and not force:
@@ -286,7 +283,6 @@ class GoodputAccountant:
 
     def _refresh(self) -> None:
         """Take a newer record from the mirror: keep ``job.json`` and the gauges current."""
-        assert self.session is not None
         entry = self.session.entries().get(self.key)
         if entry is None or entry.mod_revision <= self.revision:
             return
@@ -304,7 +300,6 @@ class GoodputAccountant:
 
     def _write(self, intervals: list[Interval]) -> bool:
         """One compare-and-swap from the record we hold; True if it took."""
-        assert self.session is not None
         old = self.record
         new = extend(old, intervals)
         new = name_faults(new, self._notes(), since=len(old.faults) - (old.state != "idle"))
@@ -321,7 +316,6 @@ class GoodputAccountant:
         return True
 
     def _notes(self) -> dict[str, tuple[str, float]]:
-        assert self.session is not None
         notes = {}
         for key, entry in self.session.entries().items():
             if not key.startswith(self.notes):
@@ -330,3 +324,29 @@ class GoodputAccountant:
             if note is not None:
                 notes[key[len(self.notes):]] = note
         return notes
+
+
+class NoGoodput:
+    """:class:`GoodputAccountant`'s place without an etcd-v3 rendezvous (no shared account to
+    keep): it does nothing, but its gauges are registered all the same, so that ``/metrics``
+    shows the same names whatever the rendezvous."""
+
+    enabled = False  # the workers get no GOODPUT_DIR
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.metrics = GoodputMetrics(registry)
+
+    def acted(self, reason: str, at: float | None = None) -> None:
+        pass
+
+    def restarted(self, reason: str, nodes: tuple[str, ...], acted_at: float, rendezvous_done: float) -> None:
+        pass
+
+    def workers_started(self, at: float) -> None:
+        pass
+
+    def workers_stopped(self, local_ranks: Iterable[int] | None = None) -> None:
+        pass
+
+    def tick(self, workers: Mapping[int, int], rank_base: int, force: bool = False) -> None:
+        pass

@@ -348,7 +348,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
 
     from agent.node.metrics import AgentMetrics
     from agent.node.node_agent import AgentSignal, AgentSpec, JobFinishedError, NodeAgent, exit_code_for
-    from agent.node.rendezvous_api import handler_side
+    from agent.rendezvous.agent_side import handler_side
 
     _standalone(args)
     try:

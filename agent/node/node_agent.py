@@ -19,7 +19,8 @@ signals wake it at once):
    hung). An act that cannot complete leaves its outcome to the next observation.
 
 The agent reaches its rendezvous only through :class:`agent.node.rendezvous_api.AgentRendezvous`
-(etcd-v3, or any torch handler); its absent parts are null objects (:mod:`agent.node.nulls`).
+(etcd-v3's lives in :mod:`agent.rendezvous.agent_side`, which hands back the one for any torch
+handler); its absent parts are null objects (:mod:`agent.node.nulls`).
 
 In-place recovery needs the ``etcd-v3`` backend: the agent hosts a small TCPStore for the
 rounds in which its node comes first, and advertises it, with its worker count, in the
@@ -57,14 +58,14 @@ from elastic.worker_env import NodeEnv, Place, RankEnv
 
 from agent.node.acts import Acts
 from agent.node.fork_server import ForkServer, discard_early
-from agent.node.goodput import GoodputAccountant
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel, NoPool
 from agent.node.observer import Observer
 from agent.node.policy import decide, streak_acted_on
 from agent.node.preemption import terminate
-from agent.node.rendezvous_api import JobFinishedError, Round, agent_rendezvous
+from agent.node.rendezvous_api import JobFinishedError, Round
+from agent.rendezvous.agent_side import agent_rendezvous
 from agent.node.reporting import Reporting
 from agent.node.health_watch import HealthWatch
 from agent.node.events import EVENTS_FILE, EventLog
@@ -135,8 +136,7 @@ class NodeAgent(ElasticAgent):
                          store_addr=store_addr, on_etcd_error=lambda kind: metrics.etcd_errors.labels(op=kind).inc(),
                          wake=self._wake, on_keep_out=lambda out: self.reporting.on_keep_out(out),
                          while_spare=lambda: self.spares.start_ahead())
-        self.goodput = GoodputAccountant(self.node, settings.goodput_dir, settings.heartbeat_dir, metrics.registry,
-                                         self.rdzv.goodput_session())
+        self.goodput = self.rdzv.goodput(settings.goodput_dir, settings.heartbeat_dir, metrics.registry)
         # stragglers: publish this node's pace, name the slow node, evict it (agent/node/pace.py)
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)

@@ -1,6 +1,7 @@
 """The node agent's absent parts, as objects that do nothing.
 
-Without the etcd-v3 rendezvous there is no straggler, freeze or command watch; without
+Without the etcd-v3 rendezvous there is no straggler, freeze or command watch (nor goodput's
+shared account: :class:`agent.node.goodput.NoGoodput`, beside the real one for its gauges); without
 in-place workers no control channel; without ``--warm-start`` no standby pool. The agent
 holds one of these instead and calls it as it would the real part, so that no step of its
 loop asks whether a part is there.

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.node.goodput import GoodputAccountant, beat_cause, fault_nodes, read_account
+from agent.node.goodput import GoodputAccountant, NoGoodput, beat_cause, fault_nodes, read_account
 from elastic import contract
 from agent.etcd import EtcdClient
 from agent.etcd.mirror import PrefixMirror
@@ -225,7 +225,7 @@ def test_which_nodes_a_restart_was_about() -> None:
 
 
 def test_without_etcd_v3_the_accountant_does_nothing(tmp_path: Path) -> None:
-    acc = GoodputAccountant("a", tmp_path / "g", tmp_path / "h", CollectorRegistry(), None)
+    acc = NoGoodput(CollectorRegistry())  # what AgentRendezvous.goodput gives without a session
     acc.restarted("peer_lost", ("b",), 1.0, 2.0)
     acc.tick({0: 1}, rank_base=0, force=True)
     assert not acc.enabled and not (tmp_path / "g" / contract.GOODPUT_JOB_FILE).exists()

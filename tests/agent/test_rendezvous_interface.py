@@ -1,4 +1,5 @@
-"""The agent's one interface to its rendezvous (agent/node/rendezvous_api.py) and its null parts (agent/node/nulls.py)."""
+"""The agent's one interface to its rendezvous (agent/node/rendezvous_api.py), etcd-v3's side of it
+(agent/rendezvous/agent_side.py) and the null parts (agent/node/nulls.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
@@ -19,11 +21,13 @@ from agent.node import nulls
 from agent.node.commands import CommandWatch
 from agent.node.fork_server import ForkServer
 from agent.node.freeze import FreezeWatch
+from agent.node.goodput import GoodputAccountant, NoGoodput
 from agent.node.pace import PaceMonitor
 from agent.node.policy import Action, Observation, Reason, decide
-from agent.node.rendezvous_api import Round, TorchRendezvous, agent_rendezvous
+from agent.node.rendezvous_api import Round, TorchRendezvous
 from agent.node.states import NodeState, RoundCause
 from agent.rendezvous import create_handler
+from agent.rendezvous.agent_side import agent_rendezvous
 from elastic.inplace.channel import AgentChannel
 from tests.support.waiting import wait_until
 
@@ -76,11 +80,12 @@ def test_any_torch_handler_gives_numbered_rounds_and_nothing_it_cannot_do() -> N
     assert rdzv.lease_health().due_in is None and rdzv.peers() == {}
     for absent in (rdzv.pace_monitor(None, None, None), rdzv.freeze_watch(None), rdzv.command_watch("")):
         assert type(absent).__module__ == "agent.node.nulls"
+    assert isinstance(rdzv.goodput(Path("g"), Path("h"), CollectorRegistry()), NoGoodput)
 
 
 @pytest.mark.parametrize("null, real", [(nulls.NoPace, PaceMonitor), (nulls.NoFreeze, FreezeWatch),
                                         (nulls.NoCommands, CommandWatch), (nulls.NoChannel, AgentChannel),
-                                        (nulls.NoPool, ForkServer)])
+                                        (nulls.NoPool, ForkServer), (NoGoodput, GoodputAccountant)])
 def test_every_null_part_answers_what_the_agent_asks_of_the_real_one(null: type, real: type) -> None:
     for name, method in vars(null).items():
         if name.startswith("_") or not callable(method):
@@ -103,15 +108,17 @@ def test_the_agent_reaches_its_rendezvous_only_through_the_interface() -> None:
             line for line in text.splitlines() if re.search(r"self\.(pace|freeze|commands|channel|pool|ours)\b", line)))
 
 
-def test_only_the_interface_module_knows_the_etcd_handler() -> None:
-    """The watches get a narrow session (agent/rendezvous/session.py), the launcher a
-    ``HandlerSide``: no module of the agent but rendezvous_api.py names the etcd-v3 handler
-    class or reaches into a handler (``._handler``, ``handler.``)."""
+def test_no_module_of_the_node_agent_knows_the_etcd_handler() -> None:
+    """The watches get a narrow session (agent/rendezvous/session.py), the loop an
+    ``AgentRendezvous`` and the launcher a ``HandlerSide`` (agent/node/rendezvous_api.py, the
+    interface), both made by agent/rendezvous/agent_side.py: no module of ``agent/node``
+    names the etcd-v3 handler class, and none but the interface reaches into a handler
+    (``._handler``, ``handler.``)."""
     for path in sorted(AGENT.glob("*.py")):
-        if path.stem == "rendezvous_api":
-            continue
         code = re.sub(r"#.*", "", path.read_text())
         assert "EtcdV3RendezvousHandler" not in code, f"{path.name} names the etcd-v3 handler"
+        if path.stem == "rendezvous_api":
+            continue  # the generic implementation drives torch's handler
         for line in code.splitlines():
             assert not re.search(r"\._handler\b|\bhandler\.\w|\.handler\.\w", line), f"{path.name}: {line.strip()}"
 
