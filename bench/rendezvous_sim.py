@@ -413,8 +413,13 @@ def _stop(handler: RendezvousHandler) -> None:
         pass
 
 
-def host_main(link: Connection, spec: Spec, indices: list[int], per_connection: int) -> None:
+def host_main(link: Connection, spec: Spec, indices: list[int], per_connection: int, bench_pid: int) -> None:
+    """A host's process: dies with the bench (a SIGKILLed bench left eight hosts of 128
+    participants running at a load of 100 until killed by hand)."""
     import logging
+
+    from agent.worker.worker_boot import die_with_agent
+    die_with_agent(bench_pid)
     logging.basicConfig(level=os.environ.get("SIM_LOG", "ERROR"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
@@ -438,7 +443,7 @@ class Hosts:
         self.procs, self.links = [], {}
         for h, indices in enumerate(groups):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=host_main, args=(theirs, spec, indices, per_connection), daemon=True)
+            proc = ctx.Process(target=host_main, args=(theirs, spec, indices, per_connection, os.getpid()), daemon=True)
             proc.start()
             theirs.close()
             self.procs.append(proc)
