@@ -116,17 +116,16 @@ def test_a_host_copy_of_another_step_or_of_a_state_since_reloaded_is_never_taken
     assert copy_for_snapshot(None, 5, 2) is None
 
 
-def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_one: DistInfo) -> None:
-    """PeerCopies.fed: set when a copy is complete (a world of one: written to the node's memory)."""
+def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_one: DistInfo,
+                                                                       tmp_path: Path) -> None:
+    """PeerCopies.fed: set when a copy is complete (a world of one: written to the node's memory,
+    here a directory of the test's own, read back from the shared-memory copy's bytes)."""
+    from elastic.inplace.memory_copies import MemoryCopies, World
     from elastic.inplace.peer_copies import PeerCopies
 
-    class Memory:  # the node's memory copies, reduced to what a world of one calls (no /dev/shm here)
-        def write(self, *_: Any) -> None:
-            pass
-
     copies = PeerCopies(2)
-    copies.memory = Memory()  # type: ignore[assignment]
-    copies.world_of = lambda: None  # type: ignore[assignment,return-value]
+    copies.memory = MemoryCopies(tmp_path, 0)
+    copies.world_of = lambda: World("run", 1, 0, 1, None)
     live = {"w": torch.ones(4)}
     assert copies.after_step(1, 0, 1, "n", 1, lambda: live, torch.device("cpu"), tag=0)  # not due: no copy
     assert copies.fed is None
@@ -134,6 +133,7 @@ def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_
     assert copies.fed is not None and copies.fed.step == 2 and copies.fed.arena is not None
     live["w"].add_(1)  # the next step changes the live tensors; the copy stays the step's
     assert torch.equal(copies.fed.payload["w"], torch.ones(4))
+    assert torch.equal(copies.memory.read(2)["w"], torch.ones(4))
 
     def torn() -> Any:
         raise ValueError("the capture failed")  # a copy that never completes
@@ -142,3 +142,56 @@ def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_
         copies.after_step(4, 0, 1, "n", 1, torn, torch.device("cpu"), tag=0)
     assert copies.fed.step == 2  # still the last complete one, never step 4's
     assert copy_for_snapshot(copies.fed, 4, 0) is None
+
+
+RUN_STEPS, EVERY = 6, 2
+
+
+def _run_twice(rank: int, tmp: str) -> None:
+    """A real ElasticRun, a world of one: with memory copies after every step (the node's
+    directory here, as the agent gives one), then without; snapshots every 2 steps, each
+    written by the writer process. Each run's result is left in ``tmp``."""
+    import os
+
+    from torch.nn import functional as F
+
+    from elastic.jobs.mlp import IN_FEATURES, SyntheticClassification, as_batch
+    from elastic.run_config import DataConfig
+    from elastic.trainer import ElasticRun
+
+    torch.set_num_threads(1)
+    for name, copies in (("copies", 1), ("plain", 0)):
+        if copies:
+            os.makedirs(f"{tmp}/shm", exist_ok=True)
+            os.environ["ELASTIC_MEMORY_COPY_DIR"] = f"{tmp}/shm"
+        else:
+            os.environ.pop("ELASTIC_MEMORY_COPY_DIR", None)
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store-{name}", 1), rank=0, world_size=1)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(IN_FEATURES, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 4))
+        run = ElasticRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3), SyntheticClassification(64, seed=0),
+                         global_batch_size=4, steps=RUN_STEPS, snapshot_dir=f"{tmp}/snap-{name}",
+                         snapshots=SnapshotConfig(every_steps=EVERY, keep=10), data=DataConfig(collate_fn=as_batch),
+                         handle_sigterm=False, peer_copy_every=copies)
+        assert run.writer is not None and run.writer.wait_writer_process(60.0)
+        for x, y in run:
+            run.step(F.cross_entropy(run.model(x), y))
+        torch.save({"fed": run.snapshots.fed_from_host}, f"{tmp}/result-{name}.pt")
+        run.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts a process (a real run, its writer process)
+def test_a_run_with_copies_writes_its_snapshots_from_them_and_they_equal_a_run_without(tmp_path: Path) -> None:
+    from tests.support.spawn import ranks
+
+    ranks(_run_twice, (str(tmp_path),), 1, tmp_path / "logs")
+    assert torch.load(tmp_path / "result-copies.pt")["fed"] >= 2, "the snapshots were not written from the host copies"
+    assert torch.load(tmp_path / "result-plain.pt")["fed"] == 0
+    with_copies, without = SnapshotStore(tmp_path / "snap-copies", create=False), \
+        SnapshotStore(tmp_path / "snap-plain", create=False)
+    # (a snapshot due while the one before is still being written is skipped, in either run)
+    steps = {info.step for info in with_copies.list()} & {info.step for info in without.list()}
+    assert {EVERY, RUN_STEPS} <= steps
+    for step in sorted(steps):  # the same snapshots, tensor by tensor, run state (progress, sampler, RNG) included
+        _equal(with_copies.load(step), without.load(step), f"step {step}")
