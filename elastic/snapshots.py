@@ -241,14 +241,15 @@ class Snapshots:
         that is not sharded), which a host copy of the state's step can feed (:meth:`commit`)."""
         return self.writer is not None and self.sharded is None and not self.collective
 
-    def wants_shared_copy(self, step: int) -> bool:
-        """Whether a host copy of ``step`` made now should be in shared memory: a snapshot of
-        that step would be due, and it is written by the writer process, which reads only that."""
-        if not self.takes_host_copies or getattr(self.writer, "mode", None) != "process" or step == 0:
-            return False
+    def host_copy_wanted(self, step: int) -> tuple[bool, bool]:
+        """Whether a host copy of ``step`` made now is to be kept for its snapshot (one would
+        be due), and whether in shared memory (the writer process reads only that)."""
+        if not self.takes_host_copies or step == 0:
+            return False, False
         by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
-        return by_steps or by_time
+        due = by_steps or by_time
+        return due, due and getattr(self.writer, "mode", None) == "process"
 
     def commit(self, step: int, record: StepRecord | None, state: Callable[[], dict[str, Any]], world_size: int,
                epoch: int, cursor: int, samples: int, force: bool = False, finite: bool = False,

@@ -780,13 +780,13 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if not self.copies.on:
             return True
         d = self.dist
+        feed, shared = self.snapshots.host_copy_wanted(self.state.step) if not self.state.sharded else (False, False)
         with owned():
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
                                           collective_device(d), step_seconds=now_s, force=force,
-                                          shared=self.snapshots.wants_shared_copy(self.state.step),
-                                          tag=self.state.loads)
+                                          feed=feed, shared=shared, tag=self.state.loads)
 
     def _host_copy_of(self, step: int) -> Any:
         """This rank's complete host copy of ``step`` for its snapshot, if it has one of the
@@ -899,6 +899,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self.snapshots.commit(step, record, self.state.capture, self.dist.world_size, self.plan.sampler.epoch,
                               self.plan.sampler.cursor, self.state.samples, force=force_snapshot,
                               finite=self._check.finite_at == step, host=self._host_copy_of(step))
+        self.copies.fed = None  # taken or not, its memory goes once no one else holds it
 
     # ------------------------------------------------------------------ 5. the end
 

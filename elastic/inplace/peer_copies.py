@@ -343,7 +343,7 @@ class PeerCopies:
 
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
                    capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0,
-                   force: bool = False, shared: bool = False, tag: Any = None) -> bool:
+                   force: bool = False, feed: bool = False, shared: bool = False, tag: Any = None) -> bool:
         """After applied step ``step``: copy and exchange when due (``force``: now, whatever
         ``K``: a world just formed, :meth:`elastic.trainer.ElasticRun._seed_copies`). False: the exchange failed
         (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
@@ -353,23 +353,25 @@ class PeerCopies:
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
         both: whichever step the ranks can all stand on after a loss, each still has it.
 
-        ``shared``: the copy is made in shared memory (:func:`host_copy_shared`), for the
-        snapshot writer process to write a snapshot of this step from; ``tag``: kept with
-        it (:attr:`fed`, set only once the copy is complete)."""
+        ``feed``: a snapshot of this step is due, and is to be written from this copy: it is
+        kept as :attr:`fed` once complete (until then, and without ``feed``, :attr:`fed` is
+        None), with ``tag``; ``shared``: made in shared memory (:func:`host_copy_shared`), for
+        the snapshot writer process to map."""
         if not (self.due(step) or (force and self.on)) or (world_size < 2 and self.memory is None):
             self._lag(step)
             return True
         started = time.perf_counter()
+        self.fed = None  # a copy older than this step is never a snapshot's
         try:
             arena = None
-            if shared:
+            if shared and feed:
                 payload, nbytes, arena = host_copy_shared(capture())
             else:
                 payload, nbytes = host_copy(capture())
             made = Copy(step, rank, self._round, payload, nbytes, arena, tag)
             self._keep_in_memory(step, payload)
             if world_size < 2:
-                self.fed = made
+                self.fed = made if feed else None
                 return True
             if not self._assigned:
                 self._assign(rank, world_size, node, local_world_size, nbytes, device)
@@ -381,7 +383,7 @@ class PeerCopies:
                 self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
                 self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
             elif self.memory is None:
-                self.fed = made
+                self.fed = made if feed else None
                 return True
             # (one node: no buddy, but the step is committed only once every rank's memory copy is
             # complete, so a restart never finds a step trained whose copy some rank lacks)
@@ -395,7 +397,7 @@ class PeerCopies:
             self._lag(step)
             return False
         self.own_prev, self.held_prev = None, {}
-        self.fed = made
+        self.fed = made if feed else None
         if int(proposed.item()) > 0:
             self._settle(int(proposed.item()), rank, node)
         self.last_seconds = time.perf_counter() - started

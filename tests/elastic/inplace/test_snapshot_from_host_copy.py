@@ -127,9 +127,12 @@ def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_
     copies.memory = MemoryCopies(tmp_path, 0)
     copies.world_of = lambda: World("run", 1, 0, 1, None)
     live = {"w": torch.ones(4)}
-    assert copies.after_step(1, 0, 1, "n", 1, lambda: live, torch.device("cpu"), tag=0)  # not due: no copy
+    cpu = torch.device("cpu")
+    assert copies.after_step(1, 0, 1, "n", 1, lambda: live, cpu, feed=True, tag=0)  # not due: no copy
     assert copies.fed is None
-    assert copies.after_step(2, 0, 1, "n", 1, lambda: live, torch.device("cpu"), shared=True, tag=0)
+    assert copies.after_step(2, 0, 1, "n", 1, lambda: live, cpu, tag=0)  # no snapshot due: not kept for one
+    assert copies.fed is None and copies.memory.steps() == [2]
+    assert copies.after_step(2, 0, 1, "n", 1, lambda: live, cpu, feed=True, shared=True, tag=0)
     assert copies.fed is not None and copies.fed.step == 2 and copies.fed.arena is not None
     live["w"].add_(1)  # the next step changes the live tensors; the copy stays the step's
     assert torch.equal(copies.fed.payload["w"], torch.ones(4))
@@ -139,9 +142,8 @@ def test_the_host_copy_is_fed_only_once_complete_and_only_its_own_step(world_of_
         raise ValueError("the capture failed")  # a copy that never completes
 
     with pytest.raises(ValueError):
-        copies.after_step(4, 0, 1, "n", 1, torn, torch.device("cpu"), tag=0)
-    assert copies.fed.step == 2  # still the last complete one, never step 4's
-    assert copy_for_snapshot(copies.fed, 4, 0) is None
+        copies.after_step(4, 0, 1, "n", 1, torn, cpu, feed=True, tag=0)
+    assert copies.fed is None  # never step 4's: it is not complete (nor step 2's, of another step)
 
 
 RUN_STEPS, EVERY = 6, 2
@@ -186,7 +188,8 @@ def test_a_run_with_copies_writes_its_snapshots_from_them_and_they_equal_a_run_w
     from tests.support.spawn import ranks
 
     ranks(_run_twice, (str(tmp_path),), 1, tmp_path / "logs")
-    assert torch.load(tmp_path / "result-copies.pt")["fed"] >= 2, "the snapshots were not written from the host copies"
+    # step 2's at least (the first: nothing in flight to skip it for); later ones as the disk allows
+    assert torch.load(tmp_path / "result-copies.pt")["fed"] >= 1, "no snapshot was written from a host copy"
     assert torch.load(tmp_path / "result-plain.pt")["fed"] == 0
     with_copies, without = SnapshotStore(tmp_path / "snap-copies", create=False), \
         SnapshotStore(tmp_path / "snap-plain", create=False)
