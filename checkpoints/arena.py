@@ -74,7 +74,7 @@ class Arena:
     def __del__(self) -> None:  # an arena never sent to a writer (a host copy no snapshot took)
         try:
             self.close_fd()
-        except (OSError, AttributeError):
+        except (OSError, AttributeError, TypeError):  # (TypeError: at interpreter exit)
             pass
 
 

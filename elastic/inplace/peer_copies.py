@@ -299,8 +299,8 @@ class PeerCopies:
         # the own copy in the node's shared memory too, where it outlives this worker (set by the run)
         self.memory: MemoryCopies | None = None
         self.world_of: Callable[[], World] | None = None  # the run and world a copy is of
-        # this rank's newest complete own copy, whoever else holds it: a snapshot of its very
-        # step is written from it (elastic.snapshots), not from a capture of its own
+        # this rank's newest own copy, once complete, when a snapshot of its very step is due:
+        # that snapshot is written from it (elastic.snapshots), not from a capture of its own
         self.fed: Copy | None = None
 
     @property
