@@ -9,6 +9,7 @@ state. Medians of --repeats runs. Timings live here, never in tests.
     python bench/checkpoint_stall.py --quick    # smoke run
     python bench/checkpoint_stall.py --step-modes process,thread   # both writers, same run
     python bench/checkpoint_stall.py --step-model mlp              # step time of the stress case
+    python bench/checkpoint_stall.py --from-host-copy              # a snapshot step with peer copies on
 
 Step time: training with a snapshot every 50 steps against training without, interleaved
 block by block. The default workload trains the same ResNet-50 + Adam whose state is
@@ -270,6 +271,77 @@ def wait_durable(writer: AsyncSnapshotWriter) -> None:
     writer.flush()  # nothing pending: only re-raises a failure
 
 
+def host_copy_step(root: Path, repeats: int, args: argparse.Namespace) -> None:
+    """``--from-host-copy``: what a snapshot step costs when peer copies are on (issue 52).
+
+    Such a step makes the peer copy's host copy of the state anyway; the snapshot then
+    either captures a copy of its own (before: ``submit`` + ``wait_capture``, the second
+    copy the optimizer step waits for) or is written from that host copy (after: in shared
+    memory for the writer process, taken as it is). Timed from the host copy's start to the
+    end of ``wait_capture``, nothing overlapping (the run's optimizer step follows the
+    commit at once); each write then waited for, untimed. Interleaved, medians."""
+    from elastic.inplace.peer_copies import host_copy, host_copy_shared
+
+    _, _, state = resnet50_state()
+    nbytes = tensor_bytes(state)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"state: ResNet-50 + Adam, {nbytes / 1e6:.1f} MB of tensors; writer mode {args.mode}; median of {repeats}")
+    step = iter(range(1, 10**6))
+    snap: dict[str, list[float]] = {"before: own capture": [], "after: from the host copy": []}  # submit + wait_capture
+    times: dict[str, list[float]] = {"host copy alone": [], "before: own capture": [], "shared host copy alone": [],
+                                     "after: from the host copy": []}
+    # one writer each: each keeps its staging buffers warm, as a run whose every snapshot step is alike
+    with AsyncSnapshotWriter(SnapshotStore(root / "own", keep=2), overlap_policy="wait", mode=args.mode,
+                             priority=args.priority) as writer, \
+            AsyncSnapshotWriter(SnapshotStore(root / "host", keep=2), overlap_policy="wait", mode=args.mode,
+                                priority=args.priority) as fed:
+        writer.wait_writer_process()
+        fed.wait_writer_process()
+        for _ in range(2):  # warm-up: the staging buffers (before) and each writer's first jobs
+            writer.submit(next(step), state, world_size=1)
+            writer.flush()
+            tree, _ = host_copy(state)
+            fed.submit(next(step), tree, world_size=1, frozen=iter_tensors(tree))
+            fed.flush()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            host_copy(state)
+            times["host copy alone"].append(time.perf_counter() - t0)
+            if args.mode == "process":
+                t0 = time.perf_counter()
+                host_copy_shared(state)
+                times["shared host copy alone"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            host_copy(state)
+            t1 = time.perf_counter()
+            writer.submit(next(step), state, world_size=1)
+            writer.wait_capture()
+            times["before: own capture"].append(time.perf_counter() - t0)
+            snap["before: own capture"].append(time.perf_counter() - t1)
+            wait_durable(writer)
+
+            t0 = time.perf_counter()
+            if args.mode == "process":
+                tree, _, arena = host_copy_shared(state)
+            else:
+                (tree, _), arena = host_copy(state), None
+            t1 = time.perf_counter()
+            fed.submit(next(step), tree, world_size=1, frozen=iter_tensors(tree), donor=arena)
+            fed.wait_capture()
+            times["after: from the host copy"].append(time.perf_counter() - t0)
+            snap["after: from the host copy"].append(time.perf_counter() - t1)
+            del tree, arena
+            wait_durable(fed)
+    if args.mode != "process":  # the host copy is the plain one: the same figure
+        times["shared host copy alone"] = times["host copy alone"]
+    print("\nsnapshot step with a peer copy (host copy + snapshot capture, nothing overlapping)")
+    for name, values in times.items():
+        med = statistics.median(values)
+        extra = "" if "alone" in name else f"   of it submit + wait_capture {statistics.median(snap[name]) * 1e3:7.1f} ms"
+        print(f"  {name:28s} {med * 1e3:8.1f} ms  (runs: {', '.join(f'{v * 1e3:.0f}' for v in values)}){extra}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -287,6 +359,9 @@ def main() -> None:
                     help="interleaved block pairs for the step-time comparison (default: 5 for resnet50, --repeats for mlp)")
     ap.add_argument("--step-modes", default=None,
                     help="writer modes for the step-time comparison, comma-separated (default: --mode), e.g. process,thread")
+    ap.add_argument("--from-host-copy", action="store_true",
+                    help="only the cost of a snapshot step with peer copies on: the snapshot captured on its own "
+                         "(before) against written from the peer copy's host copy (after)")
     args = ap.parse_args()
     args.priority = check_priority(args.priority if args.priority == "idle" else int(args.priority))
     repeats = 2 if args.quick else args.repeats
@@ -295,7 +370,7 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     root = Path(tempfile.mkdtemp(prefix="checkpoint-stall-", dir=args.dir))
     try:
-        run(root, repeats, args)
+        (host_copy_step if args.from_host_copy else run)(root, repeats, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -71,6 +71,12 @@ class Arena:
             os.close(self.fd)
             self.fd = -1
 
+    def __del__(self) -> None:  # an arena never sent to a writer (a host copy no snapshot took)
+        try:
+            self.close_fd()
+        except (OSError, AttributeError, TypeError):  # (TypeError: at interpreter exit)
+            pass
+
 
 def map_arena(fd: int, size: int, specs: Sequence[Spec]) -> list[torch.Tensor]:
     """The writer process's side: views onto the pages behind ``fd`` (closed afterwards)."""

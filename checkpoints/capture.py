@@ -10,6 +10,11 @@ pinned buffers with non_blocking copies on one side stream plus one event.
 
 With ``shared=True`` the buffers live in an :class:`~checkpoints.arena.Arena` that the
 writer process maps, so nothing is copied again to hand the state over.
+
+``frozen`` tensors are taken as they are, not copied: a complete host copy that nothing
+writes to again (a peer copy's, :mod:`elastic.inplace.peer_copies`), so a snapshot of
+its step needs no second copy of its bytes. With ``shared=True`` only the views of the
+``donor`` arena (a host copy made in shared memory) can be taken so; any other is copied.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -36,6 +41,8 @@ class Capture:
     cuda_event: Any = None  # torch.cuda.Event recorded after the device->host copies
     nbytes: int = 0
     arena: Arena | None = None
+    donor: Arena | None = None  # a host copy's own shared memory, whose views are taken as they are
+    frozen_bytes: int = 0  # of nbytes, those taken without a copy
 
     def finish_copies(self) -> None:
         """Run on the writer thread: the CPU copies, then wait for the device copies."""
@@ -120,27 +127,44 @@ class Stager:
             buffers = [torch.empty(shape, dtype=dtype, pin_memory=cuda) for dtype, shape, cuda in layout]
         self._set_buffers(layout, buffers, pinned, arena)
 
-    def stage(self, state: Mapping[str, Any]) -> Capture:
-        """Blocking part of a snapshot: fresh containers, small copies, CUDA copy launches."""
+    def stage(self, state: Mapping[str, Any], frozen: Sequence[torch.Tensor] = (),
+              donor: Arena | None = None) -> Capture:
+        """Blocking part of a snapshot: fresh containers, small copies, CUDA copy launches;
+        ``frozen`` tensors (see the module's doc) taken as they are."""
         for k in state:
             if not isinstance(k, str):
                 raise SnapshotError(f"top-level state key {k!r} is not a str; name each part, e.g. {{'model': ...}}")
+        takeable = {id(t) for t in frozen if t.device.type == "cpu"}
+        if self.shared:  # the writer process reads only shared memory: the donor's views
+            takeable &= {id(v) for v in donor.views} if donor is not None else set()
         sources: list[torch.Tensor] = []
+        taken: list[torch.Tensor | None] = []  # per tensor: itself when frozen, else None
 
         def collect(t: torch.Tensor, where: str) -> None:
             if t.layout != torch.strided or t.is_quantized:
                 raise SnapshotError(f"{where} has layout {t.layout}; only dense tensors are supported")
-            sources.append(t.detach())
+            taken.append(t if id(t) in takeable else None)
+            if id(t) not in takeable:
+                sources.append(t.detach())
 
         map_state(dict(state), collect)
         capture = Capture(staged={})
+        if any(t is not None for t in taken):
+            capture.donor = donor if self.shared else None
         device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         with self._lock:
             self._allocate(tuple((t.dtype, tuple(t.shape), t.is_cuda) for t in sources))
             capture.arena = self._arena
             index = iter(range(len(sources)))
+            each = iter(taken)
 
             def leaf(_t: torch.Tensor, _where: str) -> torch.Tensor:
+                as_is = next(each)
+                if as_is is not None:
+                    size = as_is.numel() * as_is.element_size()
+                    capture.nbytes += size
+                    capture.frozen_bytes += size
+                    return as_is
                 i = next(index)
                 src, buf = sources[i], self._buffers[i]
                 size = src.numel() * src.element_size()

@@ -38,6 +38,7 @@ def main(sock_fd: int) -> None:
 
 def serve(sock: socket.socket) -> None:
     tensors: list[torch.Tensor] = []
+    donor: list[torch.Tensor] = []  # a host copy taken as it is, for the next job only
     stores: dict[tuple[Any, ...], SnapshotStore] = {}
     while True:
         try:
@@ -47,8 +48,11 @@ def serve(sock: socket.socket) -> None:
         op = msg.get("op")
         if op == "arena":
             tensors = map_arena(fds[0], int(msg["size"]), msg["specs"])
+        elif op == "donor":
+            donor = map_arena(fds[0], int(msg["size"]), msg["specs"])
         elif op == "job":
-            reply, store = _job(msg, tensors, stores)
+            reply, store = _job(msg, tensors + donor, stores)
+            donor = []  # its pages go with the host copy, not kept here until the next one
             wire.send(sock, reply)  # durable: the trainer need not wait for the pruning
             c0 = time.process_time()
             if store is not None:

@@ -206,6 +206,9 @@ class WriterProcess:
         self.start()
         assert self._sock is not None and capture.arena is not None
         index = {id(t): i for i, t in enumerate(capture.arena.views)}
+        donor = capture.donor  # a host copy's shared memory: its views follow the staging arena's
+        if donor is not None:
+            index.update({id(t): len(index) + i for i, t in enumerate(donor.views)})
         try:
             state = wire.encode(capture.staged, lambda t: index[id(t)])
             msg = {"op": "job", "step": step, "world_size": int(world_size), "extra_meta": dict(extra_meta or {}),
@@ -214,6 +217,9 @@ class WriterProcess:
                 wire.send(self._sock, {"op": "arena", "size": capture.arena.size, "specs": capture.arena.specs},
                           fds=[capture.arena.fd])
                 self._arena_sent = capture.arena
+            if donor is not None:  # mapped by the child for this job only
+                wire.send(self._sock, {"op": "donor", "size": donor.size, "specs": donor.specs}, fds=[donor.fd])
+                donor.close_fd()
             wire.send(self._sock, msg)
             self._housekeeping_due = True
             reply = self._wait_reply(boost_at, ("done", "error"))

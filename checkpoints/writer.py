@@ -26,11 +26,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
 from . import layout, sched
+from .arena import Arena
 from .capture import Capture, Stager
 from .errors import SnapshotError
 from .fence import SnapshotFencedError
@@ -180,8 +181,15 @@ class AsyncSnapshotWriter:
         *,
         world_size: int,
         extra_meta: dict[str, Any] | None = None,
+        frozen: Sequence[torch.Tensor] = (),
+        donor: Arena | None = None,
     ) -> bool:
-        """Start snapshot ``step``; returns False if skipped by the overlap policy."""
+        """Start snapshot ``step``; returns False if skipped by the overlap policy.
+
+        ``frozen``: tensors of ``state`` that nothing will write to again (a complete host
+        copy of this step), written as they are instead of copied (in process mode only
+        those that are views of ``donor``, a host copy made in shared memory):
+        :meth:`checkpoints.capture.Stager.stage`."""
         t0 = time.perf_counter()
         if self._closed:
             raise SnapshotError("snapshot writer is closed; create a new AsyncSnapshotWriter")
@@ -202,7 +210,7 @@ class AsyncSnapshotWriter:
             waited = time.perf_counter() - t0
             self._stats.snapshots_waited += 1
         # The previous job is done, so the staging buffers are free to overwrite.
-        capture = self._stager.stage(state)
+        capture = self._stager.stage(state, frozen, donor)
         job = _Job(step=step, world_size=world_size, extra_meta=extra_meta, capture=capture)
         # the shortest recent interval: irregular snapshots are raised early, not late. The
         # first one has no interval yet; left at idle priority on busy cores it could take
@@ -368,7 +376,8 @@ class AsyncSnapshotWriter:
             finally:
                 job.captured.set()
                 job.done.set()
-                job.capture = dataclasses.replace(job.capture, staged={})  # staging stays in the Stager
+                # staging stays in the Stager; a host copy's memory goes with the host copy
+                job.capture = dataclasses.replace(job.capture, staged={}, donor=None)
 
     def _write(self, job: _Job) -> None:
         t0 = time.perf_counter()

@@ -98,6 +98,7 @@ class Snapshots:
         self.sharded: ShardedWriter | None = None  # every rank's, when each writes its own shards
         self._info: DistInfo | None = None  # this rank in the world the sharded writer last attached to
         self.socket_fence: Any = None  # in place: the world's socket fence, for the sharded snapshots' group
+        self.fed_from_host = 0  # snapshots submitted from a host copy (commit's ``host``)
 
     @property
     def per_rank(self) -> bool:
@@ -234,12 +235,35 @@ class Snapshots:
 
     # ------------------------------------------------------------------ committing
 
+    @property
+    def takes_host_copies(self) -> bool:
+        """Whether this rank writes whole-state snapshots with its own writer (rank 0, a model
+        that is not sharded), which a host copy of the state's step can feed (:meth:`commit`)."""
+        return self.writer is not None and self.sharded is None and not self.collective
+
+    def host_copy_wanted(self, step: int) -> tuple[bool, bool]:
+        """Whether a host copy of ``step`` made now is to be kept for its snapshot (one would
+        be due), and whether in shared memory (the writer process reads only that)."""
+        if not self.takes_host_copies or step == 0:
+            return False, False
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
+        due = by_steps or by_time
+        return due, due and getattr(self.writer, "mode", None) == "process"
+
     def commit(self, step: int, record: StepRecord | None, state: Callable[[], dict[str, Any]], world_size: int,
-               epoch: int, cursor: int, samples: int, force: bool = False, finite: bool = False) -> None:
+               epoch: int, cursor: int, samples: int, force: bool = False, finite: bool = False,
+               host: Any = None) -> None:
         """Step ``step`` is committed: its ledger line, and its snapshot if one is due (rank 0).
         A state holding a NaN or an Inf is never snapshotted (said in one line): a snapshot of
         it would be the newest, and prune would delete the finite ones behind it. ``finite``:
-        the replica check just found this very state finite, so it is not looked at again."""
+        the replica check just found this very state finite, so it is not looked at again.
+
+        ``host``: a complete host copy of this very step's state (a peer copy's,
+        :class:`elastic.inplace.peer_copies.Copy`, the caller's to vouch for): its model and
+        optimizer are written as they are, with no capture of their own (no second copy of
+        their bytes, nothing for the optimizer step to wait for); the rest (progress,
+        sampler, RNG, registered state) is captured now, as without it. The files are the same."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
         by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
@@ -259,6 +283,11 @@ class Snapshots:
             self.ledger.sync()  # ledger lines up to this step outlive a machine crash
         t0 = time.perf_counter()
         captured = state()
+        frozen: list[Any] = []
+        if host is not None and self.takes_host_copies:
+            own = host.payload["state"]
+            captured["model"], captured["optimizer"] = own["model"], own["optimizer"]
+            frozen = iter_tensors({"model": own["model"], "optimizer": own["optimizer"]})
         if not (finite or _finite(step, captured)):
             self.metrics.snapshot_skipped()
             self._stalled += time.perf_counter() - t_sync
@@ -267,7 +296,12 @@ class Snapshots:
         token = self.token()
         if token is not None:
             meta["fence"] = token.to_meta()  # the store renames it into place only under this fence
-        if self.writer.submit(step, captured, world_size=world_size, extra_meta=meta):
+        if self.writer.submit(step, captured, world_size=world_size, extra_meta=meta, frozen=frozen,
+                              donor=host.arena if frozen else None):
+            if frozen and not self.fed_from_host:
+                log.info("snapshot step %d written from the peer copy's host copy of that step (no capture of its "
+                         "own); so are later ones whose step has a host copy", step)
+            self.fed_from_host += bool(frozen)
             self._last_time = time.monotonic()
             self.metrics.snapshot_submitted(time.perf_counter() - t0)
         else:

@@ -33,6 +33,7 @@ class TrainState:
         self.user = UserState()  # what the loop registered (run.register)
         self.sharded = False  # an FSDP2 model: its state is gathered and scattered by every rank at once
         self.shards_in_snapshots = False  # sharded, and every rank snapshots its own shards (no gather)
+        self.loads = 0  # states loaded so far: a host copy taken before the last load is of another state
 
     def _model_and_optimizer(self, local: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.sharded and local:
@@ -72,6 +73,7 @@ class TrainState:
         a mismatch is the user's to fix, in one line."""
         from checkpoints.reading import DCP_DIR_KEY, DCP_FILES_KEY
 
+        self.loads += 1
         if DCP_DIR_KEY in state:  # a sharded snapshot, each rank's shards written by itself
             from .sharded import load_dcp
 

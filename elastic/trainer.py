@@ -113,7 +113,7 @@ from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
 from .inplace import node_verdict
 from .inplace.memory_copies import MemoryCopies, World as CopyWorld
-from .inplace.peer_copies import PeerCopies, peer_copies_asked, peer_copy_setting
+from .inplace.peer_copies import PeerCopies, copy_for_snapshot, peer_copies_asked, peer_copy_setting
 from .inplace.user_collectives import Guard, owned
 from .log import Noticed, show_library_lines
 from . import sharded
@@ -780,11 +780,22 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if not self.copies.on:
             return True
         d = self.dist
+        feed, shared = self.snapshots.host_copy_wanted(self.state.step) if not self.state.sharded else (False, False)
         with owned():
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
                                                    "recent": self.plan.recent_state()},
-                                          collective_device(d), step_seconds=now_s, force=force)
+                                          collective_device(d), step_seconds=now_s, force=force,
+                                          feed=feed, shared=shared, tag=self.state.loads)
+
+    def _host_copy_of(self, step: int) -> Any:
+        """This rank's complete host copy of ``step`` for its snapshot, if it has one of the
+        state as it stands (None: the snapshot captures its own). A copy is of step ``step``
+        only if no state was loaded since it was made (a rollback to an older step trains
+        ``step`` again, and a copy of the first try is not of that state)."""
+        if self.state.sharded or not self.snapshots.takes_host_copies:
+            return None
+        return copy_for_snapshot(self.copies.fed, step, self.state.loads)
 
     def _memory_world(self) -> CopyWorld:
         """The run and world this rank's state is of now: a memory copy loads only into the same."""
@@ -887,7 +898,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         record = self.plan.recent[-1] if self.plan.recent and self.plan.recent[-1].step == step else None
         self.snapshots.commit(step, record, self.state.capture, self.dist.world_size, self.plan.sampler.epoch,
                               self.plan.sampler.cursor, self.state.samples, force=force_snapshot,
-                              finite=self._check.finite_at == step)
+                              finite=self._check.finite_at == step, host=self._host_copy_of(step))
+        self.copies.fed = None  # taken or not, its memory goes once no one else holds it
 
     # ------------------------------------------------------------------ 5. the end
 

@@ -99,6 +99,21 @@ class Copy:
     round: int  # that world's round (-1: not under elastic agent)
     payload: Any
     nbytes: int
+    arena: Any = None  # its tensors' shared memory (checkpoints.arena.Arena), when made for a snapshot writer process
+    tag: Any = None  # the caller's: which state it is of (elastic.trainer: the state's loads so far)
+
+
+def _rebuild(value: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with fresh containers and every tensor passed through ``leaf``, in order."""
+    if isinstance(value, torch.Tensor):
+        return leaf(value.detach())
+    if isinstance(value, dict):
+        return type(value)((k, _rebuild(v, leaf)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_rebuild(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, leaf) for v in value)
+    return value
 
 
 def host_copy(tree: Any) -> tuple[Any, int]:
@@ -106,29 +121,54 @@ def host_copy(tree: Any) -> tuple[Any, int]:
     tensors' bytes. A copy, never a view: the live tensors change at the next step."""
     total = 0
 
-    def walk(value: Any) -> Any:
+    def leaf(value: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if value.device.type == "cpu":
-                out = value.clone(memory_format=torch.contiguous_format)
-            else:
-                out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                out.copy_(value, non_blocking=True)
-            total += out.numel() * out.element_size()
-            return out
-        if isinstance(value, dict):
-            return type(value)((k, walk(v)) for k, v in value.items())
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(walk(v) for v in value)
-        return value
+        if value.device.type == "cpu":
+            out = value.clone(memory_format=torch.contiguous_format)
+        else:
+            out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            out.copy_(value, non_blocking=True)
+        total += out.numel() * out.element_size()
+        return out
 
-    out = walk(tree)
+    out = _rebuild(tree, leaf)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return out, total
+
+
+def host_copy_shared(tree: Any) -> tuple[Any, int, Any]:
+    """:func:`host_copy` into one :class:`checkpoints.arena.Arena`: shared memory that the
+    snapshot writer process maps, so a snapshot of this step is written from these very
+    bytes, not copied a second time. The tree, its tensors' bytes, the arena."""
+    from checkpoints.arena import Arena
+    from checkpoints.capture import copy_tensor
+
+    sources: list[torch.Tensor] = []
+    _rebuild(tree, sources.append)
+    arena = Arena([(t.dtype, tuple(t.shape)) for t in sources])
+    views = iter(arena.views)
+
+    def leaf(value: torch.Tensor) -> torch.Tensor:
+        out = next(views)
+        if value.device.type == "cpu":
+            copy_tensor(out, value)
+        else:  # (not pinned: a plain device-to-host copy)
+            out.copy_(value)
+        return out
+
+    out = _rebuild(tree, leaf)
+    return out, sum(t.numel() * t.element_size() for t in sources), arena
+
+
+def copy_for_snapshot(fed: Copy | None, step: int, tag: Any) -> Copy | None:
+    """The host copy a snapshot of ``step`` is written from, or None (it captures its own):
+    only a complete copy (:attr:`PeerCopies.fed` is set only then) of that very step, of
+    the state as it stands (``tag``: the same loads since, so a step trained again after a
+    rollback never takes the copy of its first try)."""
+    if fed is None or fed.step != step or fed.tag != tag:
+        return None
+    return fed
 
 
 def _wait(works: list[Any]) -> None:
@@ -259,6 +299,9 @@ class PeerCopies:
         # the own copy in the node's shared memory too, where it outlives this worker (set by the run)
         self.memory: MemoryCopies | None = None
         self.world_of: Callable[[], World] | None = None  # the run and world a copy is of
+        # this rank's newest own copy, once complete, when a snapshot of its very step is due:
+        # that snapshot is written from it (elastic.snapshots), not from a capture of its own
+        self.fed: Copy | None = None
 
     @property
     def on(self) -> bool:
@@ -300,7 +343,7 @@ class PeerCopies:
 
     def after_step(self, step: int, rank: int, world_size: int, node: str, local_world_size: int,
                    capture: Callable[[], Any], device: torch.device, step_seconds: float = 0.0,
-                   force: bool = False) -> bool:
+                   force: bool = False, feed: bool = False, shared: bool = False, tag: Any = None) -> bool:
         """After applied step ``step``: copy and exchange when due (``force``: now, whatever
         ``K``: a world just formed, :meth:`elastic.trainer.ElasticRun._seed_copies`). False: the exchange failed
         (:attr:`failure` says how) and step ``step`` is not committed: its copies may be
@@ -308,15 +351,27 @@ class PeerCopies:
 
         A copy is made current where it arrived whole; the previous one is dropped only once
         every rank's exchange is known complete (one tiny all-reduce). Until then a rank holds
-        both: whichever step the ranks can all stand on after a loss, each still has it."""
+        both: whichever step the ranks can all stand on after a loss, each still has it.
+
+        ``feed``: a snapshot of this step is due, and is to be written from this copy: it is
+        kept as :attr:`fed` once complete (until then, and without ``feed``, :attr:`fed` is
+        None), with ``tag``; ``shared``: made in shared memory (:func:`host_copy_shared`), for
+        the snapshot writer process to map."""
         if not (self.due(step) or (force and self.on)) or (world_size < 2 and self.memory is None):
             self._lag(step)
             return True
         started = time.perf_counter()
+        self.fed = None  # a copy older than this step is never a snapshot's
         try:
-            payload, nbytes = host_copy(capture())
+            arena = None
+            if shared and feed:
+                payload, nbytes, arena = host_copy_shared(capture())
+            else:
+                payload, nbytes = host_copy(capture())
+            made = Copy(step, rank, self._round, payload, nbytes, arena, tag)
             self._keep_in_memory(step, payload)
             if world_size < 2:
+                self.fed = made if feed else None
                 return True
             if not self._assigned:
                 self._assign(rank, world_size, node, local_world_size, nbytes, device)
@@ -324,10 +379,11 @@ class PeerCopies:
                     return True
             if self.buddy is not None or self.keeps:
                 received = swap(payload, self.buddy, self.keeps)
-                self.own_prev, self.own = self.own, Copy(step, rank, self._round, payload, nbytes)
+                self.own_prev, self.own = self.own, made
                 self.held_prev = {k: v for k, v in self.held.items() if k in self.keeps}
                 self.held = {src: Copy(step, src, self._round, tree, _bytes(tree)) for src, tree in received.items()}
             elif self.memory is None:
+                self.fed = made if feed else None
                 return True
             # (one node: no buddy, but the step is committed only once every rank's memory copy is
             # complete, so a restart never finds a step trained whose copy some rank lacks)
@@ -341,6 +397,7 @@ class PeerCopies:
             self._lag(step)
             return False
         self.own_prev, self.held_prev = None, {}
+        self.fed = made if feed else None
         if int(proposed.item()) > 0:
             self._settle(int(proposed.item()), rank, node)
         self.last_seconds = time.perf_counter() - started
@@ -390,5 +447,5 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(tree))
 
 
-__all__ = ["AUTO", "COST_GOAL", "Copy", "exchange", "PeerCopies", "host_copy", "node_id", "peer_copies_asked", "peer_copy_setting",
-           "swap"]
+__all__ = ["AUTO", "COST_GOAL", "Copy", "copy_for_snapshot", "exchange", "PeerCopies", "host_copy", "host_copy_shared", "node_id",
+           "peer_copies_asked", "peer_copy_setting", "swap"]
