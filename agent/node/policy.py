@@ -59,7 +59,7 @@ FINAL_SNAPSHOT_LOST_EXIT = contract.FINAL_SNAPSHOT_LOST_EXIT  # trained to the e
 CRASH_LOOP_TRIES = 3  # own failures in a row, each right after a start or heal, that make a crash loop
 # the words of the job-wide verdict that the script itself is broken (elastic local prefers it
 # to a peer's "no restarts left" given up at the same moment: it names the cause)
-PEER_WORDS_GRACE_S = 2.0  # out of restarts: how long to wait for the round's other members to say they failed too
+PEER_WORDS_GRACE_S = 2.0  # a crash loop or out of restarts: how long to wait for the round's other members to say they failed too
 SCRIPT_ERROR_WORDS = "failed right after their start with the same error, the script's own"
 CRASH_WINDOW_S = 60.0  # "right after": a worker that fails this soon after it started
 SDC_STRIKES = 2  # times a node is named the outlier by a replica vote before it is suspect hardware
@@ -415,6 +415,10 @@ def _workers_and_round(obs: Observation) -> Decision:
                         detail=f"the workers of every node ({len(obs.peer_crashes or ()) + 1}) {SCRIPT_ERROR_WORDS} "
                                f"(no restart or keep-out can fix it): {shared}")
     if own_quick and obs.crash_streak >= CRASH_LOOP_TRIES and obs.nodes_without_us is not None:
+        # As out of restarts below: a peer that crashed the same way a moment later makes this the
+        # script's error, not this node's crash loop (a whole suite under load kept a node out so).
+        if obs.failed_for < PEER_WORDS_GRACE_S and peers_still_silent(obs.peer_crashes):
+            return Decision(Action.CONTINUE)
         ranks = sorted(failed)
         cause = last_words({r: f for r, f in obs.failures.items() if r in failed})
         loop = (f"local rank(s) {ranks} failed right after each of the last {obs.crash_streak} starts "

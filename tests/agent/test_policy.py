@@ -8,7 +8,9 @@ import pytest
 
 from agent.node.policy import (
     CONTINUE,
+    CRASH_LOOP_TRIES,
     CRASH_WINDOW_S,
+    PEER_WORDS_GRACE_S,
     Action,
     AfterRound,
     Decision,
@@ -320,7 +322,7 @@ def test_an_error_not_shared_by_every_node_is_a_nodes_own_and_restarts_or_keeps_
                        peer_crashes=peers))
     assert first.action is Action.RESTART and first.reason is Reason.WORKER_FAILED
     third = decide(obs(exits={0: 1, 1: None}, failures={0: quick()}, crash_streak=3, nodes_without_us=2,
-                       peer_crashes=peers))
+                       peer_crashes=peers, failed_for=PEER_WORDS_GRACE_S))  # (a silent peer is waited for a moment)
     assert third.action is Action.KEEP_OUT and third.reason is Reason.CRASH_LOOP
 
 
@@ -542,3 +544,19 @@ def test_out_of_restarts_a_node_waits_a_moment_for_its_peers_words_before_it_fai
         assert decision.action is Action.FAIL and decision.detail == "no restarts left", late
     slow = Failure(code=1, ran_for=CRASH_WINDOW_S + 1, message=NAME_ERROR, progressed=True)  # not a start-up bug
     assert decide(obs(**{**base, "failures": {0: slow}}, peer_crashes={"b": ""}, failed_for=0.1)).action is Action.FAIL
+
+
+def test_a_crash_loop_waits_a_moment_for_its_peers_words_before_the_node_is_kept_out() -> None:
+    """The third quick crash on this node and the same crash on its peer a few ms later: the
+    node waits (at most PEER_WORDS_GRACE_S) for the peer's report, so the job ends as the
+    script's error on every node, not this node kept out as a crash loop (a whole suite under
+    load saw that race in test_script_error)."""
+    base = dict(exits={0: 1}, failures={0: quick()}, crash_streak=CRASH_LOOP_TRIES, nodes_without_us=1)
+    assert decide(obs(**base, peer_crashes={"b": ""}, failed_for=0.1)) == Decision(Action.CONTINUE)
+    said = decide(obs(**base, peer_crashes={"b": NAME_ERROR}, failed_for=0.3))
+    assert said.action is Action.FAIL and said.reason is Reason.SCRIPT_ERROR
+    for late in (dict(peer_crashes={"b": ""}, failed_for=PEER_WORDS_GRACE_S),  # it never came: a loop of its own
+                 dict(peer_crashes={}, failed_for=0.0),  # alone: nothing to wait for
+                 dict(peer_crashes=None, failed_for=0.0)):  # cannot hear the others
+        decision = decide(obs(**base, **late))
+        assert decision.action is Action.KEEP_OUT and decision.reason is Reason.CRASH_LOOP, late
