@@ -217,3 +217,16 @@ def test_a_node_back_from_its_keep_out_waits_for_the_next_round_without_rewritin
         b.close()
         for store in stores:
             store.close()
+
+
+def test_a_round_that_lost_a_member_waits_a_moment_for_a_spare_on_its_way() -> None:
+    """The survivors of a write-off joined at once (0.03 s); the spare had not seen the round
+    yet, and the world shrank for a round (a whole suite under load). Below --nnodes MAX the
+    round waits up to ``spare_join`` for a spare or newcomer that is not yet in."""
+    live = {"a": "rendezvous", "b": "rendezvous", "d": "spare"}  # c lost: d waits as a spare
+    assert not should_close(LATER, {"a": 1, "b": 2}, live, T, waited=0.1)
+    assert should_close(LATER, {"a": 1, "b": 2, "d": 3}, live, T, waited=0.1)  # it took the place
+    assert should_close(LATER, {"a": 1, "b": 2}, live, T, waited=T.spare_join)  # a wedged spare costs a moment
+    assert should_close(LATER, {"a": 1, "b": 2}, live, T, waited=0.1, dead={"d"})
+    assert should_close(LATER, {"a": 1, "b": 2}, {"a": "rendezvous", "b": "rendezvous"}, T, waited=0.0)  # none
+    assert should_close(LATER, {"a": 1, "b": 2}, {**live, "d": "kept_out"}, T, waited=0.1)  # not on its way
