@@ -531,9 +531,9 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
                 found[(step, w)] = min(found.get((step, w), 1e18), _age(o.get("LastModified")))
         for u in self.objects.multipart_uploads():
             parts = u["Key"].split("/")
-            step = layout.parse_step_dirname(parts[0]) if len(parts) == 3 and _ours("/".join(parts[1:])) else None
-            if step is not None:
-                found[(step, parts[1])] = min(found.get((step, parts[1]), 1e18), _age(u.get("Initiated")))
+            up_step = layout.parse_step_dirname(parts[0]) if len(parts) == 3 and _ours("/".join(parts[1:])) else None
+            if up_step is not None:
+                found[(up_step, parts[1])] = min(found.get((up_step, parts[1]), 1e18), _age(u.get("Initiated")))
         out = []
         with self._lock:
             mine = set(self._writing)

@@ -42,7 +42,7 @@ from .sharded_snapshots import ShardedWriter
 log = logging.getLogger(__name__)
 
 
-def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None:
+def _tell_agent(root: Path | str, fence: FenceToken | None, token: FenceToken) -> None:
     """The fence that refused this group, for the agent (its heartbeat directory): an agent
     started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
     holds now means etcd lost the job's state (agent.node.policy)."""
@@ -140,7 +140,7 @@ class Snapshots:
             log.error("this group is stale (StaleGroupError), its agent told: %s", message)
             raise StaleGroupExit(message)
         if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
-            check_shared_dir(self.root, info)
+            check_shared_dir(Path(self.root), info)  # a local root: a Path (checkpoints.stores.location_of)
         if self.store is None:
             self.store = open_store(self.root, keep=self.keep, create=False, **self._store_options())
         if self.per_rank:
@@ -158,6 +158,7 @@ class Snapshots:
 
     def _attach_sharded(self, info: DistInfo) -> None:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
+        assert self.store is not None  # attach opened it before it came here
         if self.sharded is None:
             self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None),
                                          fence=self.socket_fence)
