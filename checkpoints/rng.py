@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 try:
     import numpy as np
 except ImportError:  # numpy is optional for the store
-    np = None  # type: ignore[assignment]
+    np = None  # type: ignore[assignment]  # numpy is optional: its state is saved when present
 
 
 def capture_rng_state() -> dict[str, Any]:

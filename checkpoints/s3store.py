@@ -540,9 +540,9 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
         for (step, w), age in sorted(found.items()):
             m = _WRITER_RE.match(w)
             pid = int(m.group(2)) if m else -1
-            same_host = bool(m) and m.group(1) == layout.host_tag()  # type: ignore[union-attr]
+            same_host = m is not None and m.group(1) == layout.host_tag()
             stale = w not in mine and _writer_gone(w, age, self.stale_temp_grace_s)
-            out.append(TempDirStatus(self.root / f"{layout.step_dirname(step)}/{w}", step, pid, same_host, stale))  # type: ignore[arg-type]
+            out.append(TempDirStatus(self.root / f"{layout.step_dirname(step)}/{w}", step, pid, same_host, stale))
         return out
 
     def _named_files(self, step: int, objs: Mapping[str, Any]) -> set[str]:

@@ -247,7 +247,8 @@ class Snapshots:
         be due), and whether in shared memory (the writer process reads only that)."""
         if not self.takes_host_copies or step == 0:
             return False, False
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        every = self.every_steps
+        by_steps = step % every == 0 if every else False
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         due = by_steps or by_time
         return due, due and getattr(self.writer, "mode", None) == "process"
@@ -267,7 +268,8 @@ class Snapshots:
         sampler, RNG, registered state) is captured now, as without it. The files are the same."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        every = self.every_steps
+        by_steps = step % every == 0 if every else False
         if self.sharded is not None:
             if (force or by_steps) and step != 0:
                 self._submit_sharded(step, state(), world_size, {"epoch": epoch, "cursor": cursor, "samples": samples})

@@ -127,7 +127,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         line = f"{flag[1]} {message[flag.end():]}" if flag else f"{message}; see {parser.prog} --help"
         parser.exit(2, f"error: {line}\n")
 
-    parser.error = error  # type: ignore[method-assign]
+    parser.error = error  # type: ignore[method-assign]  # argparse has no hook for its error line
     return parser
 
 
@@ -393,7 +393,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                      run_id=config.run_id, local_addr=config.local_addr, numa_options=config.numa_options,
                      log_line_prefix_template=config.log_line_prefix_template, term_grace=args.term_grace)
-    agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)  # type: ignore[arg-type]
+    agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)
     try:
         result = agent.run()
     except RendezvousClosedError as exc:

@@ -108,7 +108,7 @@ class Reachability:
         for key, entry in entries.items():
             if key.startswith(prefix):
                 try:
-                    value = parse(self.signer.open(key.encode(), entry.value))  # type: ignore[attr-defined]
+                    value = parse(self.signer.open(key.encode(), entry.value))  # type: ignore[attr-defined]  # a mirror entry (duck-typed)
                 except (SignatureError, ValueError, KeyError, TypeError):
                     continue
                 stale = lease_stale(getattr(entry, "lease", 0), value.lease)
