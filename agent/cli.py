@@ -86,7 +86,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 }
 
 
-def build_agent_parser():  # type: ignore[no-untyped-def]
+def build_agent_parser():
     """The ``elastic agent`` parser (deploy-file consistency tests read it)."""
     from agent.node.launch import build_agent_parser as build
 

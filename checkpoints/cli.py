@@ -23,11 +23,11 @@ from .store import SnapshotStatus, SnapshotStore, TempDirStatus
 from .stores import open_store
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
+        n /= 1000
     raise AssertionError
 
 

@@ -101,7 +101,7 @@ class Fence:
                  key: bytes | None | signing._FromEnv = signing.FROM_ENV) -> None:
         self.root = Path(root)
         self.path = self.root / FENCE_NAME
-        self._key = signing.load_key()[0] if key is signing.FROM_ENV else key  # type: ignore[assignment]
+        self._key = signing.load_key()[0] if key is signing.FROM_ENV else key
 
     def current(self) -> FenceToken | None:
         try:

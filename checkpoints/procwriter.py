@@ -275,7 +275,8 @@ class WriterProcess:
                 timeout = None
             else:
                 timeout = max(0.0, boost_at - time.monotonic())
-            ready, _, _ = select.select([self._sock, self._wake_r], [], [], timeout)
+            waitables: list[socket.socket | int] = [self._sock, self._wake_r]
+            ready, _, _ = select.select(waitables, [], [], timeout)
             if self._sock in ready:
                 msg, fds = wire.recv(self._sock)
                 for fd in fds:

@@ -8,6 +8,7 @@ before it unpickles must not differ, so it is written once here over those primi
 
 from __future__ import annotations
 
+import builtins  # `list` in SnapshotReader's annotations after its list() method names the method
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -237,7 +238,7 @@ class SnapshotReader:
             self._log_skip(step, problems)
         return None
 
-    def _log_skip(self, step: int, problems: list[str] | tuple[str, ...]) -> None:
+    def _log_skip(self, step: int, problems: builtins.list[str] | tuple[str, ...]) -> None:
         if self._quiet_skip(problems):
             return
         more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""

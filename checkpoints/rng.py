@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 try:
     import numpy as np
 except ImportError:  # numpy is optional for the store
-    np = None  # type: ignore[assignment]
+    np = None  # type: ignore[assignment]  # numpy is optional: its state is saved when present
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -29,7 +29,9 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        # legacy=True: always the 5-tuple (a dict only for a non-MT19937 generator without it)
+        got = cast("tuple[str, Any, int, int, float]", np.random.get_state(legacy=True))
+        kind, keys, pos, has_gauss, cached = got
         state["numpy"] = {
             "kind": str(kind),
             "keys": torch.from_numpy(keys.astype(np.int64)),

@@ -16,12 +16,13 @@ carry them, and nothing here formats them).
 
 from __future__ import annotations
 
+import builtins  # `list` in S3Objects' annotations after its list() method names the method
 import logging
 import threading
 import time
 from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
 from .errors import SnapshotDirError, SnapshotError
 from .location import S3Location
@@ -99,6 +100,16 @@ class Progress:
 
     def __call__(self, moved: int) -> None:
         self.last = time.monotonic()
+
+
+
+def _raised(rs: RetryCallState) -> BaseException:
+    """What the attempt before a retry raised: tenacity sets ``outcome`` before ``before_sleep``,
+    and only a raise is retried here (``retry_if_exception``); typed Optional for other hooks."""
+    assert rs.outcome is not None
+    exc = rs.outcome.exception()
+    assert exc is not None
+    return exc
 
 
 class Outage:
@@ -195,7 +206,7 @@ class S3Objects:
         try:
             for attempt in Retrying(retry=retry_if_exception(is_transient), stop=stop_after_delay(limit),
                                     wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2), reraise=True,
-                                    before_sleep=lambda rs: self.outage.failed(rs.outcome.exception())):
+                                    before_sleep=lambda rs: self.outage.failed(_raised(rs))):
                 with attempt:
                     out = fn()
         finally:
@@ -300,7 +311,7 @@ class S3Objects:
                 return
             token = r.get("NextContinuationToken")
 
-    def delete(self, rels: list[str]) -> None:
+    def delete(self, rels: builtins.list[str]) -> None:
         for i in range(0, len(rels), 1000):
             batch = [{"Key": self.loc.key(k)} for k in rels[i:i + 1000]]
             if batch:
@@ -311,7 +322,7 @@ class S3Objects:
         self.call(lambda: self.client.copy_object(Bucket=self.loc.bucket, Key=self.loc.key(dst),
                                                   CopySource={"Bucket": self.loc.bucket, "Key": self.loc.key(src)}))
 
-    def multipart_uploads(self) -> list[dict[str, Any]]:
+    def multipart_uploads(self) -> builtins.list[dict[str, Any]]:
         """Incomplete multipart uploads under the prefix (``Key`` relative, ``UploadId``, ``Initiated``)."""
         out, kw = [], {"Bucket": self.loc.bucket, "Prefix": self.loc.prefix}
         n = len(self.loc.prefix)

@@ -531,18 +531,18 @@ class S3SnapshotStore(S3ShardedParts, SnapshotReader):
                 found[(step, w)] = min(found.get((step, w), 1e18), _age(o.get("LastModified")))
         for u in self.objects.multipart_uploads():
             parts = u["Key"].split("/")
-            step = layout.parse_step_dirname(parts[0]) if len(parts) == 3 and _ours("/".join(parts[1:])) else None
-            if step is not None:
-                found[(step, parts[1])] = min(found.get((step, parts[1]), 1e18), _age(u.get("Initiated")))
+            up_step = layout.parse_step_dirname(parts[0]) if len(parts) == 3 and _ours("/".join(parts[1:])) else None
+            if up_step is not None:
+                found[(up_step, parts[1])] = min(found.get((up_step, parts[1]), 1e18), _age(u.get("Initiated")))
         out = []
         with self._lock:
             mine = set(self._writing)
         for (step, w), age in sorted(found.items()):
             m = _WRITER_RE.match(w)
             pid = int(m.group(2)) if m else -1
-            same_host = bool(m) and m.group(1) == layout.host_tag()  # type: ignore[union-attr]
+            same_host = m is not None and m.group(1) == layout.host_tag()
             stale = w not in mine and _writer_gone(w, age, self.stale_temp_grace_s)
-            out.append(TempDirStatus(self.root / f"{layout.step_dirname(step)}/{w}", step, pid, same_host, stale))  # type: ignore[arg-type]
+            out.append(TempDirStatus(self.root / f"{layout.step_dirname(step)}/{w}", step, pid, same_host, stale))
         return out
 
     def _named_files(self, step: int, objs: Mapping[str, Any]) -> set[str]:

@@ -122,7 +122,7 @@ def checked_options(key: bytes | None | signing._FromEnv, keep: int, if_exists: 
         raise ValueError(f"if_exists must be 'skip' or 'error', got {if_exists!r}")
     if key is signing.FROM_ENV:
         return signing.load_key()[0]
-    return None if key is None else signing.checked_key(key)  # type: ignore[arg-type]
+    return None if key is None else signing.checked_key(key)
 
 
 class SnapshotStore(SnapshotReader):

@@ -76,8 +76,8 @@ def decode(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if tag == "SZ":
         return torch.Size(obj[1])
     if tag in ("D", "OD"):
-        items = ((decode(k, tensors), decode(v, tensors)) for k, v in obj[1])
-        return OrderedDict(items) if tag == "OD" else dict(items)
+        pairs = ((decode(k, tensors), decode(v, tensors)) for k, v in obj[1])
+        return OrderedDict(pairs) if tag == "OD" else dict(pairs)
     if tag in ("L", "U"):
         items = [decode(v, tensors) for v in obj[1]]
         return items if tag == "L" else tuple(items)

@@ -108,7 +108,7 @@ class GradSync:
         """The metrics hook (or a plain summing all-reduce) behind one that scales each bucket
         by ``grad_scale`` first and turns a failure into :attr:`failure` instead of an error."""
         catcher = _HookCatcher()
-        self.metrics.attach(catcher, average=False)  # type: ignore[arg-type]  # duck-typed: it only registers
+        self.metrics.attach(catcher, average=False)  # duck-typed: it only registers
         inner_state, inner = catcher.hooked if catcher.hooked is not None else (None, _sum_hook)
         self.averages = False
         model.register_comm_hook(self, _recording_hook(inner_state, inner))
@@ -223,7 +223,7 @@ def _sum_hook(_state: Any, bucket: Any) -> Any:
 def _recording_hook(inner_state: Any, inner: Any) -> Any:
     # No annotations: DDP compares them with the real dist.GradBucket and Future, and this
     # module's are strings (``from __future__ import annotations``).
-    def hook(sync, bucket):  # type: ignore[no-untyped-def]
+    def hook(sync, bucket):
         tensor = bucket.buffer()
         if sync.failure is not None:  # the world is broken: later buckets need not wait on it
             return _done(tensor)

@@ -192,7 +192,7 @@ def _some(items: list[int], limit: int = 10) -> str:
 
 def _ranges(steps: list[int]) -> str:
     out, start, prev = [], steps[0], steps[0]
-    for s in steps[1:] + [None]:  # type: ignore[list-item]
+    for s in steps[1:] + [None]:
         if s is None or s != prev + 1:
             out.append(str(start) if start == prev else f"{start}-{prev}")
             if s is not None:

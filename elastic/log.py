@@ -41,7 +41,7 @@ OFF = "OFF"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class StandIn(logging.StreamHandler):  # type: ignore[type-arg]
+class StandIn(logging.StreamHandler):
     """stderr, for the library's records that no handler of the user's would print."""
 
     def __init__(self) -> None:

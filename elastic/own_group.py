@@ -68,7 +68,7 @@ def release_default_group(timeout_s: float) -> str:
     """Destroy the default group the script made; returns how to name it in the log line."""
     backend, world = str(dist.get_backend()), dist.get_world_size()
     try:
-        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[union-attr]
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # a peer gone already: the in-place world forms without it
         log.debug("barrier before replacing the script's process group: %s", exc)
     dist.destroy_process_group()

@@ -62,13 +62,13 @@ class DataPlan:
         self.dataset, self.global_batch_size, self.batch_policy = dataset, global_batch_size, config.batch_policy
         self.per_rank_batch_size, self.num_workers = config.per_rank_batch_size, config.num_workers
         self.collate_fn, self.pin_memory = config.collate_fn, config.pin_memory
-        self.sampler = ElasticSampler(len(dataset), seed=seed)  # type: ignore[arg-type]
+        self.sampler = ElasticSampler(len(dataset), seed=seed)
         self.scale_lr = True  # fixed-per-rank: the linear scaling rule (elastic.prepare turns it off)
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
 
     def batch_size(self, world_size: int) -> int:
         if self.batch_policy == "fixed-per-rank":
-            return int(self.per_rank_batch_size) * world_size  # type: ignore[arg-type]
+            return int(self.per_rank_batch_size) * world_size  # type: ignore[arg-type]  # DataConfig refuses the policy without it
         return self.global_batch_size
 
     def lr_scale(self, world_size: int) -> float:

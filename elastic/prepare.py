@@ -378,7 +378,7 @@ class MicroBatches(Dataset[Any]):
         self.dataset, self.collate_fn, self.size = dataset, collate_fn, size
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)
 
     def __getitem__(self, i: int) -> Any:
         return self.dataset[i]
@@ -404,13 +404,13 @@ def _loader_settings(data: Any, batch_size: int | None) -> tuple[Dataset[Any], i
             if batch_size is None:
                 _usage("the DataLoader has a batch_sampler of its own: give Elastic(batch_size=N) (per rank); "
                        "the run's elastic sampler decides which samples each rank takes")
-        per_rank = batch_size or int(data.batch_size)  # type: ignore[arg-type]
+        per_rank = batch_size or int(data.batch_size)
         dataset, collate_fn, num_workers, pin = data.dataset, data.collate_fn, data.num_workers, bool(data.pin_memory)
         replaced = type(data.sampler).__name__ if data.batch_size is not None else type(data.batch_sampler).__name__
     else:
         if batch_size is None:
             _usage("ft.prepare(model, optimizer, dataset) needs Elastic(batch_size=N) (per rank), or pass a DataLoader")
-        per_rank, dataset, collate_fn, num_workers, pin, replaced = int(batch_size), data, None, 0, None, ""  # type: ignore[arg-type]
+        per_rank, dataset, collate_fn, num_workers, pin, replaced = int(batch_size), data, None, 0, None, ""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         _usage("prepare() needs a map-style dataset (with __len__ and __getitem__): exactly-once per epoch is "
                "by sample index")

@@ -93,19 +93,19 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_inner"), name)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self._inner.param_groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self._inner.state
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self._inner.defaults
 
-    def step(self, closure: Callable[[], float] | None = None) -> StepResult:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> StepResult:
         if closure is not None:
             _usage("optimizer.step(closure) is not supported by prepare(): call loss.backward() yourself, then step()")
         if _has_scheduler(self):  # an LR scheduler built on this wrapper, after prepare
@@ -158,7 +158,7 @@ class PreparedLoader:
     def __len__(self) -> int:
         ft, plan = self._ft, self._ft.run.plan
         step = plan.batch_size(ft.world_size)
-        steps, tail = divmod(len(self.dataset), step)  # type: ignore[arg-type]
+        steps, tail = divmod(len(self.dataset), step)
         if ft.accumulate == 1:
             return steps + (tail > 0)
         share = split_sizes(tail, ft.world_size)[ft.rank] if tail else 0

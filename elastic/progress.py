@@ -105,13 +105,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
-        exec_module = loader.exec_module  # type: ignore[attr-defined]
+        exec_module = loader.exec_module
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
             _register()
 
-        loader.exec_module = exec_then_register  # type: ignore[attr-defined,method-assign]
+        loader.exec_module = exec_then_register
         return spec
 
 

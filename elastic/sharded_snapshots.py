@@ -218,7 +218,7 @@ class ShardedWriter:
         if self.on_durable is not None:
             try:
                 self.on_durable(self.stats)
-            except Exception:  # noqa: BLE001 - a metrics bug must not fail snapshots
+            except Exception:  # a metrics bug must not fail snapshots
                 log.exception("on_durable callback failed")
         self.store.housekeep()
 

@@ -42,7 +42,7 @@ from .sharded_snapshots import ShardedWriter
 log = logging.getLogger(__name__)
 
 
-def _tell_agent(root: Path, fence: FenceToken | None, token: FenceToken) -> None:
+def _tell_agent(root: Path | str, fence: FenceToken | None, token: FenceToken) -> None:
     """The fence that refused this group, for the agent (its heartbeat directory): an agent
     started without --snapshot-dir cannot read it itself, and a fence above the rounds etcd
     holds now means etcd lost the job's state (agent.node.policy)."""
@@ -140,7 +140,7 @@ class Snapshots:
             log.error("this group is stale (StaleGroupError), its agent told: %s", message)
             raise StaleGroupExit(message)
         if check_dir and not uses_object_store(self.root):  # an object store is one namespace for every node
-            check_shared_dir(self.root, info)
+            check_shared_dir(Path(self.root), info)  # a local root: a Path (checkpoints.stores.location_of)
         if self.store is None:
             self.store = open_store(self.root, keep=self.keep, create=False, **self._store_options())
         if self.per_rank:
@@ -158,6 +158,7 @@ class Snapshots:
 
     def _attach_sharded(self, info: DistInfo) -> None:
         """Every rank's writer of its own shards; rank 0's is also :attr:`writer` (it seals)."""
+        assert self.store is not None  # attach opened it before it came here
         if self.sharded is None:
             self.sharded = ShardedWriter(self.store, on_durable=getattr(self.metrics, "snapshot_durable", None),
                                          fence=self.socket_fence)
@@ -246,7 +247,8 @@ class Snapshots:
         be due), and whether in shared memory (the writer process reads only that)."""
         if not self.takes_host_copies or step == 0:
             return False, False
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        every = self.every_steps
+        by_steps = step % every == 0 if every else False
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         due = by_steps or by_time
         return due, due and getattr(self.writer, "mode", None) == "process"
@@ -266,7 +268,8 @@ class Snapshots:
         sampler, RNG, registered state) is captured now, as without it. The files are the same."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        every = self.every_steps
+        by_steps = step % every == 0 if every else False
         if self.sharded is not None:
             if (force or by_steps) and step != 0:
                 self._submit_sharded(step, state(), world_size, {"epoch": epoch, "cursor": cursor, "samples": samples})

@@ -945,7 +945,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         try:
             self.close()  # the writer process and the process group go now, not at exit
-        except Exception:  # noqa: BLE001 - the usage error is what the user must see
+        except Exception:  # the usage error is what the user must see
             log.debug("closing after a usage error", exc_info=True)
         raise UsageExit(str(exc)) from exc
 

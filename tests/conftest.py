@@ -95,10 +95,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         pytest.fail("this test starts a process, so it belongs in the slow set: mark it "
                     "@pytest.mark.slow, or use a fixture from tests/conftest.py's SLOW_FIXTURES", pytrace=False)
 
-    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign,assignment]
-    multiprocessing.process.BaseProcess.start = refuse  # type: ignore[method-assign,assignment]
-    os.fork = refuse  # type: ignore[assignment]
-    os.posix_spawn = refuse  # type: ignore[assignment]
+    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign]  # refused for the test: nothing may start a process
+    multiprocessing.process.BaseProcess.start = refuse  # type: ignore[method-assign]  # as Popen above
+    os.fork = refuse  # type: ignore[assignment]  # as Popen above
+    os.posix_spawn = refuse  # type: ignore[assignment]  # as Popen above
 
 
 @pytest.fixture(autouse=True)
@@ -165,9 +165,10 @@ def nodes(tmp_path: Path) -> Iterator[Callable[..., TorchrunNode]]:
     started: list[TorchrunNode] = []
 
     def start(**kwargs: object) -> TorchrunNode:
-        node = TorchrunNode(**{"workdir": tmp_path, **kwargs})  # type: ignore[arg-type]
+        node = TorchrunNode(**{"workdir": tmp_path, **kwargs})
         started.append(node)
-        return node.start()
+        node.start()  # returns the node itself, typed as its base class
+        return node
 
     try:
         yield start
@@ -188,7 +189,7 @@ def node_network() -> Iterator[Callable[..., NodeNetwork]]:
     built: list[NodeNetwork] = []
 
     def build(nodes: object = 2, **kwargs: object) -> NodeNetwork:
-        network = NodeNetwork(nodes, **kwargs)  # type: ignore[arg-type]
+        network = NodeNetwork(nodes, **kwargs)
         built.append(network)
         return network.start()
 

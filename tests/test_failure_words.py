@@ -87,7 +87,7 @@ def _words_read(tree: ast.AST) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ExceptHandler) and node.name:
             names.add(node.name)
-    copied = set()  # variables an error's words were put in first: ``details = (rpc.details() or "").strip()``
+    copied: set[str] = set()  # variables an error's words were put in first: ``details = (rpc.details() or "").strip()``
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             for target in node.targets:

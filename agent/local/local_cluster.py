@@ -379,7 +379,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: --run-dir {run_dir}: {exc}; use a new --run-dir", file=sys.stderr)
         return 2
     job, what = _job(args, job_args, run_dir)
-    stop, pressed, ctrl_c = threading.Event(), [], SignalFlag()
+    pressed: list[str] = []  # keys read from the console (_keys), taken by _drive
+    stop, ctrl_c = threading.Event(), SignalFlag()
     why = "signal"
     with _ctrl_c_sets(ctrl_c), _network(args.nodes, args.netns) as net, \
             EmbeddedEtcd(data_dir=run_dir / "etcd", host=net.central_addr if net else "127.0.0.1") as etcd:

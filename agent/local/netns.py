@@ -189,7 +189,7 @@ class NodeNetwork:
                 ip("link", "set", self.bridge, "addrgenmode", "none")  # no IPv6 link-local: IPv4 only
                 ip("addr", "add", f"{self.central_addr}/{self.subnet.prefixlen}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
-            for index, node in enumerate(self.nodes):  # type: ignore[arg-type]
+            for index, node in enumerate(self.nodes):  # type: ignore[arg-type]  # names: __post_init__ made them
                 self._add_node(index, node)
         except BaseException:
             self.close()

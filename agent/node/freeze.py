@@ -67,6 +67,7 @@ from elastic import contract
 from elastic.inplace.channel import AgentChannel, WorkerStatus
 from elastic.inplace.stall import STUCK
 from agent.rendezvous.keepout import ReachReport, choose_kept_out
+from agent.rendezvous.signing import StateSigner
 from agent.rendezvous.witness import ask
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class Questions:
     A peer with no witness address counts as answering: what is not known is never a
     reason to evict."""
 
-    def __init__(self, witnesses: Mapping[str, str | None], signer: object, timeout: float) -> None:
+    def __init__(self, witnesses: Mapping[str, str | None], signer: StateSigner, timeout: float) -> None:
         self.asked_at, self.timeout = time.monotonic(), timeout
         self._answered: dict[str, bool] = {n: True for n, addr in witnesses.items() if not addr}
         self.peers = dict(witnesses)
@@ -158,8 +159,8 @@ class Questions:
                 threading.Thread(target=self._ask, args=(node, addr, signer), name="elastic-freeze-ask",
                                  daemon=True).start()
 
-    def _ask(self, node: str, addr: str, signer: object) -> None:
-        ok = ask(addr, node, signer, self.timeout) is not None  # type: ignore[arg-type]
+    def _ask(self, node: str, addr: str, signer: StateSigner) -> None:
+        ok = ask(addr, node, signer, self.timeout) is not None
         with self._done:
             self._answered[node] = ok
             self._done.notify_all()

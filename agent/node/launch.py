@@ -127,7 +127,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         line = f"{flag[1]} {message[flag.end():]}" if flag else f"{message}; see {parser.prog} --help"
         parser.exit(2, f"error: {line}\n")
 
-    parser.error = error  # type: ignore[method-assign]
+    parser.error = error  # type: ignore[method-assign]  # argparse has no hook for its error line
     return parser
 
 
@@ -174,8 +174,8 @@ def _name_env_defaults(parser: argparse.ArgumentParser, env: "os._Environ[str] |
     (argparse applies ``type`` to string defaults), and a refusal names the variable to fix:
     ``error: ELASTIC_NPROC_PER_NODE=0: ...``."""
     for action in parser._actions:
-        if action.type is None or not isinstance(action.default, str):
-            continue
+        if not callable(action.type) or not isinstance(action.default, str):
+            continue  # (a str type names one of argparse's registry: this parser registers none)
         for variable in (contract.flag_twin(action.dest), "PET_" + action.dest.upper()):
             if env.get(variable) == action.default:
                 parser.set_defaults(**{action.dest: _FromEnv(action.default, variable)})
@@ -367,8 +367,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     metrics = AgentMetrics(node, package_version(), settings.metrics_dir)
     if settings.metrics_port:
         try:
-            metrics.serve(settings.metrics_addr, max(0, settings.metrics_port), _advertised(settings.metrics_addr))
-            _say_metrics_port(work, metrics.url)
+            url = metrics.serve(settings.metrics_addr, max(0, settings.metrics_port), _advertised(settings.metrics_addr))
+            _say_metrics_port(work, url)
         except OSError as exc:
             parser.exit(2, f"error: --metrics-port {settings.metrics_port} on {settings.metrics_addr}: "
                            f"{exc.strerror}; pick a free port or 0 to turn metrics off\n")
@@ -393,7 +393,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                      run_id=config.run_id, local_addr=config.local_addr, numa_options=config.numa_options,
                      log_line_prefix_template=config.log_line_prefix_template, term_grace=args.term_grace)
-    agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)  # type: ignore[arg-type]
+    agent = NodeAgent(spec, handler, settings, metrics, config.logs_specs)
     try:
         result = agent.run()
     except RendezvousClosedError as exc:

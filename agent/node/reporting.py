@@ -89,7 +89,7 @@ class Reporting:
             Reason.WORKER_FAILED: f"local worker(s) {sorted(decision.failed)} failed "
                                   f"(exit {', '.join(str(c) for c in decision.failed.values())})"
                                   f"{self._last_words()}",
-        }.get(reason, str(reason))  # type: ignore[arg-type]
+        }.get(reason, str(reason))  # type: ignore[arg-type]  # a None reason is looked up too
 
     def _last_words(self) -> str:
         """`` with "ValueError: boom"``: what the failed workers' error files say, if anything."""

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, cast
 
 from elastic import contract
 
@@ -55,9 +55,11 @@ class SdcWatch:
             step, role = event.get("step"), event.get("role")
             log.error("[%s] the replica check named this node %s at step %s (differs in %s)", self.node,
                       "the outlier" if role == "outlier" else "a suspect", step,
-                      ", ".join(str(n) for n in event.get("differing", [])[:4]) or "?")
-            if role == "outlier" and isinstance(event.get("time"), (int, float)):
-                self.outlier_at.append(float(event["time"]))
+                      # a list: the cast names what the worker writes, it checks nothing
+                      ", ".join(str(n) for n in cast("list[object]", event.get("differing", []))[:4]) or "?")
+            at = event.get("time")
+            if role == "outlier" and isinstance(at, (int, float)):
+                self.outlier_at.append(float(at))
         self.outlier_at = [t for t in self.outlier_at if now - t <= self.window_s]
         return SdcFacts(tuple(self.outlier_at), now, self.window_s)
 

@@ -202,7 +202,7 @@ class LocalWorkers:
         if handle is None:
             handle = SubprocessHandler(entrypoint=launch.args[0], args=launch.args[1:], env=launch.env,
                                        stdout=stdout or None, stderr=stderr or None, local_rank_id=local_rank,
-                                       numa_options=self.numa_options)  # type: ignore[arg-type]
+                                       numa_options=self.numa_options)
             mode = COLD
         self.workers[local_rank] = Worker(local_rank, handle, mode, error_file, stderr=stderr or "")
         self.on_start(mode)

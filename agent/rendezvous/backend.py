@@ -90,7 +90,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         value, meta = current[0]
         return self._open(value), meta.mod_revision, False
 
-    def _write(self, guard: object, sealed: bytes):  # type: ignore[no-untyped-def]
+    def _write(self, guard: object, sealed: bytes):
         return self._lease.write(
             lambda lease: transact(
                 self._client,
@@ -143,7 +143,7 @@ def _parse_token(token: Token) -> int | None:
     if isinstance(token, bool):
         return None
     try:
-        revision = int(token)  # type: ignore[call-overload]
+        revision = int(token)
     except (TypeError, ValueError):
         return None
     return revision if revision > 0 else None

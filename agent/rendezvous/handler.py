@@ -351,7 +351,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         records = self.view.records(self.mirror.entries()[0])
         return {n: (records[n].witness_addr if n in records else None) for n in peers}
 
-    def _members_alive(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
+    def _members_alive(self, entries: dict) -> dict[str, str]:
         """The round record's members, taken as alive: a member's loss reaches this node as the
         next round, which a steward opens (so a spare waits for the round record alone)."""
         record = self._decode_round(entries)
@@ -470,7 +470,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # --------------------------------------------------------------- reading the mirror
 
-    def _decode_round(self, entries: dict) -> RoundRecord | None:  # type: ignore[type-arg]
+    def _decode_round(self, entries: dict) -> RoundRecord | None:
         """The round record to act on (:meth:`.mirror_view.MirrorView.decode_round`)."""
         return self.view.decode_round(entries)
 

@@ -22,7 +22,7 @@ class JobEnd:
     verifies a value (the handler's :class:`.mirror_view.MirrorView`, which warns once per key)."""
 
     def __init__(self, node: str, client: EtcdClient, signer: StateSigner, key: str,
-                 entries: Callable[[], dict],  # type: ignore[type-arg]
+                 entries: Callable[[], dict],
                  signed: Callable[[str, bytes], bool]) -> None:
         self.node, self.client, self.signer, self.key = node, client, signer, key
         self._entries, self._signed = entries, signed

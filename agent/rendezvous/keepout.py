@@ -100,7 +100,7 @@ class KeepOut:
         return f"kept out: back-off {self.backoff:.0f} s (strike {self.strikes}){cut}{why}"
 
 
-def _object(raw: bytes) -> dict:  # type: ignore[type-arg]
+def _object(raw: bytes) -> dict:
     try:
         data = json.loads(raw)
     except RecursionError:

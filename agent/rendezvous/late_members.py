@@ -27,19 +27,19 @@ class LateMembers:
     ``on_death`` is called from the probe's thread when a member is found dead (to wake the loop)."""
 
     def __init__(self, signer: StateSigner, lease: NodeLease,
-                 records: Callable[[dict], dict[str, NodeRecord]],  # type: ignore[type-arg]
+                 records: Callable[[dict], dict[str, NodeRecord]],
                  on_death: Callable[[], None]) -> None:
         self.lease, self._records = lease, records
         self._probe = DeathProbe(on_death=on_death)
         self._vouch = PeerAsker(signer, timeout=_VOUCH_TIMEOUT_S)
 
-    def proven_dead(self, record: RoundRecord, joined: dict[str, int], entries: dict) -> set[str]:  # type: ignore[type-arg]
+    def proven_dead(self, record: RoundRecord, joined: dict[str, int], entries: dict) -> set[str]:
         """Previous members that have not joined and whose agent's port refuses connects."""
         records = self._records(entries)
         missing = {n: records[n].store_addr for n in record.previous if n in records and n not in joined}
         return self._probe.dead(missing) if missing else set()
 
-    def vouched(self, record: RoundRecord, joined: dict[str, int], entries: dict,  # type: ignore[type-arg]
+    def vouched(self, record: RoundRecord, joined: dict[str, int], entries: dict,
                 live: dict[str, str], dead: set[str], since: float | None) -> set[str]:
         """Previous members still running, not joined, whose witness answered since the round
         opened and who still reach etcd: alive, only late (asked in the background, so an

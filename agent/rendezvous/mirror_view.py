@@ -89,11 +89,11 @@ class MirrorView:
                 log.warning("ignoring forged %s (written with another job key?)", key)
             return False
 
-    def closed_in(self, entries: dict) -> bool:  # type: ignore[type-arg]
+    def closed_in(self, entries: dict) -> bool:
         entry = entries.get(self.keys.closed)
         return entry is not None and self.signed(self.keys.closed, entry.value)
 
-    def decode_round(self, entries: dict) -> RoundRecord | None:  # type: ignore[type-arg]
+    def decode_round(self, entries: dict) -> RoundRecord | None:
         """The round record to act on: the one in etcd if it verifies, else the last good one
         this node saw (None if it saw none: the handler then waits for a member to put one back)."""
         key = self.keys.round
@@ -161,7 +161,7 @@ class MirrorView:
             log.warning("ignoring forged join key %s", key)
             return None
 
-    def joined(self, entries: dict, round_number: int) -> dict[str, int]:  # type: ignore[type-arg]
+    def joined(self, entries: dict, round_number: int) -> dict[str, int]:
         """The nodes joined to ``round_number``: join keys that verify and are held by a lease
         (a join is put under its node's lease: one put back without a lease is a replay)."""
         prefix = f"{self.keys.join_prefix}{round_number}/"
@@ -169,7 +169,7 @@ class MirrorView:
                 if key.startswith(prefix) and self._current(key, entry)]
         return {key[len(prefix):]: entries[key].create_revision for key, _ in self._joins_memo.decode(ours)}
 
-    def records(self, entries: dict) -> dict[str, NodeRecord]:  # type: ignore[type-arg]
+    def records(self, entries: dict) -> dict[str, NodeRecord]:
         """Every registered node's record. A key whose value does not verify keeps its last
         good record for a lease TTL (its agent, if alive, rewrites it at once): a forgery is
         never read as a node's death, nor as a new node."""
@@ -203,7 +203,7 @@ class MirrorView:
             log.warning("[%s] ignoring %s: it verifies but is stale, %s", self.node, key, stale)
         return False
 
-    def forged_lately(self, entries: dict) -> set[str]:  # type: ignore[type-arg]
+    def forged_lately(self, entries: dict) -> set[str]:
         """Nodes whose registry key is there but has failed verification for less than the grace
         (after :meth:`records` read ``entries``): not known dead. A view started after the
         forgery has no last good value to stand in, and its owner, if alive, rewrites the key
@@ -212,6 +212,6 @@ class MirrorView:
         return {key[len(prefix):] for key in entries if key.startswith(prefix)
                 and (age := self._nodes_good.forged_for(key, now)) is not None and age < self._nodes_good.grace}
 
-    def live(self, entries: dict) -> dict[str, str]:  # type: ignore[type-arg]
+    def live(self, entries: dict) -> dict[str, str]:
         """Every live node's registry state (``rendezvous``, ``running``, ``spare``...), by name."""
         return {node: record.state for node, record in self.records(entries).items()}

@@ -20,7 +20,7 @@ import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol, TypeVar
 
 from agent.etcd import EtcdClient, EtcdError
 
@@ -33,6 +33,16 @@ from agent.rendezvous.signing import SignatureError, StateSigner
 from agent.rendezvous.states import NodeState
 
 log = logging.getLogger(__name__)
+
+
+class _Leased(Protocol):
+    """A signed value that names the lease it was written under (KeepOut, ReachReport)."""
+
+    @property
+    def lease(self) -> int: ...
+
+
+_Signed = TypeVar("_Signed", bound=_Leased)
 
 PROBE_TIMEOUT_S = 1.0
 _PROBE_THREADS = 32
@@ -91,17 +101,17 @@ class Reachability:
 
     # ------------------------------------------------------------------ reading the mirror
 
-    def _decoded(self, entries: Mapping[str, object], prefix: str, parse: Callable[[bytes], object]) -> list[object]:
+    def _decoded(self, entries: Mapping[str, object], prefix: str, parse: Callable[[bytes], _Signed]) -> list[_Signed]:
         """The values under ``prefix`` that verify and are current: held by the lease their
         writer signed (a replay of older bytes is stale: one WARNING per value, never a decision)."""
-        found = []
+        found: list[_Signed] = []
         for key, entry in entries.items():
             if key.startswith(prefix):
                 try:
-                    value = parse(self.signer.open(key.encode(), entry.value))  # type: ignore[attr-defined]
+                    value = parse(self.signer.open(key.encode(), entry.value))  # type: ignore[attr-defined]  # a mirror entry (duck-typed)
                 except (SignatureError, ValueError, KeyError, TypeError):
                     continue
-                stale = lease_stale(getattr(entry, "lease", 0), value.lease)  # type: ignore[attr-defined]
+                stale = lease_stale(getattr(entry, "lease", 0), value.lease)
                 if stale is not None:
                     self._report_stale(key, getattr(entry, "mod_revision", 0), stale)
                     continue
@@ -116,7 +126,7 @@ class Reachability:
                     self.node, key, why)
 
     def keep_outs(self, entries: Mapping[str, object]) -> dict[str, KeepOut]:
-        found = {k.node: k for k in self._decoded(entries, self.keepout_prefix, KeepOut.from_json)}  # type: ignore[attr-defined]
+        found = {k.node: k for k in self._decoded(entries, self.keepout_prefix, KeepOut.from_json)}
         mine = found.get(self.node)
         if mine is not None and self._out is None and self.lease is not None:
             self._clear_replay(mine)
@@ -146,7 +156,7 @@ class Reachability:
 
     def reports(self, entries: Mapping[str, object], round_number: int) -> list[ReachReport]:
         found = self._decoded(entries, self.reach_prefix, ReachReport.from_json)
-        return [r for r in found if r.round == round_number]  # type: ignore[attr-defined]
+        return [r for r in found if r.round == round_number]
 
     def excluded(self, record: RoundRecord, entries: Mapping[str, object]) -> set[str]:
         """Nodes no closer of ``record`` may take in: staying out, or picked by the reports

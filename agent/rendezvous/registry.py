@@ -92,11 +92,11 @@ class NodeRecord:
             if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
                 raise ValueError(f"node record field {name}={value!r:.40} has the wrong type")
         started_at = known.get("started_at", 0.0)
-        if not -1e300 < started_at < 1e300:  # type: ignore[operator]
+        if not -1e300 < started_at < 1e300:
             raise ValueError(f"node record started_at={started_at!r:.40} is not a time")
         if "started_at" in known:
-            known["started_at"] = float(started_at)  # type: ignore[arg-type]
-        return cls(**known)  # type: ignore[arg-type]
+            known["started_at"] = float(started_at)
+        return cls(**known)
 
 
 _OPT_STR, _OPT_INT = (str, type(None)), (int, type(None))

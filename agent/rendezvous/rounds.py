@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Mapping, TypeGuard
 
 from agent.rendezvous.states import NodeState, RoundCause
 
@@ -104,11 +104,11 @@ class RoundRecord:
         return bool(self.in_place)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_time(value: object) -> bool:
+def _is_time(value: object) -> TypeGuard[float]:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and -1e300 < value < 1e300)  # finite, and float() of it cannot overflow
 

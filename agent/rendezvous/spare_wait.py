@@ -25,7 +25,7 @@ class SpareWait:
     """``live(entries)`` gives every live node's registry state (the handler's mirror view)."""
 
     def __init__(self, node: str, lease: NodeLease, max_nodes: int,
-                 live: Callable[[dict], dict[str, str]]) -> None:  # type: ignore[type-arg]
+                 live: Callable[[dict], dict[str, str]]) -> None:
         self.node, self.lease, self.max_nodes, self._live = node, lease, max_nodes, live
         # told True when this node starts waiting as a spare (a full world without it), False when it
         # leaves that wait (admitted, or the round it joined); the agent exports it as a gauge
@@ -39,7 +39,7 @@ class SpareWait:
     def begin(self) -> None:
         self.first = None
 
-    def now(self, record: RoundRecord | None, entries: dict,  # type: ignore[type-arg]
+    def now(self, record: RoundRecord | None, entries: dict,
             joined_round: int | None) -> bool:
         """Whether this node waits as a spare now (a round it opened itself may not show yet)."""
         if record is None or record.state != CLOSED or self.node in record.participants \
@@ -69,5 +69,5 @@ class SpareWait:
         for callback in list(self.while_spare):
             try:
                 callback()
-            except Exception:  # noqa: BLE001 - a spare's extra must never break its rendezvous
+            except Exception:  # a spare's extra must never break its rendezvous
                 log.exception("[%s] while waiting as a spare", self.node)

@@ -88,7 +88,7 @@ class Steward:
 
     # ------------------------------------------------------------------ the slots
 
-    def _holder(self, entries: dict, key: str) -> str | None:  # type: ignore[type-arg]
+    def _holder(self, entries: dict, key: str) -> str | None:
         """The node a slot names, if its value verifies and a lease holds it (else: free)."""
         entry = entries.get(key)
         if entry is None or entry.lease == 0:
@@ -103,7 +103,7 @@ class Steward:
         entries = self.narrow.entries()[0]
         return [n for n in (self._holder(entries, f"{self.prefix}{i}") for i in range(self.slots)) if n is not None]
 
-    def holding(self, entries: dict | None = None) -> str | None:  # type: ignore[type-arg]
+    def holding(self, entries: dict | None = None) -> str | None:
         """The slot key this node holds under its current lease, as the narrow mirror shows it."""
         entries = self.narrow.entries()[0] if entries is None else entries
         lease_id = self.lease._lease_id
@@ -114,10 +114,10 @@ class Steward:
                 return key
         return None
 
-    def _free(self, entries: dict) -> bool:  # type: ignore[type-arg]
+    def _free(self, entries: dict) -> bool:
         return any(self._holder(entries, f"{self.prefix}{i}") is None for i in range(self.slots))
 
-    def _claim(self, entries: dict) -> bool:  # type: ignore[type-arg]
+    def _claim(self, entries: dict) -> bool:
         """Take the first free slot (one transaction on what was read; False if none was free or
         another node took it first)."""
         free = [i for i in range(self.slots) if self._holder(entries, f"{self.prefix}{i}") is None]
@@ -173,7 +173,7 @@ class Steward:
             except EtcdError as exc:
                 log.debug("[%s] steward: %s", self.node, exc)
                 self._stop.wait(_TICK_S)
-            except Exception:  # noqa: BLE001 - a bug here must not end the node's rendezvous
+            except Exception:  # a bug here must not end the node's rendezvous
                 log.exception("[%s] steward pass failed", self.node)
                 self._stop.wait(1.0)
 
@@ -212,7 +212,7 @@ class Steward:
             self._seen = (round_rev, now)
         return now - self._seen[1] >= ahead * BACKUP_AFTER_S
 
-    def _after_loss(self, record: RoundRecord, round_rev: int, entries: dict) -> None:  # type: ignore[type-arg]
+    def _after_loss(self, record: RoundRecord, round_rev: int, entries: dict) -> None:
         if self.lease.suspect_lost():
             return  # just thawed: our picture is older than our peers'
         live = self.view.live(entries)
@@ -224,7 +224,7 @@ class Steward:
             log.info("[%s] opened round %d: %s lost %s lease", self.node, record.round + 1, ", ".join(lost),
                      "its" if len(lost) == 1 else "their")
 
-    def _close(self, record: RoundRecord, round_rev: int, entries: dict) -> None:  # type: ignore[type-arg]
+    def _close(self, record: RoundRecord, round_rev: int, entries: dict) -> None:
         excluded = self.reachability.excluded(record, entries)
         keys = self.view.joined(entries, record.round)
         joined = {n: rev for n, rev in keys.items() if n not in excluded}

@@ -141,7 +141,7 @@ class EtcdV3Store(dist.Store):
             lambda lease: transact(self._client, [], success=[tx.Put(k, v, lease=lease) for k, v in sealed])
         )
 
-    def _rows(self, full: str) -> list:  # type: ignore[type-arg]
+    def _rows(self, full: str) -> list:
         return transact(self._client, [], success=[tx.Get(full)]).responses[0]
 
     def add(self, key: str, amount: int) -> int:
@@ -196,7 +196,7 @@ class EtcdV3Store(dist.Store):
             if self._swap(full, guard, combined):
                 return
 
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._wait_for([self._key(k) for k in keys], self.timeout if timeout is None else timeout)
 
     def check(self, keys: list[str]) -> bool:

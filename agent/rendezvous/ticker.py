@@ -60,7 +60,7 @@ class Ticker:
                 heapq.heappush(self._heap, (max(due + interval, time.monotonic()), ident, interval, fn, duty))
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - one duty's bug must not stop the others
+            except Exception:  # one duty's bug must not stop the others
                 log.exception("periodic duty failed")
 
 

@@ -91,7 +91,7 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
                           ("samples/s", "right"), ("step p50", "right"), ("step p99", "right"), ("compute", "right"),
                           ("allreduce/step", "right"), ("busbw", "right"), ("snapshot age", "right"),
                           ("restarts", "right"), ("note", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]  # a str of rich's Literal
     for node in view.nodes:
         if not node.ranks:
             table.add_row(node.node, "-", node.state, *["-"] * 9, node.note or node.error or "no live ranks",

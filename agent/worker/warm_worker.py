@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import shlex
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from checkpoints import procstub
 from elastic import contract
@@ -68,8 +69,9 @@ def become(spec: dict[str, Any], parent_pid: int | None = None) -> None:
         _redirect(1, spec["stdout"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
     if spec.get("stderr"):
         _redirect(2, spec["stderr"], os.O_WRONLY | os.O_TRUNC | os.O_CREAT)
-    sys.stdout.reconfigure(write_through=True)  # python -u, as every agent worker runs
-    sys.stderr.reconfigure(write_through=True)
+    # python -u, as every agent worker runs (a started interpreter's streams are TextIOWrappers)
+    cast(io.TextIOWrapper, sys.stdout).reconfigure(write_through=True)
+    cast(io.TextIOWrapper, sys.stderr).reconfigure(write_through=True)
     _show_as_worker(spec)
     _apply_thread_count()
     worker_boot.prepare(parent_pid)

@@ -99,7 +99,8 @@ def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer, registered:
     sums: list[torch.Tensor] = []
 
     def add(name: str, group: int, value: Any) -> None:
-        names.append(name), groups.append(group)
+        names.append(name)
+        groups.append(group)
         value = _own(value)
         if not isinstance(value, torch.Tensor):
             pending.append(value_hash(value))

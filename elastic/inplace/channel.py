@@ -68,7 +68,7 @@ def assign_ranks(participants: Sequence[str], node: str, nprocs: Mapping[str, in
     counts = [nprocs.get(p) for p in participants]
     if node not in participants or any(c is None or c < 1 for c in counts):
         return None
-    sizes = [int(c) for c in counts]  # type: ignore[arg-type]
+    sizes = [int(c) for c in counts if c is not None]  # (none is: checked above)
     index = list(participants).index(node)
     return sum(sizes[:index]), sum(sizes)
 
@@ -82,7 +82,7 @@ def make_offer(round_number: int, participants: Sequence[str], node: str,
     store = stores.get(participants[0]) if participants else None
     if ranks is None or not store:
         return None
-    sizes = tuple(int(nprocs[p]) for p in participants)  # type: ignore[arg-type]
+    sizes = tuple(int(nprocs[p]) for p in participants)  # type: ignore[arg-type]  # not None: assign_ranks checked
     return RoundOffer(round=round_number, participants=tuple(participants), node_rank=list(participants).index(node),
                       rank_base=ranks[0], world_size=ranks[1], store=store, nprocs=sizes, cause=cause)
 

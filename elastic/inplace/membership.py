@@ -313,7 +313,7 @@ class Membership:
             try:
                 self._look()
                 self._check_stuck()
-            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad poll
+            except Exception:  # the watcher must outlive any one bad poll
                 log.exception("membership watcher")
 
     def _look(self) -> None:

@@ -68,7 +68,7 @@ def init_group(backend: str, store: dist.Store, stable_rank: int, stable_ranks: 
     kwargs = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(backend, store=store, rank=stable_rank, world_size=stable_ranks, timeout=timeout,
                             enable_reconfigure=True, **kwargs)
-    if not dist._supports_reconfigure():  # type: ignore[attr-defined]
+    if not dist._supports_reconfigure():
         raise ReconfigureError(f"the {backend} process group was created without reconfigure support")
     atexit.unregister(_leave_at_exit)
     atexit.register(_leave_at_exit)
@@ -91,7 +91,7 @@ def _leave_at_exit() -> None:
 
 def handle() -> str:
     """This process's current handle (it changes after every reconfigure)."""
-    return str(dist._get_reconfigure_handle())  # type: ignore[attr-defined]
+    return str(dist._get_reconfigure_handle())
 
 
 def reconfigure_timeout(backend: str, collective_timeout: timedelta) -> timedelta:
@@ -115,7 +115,7 @@ def reconfigure_timeout(backend: str, collective_timeout: timedelta) -> timedelt
 def reconfigure(uuid: int, handles: Sequence[str], timeout: timedelta) -> None:
     """Connect the default group to exactly ``handles``, in that rank order."""
     try:
-        dist._reconfigure(uuid=uuid, handles=list(handles), timeout=timeout).wait()  # type: ignore[attr-defined]
+        dist._reconfigure(uuid=uuid, handles=list(handles), timeout=timeout).wait()
     except RuntimeError as exc:
         raise ReconfigureError(first_line(exc)) from exc
 

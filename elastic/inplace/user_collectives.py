@@ -202,7 +202,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             return _GuardedWork(result, guard, name)
         return result
 
-    wrapper.__elastic_wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__elastic_wrapped__ = original  # type: ignore[attr-defined]  # our mark on a function object
     return wrapper
 
 

@@ -123,7 +123,7 @@ def allreduce_hook(state: CollectiveTimer, bucket: dist.GradBucket) -> torch.fut
         tensor.mul_(state.scale)
     start, t0 = state.begin(tensor)
     try:
-        fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+        fut = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
     except Exception:
         state.errors.inc()
         raise

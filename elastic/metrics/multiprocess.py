@@ -92,7 +92,7 @@ def merged(path: str | os.PathLike[str]) -> list[Metric]:
         except OSError:
             continue  # gone meanwhile
     try:
-        return list(_mp.MultiProcessCollector.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
+        return list(_mp.MultiProcessCollector.merge(files, accumulate=True))
     except (struct.error, OSError, ValueError):
         return []
 

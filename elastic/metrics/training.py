@@ -35,12 +35,12 @@ class LossReader:
         if self._event is not None:
             if not self._event.query():
                 return None  # still in flight: keep the older reading, enqueue nothing new
-            value = float(self._host)  # type: ignore[arg-type]
+            value = float(self._host)  # type: ignore[arg-type]  # set together with _event
         if self._host is None:
             self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
             self._event = torch.cuda.Event()
         self._host.copy_(loss.detach().reshape(()).float(), non_blocking=True)
-        self._event.record()  # type: ignore[union-attr]
+        self._event.record()  # type: ignore[union-attr]  # set together with _host
         return value
 
 

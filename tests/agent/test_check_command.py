@@ -103,8 +103,8 @@ def test_elastic_check_prints_agreement_then_the_mismatch_it_found(
     wait_until(lambda: sdc_fault() is not None, 30, "the fault timeline to record the SDC event",
                on_timeout=lambda: "".join(n.log_tail(30) for n in group))
     fault = sdc_fault()
-    assert set(fault.nodes) == {"a", "b"} and "differs: 0.weight" in fault.detail, fault  # type: ignore[attr-defined]
-    assert "step(s) retrained" in fault.detail and "detection" in fault.phases, fault  # type: ignore[attr-defined]
+    assert set(fault.nodes) == {"a", "b"} and "differs: 0.weight" in fault.detail, fault
+    assert "step(s) retrained" in fault.detail and "detection" in fault.phases, fault
 
     missing = _elastic(etcd_server, run_id, "check", "ghost")
     assert missing.returncode == 2 and "no live node 'ghost'" in missing.stderr, missing.stdout + missing.stderr

@@ -139,8 +139,8 @@ def test_exit_codes_and_signals_reach_the_agent_and_a_failure_exits_at_once(shar
     script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
                       "raise RuntimeError('Connection closed by peer')\n")
     out, err = tmp_path / "boom.out", tmp_path / "boom.err"
-    proc = shared.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
-    assert proc is not None and proc.wait(timeout=60) == 1
+    boom = shared.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
+    assert boom is not None and boom.wait(timeout=60) == 1
     assert "RuntimeError: Connection closed by peer" in err.read_text()
     assert out.read_text() == "atexit ran\n"  # a snapshot writer's atexit flush still happens
 

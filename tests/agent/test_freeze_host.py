@@ -54,7 +54,7 @@ def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str
                  metrics_port=AUTO_METRICS_PORT, env=env, agent_args=["--lease-ttl", str(LEASE_TTL)])
 
 
-def without(node: Node, tmp: Path, world: int, after_round: int) -> list[dict]:  # type: ignore[type-arg]
+def without(node: Node, tmp: Path, world: int, after_round: int) -> list[dict]:
     """``node``'s rows in a world of ``world`` formed after round ``after_round`` (the round the
     frozen node was in): a survivor may still write a row or two of the old world after the
     SIGSTOP, and a world of the same size before it."""

@@ -277,7 +277,7 @@ def test_a_stall_judged_alive_writes_off_a_peer_that_freezes_later_never_one_bus
     about a second, far from a lease."""
     (b, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
     channel = _Channel()
-    watch = FreezeWatch("a", EtcdSession(_Handler({"b": b_addr, "c": c_addr})), channel, enabled=True)  # type: ignore[arg-type]
+    watch = FreezeWatch("a", EtcdSession(_Handler({"b": b_addr, "c": c_addr})), channel, enabled=True)
     assert _stuck(watch, channel) is None, "every peer answered"
     b.send_signal(signal.SIGSTOP)
     found, _ = _look_for(watch, 0.6)
@@ -299,7 +299,7 @@ def test_a_verdict_skipped_for_a_stale_own_keep_alive_is_judged_again(
     at that moment, on a loaded machine) waited for the frozen peer's lease."""
     (_, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
     channel, handler = _Channel(), _Handler({"b": b_addr, "c": c_addr})
-    watch = FreezeWatch("a", EtcdSession(handler), channel, enabled=True)  # type: ignore[arg-type]
+    watch = FreezeWatch("a", EtcdSession(handler), channel, enabled=True)
     c.send_signal(signal.SIGSTOP)
     handler.lease.age = 6.0  # over half the TTL: this node may be the cut-off one, it does not judge
     assert _stuck(watch, channel) is None
@@ -319,7 +319,7 @@ def test_a_peer_that_misses_the_first_judgments_question_is_asked_again_before_i
     c frozen from then on misses two in a row and is written off, well within a lease."""
     (b, b_addr), (c, c_addr) = witnesses("b"), witnesses("c")
     channel = _Channel()
-    watch = FreezeWatch("a", EtcdSession(_Handler({"b": b_addr, "c": c_addr})), channel, enabled=True)  # type: ignore[arg-type]
+    watch = FreezeWatch("a", EtcdSession(_Handler({"b": b_addr, "c": c_addr})), channel, enabled=True)
     b.send_signal(signal.SIGSTOP)
     assert _stuck(watch, channel) is None, "written off on one missed question"
     b.send_signal(signal.SIGCONT)  # in time for the second question (late answers count)

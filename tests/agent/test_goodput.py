@@ -128,7 +128,7 @@ def test_goodput_of_a_run_with_a_kill_and_a_freeze_adds_up(
         assert node.process is not None
         node.process.send_signal(signal.SIGTERM)
     for node in (a, b):
-        node.process.wait(timeout=60)  # type: ignore[union-attr]
+        node.process.wait(timeout=60)
     account = record()
     assert account is not None and account.to is not None
 
@@ -158,7 +158,7 @@ def stop(*nodes: Node) -> None:
         assert node.process is not None
         node.process.send_signal(signal.SIGTERM)
     for node in nodes:
-        node.process.wait(timeout=60)  # type: ignore[union-attr]
+        node.process.wait(timeout=60)
 
 
 @pytest.mark.parametrize("job", ["restart-path", "plain-script"])

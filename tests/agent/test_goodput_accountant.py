@@ -62,7 +62,7 @@ def accountant(handler: Handler, tmp_path: Path, node: str, **kw: Any) -> Goodpu
     (tmp_path / node / "heartbeat").mkdir(parents=True)
     kw.setdefault("push_every", 0.0)
     return GoodputAccountant(node, tmp_path / node / "goodput", tmp_path / node / "heartbeat", CollectorRegistry(),
-                             EtcdSession(handler), **kw)  # type: ignore[arg-type]
+                             EtcdSession(handler), **kw)
 
 
 def report(acc: GoodputAccountant, rows: list[tuple[float | None, float, str, int | None]], rank: int = 0,
@@ -73,7 +73,7 @@ def report(acc: GoodputAccountant, rows: list[tuple[float | None, float, str, in
 
 
 def exported(*accs: GoodputAccountant) -> tuple[float, dict[str, float]]:
-    productive, lost = 0.0, {}
+    productive, lost = 0.0, dict[str, float]()
     for acc in accs:
         productive += acc.metrics.productive._value.get()
         for (cause,), child in acc.metrics.lost._metrics.items():

@@ -35,8 +35,8 @@ def test_a_tls_handshake_with_a_plaintext_server_reads_as_tls() -> None:
     finally:
         server.stop(None)
     rpc = failed.value
-    assert rpc.code() == grpc.StatusCode.UNAVAILABLE, rpc  # type: ignore[attr-defined]  # a call's error is a grpc.Call
-    assert tls_refused(rpc.details() or ""), f"gRPC words a failed handshake otherwise now: {rpc.details()}"  # type: ignore[attr-defined]
+    assert rpc.code() == grpc.StatusCode.UNAVAILABLE, rpc  # a call's error is a grpc.Call
+    assert tls_refused(rpc.details() or ""), f"gRPC words a failed handshake otherwise now: {rpc.details()}"
     assert not tls_refused("failed to connect to all addresses; last error: UNAVAILABLE: Connection refused")
 
 

@@ -11,7 +11,7 @@ from agent.node.health import Check, HealthReport, Limits, verdict
 from agent.node.policy import Action, Observation, Reason, decide
 
 
-def _statvfs(free_blocks: int, blocks: int = 1000, frsize: int = 4096):  # type: ignore[no-untyped-def]
+def _statvfs(free_blocks: int, blocks: int = 1000, frsize: int = 4096):
     return lambda _path: os.statvfs_result((frsize, frsize, blocks, free_blocks, free_blocks, 0, 0, 0, 0, 255))
 
 

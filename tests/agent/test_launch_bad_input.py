@@ -48,7 +48,7 @@ def etcd_endpoint() -> Iterator[socket.socket]:
 def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     """Run ``elastic ARGV``; assert exit 2 and one ``error:`` line, no traceback; return it."""
     try:
-        code = cli.main(list(argv))
+        code: object = cli.main(list(argv))
     except SystemExit as exc:
         code = exc.code
     out, err = capsys.readouterr()

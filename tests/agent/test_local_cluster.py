@@ -30,10 +30,10 @@ def test_every_node_hands_its_workers_that_share_unless_the_user_set_it(
     etcd = types.SimpleNamespace(endpoint="127.0.0.1:2379")  # only its address is read; nothing starts here
     monkeypatch.setattr("os.cpu_count", lambda: 12)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    nodes = _nodes(args, job, tmp_path, etcd, None, tmp_path / "key")  # type: ignore[arg-type]
+    nodes = _nodes(args, job, tmp_path, etcd, None, tmp_path / "key")
     assert [n.node.env["OMP_NUM_THREADS"] for n in nodes] == ["2", "2", "2"]
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    nodes = _nodes(args, job, tmp_path, etcd, None, tmp_path / "key")  # type: ignore[arg-type]
+    nodes = _nodes(args, job, tmp_path, etcd, None, tmp_path / "key")
     assert all("OMP_NUM_THREADS" not in n.node.env for n in nodes)  # the user's own reaches the workers as is
 
 
@@ -98,6 +98,6 @@ def test_a_stop_says_why_with_the_shells_code_and_no_timeout_needed(
 
     args, _ = parse_args(["--steps", "10"] + (["--timeout", f"{timeout:g}"] if timeout else []))
     console = Console(record=True, width=120)
-    assert _verdict(console, None, args, why, True, signum) == code  # type: ignore[arg-type]
+    assert _verdict(console, None, args, why, True, signum) == code
     assert f"stopped before step 10 ({said})" in console.export_text()
     assert stop_reason(why, timeout, signum) == said

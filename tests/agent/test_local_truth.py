@@ -215,7 +215,7 @@ def test_without_a_terminal_progress_is_printed_as_it_happens(crashed: Outcome) 
     # when both nodes failed at once and their agents gave up at that first crash
     assert any(re.search(r"worker (exit 1|crashed): NameError", line) for line in lines), crashed.output
     assert any("agent failed (exit 1)" in line for line in lines), crashed.output
-    seconds = [float(re.match(r"\[ *([\d.]+) s\]", line)[1]) for line in lines]  # type: ignore[index]
+    seconds = [float(re.match(r"\[ *([\d.]+) s\]", line)[1]) for line in lines]
     assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
 
 

@@ -37,7 +37,7 @@ def test_a_variable_the_user_set_is_kept_and_the_other_is_filled_in() -> None:
     {"addr": "127.0.0.1"},  # everything on one machine, reached over loopback
 ])
 def test_nothing_changes_where_gloo_already_gets_it_right(case: dict[str, object]) -> None:
-    assert decide(**case) == ({}, None)  # type: ignore[arg-type]
+    assert decide(**case) == ({}, None)
 
 
 def test_an_unknown_address_or_interface_is_one_line_naming_the_fix() -> None:

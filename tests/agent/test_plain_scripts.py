@@ -133,8 +133,8 @@ def test_two_sigkills_of_the_other_node_in_a_row_both_restart_the_survivor_warm(
 ) -> None:
     rows = tmp_path / "rows.jsonl"
     common = dict(steps=100000, nnodes="1:2", agent_args=["--lease-ttl", "2", "--warm-start"], env={"ROWS": str(rows)})
-    a = start(nodes, "a", etcd_server, run_id, script, **common)  # type: ignore[arg-type]
-    b = start(nodes, "b", etcd_server, run_id, script, **common)  # type: ignore[arg-type]
+    a = start(nodes, "a", etcd_server, run_id, script, **common)
+    b = start(nodes, "b", etcd_server, run_id, script, **common)
 
     def at_world(world: int, after: float) -> list[dict]:
         return [r for r in read_rows(rows) if r["world"] == world and r["time"] > after]

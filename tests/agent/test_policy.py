@@ -41,7 +41,7 @@ RUNNING = {0: None, 1: None}
 def obs(**kw: object) -> Observation:
     kw.setdefault("exits", RUNNING)
     kw.setdefault("restarts_left", 3)
-    return Observation(**kw)  # type: ignore[arg-type]
+    return Observation(**kw)
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -30,7 +30,7 @@ LEASE_TTL = 2
 
 def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, **kw: object) -> Node:
     kw.setdefault("module_args", TINY)
-    agent_args = ["--lease-ttl", str(LEASE_TTL), *kw.pop("agent_args", [])]  # type: ignore[misc]
+    agent_args = ["--lease-ttl", str(LEASE_TTL), *kw.pop("agent_args", [])]
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, metrics_port=AUTO_METRICS_PORT,
                  agent_args=agent_args, **kw)
 

@@ -72,7 +72,7 @@ def test_any_torch_handler_gives_numbered_rounds_and_nothing_it_cannot_do() -> N
     assert (second.group_rank, second.group_world, second.rank_base, second.world_size) == (1, 2, 4, 8)
     assert (second.master_addr, second.master_port, second.offer) == ("10.0.0.1", 29500, None)
     with pytest.raises(AttributeError):
-        second.number = 5  # type: ignore[misc]  # a frozen record
+        second.number = 5  # a frozen record
     assert rdzv.membership(second) == (None, [])
     handler.waiting = 1
     assert rdzv.membership(second) == (Reason.SCALE_UP, [])
@@ -148,12 +148,12 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
             b.publish(in_place=True)
             wait_until(lambda: a.peers()["b"].extra.get("in_place") is True, 10, "a to see b's new word")
 
-        a._handler.on_round.append(b_trains_now)  # type: ignore[attr-defined]
+        a._handler.on_round.append(b_trains_now)
         results: dict[str, Any] = {}
         joiner = threading.Thread(target=lambda: results.update(a=a.next_round(RoundCause.JOIN, Round())), daemon=True)
         joiner.start()
         joined = f"/elastic/{run_id}/rdzv/join/1/a"
-        wait_until(lambda: joined in a._handler.mirror.entries()[0], 30, "a to open round 1")  # type: ignore[attr-defined]
+        wait_until(lambda: joined in a._handler.mirror.entries()[0], 30, "a to open round 1")
         results["b"] = b.next_round(RoundCause.JOIN, first, offered=True)
         joiner.join(timeout=30)
         ra, rb = results["a"], results["b"]
@@ -163,14 +163,14 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         # once b's workers ran in place at a close, a later round forms in place, for both alike
         again = threading.Thread(target=lambda: results.update(a2=a.next_round(RoundCause.FAILURE, ra, offered=True)),
                                  daemon=True)
-        a._handler.on_round.clear()  # type: ignore[attr-defined]
+        a._handler.on_round.clear()
         again.start()
         results["b2"] = b.next_round(RoundCause.FAILURE, rb, offered=True)
         again.join(timeout=30)
         assert results["a2"].live_world and results["b2"].live_world and not results["b2"].fresh_world
     finally:
         for node in (a, b):
-            node._handler.close()  # type: ignore[attr-defined]
+            node._handler.close()
         for store in stores:
             store.close()
 
@@ -196,7 +196,7 @@ def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joi
         results: dict[str, Any] = {}
         joiner = threading.Thread(target=lambda: results.update(a=a.next_round(RoundCause.JOIN, Round())), daemon=True)
         joiner.start()
-        wait_until(lambda: f"/elastic/{run_id}/rdzv/join/1/a" in a._handler.mirror.entries()[0], 30,  # type: ignore[attr-defined]
+        wait_until(lambda: f"/elastic/{run_id}/rdzv/join/1/a" in a._handler.mirror.entries()[0], 30,
                    "a to open round 1")
         results["b"] = b.next_round(RoundCause.JOIN, first, offered=True)
         joiner.join(timeout=30)
@@ -213,7 +213,7 @@ def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joi
         assert decide(joining).action is Action.END  # a's workers, still joining, stop now
     finally:
         for node in (a, b):
-            node._handler.close()  # type: ignore[attr-defined]
+            node._handler.close()
         for store in stores:
             store.close()
         if barrier is not None:

@@ -82,7 +82,7 @@ def test_a_lag_of_a_few_milliseconds_is_noise_whatever_its_factor() -> None:
     # rank 0 of a job of 3 ms steps on a loaded machine: 4x its peer, for seconds, and healthy
     assert feed(StragglerWatch(), [{"a": 0.014, "b": 0.0035}] * 5) == [None] * 5
     assert slowest({"a": 0.014, "b": 0.0035}) is None
-    assert slowest({"a": 0.0045 + MIN_LAG_S, "b": 0.0035})[0] == "a"  # type: ignore[index]
+    assert slowest({"a": 0.0045 + MIN_LAG_S, "b": 0.0035})[0] == "a"
     assert slowest({"a": 0.3, "b": 0.25}) is None  # 50 ms behind, but under the factor
 
 
@@ -126,9 +126,9 @@ def test_a_slow_first_step_is_not_in_any_figure_so_never_named() -> None:
 def test_slowest_needs_two_nodes_and_names_one() -> None:
     assert slowest({"a": 5.0}) is None
     assert slowest({"a": 0.0, "b": 0.1}) is None  # no real figure to compare with
-    assert slowest({"a": 0.1, "b": 0.3, "c": 0.31})[0] == "c"  # type: ignore[index]
+    assert slowest({"a": 0.1, "b": 0.3, "c": 0.31})[0] == "c"
     # two slow nodes: one eviction at a time, the slowest first
-    assert slowest({"a": 0.1, "b": 0.3, "c": 0.31, "d": 0.1, "e": 0.1})[0] == "c"  # type: ignore[index]
+    assert slowest({"a": 0.1, "b": 0.3, "c": 0.31, "d": 0.1, "e": 0.1})[0] == "c"
 
 
 # ---------------------------------------------------------------------- eviction
@@ -187,7 +187,7 @@ def test_the_monitor_names_and_evicts_only_itself(tmp_path: Path, monkeypatch: p
     mine = {"compute": 0.1, "step": 0}
     monkeypatch.setattr(pace, "local_pace", lambda _d: mine["compute"])
     monkeypatch.setattr(pace, "local_step", lambda _d: mine["step"])
-    session = EtcdSession(handler)  # type: ignore[arg-type]  # the two calls the monitor makes of the rendezvous
+    session = EtcdSession(handler)  # the two calls the monitor makes of the rendezvous
     monitors = {n: PaceMonitor(n, session, metrics, tmp_path, tmp_path, period=0.0) for n in ("a", "b")}
     said = {}
     for window in range(1, 5):

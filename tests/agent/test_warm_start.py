@@ -108,9 +108,9 @@ def test_exit_codes_pass_through_and_a_failure_exits_at_once(pool: WarmPool, tmp
     script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
                       "raise RuntimeError('Connection closed by peer')\n")
     out, err = tmp_path / "boom.out", tmp_path / "boom.err"
-    proc = pool.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
-    assert proc is not None
-    assert proc.wait(timeout=60) == 1
+    boom = pool.take(boot_command(PY, str(script), [], module=False), dict(os.environ), str(out), str(err))
+    assert boom is not None
+    assert boom.wait(timeout=60) == 1
     assert "RuntimeError: Connection closed by peer" in err.read_text()
     assert out.read_text() == "atexit ran\n"  # a snapshot writer's atexit flush still happens
 

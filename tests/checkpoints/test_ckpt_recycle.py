@@ -65,7 +65,7 @@ def test_the_pruned_snapshot_becomes_the_spare_and_the_next_save_writes_over_its
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_the_background_writer_writes_over_the_spare_in_either_mode(tmp_path: Path, mode: str) -> None:
     store = SnapshotStore(tmp_path, keep=2)
-    with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(store, mode=mode) as writer:
         writer.wait_writer_process()
         for step in (1, 2, 3):
             writer.submit(step, state_for(step), world_size=1)

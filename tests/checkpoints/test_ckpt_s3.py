@@ -85,7 +85,7 @@ def test_stale_writer_is_refused_and_its_late_commit_never_read(s3: str) -> None
     # its manifest lands after the fence moved; readers refuse it.
     time.sleep(1.1)  # the server stamps objects to the second
     stale = open_store(s3, keep=5, key=KEY)
-    stale.fence.check = lambda token: None  # type: ignore[method-assign]  # it saw the old fence
+    stale.fence.check = lambda token: None  # it saw the old fence
     stale.save(3, _state(3), world_size=1, extra_meta={"fence": {"run": "run", "round": 1}})
     assert store.load_latest()[0].step == 1
     store.save(4, _state(4), world_size=1, extra_meta={"fence": {"run": "run", "round": 2}})
@@ -218,7 +218,7 @@ def test_two_tier_save_serialises_once_and_uploads_the_verified_local_files(
 
     def counting_save(obj: object, f: object, *a: object, **kw: object) -> None:
         calls.append(obj)
-        real_save(obj, f, *a, **kw)  # type: ignore[arg-type]
+        real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(torch, "save", counting_save)
     store.save(1, _state(1), world_size=1)

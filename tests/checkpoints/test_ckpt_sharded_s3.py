@@ -35,7 +35,7 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _part(store: S3SnapshotStore, step: int, seed: int) -> DeferredDcpWriter:
-    writer = DeferredDcpWriter(store.root, lambda: store.begin_parts(step))  # type: ignore[arg-type]
+    writer = DeferredDcpWriter(store.root, lambda: store.begin_parts(step))
     dcp.save({"model": _model_state(seed)}, storage_writer=writer, no_dist=True)
     assert writer.part is not None and writer.metadata is not None
     return writer
@@ -164,7 +164,7 @@ def test_a_resume_whose_shard_is_replaced_after_verification_falls_back_to_the_p
                 p.fill_(float(step))
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        writer = DeferredDcpWriter(store.root, lambda s=step: store.begin_parts(s))  # type: ignore[arg-type, misc]
+        writer = DeferredDcpWriter(store.root, lambda s=step: store.begin_parts(s))
         dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=True)
         assert writer.part is not None
         store.write_part(writer.part)

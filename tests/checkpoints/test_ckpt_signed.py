@@ -82,7 +82,7 @@ def test_signed_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     signature = _manifest(tmp_path, 100)["hmac"]
     assert len(signature) == 64 and int(signature, 16) >= 0
     assert store.check(100) == [] and store.verify(100, full=False) == []
-    info, state = store.load_latest()  # type: ignore[misc]
+    info, state = store.load_latest()
     assert info.step == 100
     assert_equal_state(state, _state(100))
     # A key file (what --rdzv-conf hmac_key_file= becomes for the workers) gives the same key.
@@ -120,7 +120,7 @@ def test_a_forged_snapshot_is_invalid_skipped_with_one_line_and_never_deleted(
     assert [i.step for i in store.list()] == [100]
 
     caplog.set_level(logging.WARNING, logger="checkpoints.store")
-    info, state = store.load_latest()  # type: ignore[misc]
+    info, state = store.load_latest()
     assert info.step == 100 and torch.equal(state["model"]["w"], torch.full((256,), 100.0))
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
@@ -178,7 +178,7 @@ def test_all_unsigned_starts_from_scratch_and_sign_adopts_them(
     out = capsys.readouterr().out
     assert "step 200: signed" in out and "step 100: already signed with this key" in out
     assert store.check(200) == []
-    info, state = store.load_latest()  # type: ignore[misc]
+    info, state = store.load_latest()
     assert info.step == 200
     assert_equal_state(state, _state(200))
 
@@ -219,7 +219,7 @@ def test_a_signed_manifest_moved_to_another_step_is_refused(tmp_path: Path, monk
     _write_manifest(_dir(tmp_path, 300), body)
     assert SnapshotStore(tmp_path, key=None).check(300) == []  # the checksums all agree
     assert store.verify(300, full=False) == [MISMATCH] and store.check(300) == [MISMATCH]
-    info, _ = store.load_latest()  # type: ignore[misc]
+    info, _ = store.load_latest()
     assert info.step == 100
 
 
@@ -232,7 +232,7 @@ def test_without_a_key_signed_and_unsigned_snapshots_both_load(tmp_path: Path, c
     for step in (100, 200):
         assert store.check(step) == []
         assert_equal_state(store.load(step), _state(step))
-    info, _ = store.load_latest()  # type: ignore[misc]
+    info, _ = store.load_latest()
     assert info.step == 200
     assert main(["verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -89,7 +89,7 @@ def test_prune_keeps_k_valid_ones_when_newer_ones_are_corrupt(tmp_path: Path) ->
     assert store.prune(keep=2) == [1, 2]
     # 5 is invalid but newer than the kept ones: left for a human to see; 3 and 4 still restore.
     assert [i.step for i in store.list()] == [3, 4, 5]
-    assert store.newest_valid().step == 4  # type: ignore[union-attr]
+    assert store.newest_valid().step == 4
 
 
 def test_prune_with_no_valid_snapshot_removes_nothing(tmp_path: Path) -> None:

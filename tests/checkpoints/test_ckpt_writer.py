@@ -33,7 +33,7 @@ def test_mutation_after_wait_capture_does_not_reach_the_snapshot(tmp_path: Path,
     params = _big_state()
     expected = {k: v.clone() for k, v in params.items()}
     small = torch.zeros(3)  # copied synchronously in submit: may be mutated right away
-    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:
         assert writer.submit(1, {"model": params, "bn": {"running_mean": small}}, world_size=1)
         small.add_(1)  # like BatchNorm in the next forward
         writer.wait_capture()
@@ -55,7 +55,7 @@ def test_optimizer_step_waits_for_the_capture(tmp_path: Path, mode: str) -> None
         model(torch.randn(2, 1024)).sum().backward()
         opt.step()
     expected = {"model": OrderedDict((k, v.clone()) for k, v in model.state_dict().items())}
-    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(SnapshotStore(tmp_path), mode=mode) as writer:
         writer.attach_optimizer(opt)
         writer.submit(2, {"model": model.state_dict(), "opt": opt.state_dict()}, world_size=1)
         opt.step()  # same grads again: every weight changes, but only after the copy
@@ -69,7 +69,7 @@ def test_optimizer_step_waits_for_the_capture(tmp_path: Path, mode: str) -> None
 def test_overlap_policy_is_applied_and_counted(tmp_path: Path, policy: str, mode: str) -> None:
     store = SnapshotStore(tmp_path, keep=10)
     state = _big_state(8)
-    with AsyncSnapshotWriter(store, overlap_policy=policy, mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(store, overlap_policy=policy, mode=mode) as writer:
         results = [writer.submit(s, state, world_size=1) for s in (1, 2, 3)]
         writer.flush()
         stats = writer.stats
@@ -109,7 +109,7 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
     the disk); the durable report (stats, on_durable, metrics) must not wait for it, and
     flush() must."""
     store = SnapshotStore(tmp_path, keep=1)
-    with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(store, mode=mode) as writer:
         writer.wait_writer_process()
         writer.submit(1, state_for(1), world_size=1)
         writer.flush()
@@ -128,7 +128,7 @@ def test_a_snapshot_is_reported_durable_before_the_old_one_is_pruned(tmp_path: P
 @MODES
 def test_background_disk_full_surfaces_at_flush(tiny_fs: Path, mode: str) -> None:
     store = SnapshotStore(tiny_fs)
-    with AsyncSnapshotWriter(store, mode=mode) as writer:  # type: ignore[arg-type]
+    with AsyncSnapshotWriter(store, mode=mode) as writer:
         writer.submit(1, {"x": torch.zeros(1000)}, world_size=1)
         writer.flush()
         writer.submit(2, {"x": torch.zeros(1 << 20)}, world_size=1)  # 4 MB > 2 MiB filesystem
@@ -181,7 +181,7 @@ def test_the_training_thread_never_takes_the_writers_lock(tmp_path: Path) -> Non
 
     class Recording:
         def __init__(self) -> None:
-            self.lock, self.takers = threading.Lock(), set()
+            self.lock, self.takers = threading.Lock(), set[int]()
 
         def __enter__(self) -> None:
             self.takers.add(threading.get_ident())
@@ -191,7 +191,7 @@ def test_the_training_thread_never_takes_the_writers_lock(tmp_path: Path) -> Non
             self.lock.release()
 
     writer = AsyncSnapshotWriter(SnapshotStore(tmp_path, keep=2), overlap_policy="wait", mode="thread")
-    writer._lock = recording = Recording()  # type: ignore[assignment]
+    writer._lock = recording = Recording()  # type: ignore[assignment]  # a lock that records its takers
     try:
         for step in range(1, 6):
             writer.submit(step, state_for(step), world_size=1)

@@ -45,14 +45,14 @@ def test_threading_event_would_block_its_setter_where_oneshot_does_not() -> None
     """The deadlock the writer had: a waiter interrupted inside ``Event.wait`` holds the
     event's condition lock, and ``set()`` from the writer thread waits for it."""
     event = threading.Event()
-    event._cond.acquire()  # type: ignore[attr-defined]  # where an interrupted Event.wait() stands
+    event._cond.acquire()  # where an interrupted Event.wait() stands
     try:
         setter = threading.Thread(target=event.set, daemon=True)
         setter.start()
         setter.join(0.2)
         assert setter.is_alive(), "threading.Event.set no longer takes its condition lock: revisit checkpoints/oneshot.py"
     finally:
-        event._cond.release()  # type: ignore[attr-defined]
+        event._cond.release()
     setter.join(5)
     flag = OneShot()
     setter = threading.Thread(target=flag.set)

@@ -234,9 +234,9 @@ def test_the_agent_has_the_defaults_the_deploy_files_rely_on() -> None:
 
 @pytest.mark.slow  # starts processes
 def test_every_elastic_agent_command_line_parses(invocations: list[tuple[str, list[str], dict[str, str]]]) -> None:
-    where = {w.split()[0] for w, _, _ in invocations}
+    places = {w.split()[0] for w, _, _ in invocations}
     assert {"compose", "k8s", "kubeflow/legacy/pytorchjob.yaml", "kubeflow/trainjob.yaml", "systemd",
-            "docs/deploy.md"} <= where
+            "docs/deploy.md"} <= places
     for where, args, env in invocations:
         ns = agent_parse(args, env, where)
         assert ns.rdzv_backend == "etcd-v3", f"{where}: rendezvous backend {ns.rdzv_backend}"
@@ -259,7 +259,7 @@ def test_every_elastic_agent_command_line_parses(invocations: list[tuple[str, li
 def test_every_elastic_env_var_in_deploy_files_is_one_the_agent_reads() -> None:
     known = set(flag_env_names()) | library_env_names()
     files = [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix not in {".pem", ".json"}] + [GUIDE]
-    unknown = {}
+    unknown: dict[str, list[str]] = {}
     for path in files:
         try:
             text = path.read_text()

@@ -512,8 +512,8 @@ def test_every_secret_the_manifests_mount_is_made_in_the_deploy_guide(rendered: 
             text = " ".join(container.get("args", []) + [str(e.get("value", "")) for e in container.get("env", [])])
             for mount in container["volumeMounts"]:
                 if mount["name"] in volumes:
-                    files = re.findall(re.escape(mount["mountPath"]) + r"/([\w.-]+)", text)
-                    used.setdefault(volumes[mount["name"]], set()).update(files)
+                    mounted = re.findall(re.escape(mount["mountPath"]) + r"/([\w.-]+)", text)
+                    used.setdefault(volumes[mount["name"]], set()).update(mounted)
     assert set(used) == {"etcd-server-tls", "etcd-peer-tls", "etcd-root-tls", "trainer-etcd-tls", "trainer-hmac-key"}
     for secret, files in used.items():
         made = re.search(rf"kubectl -n elastic create secret generic {secret}\b([^\n]*)", guide)

@@ -17,7 +17,7 @@ UNITS = ("etcd.service", "elastic-agent.service")
 
 def unit(name: str) -> configparser.ConfigParser:
     parser = configparser.ConfigParser(strict=False, interpolation=None)
-    parser.optionxform = str  # type: ignore[assignment, method-assign]
+    parser.optionxform = str  # type: ignore[assignment, method-assign]  # configparser's way to keep case
     parser.read_string((SYSTEMD / name).read_text().replace("\\\n", " "))
     return parser
 

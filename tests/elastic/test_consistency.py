@@ -145,11 +145,11 @@ def test_a_flip_request_is_taken_once_and_a_bad_one_is_one_line(
     before = fingerprint(model, opt, None)
     requests.poll(model, opt, 5, "[n rank 0]")  # nothing asked: nothing done
     assert fingerprint(model, opt, None).hashes == before.hashes
-    path = request_flip(tmp_path, 0, "1.weight.exp_avg")  # type: ignore[arg-type]
+    path = request_flip(tmp_path, 0, "1.weight.exp_avg")
     requests.poll(model, opt, 5, "[n rank 0]")
     assert not path.exists() and fingerprint(model, opt, None).differing(before) == ["1.weight.exp_avg"]
     assert "flipped bit 22 of element 0 of 1.weight.exp_avg after step 5" in caplog.text
-    request_flip(tmp_path, 0, "no.such")  # type: ignore[arg-type]
+    request_flip(tmp_path, 0, "no.such")
     requests.poll(model, opt, 6, "[n rank 0]")
     assert "fault injection request not carried out" in caplog.text
 
@@ -165,19 +165,19 @@ def test_a_flip_request_answers_with_the_tensor_it_changed_or_the_tensors_there_
     monkeypatch.setenv("LOCAL_RANK", "0")
     model, opt = _model_and_adam()
     requests = FlipRequests()
-    assert take_flip_result(tmp_path) is None  # type: ignore[arg-type]
-    request_flip(tmp_path, 0, "no.such", request_id=1.5)  # type: ignore[arg-type]
+    assert take_flip_result(tmp_path) is None
+    request_flip(tmp_path, 0, "no.such", request_id=1.5)
     before = fingerprint(model, opt, None)
     requests.poll(model, opt, 6, "[n rank 0]")
-    answer = take_flip_result(tmp_path)  # type: ignore[arg-type]
+    answer = take_flip_result(tmp_path)
     assert answer is not None and answer["id"] == 1.5 and answer["done"] is False
     assert answer["line"] == ("[n rank 0] did not carry it out: no parameter or optimizer state named 'no.such'; "
                               "parameters: 0.weight, 0.bias, 1.weight, 1.bias; optimizer state: "
                               "<parameter>.{exp_avg,exp_avg_sq,step}, e.g. 0.weight.exp_avg"), answer
-    assert fingerprint(model, opt, None).hashes == before.hashes and take_flip_result(tmp_path) is None  # type: ignore[arg-type]
-    request_flip(tmp_path, 0, "first", "nan", request_id=2.5)  # type: ignore[arg-type]
+    assert fingerprint(model, opt, None).hashes == before.hashes and take_flip_result(tmp_path) is None
+    request_flip(tmp_path, 0, "first", "nan", request_id=2.5)
     requests.poll(model, opt, 7, "[n rank 0]")
-    assert take_flip_result(tmp_path) == {  # type: ignore[arg-type]
+    assert take_flip_result(tmp_path) == {
         "id": 2.5, "done": True, "line": "[n rank 0] wrote a NaN into element 0 of 0.weight after step 7"}
     assert fingerprint(model, opt, None).differing(before) == ["0.weight"]
 
@@ -267,17 +267,17 @@ def test_a_check_request_is_taken_once_and_answered_once(
     monkeypatch.setenv("ELASTIC_HEARTBEAT_DIR", str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "0")
     asks = CheckRequests()
-    assert not asks.poll(True, 3) and take_result(tmp_path) is None  # type: ignore[arg-type]
-    request_check(tmp_path, 17.5)  # type: ignore[arg-type]
+    assert not asks.poll(True, 3) and take_result(tmp_path) is None
+    request_check(tmp_path, 17.5)
     assert asks.poll(True, 3) and asks.poll(True, 4)  # open until answered
     asks.answer(5, True, "the 2 replicas agree at step 5")
     assert not asks.poll(True, 6)
-    assert take_result(tmp_path) == {"id": 17.5, "step": 5, "agreed": True,  # type: ignore[arg-type]
+    assert take_result(tmp_path) == {"id": 17.5, "step": 5, "agreed": True,
                                      "line": "the 2 replicas agree at step 5"}
-    assert take_result(tmp_path) is None  # type: ignore[arg-type]
-    request_check(tmp_path, 18.0)  # type: ignore[arg-type]
+    assert take_result(tmp_path) is None
+    request_check(tmp_path, 18.0)
     assert not asks.poll(False, 7)  # the check is off: answered at once, nothing to agree on
-    assert take_result(tmp_path) == {"id": 18.0, "step": 7, "agreed": False, "line": OFF}  # type: ignore[arg-type]
+    assert take_result(tmp_path) == {"id": 18.0, "step": 7, "agreed": False, "line": OFF}
 
 
 def test_the_check_bit_sits_between_rounds_and_the_stop_bit() -> None:

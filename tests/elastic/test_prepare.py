@@ -32,10 +32,10 @@ def _parts(batch: int = 8, scheduler: bool = False) -> tuple[nn.Module, torch.op
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5) if scheduler else None
+    steps = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5) if scheduler else None
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g))
-    return model, optimizer, DataLoader(data, batch_size=batch, shuffle=True), scheduler
+    return model, optimizer, DataLoader(data, batch_size=batch, shuffle=True), steps
 
 
 def _plain_loop(tmp: Path, epochs: int, seen: list[tuple[int, int]] | None = None) -> tuple[nn.Module, Any]:
@@ -278,7 +278,7 @@ class _Bucket:
 
 
 def test_the_comm_hook_records_a_lost_peer_instead_of_raising_and_scales_the_bucket() -> None:
-    sync = GradSync(nn.Linear(1, 1), metrics=None, user_backward=True)  # type: ignore[arg-type]
+    sync = GradSync(nn.Linear(1, 1), metrics=None, user_backward=True)
 
     def broken(_state: Any, _bucket: Any) -> Any:
         fut: Any = torch.futures.Future()

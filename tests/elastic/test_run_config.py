@@ -45,8 +45,8 @@ def test_an_unknown_keyword_is_pythons_own_type_error() -> None:
     (SnapshotConfig(keep=0), "keep must be >= 1"),
     (SnapshotConfig(every_steps=-1), "every_steps must be >= 1"),
     (SnapshotConfig(every_seconds=-5.0), "every_seconds must be >= 0"),
-    (SnapshotConfig(writer="disk"), "unknown snapshot writer 'disk'"),  # type: ignore[arg-type]
-    (DataConfig(batch_policy="dynamic"), "unknown batch policy 'dynamic'"),  # type: ignore[arg-type]
+    (SnapshotConfig(writer="disk"), "unknown snapshot writer 'disk'"),
+    (DataConfig(batch_policy="dynamic"), "unknown batch policy 'dynamic'"),
     (DataConfig(batch_policy="fixed-per-rank"), "fixed-per-rank needs a per-rank batch size"),
     (DataConfig(num_workers=-1), "num_workers must be >= 0"),
 ])

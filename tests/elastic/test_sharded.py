@@ -128,7 +128,7 @@ def _train(model: nn.Module, snapshot_dir: Path, steps: int, **kwargs: Any) -> E
 
 
 def _local(model: nn.Module) -> list[torch.Tensor]:
-    return [p.to_local().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    return [p.to_local().detach().clone() for p in model.parameters()]
 
 
 def test_a_sharded_model_trains_as_it_is_and_resumes_from_its_snapshot(world_of_one: None, tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def test_a_signed_job_snapshots_on_past_a_fence_edited_during_the_run_and_at_sta
     _edit(root)  # during the run
     for step in (5, 6, 7):
         snapshots.commit(step, None, lambda: state(step), world_size=1, epoch=0, cursor=0, samples=0, force=True)
-        snapshots.writer.flush()  # type: ignore[union-attr]
+        snapshots.writer.flush()
     snapshots.close()
     assert [i.step for i in SnapshotStore(root, keep=5, create=False).list()] == [5, 6, 7]
 
@@ -95,7 +95,7 @@ def test_an_unsigned_job_says_once_which_file_stops_its_snapshots(
     for step in (5, 6, 7):
         snapshots.commit(step, None, lambda: state(step), world_size=1, epoch=0, cursor=0, samples=0, force=True)
         try:
-            snapshots.writer.flush()  # type: ignore[union-attr]
+            snapshots.writer.flush()
         except SnapshotFencedError:
             pass
     with pytest.raises(StaleGroupError, match=FENCE_NAME.replace(".", r"\.")):

@@ -56,7 +56,7 @@ def _train_one(rank: int, world: int, tmp: str, policy: str, metrics: bool) -> N
         model, optimizer, SyntheticClassification(DATASET, seed=1), global_batch_size=GLOBAL_BATCH,
         steps=2, snapshot_dir=f"{tmp}/snap-{tag}", snapshots=SnapshotConfig(every_steps=None), metrics=metrics,
         on_step_end=keep, handle_sigterm=False,
-        data=DataConfig(collate_fn=as_batch, batch_policy=policy,  # type: ignore[arg-type]
+        data=DataConfig(collate_fn=as_batch, batch_policy=policy,
                         per_rank_batch_size=PER_RANK if policy == "fixed-per-rank" else None),
     )
     for x, y in run:

@@ -161,7 +161,7 @@ def test_registered_state_survives_a_snapshot_on_disk(tmp_path: Path) -> None:
     state.user.register("counters", {"epoch": 2, "steps": [1, 2, 3], "loss_sum": torch.tensor(1.5)})
     store = SnapshotStore(tmp_path, keep=2)
     store.save(5, state.capture(), world_size=1)
-    _, loaded = store.load_latest()  # type: ignore[misc]
+    _, loaded = store.load_latest()
     fresh = _train_state()
     counters = fresh.user.register("counters", {"epoch": 0, "steps": [], "loss_sum": torch.tensor(0.0)})
     fresh.load(loaded)

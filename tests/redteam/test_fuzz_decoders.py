@@ -184,7 +184,7 @@ LEASE = 0x5EED  # the lease a genuine keep-out or reach report names and is held
 
 
 def _reachability(signer: StateSigner) -> Reachability:
-    return Reachability("me", None, signer, None, RUN)  # type: ignore[arg-type] # reading only
+    return Reachability("me", None, signer, None, RUN) # reading only
 
 
 def _keep_outs(signer: StateSigner, key: str, value: bytes) -> object:
@@ -215,11 +215,11 @@ DECODERS = [
         lambda s, k, v: s.open(k.encode(), v), SignatureError), lambda v: isinstance(v, bytes)),
     Decoder("round record", f"{RUN}/rdzv/round", RoundRecord(4, OPEN, previous=("a", "b")).closed_with(["a"]).to_json(),
             _refusing(lambda s, k, v: RoundRecord.from_json(s.open(k.encode(), v)), SignatureError, ValueError),
-            _typed_round, lambda r: r.state == CLOSED),  # type: ignore[attr-defined]
+            _typed_round, lambda r: r.state == CLOSED),
     Decoder("node record", nodes_prefix("/elastic", "fuzz") + "a",
             NodeRecord("a", "h", 42, round=3, rank=0, world=2, state="succeeded", extra={"x": 1}).to_json(),
             _refusing(lambda s, k, v: decode_node(s, k, v, quiet=True)), _typed_node,
-            lambda n: n.state in ("succeeded", "failed")),  # type: ignore[attr-defined]
+            lambda n: n.state in ("succeeded", "failed")),
     Decoder("command", command_key("/elastic", "fuzz", "a"), Command(KILL, 0.0, 1.7e9).to_json(),
             _refusing(decode_command), _typed_command),
     Decoder("goodput account", account_key("/elastic", "fuzz"), GENUINE_ACCOUNT.to_json(),
@@ -356,9 +356,9 @@ def test_the_agent_never_acts_on_a_command_that_does_not_verify(raw: bytes, payl
     handler = types.SimpleNamespace(options=types.SimpleNamespace(key_prefix="/elastic"), run_id="fuzz",
                                     signer=SIGNED, mirror=types.SimpleNamespace(entries=lambda: (mirror, 0)),
                                     client=types.SimpleNamespace(call=lambda request, deadline=None: None))
-    watch = CommandWatch(EtcdSession(handler), "a")  # type: ignore[arg-type]
+    watch = CommandWatch(EtcdSession(handler), "a")
     watch._started = 0.0  # any issued_at counts as new
-    real, agent_commands.carry_out = agent_commands.carry_out, acted.append  # type: ignore[assignment]
+    real, agent_commands.carry_out = agent_commands.carry_out, acted.append  # type: ignore[assignment]  # records the calls instead
     try:
         genuine = SIGNED.seal(key.encode(), Command(FREEZE, 1.0, 5.0).to_json())
         for value in (raw, genuine[:-1], genuine[:len(genuine) // 2]):
@@ -369,7 +369,7 @@ def test_the_agent_never_acts_on_a_command_that_does_not_verify(raw: bytes, payl
         watch.poll()
         assert all(_typed_command(c) for c in acted), acted
     finally:
-        agent_commands.carry_out = real  # type: ignore[assignment]
+        agent_commands.carry_out = real
 
 
 # --------------------------------------------------------------------------- through real etcd and sockets

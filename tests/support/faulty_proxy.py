@@ -137,7 +137,8 @@ class FaultyProxy:
         fault = self._take(h.command, h.path)
         if fault is not None and fault.stall_s:
             time.sleep(fault.stall_s)
-        status, headers, data, faulted = 0, [], b"", False
+        headers: list[tuple[str, str]] = []
+        status, data, faulted = 0, b"", False
         if fault is None or fault.status == 0 or fault.after_forward:
             status, headers, data = self._forward(h, body)
         if fault is not None and fault.status:
@@ -178,7 +179,7 @@ class _Server(ThreadingHTTPServer):
         import sys
 
         if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that gave up on a stall: expected
-            super().handle_error(request, client_address)  # type: ignore[arg-type]
+            super().handle_error(request, client_address)
 
 
 def _read_body(h: BaseHTTPRequestHandler) -> bytes:

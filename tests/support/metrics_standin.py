@@ -38,7 +38,7 @@ class WholeStepsRegistry(CollectorRegistry):
         super().__init__()
         self.lock = threading.Lock()
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         with self.lock:
             families = list(super().collect())
         yield from families
@@ -154,8 +154,8 @@ class StandinNode:
     def close(self) -> None:
         self._stop.set()
         if self._server is not None:
-            self._server.shutdown()  # type: ignore[attr-defined]
-            self._server.server_close()  # type: ignore[attr-defined]
+            self._server.shutdown()
+            self._server.server_close()
 
 
 def dcgm_registry(gpus: int = 2, host: str = "standin") -> CollectorRegistry:

@@ -131,7 +131,7 @@ class SeaweedS3:
             region_name="us-east-1", config=config)
 
     def bucket(self, name: str) -> str:
-        self.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
+        self.client().create_bucket(Bucket=name)
         return name
 
     def stop(self) -> None:

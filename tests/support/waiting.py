@@ -20,7 +20,7 @@ def wait_until(
     while True:
         value = probe()
         if value:
-            return value  # type: ignore[return-value]
+            return value  # type: ignore[return-value]  # truthy: not None, not False
         if time.monotonic() >= deadline:
             detail = f"\n{on_timeout()}" if on_timeout else ""
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")

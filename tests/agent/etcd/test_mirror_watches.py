@@ -101,7 +101,7 @@ def test_a_late_confirmation_of_a_timed_out_watch_is_not_taken_for_the_next_watc
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
     client = EtcdClient(etcd_server.settings(), retry_deadline=5.0)
     try:
-        class OnceImpatient(etcd3.watch.Watcher):  # type: ignore[misc]
+        class OnceImpatient(etcd3.watch.Watcher):
             """Waits 0 s for its first confirmation (a round trip: it always times out), then 5 s."""
             waits = [0.0]
 

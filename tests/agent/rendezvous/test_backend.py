@@ -27,42 +27,42 @@ def test_name_is_etcd_v3(backend: EtcdV3RendezvousBackend) -> None:
 
 
 def test_set_when_absent_with_none_token(backend: EtcdV3RendezvousBackend) -> None:
-    state, token, ok = backend.set_state(b"first")  # type: ignore[misc]
+    state, token, ok = backend.set_state(b"first")
     assert (state, ok) == (b"first", True)
     assert backend.get_state() == (b"first", token)
 
 
 def test_token_is_the_keys_mod_revision(backend: EtcdV3RendezvousBackend, etcd_client: EtcdClient) -> None:
-    _, token, _ = backend.set_state(b"first")  # type: ignore[misc]
+    _, token, _ = backend.set_state(b"first")
     _, meta = etcd_client.call(lambda c: c.get(backend.key))
     assert token == meta.mod_revision
 
 
 def test_set_with_current_token_replaces(backend: EtcdV3RendezvousBackend) -> None:
-    _, token, _ = backend.set_state(b"first")  # type: ignore[misc]
-    state, new_token, ok = backend.set_state(b"second", token)  # type: ignore[misc]
+    _, token, _ = backend.set_state(b"first")
+    state, new_token, ok = backend.set_state(b"second", token)
     assert (state, ok) == (b"second", True)
     assert new_token != token
     assert backend.get_state() == (b"second", new_token)
 
 
 def test_none_token_does_not_overwrite_existing_state(backend: EtcdV3RendezvousBackend) -> None:
-    _, token, _ = backend.set_state(b"first")  # type: ignore[misc]
+    _, token, _ = backend.set_state(b"first")
     assert backend.set_state(b"intruder") == (b"first", token, False)
     assert backend.get_state() == (b"first", token)
 
 
 def test_stale_token_returns_current_state_unchanged(backend: EtcdV3RendezvousBackend) -> None:
-    _, old, _ = backend.set_state(b"first")  # type: ignore[misc]
-    _, current, _ = backend.set_state(b"second", old)  # type: ignore[misc]
+    _, old, _ = backend.set_state(b"first")
+    _, current, _ = backend.set_state(b"second", old)
     assert backend.set_state(b"late", old) == (b"second", current, False)
     assert backend.get_state() == (b"second", current)
 
 
 @pytest.mark.parametrize("token", ["not-a-number", -3, 0, object(), True])
 def test_invalid_token_returns_current_state_unchanged(backend: EtcdV3RendezvousBackend, token: object) -> None:
-    _, current, _ = backend.set_state(b"first")  # type: ignore[misc]
-    assert backend.set_state(b"bad", token) == (b"first", current, False)  # type: ignore[arg-type]
+    _, current, _ = backend.set_state(b"first")
+    assert backend.set_state(b"bad", token) == (b"first", current, False)
     assert backend.get_state() == (b"first", current)
 
 
@@ -72,7 +72,7 @@ def test_invalid_token_on_empty_backend_returns_none(backend: EtcdV3RendezvousBa
 
 
 def test_concurrent_writers_exactly_one_wins(backend: EtcdV3RendezvousBackend, etcd_client: EtcdClient, run_id: str) -> None:
-    _, token, _ = backend.set_state(b"base")  # type: ignore[misc]
+    _, token, _ = backend.set_state(b"base")
     rival = EtcdV3RendezvousBackend(etcd_client, run_id, StateSigner(KEY), key_prefix="/test")
     first = backend.set_state(b"mine", token)
     second = rival.set_state(b"theirs", token)
@@ -88,7 +88,7 @@ def test_corrupt_value_raises_state_error(backend: EtcdV3RendezvousBackend, etcd
 
 
 class _Exploit:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (pytest.fail, ("a forged rendezvous state reached pickle.loads",))
 
 

@@ -52,7 +52,7 @@ def test_a_lease_that_is_not_an_id_is_refused(bad: object) -> None:
 
 
 def _reach(node: str = "me") -> Reachability:
-    return Reachability(node, None, StateSigner(KEY), None, RUN)  # type: ignore[arg-type] # reading only
+    return Reachability(node, None, StateSigner(KEY), None, RUN) # reading only
 
 
 def _entry(reach: Reachability, key: str, record: KeepOut | ReachReport, lease: int, revision: int = 7) -> Entry:

@@ -162,7 +162,7 @@ def test_a_spare_outlives_the_join_timeout_and_replaces_a_world_whose_every_memb
         waiter.join(timeout=30)
         info = results["info"]
         assert not isinstance(info, BaseException), info
-        assert (info.rank, info.world_size) == (0, 1)  # type: ignore[attr-defined]
+        assert (info.rank, info.world_size) == (0, 1)
         assert spare.round is not None and spare.round.participants == ("spare",) and spare.round.cause == FAILURE
         assert seen == [True, False] and spare.spare_since is None
         assert spare.node_records()["spare"].state == "running"

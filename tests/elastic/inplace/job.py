@@ -40,7 +40,7 @@ def fingerprint(model: nn.Module) -> str:
 
 
 class DyingAdam(torch.optim.Adam):
-    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+    def step(self, closure=None):
         die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
         marker = os.environ.get("DIE_MARKER", "")
         if (run.step_count + 1 == die_at and os.environ.get("DIE_ON_NODE") == os.environ.get("ELASTIC_NODE_NAME")

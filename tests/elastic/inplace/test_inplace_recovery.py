@@ -39,7 +39,7 @@ DATASET = 512
 
 
 def three(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path, **kw: object) -> list[Node]:
-    group = [start_job(nodes, name, etcd, run_id, tmp, **kw) for name in ("a", "b", "c")]  # type: ignore[arg-type]
+    group = [start_job(nodes, name, etcd, run_id, tmp, **kw) for name in ("a", "b", "c")]
     train_together(group, tmp, 3)
     return group
 
@@ -259,7 +259,7 @@ def test_the_last_replica_lost_before_the_joiner_is_healed_falls_back_to_the_new
     train_together([c], tmp_path, 1, steps=5, after=killed_at)
     resumed = at_world(c, tmp_path, 1, killed_at)[0]["step"]
     assert metric(c, "elastic_restores_total", source="disk") == 1
-    snapshot = int(re.search(r"resumed from snapshot step (\d+)", c.log_path.read_text()).group(1))  # type: ignore[union-attr]
+    snapshot = int(re.search(r"resumed from snapshot step (\d+)", c.log_path.read_text()).group(1))
     assert resumed == snapshot + 1 and durable_on_a <= snapshot <= last_on_a, (durable_on_a, snapshot, last_on_a)
     report = check_ledger(tmp_path / "ledger.jsonl", DATASET)
     assert report.ok, report.violations

@@ -22,7 +22,7 @@ def store() -> RoundStore:
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     out = RoundStore(timedelta(seconds=30))
     out.point_at(f"127.0.0.1:{host.port}", "round/1/")  # port 0: the store binds one and says which
-    out._host = host  # type: ignore[attr-defined]  # lives as long as the store under test
+    out._host = host  # lives as long as the store under test
     return out
 
 
@@ -97,7 +97,7 @@ class _FrozenSince(dist.Store):
 def _frozen_since(timeout: float) -> tuple[RoundStore, _FrozenSince]:
     client = _FrozenSince()
     store = RoundStore(timedelta(seconds=timeout))
-    store._target, store._caller = client, _Caller()  # type: ignore[attr-defined]  # as point_at leaves them
+    store._target, store._caller = client, _Caller()  # as point_at leaves them
     return store, client
 
 

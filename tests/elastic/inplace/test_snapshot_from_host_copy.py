@@ -56,7 +56,7 @@ def _trained() -> TrainState:
 
 
 def _write(root: Path, info: DistInfo, mode: str, state: TrainState, host: Any) -> tuple[dict[str, Any], int]:
-    snapshots = Snapshots(root, SnapshotConfig(every_steps=None, keep=5, writer=mode), metrics=NoMetrics(),  # type: ignore[arg-type]
+    snapshots = Snapshots(root, SnapshotConfig(every_steps=None, keep=5, writer=mode), metrics=NoMetrics(),
                           round_of=lambda: -1)
     snapshots.attach(info, check_dir=False)
     writer = snapshots.writer

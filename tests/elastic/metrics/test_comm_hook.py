@@ -38,7 +38,7 @@ def _grads_after(ddp: DistributedDataParallel, rank: int) -> list[list[torch.Ten
         x = torch.randn(5, 32, generator=gen)
         opt.zero_grad()
         ddp(x).pow(2).mean().backward()
-        out.append([p.grad.clone() for p in ddp.parameters()])  # type: ignore[union-attr]
+        out.append([p.grad.clone() for p in ddp.parameters()])
         opt.step()
     return out
 

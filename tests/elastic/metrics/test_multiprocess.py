@@ -36,13 +36,13 @@ class Workers:
              str(restart)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.procs.append(proc)
-        line = proc.stdout.readline()  # type: ignore[union-attr]  # EOF (not a hang) if it crashed
+        line = proc.stdout.readline()  # EOF (not a hang) if it crashed
         assert line.strip() == "ready", f"worker rank {rank} did not start (exit {proc.poll()})"
         return proc
 
     @staticmethod
     def end(proc: subprocess.Popen[str]) -> None:
-        proc.stdin.close()  # type: ignore[union-attr]
+        proc.stdin.close()
         assert proc.wait(timeout=10) == 0
 
     def cleanup(self) -> None:

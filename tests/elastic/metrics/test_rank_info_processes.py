@@ -40,12 +40,12 @@ class Proc:
         return self.p.pid
 
     def expect_ok(self) -> None:
-        line = self.p.stdout.readline()  # type: ignore[union-attr]  # EOF (not a hang) if it crashed
+        line = self.p.stdout.readline()  # EOF (not a hang) if it crashed
         assert line.strip() == "ok", f"pid {self.p.pid} did not answer (exit {self.p.poll()})"
 
     def do(self, command: str) -> None:
-        self.p.stdin.write(command + "\n")  # type: ignore[union-attr]
-        self.p.stdin.flush()  # type: ignore[union-attr]
+        self.p.stdin.write(command + "\n")
+        self.p.stdin.flush()
         self.expect_ok()
 
     def end(self) -> str:

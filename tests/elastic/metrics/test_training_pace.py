@@ -24,7 +24,7 @@ def metrics(monkeypatch: pytest.MonkeyPatch) -> tuple[TrainingMetrics, object]:
 
 
 def compute(fam: object) -> float | None:
-    return fam.registry.get_sample_value("elastic_step_compute_seconds", {"rank": "0"})  # type: ignore[attr-defined]
+    return fam.registry.get_sample_value("elastic_step_compute_seconds", {"rank": "0"})
 
 
 def test_rank_0s_ledger_line_is_not_its_pace(metrics: tuple[TrainingMetrics, object]) -> None:
