@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 import torch
 
 from .distributed import DistInfo
+from .inplace.agreement import Holding  # what one rank holds as a world forms (torch-free, so kept there)
 
 if TYPE_CHECKING:
     from .inplace.heal_link import Wire
@@ -59,15 +60,6 @@ class Joined:
     round: int = -1  # the agent's round (-1: torchrun's world)
     participants: tuple[str, ...] = ()  # the round's nodes, in rank order (empty: torchrun's world)
     rendezvous: bool = False  # the world re-forms in place: its wait was a round, its formation a re-formation
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What one rank holds as a world forms, for the world's agreement."""
-
-    rank: int
-    has_state: bool
-    step: int  # completed (optimizer) steps; meaningless without state
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ class Elastic:
         if self._has_held:
             return True
         run = self.run
-        if run._pending is not None:
+        if run.step_in_hand:
             _usage("optimizer.step() was not called for the last batch: call it once for every batch the prepared "
                    "loader yields (for gradient accumulation give Elastic(gradient_accumulation_steps=K))")
         assert self._batches is not None
@@ -335,17 +335,17 @@ class Elastic:
     @property
     def accumulating(self) -> bool:
         """A step's gradients are being summed: a micro-batch after its step's first is in hand."""
-        return self.accumulate > 1 and self._micro_index > 0 and self.run._pending is not None
+        return self.accumulate > 1 and self._micro_index > 0 and self.run.step_in_hand
 
     def _optimizer_step(self) -> StepResult:
-        if self.accumulate > 1 and self.run._pending is not None:
+        if self.accumulate > 1 and self.run.step_in_hand:
             if self._micro_stepped:
                 _usage("optimizer.step() called twice for one micro-batch: call it once after every backward")
             self._micro_stepped = True
             if self._micro_left > 0:  # the step's gradients are still being summed: nothing to apply yet
                 self.last_step = StepResult(False, self.run.step_count + 1, self.run.epoch)
                 return self.last_step
-        if self.run._pending is None:
+        if not self.run.step_in_hand:
             _usage("optimizer.step() called twice for one batch, or outside the prepared loader's loop: call it once "
                    "for every batch the loader yields")
         result = self.run.step_after_backward()

@@ -460,6 +460,13 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         return fn
 
     @property
+    def step_in_hand(self) -> bool:
+        """A batch was yielded and its step is not taken yet (:meth:`step` or
+        :meth:`step_after_backward`). Public for :mod:`elastic.prepare`, whose ``optimizer.step()``
+        tells a missed or a doubled call apart by it."""
+        return self._pending is not None
+
+    @property
     def done(self) -> bool:
         return (self.steps_target is not None and self.state.step >= self.steps_target) or (
             self.epochs_target is not None and self.plan.sampler.epoch >= self.epochs_target
@@ -866,9 +873,10 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             self._stop_diverged()
         return went_back
 
-    def _returned_to(self, step: int) -> None:
+    def returned_to(self, step: int) -> None:
         """Every replica loaded the last agreed state, of ``step``: the steps since are trained
-        again (their ledger lines written again), from a loader built anew."""
+        again (their ledger lines written again), from a loader built anew. Public because the
+        replica check (:mod:`elastic.consistency.check`) loads that state and then tells the run."""
         self._committed = step
         self._generation += 1
         self.world.stepped(step)  # in place: a re-formation agrees on this step, not the abandoned ones

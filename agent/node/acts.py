@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from elastic.inplace.channel import AgentChannel
+from agent.node.channel import AgentChannel
 
 from agent.node.events import GaveUp, KeptOut, Restarted as RestartedEvent
 from agent.node.fork_server import ForkServer

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from elastic import contract
-from elastic.inplace.channel import AgentChannel, WorkerStatus
+from agent.node.channel import AgentChannel
+from elastic.inplace.channel import WorkerStatus
 from elastic.inplace.stall import STUCK
 from agent.rendezvous.keepout import ReachReport, choose_kept_out
 from agent.rendezvous.signing import StateSigner

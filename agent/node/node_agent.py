@@ -52,7 +52,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.utils import macros
 
 from elastic import contract
-from elastic.inplace.channel import AgentChannel
+from agent.node.channel import AgentChannel
 from agent.rendezvous.keepout import KeepOut
 from elastic.worker_env import NodeEnv, Place, RankEnv
 

@@ -44,7 +44,7 @@ class NoCommands:
 
 
 class NoChannel:
-    """elastic.inplace.channel.AgentChannel's place: no worker runs in place. Its wake fd is
+    """agent.node.channel.AgentChannel's place: no worker runs in place. Its wake fd is
     a pipe nobody writes, so the agent's wait selects on it as on the real one."""
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic import contract
-from elastic.inplace.channel import AgentChannel
+from agent.node.channel import AgentChannel
 
 from agent.node.node_run import NodeRun
 from agent.node.nulls import NoChannel

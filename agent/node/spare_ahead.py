@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 from elastic import contract
-from elastic.inplace.channel import AgentChannel
+from agent.node.channel import AgentChannel
 
 from agent.node.metrics import AgentMetrics
 from agent.node.node_run import Group, NodeRun

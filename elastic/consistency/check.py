@@ -64,7 +64,7 @@ class CheckedRun(Protocol):
     @property
     def dist(self) -> DistInfo: ...
 
-    def _returned_to(self, step: int) -> None: ...
+    def returned_to(self, step: int) -> None: ...
 
 
 @dataclass
@@ -333,7 +333,7 @@ class ReplicaCheck:
         local = bool(self.shard_ranks)
         run.state.load(map_state(agreed.state, lambda t, _w: t.clone()), local=local)  # the copy stays untouched
         run.plan.load_recent(agreed.recent)
-        run._returned_to(agreed.step)
+        run.returned_to(agreed.step)
         intact = _fingerprint(run, self.ignored).digests() == agreed.digests
         flags = all_gather_vector([int(intact)], run.dist)
         if all(ok for (ok,) in flags):

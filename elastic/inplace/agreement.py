@@ -27,7 +27,11 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
-class Report:
+class Holding:
+    """What one rank holds as a world forms: the one record every world's agreement reads
+    (``elastic.formation`` re-exports it for :meth:`TrainingWorld.plan`; it lives here because
+    this module stays free of torch)."""
+
     rank: int
     has_state: bool
     step: int  # completed (optimizer) steps; meaningless without state
@@ -47,7 +51,7 @@ class HealPlan:
         return sorted(set(self.sources.values()))
 
 
-def plan(reports: Sequence[Report]) -> HealPlan:
+def plan(reports: Sequence[Holding]) -> HealPlan:
     holders = [r for r in reports if r.has_state]
     if not holders:
         return HealPlan(step=-1, from_disk=True)
@@ -57,7 +61,7 @@ def plan(reports: Sequence[Report]) -> HealPlan:
     return HealPlan(step=agreed, sources={rank: sources[i % len(sources)] for i, rank in enumerate(needy)})
 
 
-def pair_shards(plan: HealPlan, reports: Sequence[Report], local: int) -> HealPlan:
+def pair_shards(plan: HealPlan, reports: Sequence[Holding], local: int) -> HealPlan:
     """``plan`` for HSDP (``local`` ranks per node, one shard each): each healed rank's source
     a holder of the same local rank on another node, spread over them. From disk when some
     local rank has no holder left."""
@@ -83,9 +87,9 @@ def fresh_plan(world_size: int) -> HealPlan:
     return HealPlan(step=0, sources={rank: 0 for rank in range(1, world_size)})
 
 
-def encode(report: Report) -> list[int]:
-    return [report.rank, int(report.has_state), report.step]
+def encode(holding: Holding) -> list[int]:
+    return [holding.rank, int(holding.has_state), holding.step]
 
 
-def decode(rows: Sequence[Sequence[int]]) -> list[Report]:
-    return [Report(rank=int(r[0]), has_state=bool(r[1]), step=int(r[2])) for r in rows]
+def decode(rows: Sequence[Sequence[int]]) -> list[Holding]:
+    return [Holding(rank=int(r[0]), has_state=bool(r[1]), step=int(r[2])) for r in rows]

@@ -32,7 +32,9 @@ LIVE, OWN, HELD = "live", "own", "held"
 
 @dataclass(frozen=True)
 class Holding:
-    """What one rank of the new world holds as it forms."""
+    """What one rank of the new world holds as it forms, under FSDP across every node. Not
+    :class:`elastic.inplace.agreement.Holding`: no rank holds a replica there, so the plan needs
+    the rank it trained at before and the copies it keeps (its own and others'), not one step."""
 
     rank: int  # in the new world
     position: int | None = None  # the rank it trained at in the world before (None: a newcomer)

@@ -38,7 +38,7 @@ from ..distributed import DistInfo, ElasticRunError
 from ..grad_sync import is_collective_failure
 from ..metrics.comm_hook import CollectiveTimer, timed_all_reduce
 from . import fsdp_private
-from .agreement import HealPlan, Report, pair_shards
+from .agreement import HealPlan, Holding, pair_shards
 from .fence import SocketFence
 
 log = logging.getLogger("elastic.trainer")
@@ -171,7 +171,7 @@ class HsdpInPlace:
 
     # ------------------------------------------------------------------ healing
 
-    def pair(self, plan: HealPlan, reports: Sequence[Report]) -> HealPlan:
+    def pair(self, plan: HealPlan, reports: Sequence[Holding]) -> HealPlan:
         """``plan`` with each healed rank's source a holder of the same local rank (the same
         shards) on another node (:func:`.agreement.pair_shards`)."""
         return pair_shards(plan, reports, self.shard_size)

@@ -136,7 +136,7 @@ class InPlaceWorld(TrainingWorld):
         hsdp = self.hsdp
         if hsdp is not None:  # HSDP: the script's mesh over this world, before any of its collectives
             hsdp.rebuild(info, mine.has_state)
-        rows = self._all_gather_rows(agreement.encode(agreement.Report(mine.rank, mine.has_state, mine.step)), info)
+        rows = self._all_gather_rows(agreement.encode(mine), info)
         reports = agreement.decode(rows)
         agreed = self._paired(agreement.plan(reports), reports)
         local = hsdp is not None
@@ -161,7 +161,7 @@ class InPlaceWorld(TrainingWorld):
         self.fsdp.rebuild(info)  # the shards cut for this world; the disk (or a fresh start) fills them
         return StatePlan(Source.DISK, check_same_step=decided is not None, fresh_sources={}, no_fresh_start=why)
 
-    def _paired(self, plan: agreement.HealPlan, reports: list[agreement.Report]) -> agreement.HealPlan:
+    def _paired(self, plan: agreement.HealPlan, reports: list[Holding]) -> agreement.HealPlan:
         """HSDP: each healed rank's source holds the same shards (:meth:`.hsdp.HsdpInPlace.pair`)."""
         return plan if self.hsdp is None else self.hsdp.pair(plan, reports)
 

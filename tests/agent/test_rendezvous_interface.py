@@ -28,7 +28,7 @@ from agent.node.rendezvous_api import Round, TorchRendezvous
 from agent.node.states import NodeState, RoundCause
 from agent.rendezvous import create_handler
 from agent.rendezvous.agent_side import agent_rendezvous
-from elastic.inplace.channel import AgentChannel
+from agent.node.channel import AgentChannel
 from tests.support.waiting import wait_until
 
 AGENT = Path(__file__).resolve().parents[2] / "agent" / "node"

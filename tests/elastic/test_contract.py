@@ -243,8 +243,9 @@ def test_worker_states_are_str_enums_whose_values_are_the_wire_format() -> None:
 
 
 @pytest.mark.parametrize("module", ["agent.node.node_agent", "agent.node.policy", "agent.node.watchdog", "agent.worker.worker_boot",
-                                    "agent.node.workers", "elastic.trainer", "elastic.heartbeat", "elastic.inplace.channel",
-                                    "elastic.inplace.membership", "elastic.goodput.files", "elastic.worker_env"])
+                                    "agent.node.workers", "agent.node.channel", "elastic.trainer", "elastic.heartbeat",
+                                    "elastic.inplace.channel", "elastic.inplace.membership", "elastic.goodput.files",
+                                    "elastic.worker_env"])
 def test_both_sides_import_the_one_contract_module(module: str) -> None:
     """Identity of the module, not only of its (interned) strings: one source of truth."""
     assert vars(importlib.import_module(module))["contract"] is contract

@@ -3,11 +3,11 @@ world goes on from, and who heals whom (under HSDP: the same local rank of anoth
 
 from __future__ import annotations
 
-from elastic.inplace.agreement import HealPlan, Report, decode, encode, pair_shards, plan
+from elastic.inplace.agreement import HealPlan, Holding, decode, encode, pair_shards, plan
 
 
-def reports(*rows: tuple[bool, int]) -> list[Report]:
-    return [Report(rank, *row) for rank, row in enumerate(rows)]
+def reports(*rows: tuple[bool, int]) -> list[Holding]:
+    return [Holding(rank, *row) for rank, row in enumerate(rows)]
 
 
 def test_the_newest_step_any_holder_completed_is_the_step_and_the_others_are_healed_from_its_holders() -> None:
@@ -17,7 +17,7 @@ def test_the_newest_step_any_holder_completed_is_the_step_and_the_others_are_hea
 
 
 def test_a_report_travels_as_ints_and_back() -> None:
-    mine = Report(3, True, 12)
+    mine = Holding(3, True, 12)
     assert decode([encode(mine)]) == [mine]
 
 
