@@ -25,7 +25,6 @@ from the agent's memory instead of the snapshot (the last test)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import textwrap
@@ -44,6 +43,7 @@ from checkpoints.reading import DCP_DIR_KEY
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from tests.elastic.inplace.support import read_rows
 
 FORM_TIMEOUT = 150
 DATASET = 720  # 60 steps an epoch at 12 a step
@@ -108,7 +108,8 @@ FSDP = textwrap.dedent('''\
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    # (read while the ranks append: a line being written, or cut by a SIGKILL, is skipped)
+    return read_rows(path)
 
 
 def _finals(folder: Path) -> dict[str, dict[str, torch.Tensor]]:

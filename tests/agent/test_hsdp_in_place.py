@@ -18,7 +18,6 @@ SIGTERM case snapshots to a real S3 server (SeaweedFS): every rank uploads its o
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import textwrap
@@ -36,6 +35,7 @@ from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.s3server import SeaweedS3
 from tests.support.waiting import wait_until
+from tests.elastic.inplace.support import read_rows
 
 FORM_TIMEOUT = 150
 DATASET = 768
@@ -104,7 +104,8 @@ HSDP = textwrap.dedent('''\
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    # (read while the ranks append: a line being written, or cut by a SIGKILL, is skipped)
+    return read_rows(path)
 
 
 def _node(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path, name: str, nnodes: str = "1:2",

@@ -13,7 +13,6 @@ of the snapshot, which loads unsharded with ``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from agent.local.local_node import AUTO_METRICS_PORT
 from elastic.ledger import check_ledger
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
+from tests.elastic.inplace.support import read_rows
 
 FORM_TIMEOUT = 150
 DATASET = 512
@@ -76,8 +76,9 @@ HSDP = textwrap.dedent('''\
 ''')
 
 
-def _rows(path: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def _rows(path: Path) -> list[dict]:
+    # (read while the ranks append: a line being written, or cut by a SIGKILL, is skipped)
+    return read_rows(path)
 
 
 def test_an_fsdp_script_resumes_from_its_snapshot_at_fewer_shards_when_a_node_is_lost_and_more_when_back(
