@@ -281,11 +281,16 @@ class FreezeWatch:
         # 0.3 s once (the suite saw a live keeper and a live FSDP node written off that way).
         # Ask again at once, the late answer counting (RECHECK_TIMEOUT_S); a peer silent on that
         # one too is written off by _judge_again: 2 in a row, as a re-judged stall needs.
-        if self._recheck is None or self._recheck.stall != self._stall(status, round_number):
-            self._recheck = Recheck(self._stall(status, round_number), missed={n: 1 for n in frozen})
-            self._recheck.questions = Questions(self._peers(participants), self.session.signer, self.recheck_timeout)
-            self._recheck.asked_at = self._recheck.questions.asked_at
+        stall = self._stall(status, round_number)
+        if self._recheck is None or self._recheck.stall != stall:
+            self._recheck = Recheck(stall, missed={n: 1 for n in frozen})
+            self._ask_again(self._recheck, participants)
         return None
+
+    def _ask_again(self, again: Recheck, participants: Sequence[str]) -> None:
+        """Put the stall's next question to the round's other members (late answers count)."""
+        again.questions = Questions(self._peers(participants), self.session.signer, self.recheck_timeout)
+        again.asked_at = again.questions.asked_at
 
     @staticmethod
     def _stall(status: WorkerStatus, round_number: int) -> tuple[int, int, int]:
@@ -322,8 +327,7 @@ class FreezeWatch:
                                    f"did not answer {self.recheck_misses} questions in a row "
                                    f"({self.recheck_timeout:g} s each)", again.asked_at)
         if now - again.asked_at >= RECHECK_EVERY_S:
-            again.questions = Questions(self._peers(participants), self.session.signer, self.recheck_timeout)
-            again.asked_at = again.questions.asked_at
+            self._ask_again(again, participants)
         return None
 
     def _peers(self, participants: Sequence[str]) -> dict[str, str | None]:
