@@ -15,14 +15,15 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from agent.rendezvous.keepout import KeepOut, backoff, next_strikes
+from agent.rendezvous.keepout import BACKOFF_BASE_S, KeepOut, backoff, next_strikes
 
 _RECHECK_S = 0.5  # how often a node kept out looks whether the job ended
 
 
 class KeepOuts:
-    def __init__(self, node: str, closed: Callable[[], bool]) -> None:
+    def __init__(self, node: str, closed: Callable[[], bool], base_s: float = BACKOFF_BASE_S) -> None:
         self.node, self.closed = node, closed
+        self.base_s = base_s  # --keep-out-s: the first strike's back-off, doubled at each strike after
         self.strikes = 0
         self.back_in_at: float | None = None  # when this node last came back from a keep-out
 
@@ -30,7 +31,7 @@ class KeepOuts:
         """The next keep-out of this node, its strike counted."""
         back_for = None if self.back_in_at is None else time.monotonic() - self.back_in_at
         self.strikes = next_strikes(self.strikes, back_for)
-        return KeepOut(self.node, self.strikes, backoff(self.strikes), cause=cause, round=round_number)
+        return KeepOut(self.node, self.strikes, backoff(self.strikes, self.base_s), cause=cause, round=round_number)
 
     def stay_out(self, out: KeepOut) -> bool:
         """Wait out ``out``'s back-off (the caller holds its key meanwhile and drops it after).

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from elastic import contract
 from elastic.atomic_file import write_atomically
+from agent.rendezvous.keepout import BACKOFF_BASE_S, BACKOFF_CAP_S
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
 from agent.node.agent_dir import (MARKER, AgentDir, AgentDirError, claim_agent_dir, claim_memory_dir,
@@ -104,6 +105,12 @@ def build_agent_parser() -> argparse.ArgumentParser:
                       type=_positive_seconds, default=600.0, metavar="SECONDS",
                       help="once this node has seen the job make progress, how long a new worker group may "
                            "take to make its first (imports, restore, compilation; default 600)")
+    ours.add_argument("--keep-out-s", "--keep_out_s", dest="keep_out_s", type=_positive_seconds,
+                      default=BACKOFF_BASE_S, metavar="SECONDS",
+                      help="how long a node is kept out of the job's rounds the first time it is (a crash loop, a "
+                           "straggler, suspect hardware named by the replica vote, a failed health check), "
+                           f"doubled at each strike after, up to {BACKOFF_CAP_S:g} (default {BACKOFF_BASE_S:g}; raise it "
+                           "where a node kept out needs a person's look before it takes part again)")
     ours.add_argument("--term-grace", "--term_grace", dest="term_grace", type=_positive_seconds,
                       default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
                       help="when the agent gets SIGTERM (a pre-emption), how long its workers have to finish the "
@@ -360,7 +367,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
         lease_ttl=args.lease_ttl, hang_timeout=args.hang_timeout, warm_start=args.warm_start,
         in_place=args.in_place, snapshot_dir=snapshot_dir, work_dir=work, memory_dir=memory,
         hang_startup_timeout=args.hang_startup_timeout, store_host=config.local_addr,
-        graceful_stop=float(getattr(args, "shutdown_timeout", None) or 5.0),
+        graceful_stop=float(getattr(args, "shutdown_timeout", None) or 5.0), keep_out_s=args.keep_out_s,
     )
     settings.heartbeat_dir.mkdir(exist_ok=True)
     prepare_dir(settings.metrics_dir)

@@ -141,7 +141,7 @@ class NodeAgent(ElasticAgent):
         self.pace = self.rdzv.pace_monitor(metrics, settings.metrics_dir, settings.heartbeat_dir)
         # silent data corruption: replica votes that named this node (agent/node/sdc.py)
         self.sdc = SdcWatch(self.node, settings.heartbeat_dir)
-        self.keep_outs = KeepOuts(self.node, self.rdzv.is_closed)  # one strike counter for every keep-out
+        self.keep_outs = KeepOuts(self.node, self.rdzv.is_closed, settings.keep_out_s)  # one strike counter for every keep-out
         self.events = EventLog(settings.work_dir / EVENTS_FILE)  # what it acted on, for tools (agent.node.events)
         # node health: a sick node does not join, and goes out when it falls sick (agent/node/health_watch.py)
         self.health = HealthWatch(self.node, settings.snapshot_dir, settings.work_dir, settings.worker_env,

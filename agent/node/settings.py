@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.rendezvous.keepout import BACKOFF_BASE_S
+
 
 @dataclass(frozen=True)
 class AgentSettings:
@@ -23,6 +25,7 @@ class AgentSettings:
     exit_barrier_timeout: float = 300.0  # a finished node waits this long for the others
     store_host: str | None = None  # the address peers reach this node's round store at
     worker_env: dict[str, str] = field(default_factory=dict)  # e.g. GLOO_SOCKET_IFNAME (agent/node/netif.py)
+    keep_out_s: float = BACKOFF_BASE_S  # --keep-out-s: a first keep-out's back-off (agent.node.keep_outs)
     memory_dir: Path | None = None  # the workers' own copies, in shared memory (agent_dir.claim_memory_dir)
 
     @property

@@ -50,3 +50,8 @@ def test_the_end_of_the_job_ends_a_keep_out_at_once(clock: Clock) -> None:
     out = outs.strike("suspect hardware", 1)
     ended["now"] = True
     assert not outs.stay_out(out) and clock.now == 1000.0
+
+
+def test_keep_out_s_sets_the_first_back_off_and_each_strike_doubles_it_up_to_the_cap(clock: Clock) -> None:
+    outs = KeepOuts("b", closed=lambda: False, base_s=60.0)
+    assert [outs.strike("suspect hardware", n).backoff for n in range(4)] == [60.0, 120.0, 240.0, 300.0]

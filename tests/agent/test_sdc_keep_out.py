@@ -44,7 +44,10 @@ def test_a_node_corrupted_twice_is_named_rolled_back_and_kept_out(
     script = agent_job.write_to(tmp_path / "sdc.py")
     group = [start_script(nodes, name, etcd_server, run_id, tmp_path, script, nnodes="2:3",
                           env={"DATASET": str(DATASET), "JOB_GLOBAL_BATCH": "18", "JOB_CHECK_EVERY": "5",
-                               "JOB_STEP_SLEEP": "0.02"}) for name in ("a", "b", "c")]
+                               "JOB_STEP_SLEEP": "0.02"},
+                          # out for 60 s, not the default 5: the other two's eight steps in a world of 2 are
+                          # checked while it is out, and a loaded machine can take 5 s to re-form the world
+                          agent_args=("--keep-out-s", "60")) for name in ("a", "b", "c")]
     train_together(group, tmp_path, 3, steps=8)
     victim = next(n for n in group if rows(n, tmp_path)[-1]["rank"] != 0)
     others = [n for n in group if n is not victim]
@@ -59,7 +62,7 @@ def test_a_node_corrupted_twice_is_named_rolled_back_and_kept_out(
 
     _inject(etcd_server, run_id, victim.name)
     wait_until(lambda: "suspect hardware" in victim.log_path.read_text()
-               and "kept out of the job" in victim.log_path.read_text(), 60,
+               and "kept out of the job for 60 s" in victim.log_path.read_text(), 60,
                f"{victim.name}'s agent to keep it out", on_timeout=lambda: victim.log_tail(60))
     after = time.time()
     train_together(others, tmp_path, 2, steps=8, after=after, timeout=90)
