@@ -465,6 +465,28 @@ class ElasticRun:
         return fn
 
     @property
+    def replica_check(self) -> ReplicaCheck:
+        """The run's replica consistency check (:class:`elastic.consistency.check.ReplicaCheck`).
+        The loop drives it by itself (``check_every_steps``); public so that a benchmark can
+        call it by hand to time it alone (``bench/replica_check.py``), and a test can reach
+        the state it keeps, without reading the run's private members."""
+        return self._check
+
+    @property
+    def guards_nonfinite(self) -> bool:
+        """Whether each step's all-reduced gradients are looked at for a NaN or an Inf before
+        they are applied (:mod:`elastic.consistency.nonfinite`; on unless a GradScaler is
+        enabled, whose own job that is). Settable so that a benchmark can time the look
+        against the plain step in the same processes (``bench/nonfinite_guard.py``): setting
+        it leaves the run as if it had been built so. A script has no reason to."""
+        return self._guards_nonfinite
+
+    @guards_nonfinite.setter
+    def guards_nonfinite(self, on: bool) -> None:
+        self._guards_nonfinite = self._check.guarded = on
+        self.sync.guard_nonfinite = on and self.mesh is not None
+
+    @property
     def step_in_hand(self) -> bool:
         """A batch was yielded and its step is not taken yet (:meth:`step` or
         :meth:`step_after_backward`). Public for :mod:`elastic.prepare`, whose ``optimizer.step()``
