@@ -10,9 +10,10 @@
 The run is a small state machine, read top to bottom in this file, with two parts of it
 in modules of their own, objects the run holds (each with its own state and a stated
 contract with the run): forming a world and losing one (1 and 3, ``run._worlds``,
-:mod:`elastic.restore`) and stopping on SIGTERM (5, ``run._stop``, :mod:`elastic.stopping`). The file stays near 800 lines on
-purpose: what is left is one step, whose order of collectives, commit and optimizer step
-is the exactly-once contract, and it reads best as one sequence.
+:mod:`elastic.restore`) and stopping on SIGTERM (5, ``run._stop``, :mod:`elastic.stopping`).
+The file stays near 800 lines on purpose: what is left is one step, whose order of
+collectives, commit and optimizer step is the exactly-once contract, and it reads best as
+one sequence.
 
 1. **Form a world.** The run trains in one of two worlds (:mod:`elastic.world`), chosen
    once and asked at every moment where the recovery paths differ. Under ``elastic agent``
