@@ -55,7 +55,7 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     look_s: list[float] = []
 
     def train(n: int, guarded: bool) -> float:
-        run._guards_nonfinite = guarded
+        run.guards_nonfinite = guarded
         t0 = time.perf_counter()
         for _ in range(n):
             x, y = next(steps)

@@ -63,6 +63,7 @@ from agent.etcd.keepalive import KeepAlive  # noqa: E402
 from agent.etcd.mirror import PrefixMirror  # noqa: E402
 from agent.rendezvous import EtcdV3RendezvousHandler, create_handler  # noqa: E402
 from agent.rendezvous import registry  # noqa: E402
+from rendezvous_handlers import held_round  # noqa: E402
 from forked_nodes import (  # noqa: E402
     NodeLinks, Zygote, gather, kill_all, mem_available_gib, tree_cpu_seconds, tree_memory,
 )
@@ -139,15 +140,6 @@ def _make_handler(spec: NodeSpec, index: int) -> RendezvousHandler:
     return dynamic_rendezvous.create_handler(store, backend, params)
 
 
-def _held(handler: RendezvousHandler) -> tuple[int, int]:
-    """(round, world size) this node holds."""
-    if isinstance(handler, EtcdV3RendezvousHandler):
-        assert handler.round is not None
-        return handler.round.round, len(handler.round.participants)
-    state = handler._state_holder.state  # type: ignore[attr-defined]  # torch's dynamic handler
-    return state.round, len(state.participants)
-
-
 def _stop(handler: RendezvousHandler) -> None:
     if isinstance(handler, EtcdV3RendezvousHandler):
         handler.close()
@@ -159,7 +151,7 @@ def _rendezvous(handler: RendezvousHandler, link: Connection, started: float) ->
     cpu = time.process_time()
     handler.next_rendezvous()
     held = time.monotonic()
-    link.send(("round", *_held(handler), started, held, time.process_time() - cpu))
+    link.send(("round", *held_round(handler), started, held, time.process_time() - cpu))
 
 
 def _follow(handler: RendezvousHandler, link: Connection) -> None:

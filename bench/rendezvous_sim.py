@@ -65,6 +65,7 @@ from agent.rendezvous import EtcdV3RendezvousHandler, registry  # noqa: E402
 from agent.rendezvous.options import RendezvousOptions  # noqa: E402
 from agent.rendezvous.signing import StateSigner  # noqa: E402
 from forked_nodes import tree_cpu_seconds  # noqa: E402
+from rendezvous_handlers import held_round  # noqa: E402
 import sim_keepalive  # noqa: E402
 from sim_keepalive import HostKeepAlive  # noqa: E402
 
@@ -299,14 +300,6 @@ def _make_handler(index: int, spec: Spec, shared: Connection_ | None, counter: C
     return dynamic_rendezvous.create_handler(store, backend, params)
 
 
-def _held(handler: RendezvousHandler) -> tuple[int, int]:
-    if isinstance(handler, EtcdV3RendezvousHandler):
-        assert handler.round is not None
-        return handler.round.round, len(handler.round.participants)
-    state = handler._state_holder.state  # type: ignore[attr-defined]  # torch's dynamic handler
-    return state.round, len(state.participants)
-
-
 class Host:
     """A process's participants and the agent's loop over them."""
 
@@ -346,7 +339,7 @@ class Host:
         try:
             p.handler.next_rendezvous()
             held = time.monotonic()
-            self.send("round", p.index, *_held(p.handler), noticed, held)
+            self.send("round", p.index, *held_round(p.handler), noticed, held)
         except BaseException as exc:  # noqa: BLE001 - told to the bench, which fails the size
             traceback.print_exc()
             self.send("error", p.index, f"{type(exc).__name__}: {exc}")

@@ -54,7 +54,7 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
                      snapshots=SnapshotConfig(every_steps=0), data=DataConfig(collate_fn=as_batch),
                      handle_sigterm=False, metrics=False,
                      check_every_steps=0)
-    run._check.every_steps = args.every  # driven by hand below, so that each call is timed alone
+    run.replica_check.every_steps = args.every  # driven by hand below, so that each call is timed alone
     run.register("ema", torch.zeros(4))
     steps = iter(run)
     block_s: list[float] = []
@@ -68,22 +68,22 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         return (time.perf_counter() - t0) / n
 
     train(args.warmup)
-    run._check.run(run)  # the first keep allocates the host copy; later ones reuse it
+    run.replica_check.run(run)  # the first keep allocates the host copy; later ones reuse it
     for _ in range(args.repeats):
         block_s.append(train(args.block))
         t0 = time.perf_counter()
-        went_back = run._check.run(run)
+        went_back = run.replica_check.run(run)
         check_s.append(time.perf_counter() - t0)
         assert not went_back
     train(3)
     if rank == 1:
         flip_bit(next(run.state.module.parameters()), 0, 20)
     t0 = time.perf_counter()
-    went_back = run._check.run(run)
+    went_back = run.replica_check.run(run)
     rollback_s = time.perf_counter() - t0
     assert went_back
     params = sum(p.numel() for p in run.state.module.parameters())
-    state_bytes = sum(t.numel() * t.element_size() for t in run._check._buffers)
+    state_bytes = run.replica_check.kept_bytes
     run.close()
     return {"step_s": statistics.median(block_s), "check_s": statistics.median(check_s),
             "check_all": check_s, "rollback_s": rollback_s, "params": params, "state_bytes": state_bytes}

@@ -5,7 +5,7 @@ step; the run knows its state. So a world answers with two frozen records and ne
 touches the run: :class:`Joined` (the process group this rank is now in) and
 :class:`StatePlan` (how every rank comes to stand on one step: restore from disk, heal from
 a peer, or start fresh). :class:`~elastic.trainer.ElasticRun` carries the plan out in its
-one restore sequence (``ElasticRun._take_state``), whichever world it trains in.
+one restore sequence (``elastic.restore.WorldForming._take_state``), whichever world it trains in.
 
 The run calls a world (:class:`TrainingWorld`) in this order:
 

@@ -213,6 +213,13 @@ class Elastic:
     # ------------------------------------------------------------------ views
 
     @property
+    def prepared(self) -> bool:
+        """Whether :meth:`prepare` built the run. ``ft.run`` before that is a usage error
+        (exit 2), so code that cleans up after a ``prepare`` that may have been refused asks
+        this first."""
+        return self._run is not None
+
+    @property
     def run(self) -> ElasticRun:
         if self._run is None:
             _usage("call ft.prepare(model, optimizer, loader) first")

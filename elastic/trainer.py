@@ -8,10 +8,12 @@
             ...                            # per-step side effects, registered state (run.register)
 
 The run is a small state machine, read top to bottom in this file, with two parts of it
-in modules of their own: forming a world and losing one (1 and 3, :mod:`elastic.restore`)
-and stopping on SIGTERM (5, :mod:`elastic.stopping`). The file stays near 800 lines on
-purpose: what is left is one step, whose order of collectives, commit and optimizer step
-is the exactly-once contract, and it reads best as one sequence.
+in modules of their own, objects the run holds (each with its own state and a stated
+contract with the run): forming a world and losing one (1 and 3, ``run._worlds``,
+:mod:`elastic.restore`) and stopping on SIGTERM (5, ``run._stop``, :mod:`elastic.stopping`).
+The file stays near 800 lines on purpose: what is left is one step, whose order of
+collectives, commit and optimizer step is the exactly-once contract, and it reads best as
+one sequence.
 
 1. **Form a world.** The run trains in one of two worlds (:mod:`elastic.world`), chosen
    once and asked at every moment where the recovery paths differ. Under ``elastic agent``
@@ -120,12 +122,12 @@ from . import sharded
 from .own_group import taken_over_line, unwrap_ddp
 from .plan import DataPlan
 from .progress import take_over as take_over_progress
-from .restore import FormsWorlds
+from .restore import WorldForming
 from .run_config import DataConfig, SnapshotConfig, checked, refuse_flat_keywords
 from .seeding import seed_everything, step_seed
 from .snapshots import FinalSnapshotLost, Snapshots
 from .step_result import StepResult
-from .stopping import STOP_BIT, StopsOnSignal
+from .stopping import STOP_BIT, SignalStop
 from .train_state import TrainState
 from .world import TrainingWorld, choose_world
 
@@ -193,7 +195,7 @@ class _Pending:
     failure: CollectiveFailure | None = None
 
 
-class ElasticRun(StopsOnSignal, FormsWorlds):
+class ElasticRun:
     """Fault-tolerant DDP loop over ``dataset``; iterate it and call ``step(loss)`` per batch.
 
     ``global_batch_size`` stays the same at every world size by default (each rank gets
@@ -219,6 +221,12 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
     A ``DistributedDataParallel`` passed as ``model``, and a default group the script made
     itself, are taken over (:mod:`elastic.own_group`), so in-place recovery stays on.
     """
+
+    # Set in __init__, typed here: its parts (run._stop, run._worlds) take the run as their
+    # contract says before these are assigned, and a type checker then needs them declared.
+    metrics: Any
+    goodput: GoodputLog
+    _dist: DistInfo
 
     def __init__(
         self,
@@ -251,10 +259,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
     ) -> None:
         refuse_flat_keywords(flat_keywords)  # before anything starts: the grouped form is the one way (0.1.0)
         show_library_lines()  # the lines below reach the user even if their script set up no logging
-        self._stop_signal: int | None = None  # SIGTERM (or the like) this rank got, if any
-        self._stop_since = 0.0
-        self._forming = True  # no step in flight and nothing new to save: SIGTERM exits at once
-        self._leaving = False  # agreed: this rank stops at the end of the current loop iteration
+        self._stop = SignalStop(self)  # 6., stopping on SIGTERM after an agreed step (elastic.stopping)
+        self._worlds = WorldForming(self)  # 1. and 3., forming a world and losing one (elastic.restore)
         self._closed = False
         self.snapshots: Any = None
         self._device = torch.device(device) if device is not None else None
@@ -268,7 +274,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._world_hooks: list[Callable[["ElasticRun"], None]] = []
         self._world_hook_due = True  # a world formed since the hooks last ran
         if handle_sigterm and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(signal.SIGTERM, self._stop.on_sigterm)
             self._agree_stop = True
         try:
             if steps is None and epochs is None:
@@ -356,7 +362,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             if self.world.in_setup_world:  # a joiner: run.model for set-up code; built again when it joins
                 self.sync.build(self.dist)
             else:
-                self._form("start")
+                self._worlds.form("start")
             self._guard.install()
             if self.mesh is not None and user_backward and self.world.restarts_from_disk:
                 # kept to the process's end: the failure surfaces after the loop's generator is gone
@@ -364,7 +370,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         except _USAGE_ERRORS as exc:
             self._usage_error(exc)
         finally:
-            self._forming = False
+            self._stop.forming = False
 
     # ------------------------------------------------------------------ public views
 
@@ -460,6 +466,28 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         return fn
 
     @property
+    def replica_check(self) -> ReplicaCheck:
+        """The run's replica consistency check (:class:`elastic.consistency.check.ReplicaCheck`).
+        The loop drives it by itself (``check_every_steps``); public so that a benchmark can
+        call it by hand to time it alone (``bench/replica_check.py``), and a test can reach
+        the state it keeps, without reading the run's private members."""
+        return self._check
+
+    @property
+    def guards_nonfinite(self) -> bool:
+        """Whether each step's all-reduced gradients are looked at for a NaN or an Inf before
+        they are applied (:mod:`elastic.consistency.nonfinite`; on unless a GradScaler is
+        enabled, whose own job that is). Settable so that a benchmark can time the look
+        against the plain step in the same processes (``bench/nonfinite_guard.py``): setting
+        it leaves the run as if it had been built so. A script has no reason to."""
+        return self._guards_nonfinite
+
+    @guards_nonfinite.setter
+    def guards_nonfinite(self, on: bool) -> None:
+        self._guards_nonfinite = self._check.guarded = on
+        self.sync.guard_nonfinite = on and self.mesh is not None
+
+    @property
     def step_in_hand(self) -> bool:
         """A batch was yielded and its step is not taken yet (:meth:`step` or
         :meth:`step_after_backward`). Public for :mod:`elastic.prepare`, whose ``optimizer.step()``
@@ -505,9 +533,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
     def __iter__(self) -> Iterator[Any]:
         try:
             with owned():
-                if self.world.enter_loop(self.dist.local_rank, self._between_worlds):  # a joiner's set-up is done
+                if self.world.enter_loop(self.dist.local_rank, self._stop.between_worlds):  # a joiner's set-up is done
                     self._guard.take()  # a failure in the set-up world was that world's
-                    self._form("join")
+                    self._worlds.form("join")
             self._t0 = time.perf_counter()
             while True:
                 while not self.done:
@@ -522,8 +550,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
                         if self._pending is not None:
                             raise ElasticRunError("call run.step(loss) exactly once for every batch the run yields")
                         self._at_step_boundary()
-                        if self._leaving:
-                            self._stop_on_signal()
+                        if self._stop.leaving:
+                            self._stop.leave()
                         if self.done or self.plan.sampler.epoch != epoch or self._generation != generation:
                             break
                         self._t0 = time.perf_counter()
@@ -562,7 +590,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
             return
         if self._asks.pending is not None:
             value += CHECK_BIT  # every rank checks at this step's boundary (elastic.consistency.ondemand)
-        if self._stop_signal is not None:
+        if self._stop.signal is not None:
             value += STOP_BIT
         try:
             with owned():
@@ -648,7 +676,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         if self._node_verdict is not None:
             self._node_verdict.abandon(self.round, self.state.step + 1)
         with owned():  # re-entrant: the callers in backward already hold it
-            self._recover(exc)
+            self._worlds.recover(exc)
         self._guard.after_abandoned = True  # the loop body's own collectives, until the next batch
         return abandoned
 
@@ -672,7 +700,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         asked = 0 <= ready < STOP_BIT and bool(ready & CHECK_BIT)
         if asked:
             ready -= CHECK_BIT
-        stop = ready >= STOP_BIT or (d.world_size == 1 and self._stop_signal is not None)
+        stop = ready >= STOP_BIT or (d.world_size == 1 and self._stop.signal is not None)
         if ready >= STOP_BIT:
             ready = -1  # the world changes anyway: a ready round waits for the next formation
         committing = time.perf_counter()
@@ -718,9 +746,9 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         # A change of world waits for the top of the loop, after the loop's code for this step:
         # then every rank's registered state stands at this step (elastic.user_state).
         if stop and not self.done:  # the last step ends the run as usual, signal or not
-            self._between_steps = self._stop_after_step
+            self._between_steps = self._stop.after_step
         elif self.world.offers(ready) and not self.done:
-            self._between_steps = lambda: self._form("join", min_round=ready)  # every rank saw it
+            self._between_steps = lambda: self._worlds.form("join", min_round=ready)  # every rank saw it
         return StepResult(True, self.state.step, epoch, self.plan.sampler.epoch != epoch)
 
     def _grads_nonfinite(self) -> bool:
@@ -831,7 +859,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         failure, self.copies.failure = self.copies.failure, None
         abandoned = StepResult(False, self.state.step, epoch)
         with owned():
-            self._recover(CollectiveFailure(failure or "a peer copy's exchange failed"), failed_step=self.state.step)
+            self._worlds.recover(CollectiveFailure(failure or "a peer copy's exchange failed"), failed_step=self.state.step)
         self._guard.after_abandoned = True
         return abandoned
 
@@ -841,8 +869,8 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         self._guard.after_abandoned = False  # the abandoned step's loop body is over
         failure = self._guard.take()  # the script's own collective after run.step lost a peer
         with owned():
-            if failure is not None and action != self._stop_after_step:
-                self._recover(failure)  # an agreed join waits: the world is broken, it forms again
+            if failure is not None and action != self._stop.after_step:
+                self._worlds.recover(failure)  # an agreed join waits: the world is broken, it forms again
             elif action is not None:
                 action()
             if action is None and failure is None:
@@ -865,7 +893,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self._recover(CollectiveFailure(first_line(exc)))
+            self._worlds.recover(CollectiveFailure(first_line(exc)))
             return True
         if self._check.stop_line is not None:  # every replica non-finite: back to the last finite agreed state
             if self._check.outcome is not None:
@@ -924,7 +952,7 @@ class ElasticRun(StopsOnSignal, FormsWorlds):
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self._recover(CollectiveFailure(first_line(exc)))
+            self._worlds.recover(CollectiveFailure(first_line(exc)))
             return False
         self._commit_previous()
         try:

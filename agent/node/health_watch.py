@@ -1,7 +1,8 @@
 """Runs :mod:`agent.node.health`'s checks for the node agent, and keeps a sick node out of rounds.
 
 Before each round it joins (at start, after a restart or a keep-out), the agent asks
-:meth:`HealthWatch.gate`: a node that fails a check does not join. It holds a keep-out key
+:meth:`HealthWatch.gate`: a node that fails a check does not join
+(:func:`agent.node.policy.before_joining` decides, the gate carries it out). It holds a keep-out key
 with the failed check as its cause (``elastic top`` shows it; the registry's state says
 ``kept_out``), logs one line naming the check and the fix, and looks again after the
 back-off of its strike, counted with every keep-out of the node (:mod:`agent.node.keep_outs`): it joins as
@@ -25,6 +26,7 @@ from agent.node.health import Check, HealthReport, Limits
 from agent.node.events import EventLog, HealthyAgain, NoEvents, NotJoining
 from agent.node.keep_outs import KeepOuts
 from agent.node.nulls import NoGauge
+from agent.node.policy import before_joining
 
 log = logging.getLogger("elastic.agent")
 
@@ -140,11 +142,12 @@ class HealthWatch:
         keep-out key, with the failed checks as its cause, its strikes counted with every other
         keep-out of this node: :mod:`agent.node.keep_outs`) until every check passes. False if
         the job ended meanwhile."""
-        line = self.look(force=True, quiet=True)  # its own line says it, with the keep-out
-        if not line:
+        decision = before_joining(self.look(force=True, quiet=True))  # its own line says it, with the keep-out
+        if decision is None:
             return True
         since = time.monotonic()
-        while line:
+        while decision is not None:
+            line = decision.detail
             out = keep_outs.strike(line, round_number)
             log.error("[%s] not joining the job: %s; kept out %.0f s (strike %d), then checked again",
                       self.node, line, out.backoff, out.strikes)
@@ -153,7 +156,7 @@ class HealthWatch:
             if not keep_outs.stay_out(out):
                 publish(None)
                 return False
-            line = self.look(force=True, quiet=True)
+            decision = before_joining(self.look(force=True, quiet=True))
         publish(None)
         log.info("[%s] health checks pass again after %.0f s kept out; joining the job", self.node,
                  time.monotonic() - since)

@@ -44,6 +44,7 @@ class Observer:
         self.kept_out_peers: list[str] = []  # members of this round that went out for a crash loop
         self.seen_failures: dict[int, Failure] = {}  # the last look's failed workers, for the log
         self.reform_why = ""  # what the worker asking for a new round said
+        self.reform_peers_stopped = False  # ... and whether it asks because ranks stopped after SIGTERM
         self.frozen: Any = None  # the freeze watch's last finding (agent.node.freeze.Frozen), for the act
         # what this node's registry record says: its workers run in place (they hold state, or
         # are joiners starting that take the next offer); a round's closer reads it (rounds.py)
@@ -157,6 +158,7 @@ class Observer:
             log.info("[%s] workers run in place: a peer lost or a node joining no longer restarts them", self.node)
         asking = [s for s in statuses if s.want_round_after is not None and s.want_round_after >= run.round.number]
         self.reform_why = asking[0].reason if asking else ""
+        self.reform_peers_stopped = asking[0].peers_stopped if asking else False
         whole_node = any(isinstance(s.extra, dict) and s.extra.get(contract.WHOLE_NODE_KEY) for s in statuses)
         return in_place, bool(asking), whole_node
 

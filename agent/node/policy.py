@@ -535,6 +535,16 @@ def formed_afresh(reason: Reason | None, fresh_world: bool) -> Decision | None:
     return Decision(Action.RESTART, Reason.SCALE_UP if reason is Reason.SCALE_UP else Reason.PEER_LOST)
 
 
+def before_joining(health: str) -> Decision | None:
+    """Before a round this node would join (at its start, after a restart or a keep-out):
+    a node that fails a health check (``health``: :func:`agent.node.health.verdict`'s line) stays
+    out, kept out as for any other cause, until every check passes
+    (:meth:`agent.node.health_watch.HealthWatch.gate` carries it out). Unlike 3b, whether the
+    others could train without it is not asked: a node not yet in a round holds nothing up.
+    None: it joins."""
+    return Decision(Action.KEEP_OUT, Reason.HEALTH, detail=health) if health else None
+
+
 
 
 def sdc_keep_out(outlier_at: Iterable[float], now: float, window_s: float = SDC_WINDOW_S,

@@ -83,7 +83,7 @@ class Reporting:
             Reason.LEASE_LOST: "this node lost its own etcd lease (it was frozen or cut off); its workers are stale",
             Reason.SCALE_UP: "another node opened a new round (a node joined or came back)",
             Reason.REFORM: f"{reform_why}: forming the round again without them"
-                           if reform_why.endswith("(SIGTERM)")  # elastic.trainer: peers left at a boundary
+                           if self.observer.reform_peers_stopped  # elastic.stopping: peers left at a boundary
                            else f"a local worker's collective failed{_parenthesised(reform_why)} while "
                                 "every lease held; forming the round again",
             Reason.WORKER_FAILED: f"local worker(s) {sorted(decision.failed)} failed "

@@ -111,6 +111,12 @@ class ReplicaCheck:
         self.stop_line: str | None = None  # the training diverged: the run stops with this line (non-zero exit)
         self.finite_at = -1  # the last step whose state a vote found finite on every replica (a snapshot's shortcut)
 
+    @property
+    def kept_bytes(self) -> int:
+        """The size of the host copy of the last agreed state this rank keeps (0: none yet):
+        what a passing check costs in host memory, for ``bench/replica_check.py`` to report."""
+        return sum(t.numel() * t.element_size() for t in self._buffers)
+
     def classes(self, world_size: int) -> list[int]:
         """Each rank's shard class: ranks of one class hold the same bits (DDP: one class)."""
         return [r % self.shard_ranks if self.shard_ranks else 0 for r in range(world_size)]

@@ -101,6 +101,9 @@ class WorkerStatus:
     step: int = 0
     want_round_after: int | None = None
     reason: str = ""
+    # the round is asked for because ranks stopped after an agreed SIGTERM, not because a
+    # collective failed: a field, so the agent tells the two apart without reading ``reason``
+    peers_stopped: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     stalled: int = 0  # the step after ``step``: 1 slow (ask the peers), 2 stuck (judge them); elastic.inplace.stall
 

@@ -258,7 +258,8 @@ class InPlaceWorld(TrainingWorld):
         if is_main and not broke:
             log.info("%s %s; re-forming in place without them", where, said)
         self._broken = (step, how_noticed(broke) if broke else "they stopped after SIGTERM")
-        self.membership.failed(broke or f"rank(s) {leavers} stopped after step {step} (SIGTERM)")
+        self.membership.failed(broke or f"rank(s) {leavers} stopped after step {step} (SIGTERM)",
+                               peers_stopped=not broke)
         return self.membership.round + 1
 
     def close(self) -> None:

@@ -138,6 +138,7 @@ class Membership:
         self._gloo_listeners: list[tuple[str, int]] = []  # the default group's device listener(s)
         self._want_after: int | None = None  # a request for a round newer than this, until one is joined
         self._why = ""
+        self._peers_stopped = False  # that request: ranks stopped after an agreed SIGTERM (WorkerStatus)
         self.step = 0
         self._thread: threading.Thread | None = None
 
@@ -261,20 +262,22 @@ class Membership:
 
     # ------------------------------------------------------------------ 4. after a failure
 
-    def failed(self, reason: str, after_round: int | None = None) -> None:
+    def failed(self, reason: str, after_round: int | None = None, peers_stopped: bool = False) -> None:
         """Ask the agent for a round newer than ``after_round`` (default: the current one);
-        the request stands in every report until such a round is joined."""
+        the request stands in every report until such a round is joined. ``peers_stopped``:
+        asked because ranks stopped after an agreed SIGTERM, not for a failed collective."""
         after = self.round if after_round is None else after_round
         self._want_after = max(after, self._want_after if self._want_after is not None else -1)
-        self._why = reason
+        self._why, self._peers_stopped = reason, peers_stopped
         self._report(WorkerState.REFORMING, wake=True)
 
     def _report(self, state: WorkerState, wake: bool = False) -> None:
         if self._want_after is not None and self.round > self._want_after:
-            self._want_after, self._why = None, ""
+            self._want_after, self._why, self._peers_stopped = None, "", False
         try:
             self.channel.report(WorkerStatus(pid=os.getpid(), mode=WorkerMode.IN_PLACE, round=self.round, state=state,
                                              step=self.step, want_round_after=self._want_after, reason=self._why,
+                                             peers_stopped=self._peers_stopped,
                                              stalled=self._stalled, extra=self._extra()),
                                 wake=wake)
         except OSError as exc:

@@ -102,3 +102,26 @@ def test_a_sick_node_that_trains_is_kept_out_only_where_the_others_go_on_without
     done = decide(Observation(exits={0: 0}, health="x", nodes_without_us=2))
     assert done.action is Action.SUCCEED
     assert not sick.counted  # a sick node spends none of --max-restarts
+
+
+def test_the_gate_lets_a_healthy_node_join_and_keeps_a_sick_one_out_until_the_job_ends(tmp_path: Path) -> None:
+    """:meth:`HealthWatch.gate` carries out :func:`agent.node.policy.before_joining`: in
+    process, real checks (a snapshot location that is a file is not writable; no thresholds on
+    free space or memory, which a busy machine may not meet), the job's end seen at the first
+    look of the keep-out so that the test waits no back-off."""
+    from agent.node.health_watch import HealthWatch
+    from agent.node.keep_outs import KeepOuts
+    from agent.rendezvous.keepout import KeepOut
+
+    published: list[KeepOut | None] = []
+    (tmp_path / "snap").mkdir()
+    limits = Limits(min_free_bytes=0, min_mem_bytes=0)
+    healthy = HealthWatch("n", tmp_path / "snap", tmp_path, {}, limits=limits)
+    assert healthy.gate(3, KeepOuts("n", lambda: True), published.append) and published == []
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    keep_outs = KeepOuts("n", lambda: True)
+    assert not HealthWatch("n", blocked, tmp_path, {}, limits=limits).gate(3, keep_outs, published.append)
+    out, back = published
+    assert out is not None and back is None and keep_outs.strikes == 1
+    assert out.round == 3 and "snapshot_dir" in out.cause, out

@@ -22,6 +22,7 @@ from agent.node.policy import (
     SdcFacts,
     Streak,
     after_round,
+    before_joining,
     decide,
     formed_afresh,
     last_words,
@@ -560,3 +561,11 @@ def test_a_crash_loop_waits_a_moment_for_its_peers_words_before_the_node_is_kept
                  dict(peer_crashes=None, failed_for=0.0)):  # cannot hear the others
         decision = decide(obs(**base, **late))
         assert decision.action is Action.KEEP_OUT and decision.reason is Reason.CRASH_LOOP, late
+
+
+def test_a_node_failing_a_health_check_stays_out_of_the_round_it_would_join_whoever_could_train() -> None:
+    """Before joining there is no min-nodes test (3b's, while training): a node not yet in a
+    round holds nobody up, so a failed check keeps it out, kept out as for any cause."""
+    line = "disk /snap: 99% full: free space or give the job another directory"
+    assert before_joining(line) == Decision(Action.KEEP_OUT, Reason.HEALTH, detail=line)
+    assert before_joining("") is None

@@ -179,7 +179,7 @@ def test_what_prepare_cannot_do_ends_in_one_line_and_exit_2(tmp_path: Path, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    if ft._run is not None:
+    if ft.prepared:
         ft.run.close()
 
 
@@ -195,7 +195,7 @@ def test_a_model_left_on_the_meta_device_is_refused_at_prepare_in_one_line(tmp_p
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "meta device" in err[0] and "to_empty" in err[0] and "'0.weight'" in err[0], err
-    assert ft._run is None  # refused before anything was set up
+    assert not ft.prepared  # refused before anything was set up
 
 
 def _accumulating_loop(tmp: Path, epochs: int, accumulate: int, inputs: list[list[torch.Tensor]] | None = None,

@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent('''\
                 if i not in done and run.step_count == step and on == node:
                     done.add(i)
                     if what == "kept copy too":  # the host copy of the last agreed state goes bad as well
-                        flip_bit(run._check.agreed.state["model"]["0.bias"], 1, 9)
+                        flip_bit(run.replica_check.agreed.state["model"]["0.bias"], 1, 9)
                         what = "0.bias"
                     kind, _, what = what.rpartition(":")  # "nan:0.weight": a NaN written, not a bit flipped
                     t = ema if what == "registered" else target(run.state.module, run.optimizer, what)
