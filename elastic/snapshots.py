@@ -340,8 +340,8 @@ class Snapshots:
         if done and host is not None and host.taken_bytes:
             if not self.fed_from_host and self._info.is_main:
                 log.info("snapshot step %d: this rank's shards written from its peer copy's host copy of that step "
-                         "(%.1f MB, %.1f MB copied); so are later ones whose step has a host copy", step,
-                         host.taken_bytes / 1e6, host.copied_bytes / 1e6)
+                         "(%d bytes taken as they are, %d copied); so are later ones whose step has a host copy", step,
+                         host.taken_bytes, host.copied_bytes)
             self.fed_from_host += 1
         if self._info.is_main:
             if done:
