@@ -33,11 +33,11 @@ from . import contract, worker_env
 from .atomic_file import write_atomically
 from .consistency.nonfinite import state_finite
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
+from .host_shards import HostShards
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
 from .plan import StepRecord
 from .run_config import SnapshotConfig, WriterMode
-from .host_shards import HostShards
 from .sharded_snapshots import ShardedWriter
 
 log = logging.getLogger(__name__)
