@@ -10,6 +10,7 @@ state. Medians of --repeats runs. Timings live here, never in tests.
     python bench/checkpoint_stall.py --step-modes process,thread   # both writers, same run
     python bench/checkpoint_stall.py --step-model mlp              # step time of the stress case
     python bench/checkpoint_stall.py --from-host-copy              # a snapshot step with peer copies on
+    python bench/checkpoint_stall.py --from-host-copy --sharded    # ... of an FSDP2 model, two ranks
 
 Step time: training with a snapshot every 50 steps against training without, interleaved
 block by block. The default workload trains the same ResNet-50 + Adam whose state is
@@ -342,6 +343,110 @@ def host_copy_step(root: Path, repeats: int, args: argparse.Namespace) -> None:
         print(f"  {name:28s} {med * 1e3:8.1f} ms  (runs: {', '.join(f'{v * 1e3:.0f}' for v in values)}){extra}")
 
 
+SHARDED_HIDDEN, SHARDED_LAYERS = 2048, 4  # FSDP2 MLP: 16.8 M parameters, 201 MB with AdamW, ~100 MB a rank
+
+
+def sharded_host_copy_step(root: Path, repeats: int, args: argparse.Namespace) -> None:
+    """``--from-host-copy --sharded``: the same for a sharded snapshot (issue 52 item 3): FSDP2
+    on a 1-D mesh over two spawned ranks (gloo on the CPU), AdamW; each rank's snapshot step
+    makes its peer copy's host copy of its shards, then its part of the sharded snapshot
+    either copies its shards again (before: the clone inside ``dcp.save``) or takes them from
+    that host copy (after: :mod:`elastic.host_shards`). Timed on each rank from the host
+    copy's start to the end of ``Snapshots.commit`` (the step's whole stall: DCP's plan, its
+    collective, the copy), rank 0's figures; each write then waited for, untimed. Interleaved,
+    medians."""
+    from bench.two_ranks import run_two_ranks
+
+    args.repeats = repeats
+    out = run_two_ranks(_sharded_worker, args, str(root))
+    print(f"load average at start: {out['load']:.1f} on {os.cpu_count()} cpus")
+    print(f"state: FSDP2 MLP ({SHARDED_LAYERS} x Linear({SHARDED_HIDDEN}, {SHARDED_HIDDEN})) + AdamW over 2 ranks, "
+          f"{out['rank_mb']:.1f} MB of tensors on rank 0; median of {repeats}")
+    print("\nsharded snapshot step with a peer copy (host copy + this rank's part of the snapshot, nothing overlapping)")
+    for name, values in out["times"].items():
+        med = statistics.median(values)
+        own = out["snap"].get(name)
+        extra = "" if own is None else f"   of it Snapshots.commit {statistics.median(own) * 1e3:7.1f} ms"
+        print(f"  {name:28s} {med * 1e3:8.1f} ms  (runs: {', '.join(f'{v * 1e3:.0f}' for v in values)}){extra}")
+    print(f"  bytes of rank 0's shards taken from the host copy: {out['taken']}, copied: {out['copied']}")
+
+
+def _sharded_worker(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elastic.distributed import DistInfo
+    from elastic.host_shards import host_shards
+    from elastic.inplace.hsdp import capture_local
+    from elastic.inplace.peer_copies import Copy, host_copy
+    from elastic.metrics.training import NoMetrics
+    from elastic.run_config import SnapshotConfig
+    from elastic.sampler import ElasticSampler
+    from elastic.snapshots import Snapshots
+    from elastic.train_state import TrainState
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(SHARDED_HIDDEN, SHARDED_HIDDEN) for _ in range(SHARDED_LAYERS)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, SHARDED_HIDDEN)).sum().backward()
+    optimizer.step()
+    state = TrainState(model, optimizer, ElasticSampler(100, seed=1))
+    state.sharded = state.shards_in_snapshots = True
+    info = DistInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo",
+                    node=f"n{rank}")
+    ways = {}
+    for way in ("own", "host"):
+        snaps = Snapshots(Path(tmp) / way, SnapshotConfig(every_steps=None, keep=2), metrics=NoMetrics(),
+                          round_of=lambda: -1)
+        snaps.collective = True
+        snaps.attach(info, check_dir=False)
+        ways[way] = snaps
+    step = iter(range(1, 10**6))
+    times: dict[str, list[float]] = {"host copy alone": [], "before: own copy": [], "after: from the host copy": []}
+    snap: dict[str, list[float]] = {"before: own copy": [], "after: from the host copy": []}
+    taken = copied = 0
+
+    def snapshot(name: str, from_host: bool) -> None:
+        nonlocal taken, copied
+        state.step = n = next(step)
+        snaps = ways["host" if from_host else "own"]
+        t0 = time.perf_counter()
+        payload, nbytes = host_copy({"state": state.capture(local=True), "recent": []})  # the peer copy's, anyway
+        t1 = time.perf_counter()
+        host = host_shards(Copy(n, rank, -1, payload, nbytes, tag=state.loads), n, state.loads,
+                           lambda: capture_local(model, optimizer)) if from_host else None
+        snaps.commit(n, None, state.capture, world_size=2, epoch=0, cursor=0, samples=0, force=True, host=host)
+        t2 = time.perf_counter()
+        assert snaps.sharded is not None
+        snaps.sharded.flush()  # the write, untimed
+        dist.barrier()
+        if name:
+            times[name].append(t2 - t0)
+            snap[name].append(t2 - t1)
+        if host is not None:
+            taken, copied = host.taken_bytes, host.copied_bytes
+
+    for _ in range(2):  # warm-up: each writer's group and pool, the pinned stage
+        snapshot("", False)
+        snapshot("", True)
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        host_copy({"state": state.capture(local=True), "recent": []})
+        times["host copy alone"].append(time.perf_counter() - t0)
+        snapshot("before: own copy", False)
+        snapshot("after: from the host copy", True)
+    for snaps in ways.values():
+        snaps.close()
+    return {"times": times, "snap": snap, "taken": taken, "copied": copied, "load": os.getloadavg()[0],
+            "rank_mb": tensor_bytes(capture_local(model, optimizer)) / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -362,6 +467,8 @@ def main() -> None:
     ap.add_argument("--from-host-copy", action="store_true",
                     help="only the cost of a snapshot step with peer copies on: the snapshot captured on its own "
                          "(before) against written from the peer copy's host copy (after)")
+    ap.add_argument("--sharded", action="store_true",
+                    help="with --from-host-copy: a sharded (FSDP2) snapshot's step, over two spawned ranks")
     args = ap.parse_args()
     args.priority = check_priority(args.priority if args.priority == "idle" else int(args.priority))
     repeats = 2 if args.quick else args.repeats
@@ -370,7 +477,10 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     root = Path(tempfile.mkdtemp(prefix="checkpoint-stall-", dir=args.dir))
     try:
-        (host_copy_step if args.from_host_copy else run)(root, repeats, args)
+        if args.from_host_copy and args.sharded:
+            sharded_host_copy_step(root, repeats, args)
+        else:
+            (host_copy_step if args.from_host_copy else run)(root, repeats, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

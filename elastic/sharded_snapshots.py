@@ -36,6 +36,7 @@ from checkpoints.tree import iter_tensors
 from .collectives import collective_failures
 from .consistency.nonfinite import state_finite
 from .distributed import DistInfo
+from .host_shards import HostShards
 
 log = logging.getLogger("elastic.snapshots")
 
@@ -132,15 +133,18 @@ class ShardedWriter:
         return self._group
 
     def submit(self, step: int, state: dict[str, Any], *, world_size: int, info: DistInfo,
-               extra_meta: dict[str, Any] | None = None) -> bool:
+               extra_meta: dict[str, Any] | None = None, host: HostShards | None = None) -> bool:
         """A collective: every rank, at ``step``. False (on every rank) if skipped because an
-        earlier snapshot is still being written somewhere."""
+        earlier snapshot is still being written somewhere. ``host``: this rank's complete host
+        copy of ``step`` (:mod:`elastic.host_shards`, the caller's to vouch for): its shards are
+        written from it as they are, not copied again; the plan and the files are the same.
+        Each rank decides alone: either way it writes the same bytes under the same plan."""
         t0 = time.perf_counter()
         with collective_failures():  # a peer lost here: the step is abandoned, as in its backward
-            return self._submit(step, state, world_size, info, dict(extra_meta or {}), t0)
+            return self._submit(step, state, world_size, info, dict(extra_meta or {}), t0, host)
 
     def _submit(self, step: int, state: dict[str, Any], world_size: int, info: DistInfo,
-                extra_meta: dict[str, Any], t0: float) -> bool:
+                extra_meta: dict[str, Any], t0: float, host: HostShards | None) -> bool:
         group = self._own_group()
         # with it, whether this rank's shards are finite: a snapshot of a NaN would be the newest,
         # and prune would delete the finite ones behind it (each rank sees only its own shards)
@@ -160,7 +164,8 @@ class ShardedWriter:
             return False
         import torch.distributed.checkpoint as dcp
 
-        writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step), self._pinned.stage)
+        stage = host.stage(self._pinned.stage) if host is not None else self._pinned.stage
+        writer = DeferredDcpWriter(self.store.root, lambda: self.store.begin_parts(step), stage)
         dcp.save({k: state[k] for k in DCP_KEYS}, storage_writer=writer, process_group=group)
         assert writer.part is not None
         copied = self._pinned.copied()  # the device-to-host copies run on; the writer waits for them

@@ -33,6 +33,7 @@ from . import contract, worker_env
 from .atomic_file import write_atomically
 from .consistency.nonfinite import state_finite
 from .distributed import DistInfo, ElasticRunError, broadcast_int, check_shared_dir
+from .host_shards import HostShards
 from .ledger import Ledger, LedgerError
 from .metrics.training import MetricsLike
 from .plan import StepRecord
@@ -242,12 +243,21 @@ class Snapshots:
         that is not sharded), which a host copy of the state's step can feed (:meth:`commit`)."""
         return self.writer is not None and self.sharded is None and not self.collective
 
+    @property
+    def takes_sharded_host_copies(self) -> bool:
+        """Whether this rank writes its own shards of sharded snapshots (every rank, a sharded
+        model), which its host copy of the step can feed (:meth:`commit`, :mod:`elastic.host_shards`)."""
+        return self.sharded is not None
+
     def host_copy_wanted(self, step: int) -> tuple[bool, bool]:
         """Whether a host copy of ``step`` made now is to be kept for its snapshot (one would
-        be due), and whether in shared memory (the writer process reads only that)."""
+        be due), and whether in shared memory (the writer process reads only that; a sharded
+        snapshot is written by this process's own thread, and is due by steps only)."""
+        every = self.every_steps
+        if self.takes_sharded_host_copies and step != 0:
+            return (step % every == 0 if every else False), False
         if not self.takes_host_copies or step == 0:
             return False, False
-        every = self.every_steps
         by_steps = step % every == 0 if every else False
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         due = by_steps or by_time
@@ -265,14 +275,17 @@ class Snapshots:
         :class:`elastic.inplace.peer_copies.Copy`, the caller's to vouch for): its model and
         optimizer are written as they are, with no capture of their own (no second copy of
         their bytes, nothing for the optimizer step to wait for); the rest (progress,
-        sampler, RNG, registered state) is captured now, as without it. The files are the same."""
+        sampler, RNG, registered state) is captured now, as without it. The files are the same.
+        A sharded model's: this rank's shards of it (:class:`elastic.host_shards.HostShards`),
+        written as they are under the plan ``dcp.save`` makes of the live state."""
         if self.ledger is not None and record is not None:
             self._write_line(record)
         every = self.every_steps
         by_steps = step % every == 0 if every else False
         if self.sharded is not None:
             if (force or by_steps) and step != 0:
-                self._submit_sharded(step, state(), world_size, {"epoch": epoch, "cursor": cursor, "samples": samples})
+                self._submit_sharded(step, state(), world_size, {"epoch": epoch, "cursor": cursor, "samples": samples},
+                                     host=host if isinstance(host, HostShards) else None)
             return
         if self.writer is None:
             if self.collective and (force or by_steps) and step != 0:
@@ -311,7 +324,8 @@ class Snapshots:
             self.metrics.snapshot_skipped()
         self._stalled += time.perf_counter() - t_sync
 
-    def _submit_sharded(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any]) -> bool:
+    def _submit_sharded(self, step: int, state: dict[str, Any], world_size: int, meta: dict[str, Any],
+                        host: HostShards | None = None) -> bool:
         """Every rank: its part of snapshot ``step`` (a collective); rank 0 counts it."""
         assert self.sharded is not None
         t0 = time.perf_counter()
@@ -322,7 +336,13 @@ class Snapshots:
         if token is not None:
             meta["fence"] = token.to_meta()
         assert self._info is not None
-        done = self.sharded.submit(step, state, world_size=world_size, info=self._info, extra_meta=meta)
+        done = self.sharded.submit(step, state, world_size=world_size, info=self._info, extra_meta=meta, host=host)
+        if done and host is not None and host.taken_bytes:
+            if not self.fed_from_host and self._info.is_main:
+                log.info("snapshot step %d: this rank's shards written from its peer copy's host copy of that step "
+                         "(%d bytes taken as they are, %d copied); so are later ones whose step has a host copy", step,
+                         host.taken_bytes, host.copied_bytes)
+            self.fed_from_host += 1
         if self._info.is_main:
             if done:
                 self.metrics.snapshot_submitted(time.perf_counter() - t0)

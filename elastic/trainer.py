@@ -113,6 +113,7 @@ from .goodput.recorder import GoodputLog
 from .collectives import first_line
 from .grad_sync import CollectiveFailure, GradSync, is_collective_failure
 from .heartbeat import Heartbeat
+from .host_shards import host_shards
 from .inplace import node_verdict
 from .inplace.memory_copies import MemoryCopies, World as CopyWorld
 from .inplace.peer_copies import PeerCopies, copy_for_snapshot, peer_copies_asked, peer_copy_setting
@@ -815,7 +816,7 @@ class ElasticRun:
         if not self.copies.on:
             return True
         d = self.dist
-        feed, shared = self.snapshots.host_copy_wanted(self.state.step) if not self.state.sharded else (False, False)
+        feed, shared = self.snapshots.host_copy_wanted(self.state.step)
         with owned():
             return self.copies.after_step(self.state.step, d.rank, d.world_size, d.node, _local_world_size(),
                                           lambda: {"state": self.state.capture(local=True),
@@ -827,8 +828,16 @@ class ElasticRun:
         """This rank's complete host copy of ``step`` for its snapshot, if it has one of the
         state as it stands (None: the snapshot captures its own). A copy is of step ``step``
         only if no state was loaded since it was made (a rollback to an older step trains
-        ``step`` again, and a copy of the first try is not of that state)."""
-        if self.state.sharded or not self.snapshots.takes_host_copies:
+        ``step`` again, and a copy of the first try is not of that state). A sharded model's:
+        this rank's shards of it, paired with the live ones (:func:`elastic.host_shards.host_shards`)."""
+        if self.state.sharded:
+            if not self.snapshots.takes_sharded_host_copies:
+                return None
+            from .inplace.hsdp import capture_local
+
+            return host_shards(self.copies.fed, step, self.state.loads,
+                               lambda: capture_local(self.state.module, self.state.optimizer))
+        if not self.snapshots.takes_host_copies:
             return None
         return copy_for_snapshot(self.copies.fed, step, self.state.loads)
 

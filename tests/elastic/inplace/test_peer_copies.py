@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent('''\
     loader = torch.utils.data.DataLoader(Data(96), batch_size=3)
     every = os.environ.get("EVERY", "1")
     ft = elastic.Elastic(steps=int(os.environ["STEPS"]), peer_copy_every=int(every) if every.isdigit() else every,
-                         metrics=False)
+                         metrics=False, snapshots=elastic.SnapshotConfig(every_steps=int(os.environ.get("SNAP", "100"))))
     model, optimizer, loader = ft.prepare(model, optimizer, loader)
     run, out, rank = ft.run, os.environ["OUT"], dist.get_rank()
     def at_exit():  # what this rank holds when it leaves (a peer lost: the restart path ends it)
@@ -82,7 +82,8 @@ SCRIPT = textwrap.dedent('''\
             held = {src: {"step": c.step, "payload": c.payload} for src, c in run.copies.held.items()}
             torch.save({"step": run.step_count, "own": mine, "held": held, "buddy": run.copies.buddy,
                         "failure": run.copies.failure, "trained": bool(trained),
-                        "seconds": run.copies.last_seconds, "bytes": run.copies.last_bytes},
+                        "seconds": run.copies.last_seconds, "bytes": run.copies.last_bytes,
+                        "fed": run.snapshots.fed_from_host},
                        f"{out}/r{rank}-s{run.step_count}.pt")
 ''')
 
@@ -131,7 +132,7 @@ def test_every_ranks_state_is_at_its_buddy_on_another_node_bit_for_bit_after_eve
     (tmp_path / "job.py").write_text(SCRIPT)
     stores: list[dist.TCPStore] = []
     steps = 5
-    ddp._wait(_world(tmp_path, steps, stores), tmp_path, timeout=240)
+    ddp._wait(_world(tmp_path, steps, stores, SNAP="2"), tmp_path, timeout=240)
     buddies = ring([[0, 1], [2, 3]])
     for rank in range(4):
         for step in range(1, steps + 1):
@@ -145,6 +146,28 @@ def test_every_ranks_state_is_at_its_buddy_on_another_node_bit_for_bit_after_eve
             assert mine["bytes"] > 0 and mine["seconds"] > 0
     last = _dump(tmp_path, 0, steps)["own"]["state"]
     assert last["progress"]["step"] == steps and "exp_avg" in str(last["optimizer"]["state"])  # AdamW's state too
+    # Snapshot step 2 (sharded: each rank its own shards) was written from each rank's host copy of
+    # step 2 (issue 52 item 3), and holds exactly what the ranks held at step 2 (FSDP2 shards dim 0).
+    assert all(_dump(tmp_path, rank, steps)["fed"] >= 1 for rank in range(4)), "no shards from a host copy"
+    _snapshot_is_the_ranks_state(tmp_path, 2)
+
+
+def _snapshot_is_the_ranks_state(tmp: Path, step: int) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from checkpoints import SnapshotStore
+    from checkpoints.reading import DCP_DIR_KEY
+
+    snap = SnapshotStore(tmp / "snapshots", create=False).load(step)
+    dcp_to_torch_save(snap[DCP_DIR_KEY], tmp / "full.pt")
+    full = torch.load(tmp / "full.pt", weights_only=False)
+    assert snap["progress"]["step"] == step
+    held = [_dump(tmp, rank, step)["own"]["state"] for rank in range(4)]
+    for i, name in enumerate(full["model"]):
+        _equal(full["model"][name], torch.cat([h["model"][name] for h in held]), f"snapshot {step}: {name}")
+        for moment in ("exp_avg", "exp_avg_sq"):
+            _equal(full["optimizer"]["state"][name][moment],
+                   torch.cat([h["optimizer"]["state"][i][moment] for h in held]), f"snapshot {step}: {name} {moment}")
 
 
 @pytest.mark.slow
