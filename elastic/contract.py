@@ -345,7 +345,7 @@ _flags(  # torchrun's flags (torch.distributed.run), which the agent takes as th
     "shutdown_timeout")
 _flags(  # the agent's own (agent.node.launch)
     "node_name", "metrics_port", "metrics_addr", "lease_ttl", "hang_timeout", "snapshot_dir", "warm_start",
-    "in_place", "agent_dir", "hang_startup_timeout", "term_grace")
+    "in_place", "agent_dir", "hang_startup_timeout", "keep_out_s", "term_grace")
 
 
 def markdown_table() -> str:
