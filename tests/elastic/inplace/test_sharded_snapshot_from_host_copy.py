@@ -21,6 +21,7 @@ import torch
 
 from elastic.host_shards import HostShards, host_shards
 from elastic.inplace.peer_copies import Copy
+from tests.support.trees import assert_same_tree
 
 STEP = 3
 
@@ -132,22 +133,6 @@ def _layouts(rank: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-def _equal(a: Any, b: Any, where: str) -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.slow  # two processes
 def test_a_sharded_snapshot_from_the_host_copies_equals_one_from_the_capture_path(tmp_path: Path) -> None:
     from tests.support.spawn import ranks
@@ -156,9 +141,9 @@ def test_a_sharded_snapshot_from_the_host_copies_equals_one_from_the_capture_pat
     for name in ("fsdp", "hsdp"):
         own, host = (torch.load(tmp_path / f"{name}-{way}.pt", weights_only=False) for way in ("own", "host"))
         assert set(own) == {"model", "optimizer"} and own["model"] and own["optimizer"]["state"], own
-        _equal(host, own, f"{name}: DCP's load")  # model and AdamW state (moments, step counts), whole
+        assert_same_tree(host, own, f"{name}: DCP's load")  # model and AdamW state (moments, step counts), whole
         files = {way: torch.load(tmp_path / f"{name}-{way}-files.pt") for way in ("own", "host")}
         assert files["host"] == files["own"], f"{name}: the shard files differ"  # the same bytes, file by file
         rest = torch.load(tmp_path / f"{name}-rest.pt", weights_only=False)
-        _equal(rest["host"], rest["own"], f"{name}: the run state")
+        assert_same_tree(rest["host"], rest["own"], f"{name}: the run state")
         assert rest["own"]["progress"] == {"step": STEP, "samples": 12} and rest["own"]["sampler"]["cursor"] == 12

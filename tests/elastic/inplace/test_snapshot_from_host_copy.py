@@ -27,6 +27,7 @@ from elastic.run_config import SnapshotConfig
 from elastic.sampler import ElasticSampler
 from elastic.snapshots import Snapshots
 from elastic.train_state import TrainState
+from tests.support.trees import assert_same_tree
 
 STEP = 3
 
@@ -71,22 +72,6 @@ def _write(root: Path, info: DistInfo, mode: str, state: TrainState, host: Any) 
     return SnapshotStore(root, create=False).load(STEP), fed
 
 
-def _equal(a: Any, b: Any, where: str = "state") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 # the writer process: its child imports torch (seconds under load), so with the slow tests
 @pytest.mark.parametrize("mode", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_a_snapshot_from_the_host_copy_equals_one_from_its_own_capture(
@@ -101,7 +86,7 @@ def test_a_snapshot_from_the_host_copy_equals_one_from_its_own_capture(
     own, fed_own = _write(tmp_path / "own", world_of_one, "thread", state, None)  # the files are alike either way
     fed, fed_host = _write(tmp_path / "host", world_of_one, mode, state, copy)
     assert (fed_own, fed_host) == (0, 1)
-    _equal(fed, own)  # every tensor, and the run state: progress, sampler, RNG, metadata
+    assert_same_tree(fed, own)  # every tensor, and the run state: progress, sampler, RNG, metadata
     for key in ("model", "optimizer", "sampler", "progress", "rng"):
         assert key in own
     assert own["progress"] == {"step": STEP, "samples": 24} and own["sampler"]["cursor"] == 24
@@ -197,4 +182,4 @@ def test_a_run_with_copies_writes_its_snapshots_from_them_and_they_equal_a_run_w
     steps = {info.step for info in with_copies.list()} & {info.step for info in without.list()}
     assert {EVERY, RUN_STEPS} <= steps
     for step in sorted(steps):  # the same snapshots, tensor by tensor, run state (progress, sampler, RNG) included
-        _equal(with_copies.load(step), without.load(step), f"step {step}")
+        assert_same_tree(with_copies.load(step), without.load(step), f"step {step}")
