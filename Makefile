@@ -57,6 +57,7 @@ test-profile: $(STAMP)
 	cp tests/support/proc_probe.py $(SITE)/_elastic_proc_probe.py
 	echo "import _elastic_proc_probe" > $(SITE)/elastic-proc-probe.pth
 	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)
+	$(PY) -m compileall -q elastic agent checkpoints tests bench >/dev/null
 	ELASTIC_PROFILE_OUT=$(PROFILE_DIR) $(PY) -m pytest -q -p no:cacheprovider -p tests.support.profile_plugin \
 		-n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || true
 	$(PY) -m tests.support.suite_profile report $(PROFILE_DIR) | tee $(PROFILE_DIR)/report.md
