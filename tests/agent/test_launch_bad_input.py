@@ -88,6 +88,9 @@ RUN_ID = f"a run id names etcd keys and directories, so use 1-128 {RUN_ID_RULE}"
     (["--lease-ttl", "1"], "--lease-ttl 1: is below etcd's minimum lease TTL of 2 s"),
     (["--metrics-port", "port"], "--metrics-port port: is not a port"),
     (["--keep-out-s", "0"], "--keep-out-s 0: must be positive seconds"),
+    (["--metrics-port", "70000"], "--metrics-port 70000: is not a port"),
+    (["--hang-timeout", "-3"], "--hang-timeout -3: must be positive seconds"),
+    (["--snapshot-dir", "/proc/elastic-cannot-be-here"], "--snapshot-dir /proc/elastic-cannot-be-here"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag; see elastic agent --help"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_a_bad_flag_is_one_line_before_anything_starts(
