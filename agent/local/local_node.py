@@ -155,15 +155,24 @@ class LocalNode:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def _gone(self) -> bool:
+        """The agent has exited and its exit code is known. Its pid then names nothing of ours: an
+        agent forked by the zygote is reaped by the zygote at once, so nothing holds its pid, and
+        on a busy machine (pid_max 32768, every thread a pid) the kernel hands it to another
+        process within minutes. A signal sent to that pid's tree would kill a stranger."""
+        return self.process is None or self.process.poll() is not None
+
     def kill(self) -> list[int]:
-        """Node loss: SIGKILL the agent and all its workers at once."""
+        """Node loss: SIGKILL the agent and all its workers at once (nothing if it already ended)."""
+        if self._gone():
+            return []
         pids = kill_tree(self.pid, signal.SIGKILL)
         assert self.process is not None
         self.process.wait(timeout=10)
         return pids
 
     def freeze(self) -> None:
-        self.frozen = freeze_tree(self.pid)
+        self.frozen = [] if self._gone() else freeze_tree(self.pid)
 
     def thaw(self) -> None:
         thaw_tree(self.frozen)
@@ -174,7 +183,7 @@ class LocalNode:
             return
         if self.frozen:
             self.thaw()
-        if process_tree(self.pid):
+        if not self._gone() and process_tree(self.pid):
             kill_tree(self.pid, signal.SIGKILL)
         try:
             self.process.wait(timeout=10)

@@ -253,7 +253,9 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        # poll first: the zygote reaps its children at once, so once this one has ended its pid
+        # is free for the kernel to give to another process, which a signal must not reach
+        if self.poll() is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:

@@ -95,3 +95,33 @@ def test_a_node_whose_zygote_is_gone_starts_its_agent_by_exec(zygote: Zygote, tm
         assert node.process.wait(timeout=120) != 0  # the agent ran (and refused its flags) by exec
     finally:
         node.cleanup()
+
+
+@pytest.mark.slow  # starts processes
+def test_a_node_whose_forked_agent_ended_signals_nothing_under_its_old_pid(zygote: Zygote, tmp_path: Path) -> None:
+    """The zygote reaps a forked process at once, so nothing holds its pid once it ends, and on
+    a busy machine (pid_max 32768, a pid per thread) the kernel gives it to another process
+    within minutes: a whole-suite run once saw an agent that had logged its normal end come
+    back as -9. The kernel's reuse cannot be forced, so the ended process's pid is pointed at a
+    live stranger of ours (the one stand-in here); its kill, its node's kill and clean-up must
+    leave the stranger alone."""
+    script, log = tmp_path / "job.py", tmp_path / "job.log"
+    script.write_text(SCRIPT)
+    proc = zygote.fork(str(script), ["0"], dict(os.environ), tmp_path, log, kind="script")
+    assert isinstance(proc, ForkedProcess)
+    wait_until(lambda: zygote.exit_code(proc.pid) is not None, 60, "the forked process to end")
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        # the kernel's reuse of the freed pid, made certain: the pid the zygote said ended now names the stranger
+        zygote._exits[stranger.pid] = zygote._exits.pop(proc.pid)
+        proc.pid = stranger.pid
+        proc.kill()
+        node = LocalNode(name="a", endpoint="127.0.0.1:1", run_id="r", workdir=tmp_path, process=proc)
+        assert node.kill() == []
+        node.freeze()
+        node.cleanup()
+        assert stranger.poll() is None, "a signal meant for the ended process reached the stranger"
+        assert proc.returncode == 0
+    finally:
+        stranger.kill()
+        stranger.wait()
