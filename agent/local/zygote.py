@@ -136,6 +136,11 @@ class Zygote:
                 _, pid, code = line.split()
                 self._exits[int(pid)] = int(code)
             else:
+                if line.startswith("started "):
+                    # A new child under a pid an earlier child had (the kernel reuses pids: pid_max
+                    # 32768, a pid per thread): that one's exit is not this one's. In stream order,
+                    # so an exit of the new child read in the same batch is kept.
+                    self._exits.pop(int(line.split()[2]), None)
                 self._replies.append(line)
 
     def _line(self, timeout: float) -> str:

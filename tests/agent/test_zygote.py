@@ -125,3 +125,38 @@ def test_a_node_whose_forked_agent_ended_signals_nothing_under_its_old_pid(zygot
     finally:
         stranger.kill()
         stranger.wait()
+
+
+@pytest.mark.slow  # starts a process
+def test_a_child_started_under_an_ended_childs_pid_is_not_taken_for_ended() -> None:
+    """The kernel reuses pids (pid_max 32768 here, a pid per thread), so a new agent can get the
+    pid of one this zygote forked and reported ended earlier in the session, as SIGKILLed (-9).
+    Its node then read as ended at once, with that old -9: a whole-suite run failed a job whose
+    agent had logged its normal end. The reuse cannot be forced, so ``cat`` stands in for the
+    zygote's reply stream (the protocol's lines, in its order); the parsing is the real one."""
+    zygote = Zygote()
+    stream = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert stream.stdin is not None and stream.stdout is not None
+    os.set_blocking(stream.stdout.fileno(), False)
+    zygote._process = stream
+    try:
+        def say(line: str) -> None:
+            assert stream.stdin is not None
+            stream.stdin.write(f"{line}\n".encode())
+            stream.stdin.flush()
+
+        pid = 2 ** 22 + 17  # no live process of ours: exit codes come from the stream alone
+        say(f"exited {pid} -9")
+        assert zygote.exit_code(pid, timeout=10) == -9
+        say(f"started 7 {pid}")  # a new child under that pid
+        assert zygote._line(10) == f"started 7 {pid}"
+        assert zygote.exit_code(pid) is None, "the new child was taken for the ended one"
+        say(f"exited {pid} 0")
+        assert zygote.exit_code(pid, timeout=10) == 0
+        say(f"started 8 {pid}")
+        say(f"exited {pid} 3")  # read in one batch with its start: kept
+        assert zygote._line(10) == f"started 8 {pid}" and zygote.exit_code(pid, timeout=10) == 3
+    finally:
+        zygote._process = None
+        stream.kill()
+        stream.wait()
