@@ -2,12 +2,13 @@
 
 World 3 on purpose: averaging by ``x / 3`` and by ``x * (1/3)`` differ in the last bit, so
 a hook that averaged differently from DDP's reducer would fail here (world 2 would hide it).
-Forked processes over a FileStore keep this to a few seconds (no torch import per process on
-two busy cores); rendezvous is not the point.
+Processes forked from one forkserver over a FileStore keep this to a few seconds (no torch
+import per process on two busy cores); rendezvous is not the point.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -107,7 +108,12 @@ def _worker(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("hook")
-    mp.start_processes(_worker, args=(str(tmp),), nprocs=WORLD, join=True, start_method="fork")
+    # The ranks fork from a fresh, single-threaded forkserver that imported torch and this module
+    # once, not from the pytest worker itself: earlier in-process tests can leave that worker with
+    # threads (etcd keep-alives, a witness's acceptor), and a fork while one of them held a lock
+    # hung every rank of a whole-suite run until the 300 s timeout.
+    multiprocessing.set_forkserver_preload(["torch", __name__])
+    mp.start_processes(_worker, args=(str(tmp),), nprocs=WORLD, join=True, start_method="forkserver")
     return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
 
 
