@@ -253,12 +253,14 @@ class Snapshots:
         """Whether a host copy of ``step`` made now is to be kept for its snapshot (one would
         be due), and whether in shared memory (the writer process reads only that; a sharded
         snapshot is written by this process's own thread, and is due by steps only)."""
-        every = self.every_steps
-        if self.takes_sharded_host_copies and step != 0:
-            return (step % every == 0 if every else False), False
-        if not self.takes_host_copies or step == 0:
+        if step == 0:
             return False, False
+        every = self.every_steps
         by_steps = step % every == 0 if every else False
+        if self.takes_sharded_host_copies:
+            return by_steps, False
+        if not self.takes_host_copies:
+            return False, False
         by_time = self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
         due = by_steps or by_time
         return due, due and getattr(self.writer, "mode", None) == "process"

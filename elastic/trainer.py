@@ -228,6 +228,7 @@ class ElasticRun:
     metrics: Any
     goodput: GoodputLog
     _dist: DistInfo
+    _guards_nonfinite: bool  # set through the guards_nonfinite property, which also sets the check's and GradSync's
 
     def __init__(
         self,
@@ -312,11 +313,6 @@ class ElasticRun:
             model, took_ddp = unwrap_ddp(model, self)  # the script's DDP: the run builds its own per world
             self.state = TrainState(model, optimizer, self.plan.sampler, scheduler, scaler)
             self.state.sharded = self.mesh is not None
-            # Each step's all-reduced gradients are looked at before they are applied (consistency.nonfinite):
-            # DDP's sum is every rank's alike; a sharded model's flags meet in one tiny all-reduce after its
-            # backward (GradSync.agree_on_failure). Not under a GradScaler (non-finite gradients are its to skip).
-            self._guards_nonfinite = not (scaler is not None and scaler.is_enabled())
-            self._check.guarded = self._guards_nonfinite
             if self.mesh is not None:
                 sharded.check_snapshots(snapshot_config.every_seconds)
             self.world = choose_world(backend, collective_timeout, in_place, owns_group,
@@ -328,7 +324,10 @@ class ElasticRun:
             self.metrics = self._start_metrics(metrics)
             self.state.module.to(self.dist.device)
             self.sync = GradSync(self.state.module, self.metrics, user_backward, sharded=self.mesh is not None)
-            self.sync.guard_nonfinite = self._guards_nonfinite and self.mesh is not None
+            # Each step's all-reduced gradients are looked at before they are applied (consistency.nonfinite):
+            # DDP's sum is every rank's alike; a sharded model's flags meet in one tiny all-reduce after its
+            # backward (GradSync.agree_on_failure). Not under a GradScaler (non-finite gradients are its to skip).
+            self.guards_nonfinite = not (scaler is not None and scaler.is_enabled())
             self.hsdp = sharded.take_over(self.state.module, self.mesh, self.world, self.sync)  # HSDP in place
             if self.hsdp is not None:  # its all-reduce across replicas, timed like DDP's
                 self.hsdp.timer = getattr(self.metrics, "replicate_timer", lambda: None)()
