@@ -25,6 +25,7 @@ from pathlib import Path
 MARKER = ".elastic-agent-dir"
 LOCK = ".elastic-agent.lock"  # locked by the live agent using the directory; holds its pid
 RUNTIME = ("heartbeat", "control", "goodput")  # cleared at start (metrics/ loses its *.db files)
+LOGS = "logs"  # the workers' torch log files (--log-dir) when none is given: they go with the directory
 _MARKER_TEXT = ("Made by elastic agent, which clears heartbeat/, control/, goodput/ and metrics/*.db "
                 "here at each start. It uses a directory only when it is new, empty or holds this file.\n")
 

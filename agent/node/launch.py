@@ -32,7 +32,7 @@ from elastic.atomic_file import write_atomically
 from agent.rendezvous.keepout import BACKOFF_BASE_S, BACKOFF_CAP_S
 from agent.rendezvous.registry import DEFAULT_LEASE_TTL, default_node_name
 
-from agent.node.agent_dir import (MARKER, AgentDir, AgentDirError, claim_agent_dir, claim_memory_dir,
+from agent.node.agent_dir import (LOGS, MARKER, AgentDir, AgentDirError, claim_agent_dir, claim_memory_dir,
                                   release_memory_dir)
 from agent.tools.etcd_args import DEFAULT_ENDPOINT
 from agent.node.nnodes import apply_nnodes, environment_nnodes
@@ -358,6 +358,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     from agent.rendezvous.agent_side import handler_side
 
     _standalone(args)
+    if not args.log_dir:  # torch would make a torchelastic_* directory in $TMPDIR and never remove it
+        args.log_dir = str(work / LOGS)
     try:
         config, cmd, cmd_args = config_from_args(args)
     except ValueError as exc:  # torchrun's own checks, e.g. --rdzv-conf or --local-ranks-filter syntax

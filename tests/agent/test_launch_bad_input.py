@@ -248,6 +248,8 @@ def test_the_temporary_agent_dir_is_removed_after_a_clean_exit(tmp_path: Path) -
     assert code == 0, out
     assert started.read_text() == "started"
     assert agent_temp_dirs(tmp) == [], out
+    # nor anything else: torch's log directory (torchelastic_*) was the agent's too
+    assert sorted(p.name for p in tmp.iterdir()) == [], out
 
 
 @pytest.mark.slow  # starts processes
