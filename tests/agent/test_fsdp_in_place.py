@@ -327,14 +327,18 @@ def test_on_the_restart_path_a_worker_sigkilled_alone_restarts_its_node_from_the
     assert a.process is not None and a.process.returncode == 0, log()
 
     every = _rows(rows)
-    before = max(r["step"] for r in every if r["pid"] in old.values())  # the last step the old workers trained
+    before = max(r["step"] for r in every if r["pid"] in old.values())  # the last step an old worker wrote a row for
     after = min(r["step"] for r in every if r["pid"] not in old.values())
-    # 0 steps rolled back: a step is reported trained only once every rank's copy of it is in memory
-    assert after == before + 1, f"restarted at step {after}: the last trained before the kill was {before}"
     text = a.log_path.read_text()
     resumed = [line for line in text.splitlines() if "resumed from memory at step" in line]
     assert len(resumed) == 1, log()
-    assert int(resumed[0].split("resumed from memory at step ")[1].split()[0]) == before, resumed
+    at = int(resumed[0].split("resumed from memory at step ")[1].split()[0])
+    # 0 steps rolled back: a step is reported trained only once every rank's copy of it is in
+    # memory. The step the kill came after may have no row: its copies were complete, but the
+    # kill failed the script's metric all-reduce (every third step) before the surviving rank
+    # wrote one. So the resumed step is the last row's or the one after it, never earlier.
+    assert before <= at <= before + 1, f"resumed from memory at step {at}: the last row before the kill was {before}"
+    assert after == at + 1, f"restarted at step {after} after resuming from step {at}"
     assert "resumed from snapshot step" not in text and "Traceback" not in text, log()
     report = check_ledger(ledger, dataset_size=RESTART_DATASET, expect_epochs=2)
     assert report.ok, report.violations
