@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from elastic.inplace.channel import assign_ranks, make_offer
+from elastic.inplace.channel import RoundOffer, assign_ranks, make_offer
 from elastic.worker_env import joins_live_world
 from agent.etcd import EtcdError
 from agent.rendezvous.ended import SUCCEEDED, JobEnded
@@ -97,21 +97,36 @@ class EtcdRendezvous(AgentRendezvous):
                                 else (previous.number + 1, previous.participants))
         rank_base, world_size = info.rank * self.nproc, info.world_size * self.nproc
         records = h.node_records()
+        offer = self._offer(number, participants, records, record.cause if record is not None else JOIN)
+        if self.in_place and offer is None:
+            # The mirror may not hold every member yet: a node that has just started reads
+            # every peer's keys on demand, and its first read can lag or fail and be retried in
+            # the background. Without an offer its in-place workers would wait for one that
+            # never comes while the others wait for them (a chaos run wedged so for 150 s).
+            records = h.node_records_now()
+            offer = self._offer(number, participants, records, record.cause if record is not None else JOIN)
+            if offer is None:
+                log.warning("[%s] round %d cannot be handed to the workers: %s; the next round leaves "
+                            "such a member out", self.node, number, _unoffered(participants, records))
         nprocs = {n: r.nproc for n, r in records.items()}
         ranks = assign_ranks(participants, self.node, nprocs)
         if ranks is not None:
             rank_base, world_size = ranks
         # decided by the round's closer for every member alike (RoundRecord.in_place)
         live = self.in_place and record is not None and record.forms_in_place
-        offer = None
-        if self.in_place:
-            offer = make_offer(number, participants, self.node, nprocs,
-                               {n: r.store_addr for n, r in records.items()},
-                               record.cause if record is not None else JOIN)
         return Round(number=number, participants=participants, group_rank=info.rank, group_world=info.world_size,
                      rank_base=rank_base, world_size=world_size, master_addr=master_addr, master_port=master_port,
                      offer=offer, live_world=live,
                      fresh_world=self.in_place and record is not None and not record.in_place)
+
+    def _offer(self, number: int, participants: tuple[str, ...], records: Mapping[str, NodeRecord],
+               cause: str) -> RoundOffer | None:
+        """The offer for this node's in-place workers from ``records`` (None: not in place, or a
+        member's record lacks its process count or, for the first member, its store address)."""
+        if not self.in_place:
+            return None
+        return make_offer(number, participants, self.node, {n: r.nproc for n, r in records.items()},
+                          {n: r.store_addr for n, r in records.items()}, cause)
 
     def _refuse_a_finished_job(self) -> None:
         """A node whose workers succeeded trained the job's last step (``ElasticRun``: every
@@ -271,4 +286,16 @@ def agent_rendezvous(handler: RendezvousHandler, node: str, nproc: int, in_place
     return TorchRendezvous(handler, node, nproc, in_place=False)
 
 
+def _unoffered(participants: tuple[str, ...], records: Mapping[str, NodeRecord]) -> str:
+    """What keeps a round's offer from being made, in words (:func:`make_offer`'s needs)."""
+    missing = [n for n in participants if n not in records]
+    if missing:
+        return f"no registry record of {', '.join(missing)}"
+    no_count = [n for n in participants if not records[n].nproc]
+    if no_count:
+        return f"no process count in the record of {', '.join(no_count)}"
+    return f"no store address in the record of {participants[0]}" if participants else "no members"
+
+
 __all__ = ["EtcdHandlerSide", "EtcdRendezvous", "agent_rendezvous", "handler_side"]
+

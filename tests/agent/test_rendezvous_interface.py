@@ -175,6 +175,46 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
             store.close()
 
 
+def test_a_joiner_whose_mirror_has_not_read_its_peers_yet_still_hands_its_workers_the_round(
+        etcd_server: EmbeddedEtcd, run_id: str) -> None:
+    """A node that has just started reads every peer's registry key on demand, and that first
+    read can lag behind the round it joins (or fail and be retried in the background). Its
+    in-place workers need the round's offer (every member's process count, the first
+    member's store address): without one they waited for an offer that never came, while the
+    others waited for them (a chaos run's returning node, wedged 150 s). The lag is made by
+    emptying the joiner's mirror-fed view of the records (a timing that cannot be forced
+    otherwise); the records in etcd are real."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
+    b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=n_proc, in_place=True)
+            for n, n_proc in (("b", 2), ("a", 1)))
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    for node, store in zip((b, a), stores):
+        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
+                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
+                    while_spare=lambda: None)
+    try:
+        first = b.next_round(RoundCause.JOIN, Round(world_size=2))
+        b.publish(in_place=True)
+        a._handler.node_records = lambda: {}  # its mirror has read nothing yet
+        results: dict[str, Any] = {}
+        joiner = threading.Thread(target=lambda: results.update(a=a.next_round(RoundCause.JOIN, Round())), daemon=True)
+        joiner.start()
+        wait_until(lambda: f"/elastic/{run_id}/rdzv/join/1/a" in b._handler.mirror.entries()[0], 30, "a to open round 1")
+        results["b"] = b.next_round(RoundCause.JOIN, first, offered=True)
+        joiner.join(timeout=30)
+        offer = results["a"].offer
+        assert offer is not None, "the joiner's workers got no offer: they would wait for ever"
+        assert (offer.round, offer.participants, offer.nprocs) == (1, ("b", "a"), (2, 1))
+        assert (offer.rank_base, offer.world_size) == (2, 3) == (results["a"].rank_base, results["a"].world_size)
+        assert offer.store == f"127.0.0.1:{stores[0].getsockname()[1]}"  # b's: the round's first member hosts it
+    finally:
+        for node in (a, b):
+            node._handler.close()
+        for store in stores:
+            store.close()
+
+
 def test_a_node_whose_workers_finished_says_so_before_its_exit_barrier_and_a_joiner_stops_at_once(
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
     """Node b's workers trained the last step just as node a came back and joined a round with
