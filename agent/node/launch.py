@@ -16,11 +16,13 @@ checked as it is parsed, whether it came from the command line or from the envir
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -358,6 +360,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, node: str, s
     from agent.rendezvous.agent_side import handler_side
 
     _standalone(args)
+    _stacks_on_sigusr1()
     if not args.log_dir:  # torch would make a torchelastic_* directory in $TMPDIR and never remove it
         args.log_dir = str(work / LOGS)
     try:
@@ -576,6 +579,15 @@ def _advertised(bind: str) -> str:
     if bind in ("0.0.0.0", "::", ""):
         return socket.getfqdn()
     return bind
+
+
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1``: every thread's stack to the log, which says what an agent that does not
+    end waits on (its workers do the same, agent.worker.worker_boot)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, OSError):  # io.UnsupportedOperation: no real stderr (main called in a process's tests)
+        pass
 
 
 def _configure_logging(node: str) -> None:

@@ -11,7 +11,9 @@ operator sees: the one line naming the check and the fix, the metric, the node n
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -59,6 +61,17 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 
 def _log(node: Node) -> str:
     return node.log_path.read_text(errors="replace") if node.log_path.exists() else ""
+
+
+def _stacks(node: Node) -> str:
+    """The agent's log tail with every one of its threads' stacks (SIGUSR1), for an agent that
+    did not end: what it waits on."""
+    if node.alive():
+        os.kill(node.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "(most recent call first)" not in _log(node) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a diagnostic for a failure already certain: no wait_until, which would raise
+    return node.log_tail(150)
 
 
 @pytest.mark.slow
@@ -139,4 +152,4 @@ def test_a_node_whose_clock_is_an_hour_off_does_not_join(
                on_timeout=node.log_tail)
     assert not node.progress() and "closed in" not in _log(node) and node.alive()
     os.kill(node.pid, 15)
-    wait_until(lambda: not node.alive(), 30, "the agent to stop", on_timeout=node.log_tail)
+    wait_until(lambda: not node.alive(), 30, "the agent to stop", on_timeout=lambda: _stacks(node))

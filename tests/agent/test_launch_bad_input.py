@@ -258,11 +258,13 @@ def test_the_temporary_agent_dir_is_removed_when_the_agent_is_stopped(tmp_path: 
     try:
         wait_until(lambda: started.exists(), 120, "the worker to start")
         assert len(agent_temp_dirs(tmp)) == 1  # the agent's, while it runs
+        proc.send_signal(signal.SIGUSR1)  # stops nothing: the agent writes its threads' stacks
         proc.send_signal(signal.SIGTERM)
     finally:
         code, out = finish(proc, timeout=60)
     assert code == 128 + signal.SIGTERM, out
     assert agent_temp_dirs(tmp) == [], out
+    assert "(most recent call first)" in out and "in _loop" in out, out  # the main thread, in the agent's loop
 
 
 @pytest.mark.slow  # starts processes
