@@ -123,7 +123,8 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     join_round = int(found[0].group(1))
     stale = {r["pid"] for r in rows(host, tmp_path)}
     took = first_step_without(host, survivors, tmp_path, frozen_at, 2, join_round)
-    assert took <= BOUND_S, f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)"
+    assert took <= BOUND_S, \
+        f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)\n{logs(*survivors)()}"
     train_together(survivors, tmp_path, 2, steps=5, after=frozen_at, timeout=60)
     keeper = next(n for n in survivors if n is not joiner)
     assert not [r for r in rows(keeper, tmp_path) if r["time"] > frozen_at and r["round"] == join_round], \
@@ -159,7 +160,7 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     last = next(n for n in pair if n is not host)
     failure_round = int(found[0].group(1))
     took = first_step_without(host, [last], tmp_path, frozen_at, 1, failure_round)
-    assert took <= BOUND_S, f"first step without the host frozen in a join {took:.2f} s after it froze"
+    assert took <= BOUND_S, f"first step without the host frozen in a join {took:.2f} s after it froze\n{logs(last)()}"
     assert_went_on_from_where_it_stood(last, tmp_path, 1, failure_round)
     host.thaw()
     thawed_at = time.time()
@@ -192,7 +193,8 @@ def test_the_current_rounds_host_frozen_mid_training_at_a_fixed_size_gives_its_p
                f"the survivor's first step without {host.name}", on_timeout=logs(survivor, spare))
     took = next(r["time"] for r in rows(survivor, tmp_path) if r["time"] > frozen_at and r["round"] > before) \
         - frozen_at
-    assert took <= BOUND_S, f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)"
+    assert took <= BOUND_S, \
+        f"first step without the frozen host {took:.2f} s after it froze (lease TTL {LEASE_TTL} s)\n{logs(survivor, spare)()}"
     train_together([survivor, spare], tmp_path, 2, steps=5, after=frozen_at, timeout=60)
     assert all(r["world_size"] == 2 for r in rows(survivor, tmp_path) if r["time"] > frozen_at), "the world shrank"
     assert {r["pid"] for r in rows(survivor, tmp_path)} == pids, "the survivor's worker was restarted"
