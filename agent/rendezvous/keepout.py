@@ -144,7 +144,11 @@ def choose_kept_out(participants: Sequence[str], reports: Iterable[ReachReport])
     0 stays). Never removes the last node.
     """
     reports = list(reports)
+    if not reports:  # the usual case, asked by every member at every look of a join: no work per member
+        return set()
     pairs = broken_pairs(participants, reports)
+    if not pairs:
+        return set()
     reported = {n: sum(1 for r in reports if r.node in participants and n in r.unreachable) for n in participants}
     order = {n: i for i, n in enumerate(participants)}
     kept = set(participants)

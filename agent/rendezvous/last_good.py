@@ -55,6 +55,7 @@ class LastGood(Generic[T]):
 
     def keep_only(self, present: Collection[str]) -> None:
         """Forget keys that are gone from etcd: a deleted key is absent, not forged."""
+        present = present if isinstance(present, (set, frozenset, dict)) else set(present)  # a list made it O(N^2)
         with self._lock:
             for gone in [k for k in self._good if k not in present]:
                 del self._good[gone]

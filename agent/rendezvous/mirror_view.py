@@ -189,7 +189,7 @@ class MirrorView:
             record = self._nodes_good.resolve(key, record, now)
             if record is not None:
                 records[record.node] = record
-        self._nodes_good.keep_only([key for key, _ in ours])
+        self._nodes_good.keep_only({key for key, _ in ours})
         return records
 
     def _current(self, key: str, entry: Entry) -> bool:
