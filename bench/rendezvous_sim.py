@@ -87,12 +87,22 @@ class Counter:
     events: int = 0
     event_bytes: int = 0
     read_bytes: int = 0
+    callers: dict[str, int] = field(default_factory=dict)  # requests by the product function that made them
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **amounts: int) -> None:
         with self.lock:
             for name, amount in amounts.items():
                 setattr(self, name, getattr(self, name) + amount)
+
+    def request(self, caller: str) -> None:
+        with self.lock:
+            self.requests += 1
+            self.callers[caller] = self.callers.get(caller, 0) + 1
+
+    def caller_counts(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.callers)
 
     def snapshot(self) -> tuple[int, int, int, int, int]:
         with self.lock:
@@ -220,6 +230,18 @@ class Connection_:
             return self._channels[(host, port)]
 
 
+_CLIENT_LAYER = (os.sep + os.path.join("agent", "etcd") + os.sep, __file__)
+
+
+def _caller() -> str:
+    """The first function outside the etcd client layer and this bench that made a request
+    (``--callers``): which of a member's requests grew is then known, not guessed."""
+    frame = sys._getframe(2)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _CLIENT_LAYER):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_code.co_qualname if frame is not None else "?"
+
+
 class CountingClient(EtcdClient):
     """One participant's :class:`EtcdClient`, over its host's shared connection, counted."""
 
@@ -248,7 +270,7 @@ class CountingClient(EtcdClient):
         return self.shared.channel(host, port)  # type: ignore[return-value]
 
     def call(self, request: Callable[[Any], Any], *, deadline: float | None = None) -> Any:
-        self.counter.add(requests=1)
+        self.counter.request(_caller())
         return super().call(request, deadline=deadline)
 
     def request_metadata(self, deadline: float) -> Any:
@@ -387,6 +409,12 @@ class Host:
                 self.send("quiet")
             elif command == "counts":
                 self.send("counts", {p.index: p.counter.snapshot() for p in self.participants})
+            elif command == "callers":
+                total: dict[str, int] = {}
+                for p in self.participants:
+                    for caller, count in p.counter.caller_counts().items():
+                        total[caller] = total.get(caller, 0) + count
+                self.send("callers", total)
             elif command == "stop":
                 for p in self.participants:
                     _stop(p.handler)
@@ -500,6 +528,17 @@ class Hosts:
             merged.update(message[1])
         return merged
 
+    def callers(self, links: dict[int, Connection] | None = None) -> dict[str, int]:
+        """Requests by caller, summed over every participant of ``links``' hosts."""
+        links = self.links if links is None else links
+        for link in links.values():
+            link.send("callers")
+        total: dict[str, int] = {}
+        for message in self.gather(lambda m: m[0] == "callers", 120, "callers", links).values():
+            for caller, count in message[1].items():
+                total[caller] = total.get(caller, 0) + count
+        return total
+
     def close(self, links: dict[int, Connection] | None = None) -> None:
         links = self.links if links is None else links
         try:
@@ -560,6 +599,12 @@ class Trial:
     loss_etcd_cpu: float = float("nan")
     extra_rounds: int = 0
     failed: str = ""
+    form_callers: dict[str, int] = field(default_factory=dict)  # --callers: requests by caller, summed
+    loss_callers: dict[str, int] = field(default_factory=dict)
+
+
+def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
 def _zero(h: Hosts) -> dict[int, tuple[int, ...]]:
@@ -578,6 +623,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
     watch = None
     try:
         before = hosts.counts()
+        callers0 = hosts.callers() if args.callers else {}
         cpu0 = tree_cpu_seconds([*hosts.pids, etcd.pid or 0])
         etcd0 = tree_cpu_seconds([etcd.pid or 0])
         go = time.monotonic()
@@ -592,6 +638,8 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
         trial.form_etcd_cpu = tree_cpu_seconds([etcd.pid or 0]) - etcd0
         after = hosts.counts()
         trial.form = Traffic.between(before, after, list(range(n)))
+        if args.callers:
+            trial.form_callers = _minus(hosts.callers(), callers0)
         if not kill:
             return trial
         deleted: dict[bytes, float] = {}
@@ -612,6 +660,7 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
                 link.send("follow")
         time.sleep(SETTLE_S)
         before = hosts.counts(survivors)
+        callers0 = hosts.callers(survivors) if args.callers else {}
         cpu0 = tree_cpu_seconds([*hosts.pids, etcd.pid or 0])
         etcd0 = tree_cpu_seconds([etcd.pid or 0])
         killed = time.monotonic()
@@ -633,6 +682,8 @@ def run_trial(backend: str, n: int, args: argparse.Namespace, etcd: EmbeddedEtcd
         trial.loss_cpu = cpu1 - cpu0
         trial.loss_etcd_cpu = tree_cpu_seconds([etcd.pid or 0]) - etcd0
         after = hosts.counts(survivors)
+        if args.callers:
+            trial.loss_callers = _minus(hosts.callers(survivors), callers0)
         for link in survivors.values():
             link.send("quiet")
         hosts.gather(lambda m: m[0] == "quiet", 60, "quiet", survivors)
@@ -672,6 +723,11 @@ def _row(t: Trial, c10d: Trial | None, phase: str) -> str:
     etcd_cpu = t.form_etcd_cpu if phase == "form" else t.loss_etcd_cpu
     extra = "" if phase == "form" else f"  kill->expiry {t.expiry_s:5.2f}  kill->hold {t.kill_s:6.2f}  " \
                                        f"extra rounds {t.extra_rounds}"
+    callers = t.form_callers if phase == "form" else t.loss_callers
+    members = t.n if phase == "form" else t.n - 1
+    if callers:  # --callers: each product function's requests per node, the most first
+        extra += "\n       requests/node by caller: " + ", ".join(
+            f"{name} {count / members:.2f}" for name, count in sorted(callers.items(), key=lambda kv: -kv[1])[:8])
     return (f"{t.n:>5}  {phase:>4}  {seconds:>7.2f}  {theirs:>6.2f}  {ours_vs / theirs:>5.2f}  "
             f"{traffic.per_node('requests'):>8.1f} {traffic.median('requests'):>5.0f} {traffic.top('requests'):>6}  "
             f"{traffic.per_node('keepalives'):>6.1f}  "
@@ -698,6 +754,8 @@ def main() -> None:
                         help="etcd request timeout, s (the endpoint option request_timeout; default 5)")
     parser.add_argument("--c10d-max", type=int, default=256, help="run c10d up to this many nodes")
     parser.add_argument("--give-up", type=float, default=300.0, help="seconds before a phase counts as failed")
+    parser.add_argument("--callers", action="store_true",
+                        help="also print each phase's requests per node by the product function that made them")
     parser.add_argument("--no-kill", action="store_true", help="formation only")
     parser.add_argument("--no-form", action="store_true", help="the loss trial only (it forms a round first)")
     parser.add_argument("--etcd-log", type=Path)
