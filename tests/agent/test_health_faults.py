@@ -11,9 +11,7 @@ operator sees: the one line naming the check and the fix, the metric, the node n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -21,6 +19,7 @@ import pytest
 
 from agent.local.local_node import AUTO_METRICS_PORT
 from agent.etcd import EmbeddedEtcd
+from tests.support.stacks import stacks_and_tails
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.waiting import wait_until
 
@@ -66,12 +65,7 @@ def _log(node: Node) -> str:
 def _stacks(node: Node) -> str:
     """The agent's log tail with every one of its threads' stacks (SIGUSR1), for an agent that
     did not end: what it waits on."""
-    if node.alive():
-        os.kill(node.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        while "(most recent call first)" not in _log(node) and time.monotonic() < deadline:
-            time.sleep(0.1)  # a diagnostic for a failure already certain: no wait_until, which would raise
-    return node.log_tail(150)
+    return stacks_and_tails([node], lines=150)
 
 
 @pytest.mark.slow

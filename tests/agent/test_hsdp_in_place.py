@@ -32,6 +32,7 @@ from agent.local.local_node import AUTO_METRICS_PORT
 from checkpoints.reading import DCP_DIR_KEY
 from checkpoints.s3store import S3SnapshotStore
 from elastic.ledger import check_ledger
+from tests.support.stacks import stacks_and_tails
 from tests.support.nodes import TorchrunNode as Node
 from tests.support.s3server import SeaweedS3
 from tests.support.waiting import wait_until
@@ -306,7 +307,7 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
 
     a, b, c = started = [node(n, "faulty", "1:3", whole) for n in ("a", "b", "c")]
     rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
-    every_log = lambda: "\n".join(n.log_tail(60) for n in started)  # noqa: E731
+    every_log = lambda: stacks_and_tails(started)  # noqa: E731  # each process's stacks first
     wait_until(lambda: any(r["world"] == whole and r["rank"] == 0 and r["step"] >= 14 for r in _rows(rows)),
                FORM_TIMEOUT, "HSDP over 3 nodes x 2 ranks to train", on_timeout=every_log)
     by_name = {n.name: n for n in (a, b, c)}
@@ -400,7 +401,7 @@ def test_hsdp_spares_take_a_killed_nodes_and_a_stragglers_place_and_the_model_eq
     group = {n: node(n, "faulty", SLOW_FLAG=str(flags[n]), ELASTIC_STRAGGLER_PERIOD_S="0.5", WORK_S="0.06")
              for n in ("a", "b", "c")}
     rows, ledger = runs["faulty"] / "rows.jsonl", runs["faulty"] / "ledger.jsonl"
-    every_log = lambda: "\n".join(n.log_tail(60) for n in (*group.values(), *calm))  # noqa: E731
+    every_log = lambda: stacks_and_tails((*group.values(), *calm))  # noqa: E731  # each process's stacks first
 
     def trained_by(after: float) -> set[str]:
         return {r["node"] for r in _rows(rows) if r["time"] > after and r["world"] == 4}

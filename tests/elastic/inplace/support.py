@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 from agent.etcd import EmbeddedEtcd
 from tests.elastic.metrics.scrape import fetch
 from tests.support.nodes import TorchrunNode as Node
+from tests.support.stacks import stacks_and_tails
 from tests.support.waiting import wait_until
 from agent.local.local_node import AUTO_METRICS_PORT
 from tests.support.metrics_url import metrics_url
@@ -45,7 +46,9 @@ def at_world(node: Node, workdir: Path, world: int, after: float = 0.0) -> list[
 
 
 def logs(*group: Node) -> Callable[[], str]:
-    return lambda: "\n".join(n.log_tail(80) for n in group)
+    """The nodes' log tails, with every agent's and worker's stacks dumped first (a timeout's
+    message then says where each waited)."""
+    return lambda: stacks_and_tails(group)
 
 
 def train_together(group: list[Node], workdir: Path, world: int, steps: int = 8, after: float = 0.0,
