@@ -123,6 +123,21 @@ def test_no_module_of_the_node_agent_knows_the_etcd_handler() -> None:
             assert not re.search(r"\._handler\b|\bhandler\.\w|\.handler\.\w", line), f"{path.name}: {line.strip()}"
 
 
+def _in_place_pair(etcd: EmbeddedEtcd, run_id: str, nprocs: dict[str, int]) -> tuple[list[Any], list[socket.socket]]:
+    """Two in-place agents' rendezvous (``nprocs``: name -> its process count, in start order)
+    over real etcd, each attached with a listening store port (a live agent's port answers
+    its peers' probe); the caller closes the handlers and the sockets."""
+    params = lambda name: RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
+    nodes = [agent_rendezvous(create_handler(params(n)), n, nproc=count, in_place=True) for n, count in nprocs.items()]
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in nodes]
+    for node, store in zip(nodes, stores):
+        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
+                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
+                    while_spare=lambda: None)
+    return nodes, stores
+
+
 def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
         etcd_server: EmbeddedEtcd, run_id: str) -> None:
     """Node b formed the job alone; its workers had not yet said they run in place when
@@ -131,14 +146,7 @@ def test_every_member_of_an_in_place_round_agrees_whether_it_joins_a_live_world(
     again in it). The agents once read the registry each for itself, a moment apart, took
     the round for a fresh one on one side and an in-place one on the other, and each
     waited for the other's kind of start: every round failed after 30 s."""
-    params = lambda name: RendezvousParameters(  # noqa: E731
-        "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
-    b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=1, in_place=True) for n in ("b", "a"))
-    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # a live agent's port answers its peers' probe
-    for node, store in zip((b, a), stores):
-        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
-                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
-                    while_spare=lambda: None)
+    (b, a), stores = _in_place_pair(etcd_server, run_id, {"b": 1, "a": 1})
     try:
         first = b.next_round(RoundCause.JOIN, Round(world_size=1))
         assert first.participants == ("b",) and not first.live_world and first.fresh_world
@@ -184,15 +192,7 @@ def test_a_joiner_whose_mirror_has_not_read_its_peers_yet_still_hands_its_worker
     others waited for them (a chaos run's returning node, wedged 150 s). The lag is made by
     emptying the joiner's mirror-fed view of the records (a timing that cannot be forced
     otherwise); the records in etcd are real."""
-    params = lambda name: RendezvousParameters(  # noqa: E731
-        "etcd-v3", etcd_server.endpoint, run_id, 1, 2, node_name=name, lease_ttl="5", last_call_timeout="0.1")
-    b, a = (agent_rendezvous(create_handler(params(n)), n, nproc=n_proc, in_place=True)
-            for n, n_proc in (("b", 2), ("a", 1)))
-    stores = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
-    for node, store in zip((b, a), stores):
-        node.attach(advertise_host="127.0.0.1", metrics_url=None, store_addr=f"127.0.0.1:{store.getsockname()[1]}",
-                    on_etcd_error=lambda kind: None, wake=lambda: None, on_keep_out=lambda out: None,
-                    while_spare=lambda: None)
+    (b, a), stores = _in_place_pair(etcd_server, run_id, {"b": 2, "a": 1})
     try:
         first = b.next_round(RoundCause.JOIN, Round(world_size=2))
         b.publish(in_place=True)
