@@ -38,6 +38,9 @@ rc.reconfigure(8 + rank, [rc.handle()], t)  # a uuid is spent store-wide, even b
 y = torch.tensor([5.0])
 dist.all_reduce(y)
 print("alone", dist.get_rank(), dist.get_world_size(), y.item(), flush=True)
+store.set(f"done{rank}", "1")
+if rank == 0:  # the store is rank 0's: it must outlive rank 1's last use (its lone reconfigure)
+    store.wait(["done1"])
 """
 
 
