@@ -23,7 +23,6 @@ import contextlib
 import os
 import random
 import secrets
-import shlex
 import signal
 import select
 import sys
@@ -49,6 +48,7 @@ from agent.local.local_node import AUTO_METRICS_PORT, LocalNode
 from agent.local.zygote import Zygote
 from agent.local.local_summary import job_goodput, summary  # noqa: F401
 from agent.local.local_view import STATUS_EVERY_S, Display, say, status_line, view  # noqa: F401
+from agent.node.launch import shown
 from agent.node.signal_flag import SignalFlag
 
 SDC_CHECK_EVERY = 10  # --chaos sdc: the job's replica check interval unless ELASTIC_CHECK_EVERY_STEPS says
@@ -175,7 +175,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(problem)
     kinds, problem = chaos_kinds(args.chaos)
     if problem:
-        p.exit(2, f"error: --chaos {shlex.quote(args.chaos)}: {problem}\n")
+        p.exit(2, f"error: --chaos {shown(args.chaos)}: {problem}\n")
     if args.snapshot_dir:
         try:  # s3:/x would be a directory ./s3:/x (exit 0, the bucket never written)
             check_spelling(args.snapshot_dir)

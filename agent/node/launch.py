@@ -140,11 +140,18 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def shown(text: str) -> str:
+    """``text`` as an error line quotes it: shell-quoted, so it can be pasted back, unless it
+    holds a character that would break the one line (a newline, U+2028...) or not show
+    (a control character); then Python's escaped form, which keeps it on one line."""
+    return shlex.quote(text) if text.isprintable() else repr(text)
+
+
 class _Refused(argparse.ArgumentTypeError):
     """A value a flag cannot take; ``why`` reads after the value and says what to pass."""
 
     def __init__(self, text: str, why: str) -> None:
-        super().__init__(f"{shlex.quote(text)}: {why}")
+        super().__init__(f"{shown(text)}: {why}")
         self.why = why
 
 
@@ -201,7 +208,7 @@ def _naming_variable(parser: argparse.ArgumentParser, check: Callable[[str], Any
             if not isinstance(text, _FromEnv):
                 raise
             why = getattr(exc, "why", f"is not a valid {getattr(check, '__name__', 'value')}")
-            parser.exit(2, f"error: {text.variable}={shlex.quote(text)}: {why}\n")
+            parser.exit(2, f"error: {text.variable}={shown(text)}: {why}\n")
 
     return checked
 
