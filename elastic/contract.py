@@ -210,6 +210,8 @@ USAGE_ERROR_EXIT = 2  # would fail again (bad flags, a snapshot of another model
 FINAL_SNAPSHOT_LOST_EXIT = 74  # trained its last step, but the final snapshot could not be written (a full or
 #   read-only snapshot directory; sysexits' EX_IOERR): never restarted, since no restart frees a disk; the agent exits 74
 DUPLICATE_HANDLE_EXIT = 75  # a fresh in-place worker whose group handle collided: an ordinary failure, replaced
+LEFT_BEHIND_EXIT = 76  # an in-place worker that never left a world its round replaced (elastic.inplace.left_behind):
+#   an ordinary failure, restarted in place and healed
 SIGNAL_EXIT_BASE = 128  # 128 + signum: ElasticRun stopped for a signal (SIGTERM: 143) at a step boundary
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,11 +125,21 @@ def parse_beat(raw: bytes) -> Beat | None:
     return None
 
 
+_returned = threading.Event()
+
+
+def script_returned() -> bool:
+    """Whether :func:`mark_finished` ran in this process (its script returned): its main thread
+    is on its way out, and waits in it are not a hang (:mod:`elastic.inplace.left_behind`)."""
+    return _returned.is_set()
+
+
 def mark_finished() -> None:
     """This process's script returned: say so in its record, leaving the rest as it was.
 
     Only a record this process wrote is marked (a rank that never beat has nothing the
     watchdog would judge). Never raises: it runs on the way out of every worker."""
+    _returned.set()
     try:
         path = own_record_path()
         if path is None:

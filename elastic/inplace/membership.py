@@ -43,9 +43,12 @@ call), runs on a thread of its own that a newer round abandons (:mod:`.round_sto
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -55,7 +58,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import contract
+from .. import contract, failure_record, heartbeat
 from ..collectives import first_line
 from .. import worker_env
 from ..contract import WorkerMode, WorkerState
@@ -63,6 +66,7 @@ from ..worker_env import Place, update_env
 from .channel import RoundOffer, WorkerChannel, WorkerStatus
 from . import gloo_private
 from .fence import SocketFence, listening
+from .left_behind import LeftBehindWatch
 from .reconfigure import ReconfigureError, abort_backend, handle, init_group, reconfigure, reconfigure_timeout
 from .round_store import RoundAbandoned, RoundStore
 from .stall import STUCK, StallRule, join_level
@@ -123,6 +127,7 @@ class Membership:
         self._post_again_at = 0.0  # a post that failed is tried again from then
         self._tripped_for = -1
         self._replaced_by = -1  # the newest round that replaces this world rather than growing it
+        self._left_behind = LeftBehindWatch()  # since the trip for that round, while the main thread stays (.left_behind)
         self._last_step = time.monotonic()
         self._intervals: deque[float] = deque(maxlen=50)
         self._pace = StallRule()  # steady step intervals: when a step counts as stuck (.stall)
@@ -169,6 +174,7 @@ class Membership:
     def join(self, min_round: int = 0) -> World:
         """Reconfigure into the agent's newest round at or after ``min_round``."""
         self._joining = True
+        self._left_behind.left()
         self._report(WorkerState.JOINING)
         try:
             while True:
@@ -337,6 +343,7 @@ class Membership:
         if not grows_only:
             with self._lock:
                 self._replaced_by = max(self._replaced_by, offer.round)
+            self._left_behind.tripped(time.monotonic())
         if (not grows_only or stuck) and self._tripped_for < offer.round:
             self._tripped_for = offer.round
             shut = self.fence.trip()
@@ -371,6 +378,8 @@ class Membership:
             self._check_join_stuck()
             return
         world = self.world
+        if world is not None and self.replaced_by() is not None:
+            self._check_left_behind(world)
         if world is None or self._stalled >= STUCK or len(world.participants) < 2:
             return
         waited = time.monotonic() - self._last_step
@@ -384,6 +393,27 @@ class Membership:
         log.debug("[%s rank %d] step %d has waited %.2f s (limit %.2f s): %s", self.node, world.rank, self.step + 1,
                   waited, self._pace.limit(), "stuck" if level >= STUCK else "slow")
         self._report(WorkerState.TRAINING, wake=True)
+
+    def _check_left_behind(self, world: World) -> None:
+        """A main thread that has not left a world its round replaced, long after the trip and
+        idle meanwhile, waits on something no fence covers (:mod:`.left_behind`): its stacks and
+        one line go to the log, and the worker exits for its agent to restart it in place,
+        rather than holding its peers' join of the new round for ever."""
+        waited = self._left_behind.check(time.monotonic(), self._pace.limit())
+        if waited is None or self._joining or heartbeat.script_returned():
+            return  # (a script that returned is on its way out: what it waits on is no peer's)
+        why = (f"rank {world.rank} did not leave round {world.round} in {waited:.0f} s after round "
+               f"{self.replaced_by()} replaced it (its main thread waits on something the fence cannot "
+               f"interrupt; its stacks are above): exiting for the agent to restart it in place")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        log.error("[%s] %s", self.node, why)
+        with contextlib.suppress(Exception):
+            failure_record.record(TimeoutError(why), message=f"TimeoutError: {why}", kind=contract.FailureKind.TIMEOUT)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(contract.LEFT_BEHIND_EXIT)
 
     def _check_join_stuck(self) -> None:
         """The join of a round with peers waits (a member's handle that does not come, a store

@@ -78,7 +78,8 @@ def test_the_contract_declares_each_name_once_in_one_section() -> None:
         assert name.startswith(contract.ENV_PREFIX) and _NAME.fullmatch(name), name
     constants = [v for k, v in vars(contract).items() if k.endswith("_ENV")]
     assert sorted(constants) == sorted(set().union(*sections))  # every constant registered, none twice
-    codes = [contract.EXIT_OK, contract.EXIT_FAILED, contract.USAGE_ERROR_EXIT, contract.DUPLICATE_HANDLE_EXIT]
+    codes = [contract.EXIT_OK, contract.EXIT_FAILED, contract.USAGE_ERROR_EXIT, contract.FINAL_SNAPSHOT_LOST_EXIT,
+             contract.DUPLICATE_HANDLE_EXIT, contract.LEFT_BEHIND_EXIT]
     assert len(set(codes)) == len(codes) and all(c < contract.SIGNAL_EXIT_BASE for c in codes)
     assert contract.signal_exit(15) == 143
     assert contract.worker_status_file(3) == contract.goodput_worker_file(3) == "worker-3.json"

@@ -19,6 +19,9 @@ Knobs, all optional:
   the file so that it happens once.
 - ``HOLD_MARKER``: once the file ``$HOLD_MARKER.arm`` exists, node ``b`` holds ``JOB_HOLD_S``
   (6 s) once, alive (a long validation on one rank), and makes ``$HOLD_MARKER`` as it starts.
+- ``WEDGE_MARKER``: once the file ``$WEDGE_MARKER.arm`` exists, node ``b`` waits for ever,
+  idle, on a FIFO of its own that nobody writes (a wait no fence covers: a pipe, a socket of
+  the script's own), once, and makes ``$WEDGE_MARKER`` as it starts.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main() -> None:
     slow_flag, slow_s = env.get("SLOW_FLAG", ""), float(env.get("JOB_SLOW_S", "0.15"))
     pause = env.get("PAUSE_MARKER", "")
     hold, hold_s = env.get("HOLD_MARKER", ""), float(env.get("JOB_HOLD_S", "6"))
+    wedge = env.get("WEDGE_MARKER", "")
     if os.path.exists(env.get("SLOW_SETUP", "/nonexistent")):
         time.sleep(2)  # a joiner's slow set-up (loading its data): the survivors train on meanwhile
     for x, y in run:
@@ -87,6 +91,12 @@ def main() -> None:
                     and not os.path.exists(hold)):
                 open(hold, "w").close()
                 time.sleep(hold_s)  # alive and slow: the others' next step is stuck, b's agent answers
+            if (wedge and env.get("ELASTIC_NODE_NAME") == "b" and os.path.exists(wedge + ".arm")
+                    and not os.path.exists(wedge)):
+                open(wedge, "w").close()
+                os.mkfifo(wedge + ".fifo")
+                with open(wedge + ".fifo") as fifo:  # blocks in open() until a writer comes: none does
+                    fifo.read()
         time.sleep(step_sleep)
 
 
