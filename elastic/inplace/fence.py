@@ -116,12 +116,19 @@ class SocketFence:
     @contextlib.contextmanager
     def adding(self) -> Iterator[None]:
         """Sockets opened inside also belong to the current world (a heal's group of its own):
-        a trip shuts them down with the rest."""
+        a trip shuts them down with the rest. A trip that came while they were opened (a newer
+        round replaced the world as its group formed) shuts them as the block ends: recorded
+        after it, they would be shut by no one, and a collective on them would wait for peers
+        that left for the new round."""
         before = socket_fds()
         yield
         fresh = _tcp_opened_since(before)
         with self._lock:
-            self._current.update(fresh)
+            late = self.tripped  # the world they were made for was replaced meanwhile
+            if not late:
+                self._current.update(fresh)
+        if late:  # shut at once: the trip that ended the world has passed them by
+            _shut(fresh)
 
     def armed(self) -> int:
         return len(self._current)
@@ -130,20 +137,25 @@ class SocketFence:
         """Shut down the current world's sockets; returns how many were shut down."""
         with self._lock:
             chosen, self._current, self.tripped = self._current, {}, True
-        done = 0
-        for fd, target in chosen.items():
+        return _shut(chosen)
+
+
+def _shut(chosen: dict[int, str]) -> int:
+    """``shutdown()`` each of ``chosen`` (fd -> target) still open as the same socket; how many."""
+    done = 0
+    for fd, target in chosen.items():
+        try:
+            if os.readlink(f"{_FD_DIR}/{fd}") != target:
+                continue  # closed and the number reused: not ours to touch
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
             try:
-                if os.readlink(f"{_FD_DIR}/{fd}") != target:
-                    continue  # closed and the number reused: not ours to touch
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
             except OSError:
-                continue
-            with contextlib.suppress(OSError):
-                sock = socket.socket(fileno=fd)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    done += 1
-                except OSError:
-                    pass
-                finally:
-                    sock.detach()  # gloo still owns the fd
-        return done
+                pass
+            finally:
+                sock.detach()  # gloo still owns the fd
+    return done
