@@ -851,6 +851,8 @@ class ElasticRun:
         ``K``. The copies of the world before were of its positions and cut, so they are
         dropped; without this copy a second loss before the new world's first due one would
         find a lost node's shards nowhere in memory. A peer lost during it: the world forms again."""
+        if self.hsdp is not None:
+            self.hsdp.guard()  # HSDP in place: its shard group is on the fence too, so FSDP2's collectives are guarded
         if self.fsdp is None:
             return
         self.copies.world_formed(self.round)

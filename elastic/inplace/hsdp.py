@@ -37,7 +37,7 @@ from torch import nn
 from ..distributed import DistInfo, ElasticRunError
 from ..grad_sync import is_collective_failure
 from ..metrics.comm_hook import CollectiveTimer, timed_all_reduce
-from . import fsdp_private
+from . import fsdp_guard, fsdp_private
 from .agreement import HealPlan, Holding, pair_shards
 from .fence import SocketFence
 
@@ -127,12 +127,15 @@ class HsdpInPlace:
         """``(world / local, local)`` over the current world, its groups made here (every rank
         makes every group, in one order, as ``new_group`` asks).
 
-        The groups across replicas go on the world's socket fence: a peer frozen in the
+        Every group goes on the world's socket fence. Across replicas: a peer frozen in the
         all-reduce across replicas then gets the survivors out at once when the agents write
         it off, as in a DDP step (without it they waited for gloo's timeout, and the hang
-        watchdog restarted them first). A node's own shard group stays off it: its peers are
-        this node's ranks, and shutting its sockets would fail FSDP2's all-gathers in the
-        script's own forward."""
+        watchdog restarted them first). A node's own shard group too: when a round replaces
+        the world, a rank whose node peer has left the step for the new round must not wait
+        in an all-gather for it (a survivor's local rank 1 did, for ever, in the whole suite).
+        FSDP2's collectives are guarded (:meth:`guard`), so a shard
+        group shut in the script's own forward or backward records the failure there
+        instead of raising out of the script."""
         from torch.distributed.device_mesh import DeviceMesh
 
         layout = torch.arange(world).reshape(world // local, local)
@@ -141,9 +144,9 @@ class HsdpInPlace:
             for ranks in layout.t().tolist():  # local rank i of every node
                 group = dist.new_group(ranks=ranks)
                 mine[REPLICATE] = group if rank in ranks else mine[REPLICATE]
-        for ranks in layout.tolist():  # one node's ranks
-            group = dist.new_group(ranks=ranks)
-            mine[SHARD] = group if rank in ranks else mine[SHARD]
+            for ranks in layout.tolist():  # one node's ranks
+                group = dist.new_group(ranks=ranks)
+                mine[SHARD] = group if rank in ranks else mine[SHARD]
         return DeviceMesh.from_group(mine, self.device_type, mesh=layout, mesh_dim_names=self.names)
 
     # ------------------------------------------------------------------ every step
@@ -164,6 +167,12 @@ class HsdpInPlace:
             self.sink.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             return
         grad.div_(self.replicas)
+
+    def guard(self) -> None:
+        """FSDP2's collectives record a lost peer in the run's ``GradSync.failure``
+        (:mod:`.fsdp_guard`): the shard group is on the fence, and a trip must not raise out
+        of the script's forward or backward. After the run's timing wrappers, which it keeps."""
+        fsdp_guard.guard(self.model, self.sink)
 
     def take_failure(self) -> str | None:
         failure, self.sink.failure = self.sink.failure, None
