@@ -66,6 +66,10 @@ def test_the_same_error_on_every_node_ends_the_job_with_exit_1_and_no_keep_out(e
         log = (run / f"{name}.log").read_text(errors="replace")
         assert "kept out of the job" not in log, log[-3000:]
         starts = log.count(f"\n{error}")
-        assert 1 <= starts <= 2, f"{name}: {starts} failed starts\n{log[-3000:]}"
+        # Ended by the verdict (checked next), not by running through --max-restarts (20 restarts,
+        # 21 starts): a node judges once a peer's report of the same error is in, and under load
+        # (the two busy processes) a slower peer's report came after this node's third
+        # start (0.6 s apart), so a few starts are what a loaded machine makes, not a loop.
+        assert 1 <= starts <= 4, f"{name}: {starts} failed starts\n{log[-3000:]}"
         said = [line for line in log.splitlines() if "the job fail" in line and "error" in line.lower()]
         assert said and all(error in line for line in said), log[-3000:]
