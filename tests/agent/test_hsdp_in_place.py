@@ -14,16 +14,21 @@ the step that failed is not applied and none is rolled back; a returning node's 
 i is healed from a live replica's local rank i (shards, not the disk), and from then on the
 replicas' shards are bitwise equal at every step. Every sample of each epoch is trained
 once (the ledger). At 3 nodes the trained model also equals an undisturbed run's. The
-SIGTERM case snapshots to a real S3 server (SeaweedFS): every rank uploads its own shards."""
+SIGTERM case snapshots to a real S3 server (SeaweedFS): every rank uploads its own shards.
+
+While a test waits for a node's return, the script steps once a second (``_held``): a return
+that a loaded machine makes slow costs few steps, so the jobs are short and few steps follow
+the last fault (each step is ~20 ms of CPU a rank, most of these tests' cost)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -43,6 +48,7 @@ DATASET = 768
 # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
 # (at 2 s a whole-suite run starved a survivor's keep-alive, and its workers were restarted)
 LEASE_TTL = 5
+HOLD = "hold"  # while this file is in a run's folder, its ranks step once a second (_held)
 
 HSDP = textwrap.dedent('''\
     import hashlib, json, os, sys, time
@@ -98,10 +104,24 @@ HSDP = textwrap.dedent('''\
             rows.flush()
             time.sleep(float(os.environ.get("STEP_S", "0.05")) if ft.world_size == int(os.environ.get("WHOLE", "4"))
                        else 0.2)  # short, slower: outlast returns
+            if os.path.exists(os.environ.get("HOLD", "/nonexistent")):
+                time.sleep(1.0)  # the test waits for a node's return: a step a second meanwhile
     if "FINALS" in os.environ:  # this rank's shards of the trained model
         torch.save({n: p.to_local().detach().clone() for n, p in model.named_parameters()},
                    os.path.join(os.environ["FINALS"], f"{os.environ['NODE']}-{os.environ['LOCAL_RANK']}.pt"))
 ''')
+
+
+@contextlib.contextmanager
+def _held(run: Path) -> Iterator[None]:
+    """The job steps once a second while the test waits for a node's return (the script's
+    ``HOLD``): a return that takes long on a loaded machine costs few steps, so the job need
+    not be long enough to outlast it, and few steps follow the last check's events."""
+    (run / HOLD).touch()
+    try:
+        yield
+    finally:
+        (run / HOLD).unlink()
 
 
 def _rows(path: Path) -> list[dict]:
@@ -117,7 +137,7 @@ def _node(nodes: Callable[..., Node], etcd: EmbeddedEtcd, run_id: str, tmp: Path
     if not script.exists():
         script.write_text(HSDP)
     env = {"OMP_NUM_THREADS": "1", "ROWS": str(tmp / "rows.jsonl"), "LEDGER": str(tmp / "ledger.jsonl"),
-           "ELASTIC_SNAPSHOT_DIR": str(tmp / "snapshots"), "NODE": name, **extra}
+           "ELASTIC_SNAPSHOT_DIR": str(tmp / "snapshots"), "NODE": name, "HOLD": str(tmp / HOLD), **extra}
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, script=str(script), module_args=[str(dataset)],
                  nnodes=nnodes, nproc_per_node=nproc, metrics_port=AUTO_METRICS_PORT, env=env,
                  agent_args=["--lease-ttl", str(LEASE_TTL)])
@@ -132,8 +152,9 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     in place too, and rank 0 of the round commits (checkpoints/s3parts.py)."""
     rows, ledger = tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     bucket = f"s3://{s3_server.bucket(f'hsdp-{os.getpid()}-{run_id}'.lower()[:60])}/job"
-    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n, ELASTIC_SNAPSHOT_DIR=bucket, **s3_server.env())
-            for n in ("a", "b"))
+    dataset = 512  # 32 steps an epoch at 2 x 2 ranks; the lost node's return is held (_held)
+    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n, dataset=dataset, ELASTIC_SNAPSHOT_DIR=bucket,
+                  **s3_server.env()) for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     # a freeze after the stall rule has the job's pace (a few steady steps), as in a real job
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= (6 if fault == "kill" else 14) for r in _rows(rows)),
@@ -162,14 +183,16 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     alone_at = min(r["time"] for r in _rows(rows) if r["world"] == 2 and r["time"] > killed_at)
     if fault == "freeze":  # written off well within its lease: a frozen node stalls no one
         assert alone_at - killed_at < LEASE_TTL, f"first step without the frozen node {alone_at - killed_at:.1f} s on"
-    if fault in ("kill", "sigterm"):
-        lost.start()
-    else:
-        lost.thaw()  # its agent finds itself written off, stops its stale workers and rejoins
-    back_at = time.time()
-    wait_until(lambda: any(r["world"] == 4 and r["node"] == lost.name and r["time"] > back_at
-                           for r in _rows(rows)),
-               FORM_TIMEOUT, f"node {lost.name} back and healed in a world of 2 replicas x 2 shards", on_timeout=both)
+    with _held(tmp_path):
+        if fault in ("kill", "sigterm"):
+            lost.start()
+        else:
+            lost.thaw()  # its agent finds itself written off, stops its stale workers and rejoins
+        back_at = time.time()
+        wait_until(lambda: any(r["world"] == 4 and r["node"] == lost.name and r["time"] > back_at
+                               for r in _rows(rows)),
+                   FORM_TIMEOUT, f"node {lost.name} back and healed in a world of 2 replicas x 2 shards",
+                   on_timeout=both)
     wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
     assert a.process is not None and a.process.returncode == 0, both()
     assert b.process is not None and b.process.returncode == 0, both()
@@ -199,7 +222,7 @@ def test_an_hsdp_script_loses_a_node_in_place_and_heals_it_shard_by_shard_from_a
     assert "in-place recovery off" not in log, log
     assert f"lost node {lost.name}" in log and "re-formed in place" in log, log
     assert "healed from" in log and "Traceback" not in log, log
-    report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
+    report = check_ledger(ledger, dataset_size=dataset, expect_epochs=2)
     assert report.ok, report.violations
     # in place too, every rank uploaded its own shards of each snapshot (no gather to rank 0):
     # the newest verifies (manifest, sizes, sha256) and holds one DCP file per rank that wrote
@@ -222,7 +245,9 @@ def test_a_worker_killed_alone_takes_its_nodes_other_rank_with_it_and_both_are_h
     rows, ledger = tmp_path / "rows.jsonl", tmp_path / "ledger.jsonl"
     # the script's metric all-reduce unguarded, as many scripts have it: after the abandoned
     # step it is skipped (it used to meet the healed ranks' next step, and gloo aborted)
-    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n, nnodes="2:2", UNGUARDED="1") for n in ("a", "b"))
+    dataset = 512  # 32 steps an epoch at 2 x 2 ranks; the restart is held (_held)
+    a, b = (_node(nodes, etcd_server, run_id, tmp_path, n, nnodes="2:2", dataset=dataset, UNGUARDED="1")
+            for n in ("a", "b"))
     both = lambda: "\n".join(n.log_tail(80) for n in (a, b))  # noqa: E731
     wait_until(lambda: any(r["world"] == 4 and r["step"] >= 6 for r in _rows(rows)), FORM_TIMEOUT,
                "HSDP over 2 nodes x 2 ranks to train", on_timeout=both)
@@ -232,10 +257,11 @@ def test_a_worker_killed_alone_takes_its_nodes_other_rank_with_it_and_both_are_h
     old = {r["local"]: r["pid"] for r in _rows(rows) if r["node"] == hit.name}
     assert len(kept) == 2 and len(old) == 2, (kept, old)
     killed_at = time.time()
-    os.kill(old[1], signal.SIGKILL)  # local rank 1 alone; its node and agent live on
-    wait_until(lambda: {r["pid"] for r in _rows(rows) if r["node"] == hit.name and r["world"] == 4
-                        and r["time"] > killed_at} - set(old.values()), FORM_TIMEOUT,
-               f"node {hit.name}'s ranks started again and training in the world of 4", on_timeout=both)
+    with _held(tmp_path):
+        os.kill(old[1], signal.SIGKILL)  # local rank 1 alone; its node and agent live on
+        wait_until(lambda: {r["pid"] for r in _rows(rows) if r["node"] == hit.name and r["world"] == 4
+                            and r["time"] > killed_at} - set(old.values()), FORM_TIMEOUT,
+                   f"node {hit.name}'s ranks started again and training in the world of 4", on_timeout=both)
     wait_until(lambda: not a.alive() and not b.alive(), FORM_TIMEOUT, "both nodes to finish", on_timeout=both)
     assert a.process is not None and a.process.returncode == 0, both()
     assert b.process is not None and b.process.returncode == 0, both()
@@ -247,7 +273,7 @@ def test_a_worker_killed_alone_takes_its_nodes_other_rank_with_it_and_both_are_h
     log = hit.log_tail(400)
     assert "starting local rank(s) [0, 1] again" in log and "mesh shards over" not in log, both()
     assert "healed from" in other.log_tail(400), both()  # rank 0's line, on the node that kept its workers
-    report = check_ledger(ledger, dataset_size=DATASET, expect_epochs=2)
+    report = check_ledger(ledger, dataset_size=dataset, expect_epochs=2)
     assert report.ok, report.violations
 
 
@@ -296,7 +322,7 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
     (the global batch is the same at every size, the summation order is not). The undisturbed
     run is the same script on one node of 2 ranks: with the global batch held, its result does
     not depend on the world size, which is what a user of an elastic job counts on."""
-    dataset, whole = 960, 6  # 80 steps an epoch: time for a restarted node to come back under load
+    dataset, whole = 480, 6  # 40 steps an epoch; the nodes' return is held (_held), a step a second
     runs = {name: tmp_path / name for name in ("calm", "faulty")}
     for folder in runs.values():
         (folder / "finals").mkdir(parents=True)
@@ -333,12 +359,13 @@ def test_hsdp_over_3_nodes_loses_rank_0s_node_and_a_frozen_one_and_ends_where_an
                f"node {kept.name} to train on alone (1 replica x 2 shards)", on_timeout=every_log)
     alone_at = min(r["time"] for r in _rows(rows) if r["world"] == 2 and r["time"] > frozen_at)
     assert alone_at - frozen_at < LEASE_TTL, f"first step without the frozen node {alone_at - frozen_at:.1f} s on"
-    killed.start()
-    frozen.thaw()
-    back_at = time.time()
-    wait_until(lambda: {r["node"] for r in _rows(rows) if r["world"] == whole and r["time"] > back_at}
-               == set(by_name), FORM_TIMEOUT, "both nodes back and healed in a world of 3 replicas x 2 shards",
-               on_timeout=every_log)
+    with _held(runs["faulty"]):
+        killed.start()
+        frozen.thaw()
+        back_at = time.time()
+        wait_until(lambda: {r["node"] for r in _rows(rows) if r["world"] == whole and r["time"] > back_at}
+                   == set(by_name), FORM_TIMEOUT, "both nodes back and healed in a world of 3 replicas x 2 shards",
+                   on_timeout=every_log)
     wait_until(lambda: not any(n.alive() for n in (a, b, c)), FORM_TIMEOUT, "the run to finish", on_timeout=every_log)
     # the undisturbed run after it, not beside it: 9 training processes at once on 2 cores
     # starved other tests' leases in a whole-suite run
@@ -384,7 +411,7 @@ def test_hsdp_spares_take_a_killed_nodes_and_a_stragglers_place_and_the_model_eq
     its agent names it and evicts it, and the spare takes its place. The replica count never
     changes, so the trained model equals an undisturbed 2 x 2 run's bit for bit; the node that
     stayed keeps its workers' pids, none rolls a step back and every sample is trained once."""
-    dataset = 1920  # 120 steps an epoch: time for a killed node to come back as a spare, and a straggler
+    dataset = 960  # 60 steps an epoch: a straggler's eviction; the killed node's return is held (_held)
     runs = {name: tmp_path / name for name in ("calm", "faulty")}
     for folder in runs.values():
         (folder / "finals").mkdir(parents=True)
@@ -416,9 +443,10 @@ def test_hsdp_spares_take_a_killed_nodes_and_a_stragglers_place_and_the_model_eq
     # (the victim may write a row in the milliseconds its tree takes to die)
     wait_until(lambda: spare.name in trained_by(killed_at), FORM_TIMEOUT,
                f"the spare {spare.name} to train in {victim.name}'s place", on_timeout=every_log)
-    victim.start()
-    wait_until(lambda: victim.metric("elastic_agent_spare_workers_ready") == 2, FORM_TIMEOUT,
-               f"{victim.name} back as the next spare, its workers started ahead", on_timeout=every_log)
+    with _held(runs["faulty"]):
+        victim.start()
+        wait_until(lambda: victim.metric("elastic_agent_spare_workers_ready") == 2, FORM_TIMEOUT,
+                   f"{victim.name} back as the next spare, its workers started ahead", on_timeout=every_log)
 
     # the member without rank 0 straggles (as in the DDP test): rank 0's node stays the round's host
     host = next(r["node"] for r in reversed(_rows(rows)) if r["world"] == 4 and r["rank"] == 0)
