@@ -46,7 +46,7 @@ from tests.support.waiting import wait_until
 from tests.elastic.inplace.support import read_rows
 
 FORM_TIMEOUT = 150
-DATASET = 720  # 60 steps an epoch at 12 a step
+DATASET = 360  # 30 steps an epoch at 12 a step: every loss lands in the first (step 13 here, quiet), few steps follow
 SPARE_DATASET = 480  # 40: a spare's admission, eight steps with it, and a double loss fit in the first epoch
 RESTART_DATASET = 240  # 20 steps an epoch: a kill between the first two snapshots (every 8) fits in the first
 LEASE_TTL = 5  # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
