@@ -153,7 +153,9 @@ def test_an_outage_window_delays_uploads_not_steps_and_nothing_partial_is_read(
             stop.set()
             reading.join(timeout=60)
         stats = writer.stats
-    assert worst < 1.0, f"a step waited {worst:.2f}s on the object store"
+    # below every fault's own length (the shortest, a stalled answer, 1.5 s), so a step that waited on
+    # one fails; a loaded machine made a step 1.03 s once (the reader thread and the upload share the GIL)
+    assert worst < 1.4, f"a step waited {worst:.2f}s on the object store"
     assert stats.errors == 0 and stats.snapshots_skipped > 0
     # at most one snapshot waits at a time: each other due one is skipped, with a line
     assert stats.snapshots_written + stats.snapshots_skipped == submitted + 1
