@@ -36,9 +36,11 @@ def test_sdc_is_a_chaos_kind_only_when_asked_for() -> None:
 def test_elastic_local_injects_an_sdc_and_the_summary_says_it_was_caught(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "ELASTIC_CHECK_EVERY_STEPS"}
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "400",
+    # half the steps at half the pace (the job's --step-sleep after "--"): as long a run, half the CPU,
+    # and the fault, timed in seconds, lands as far from the end
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "local", "--nodes", "3", "--steps", "200",
                              "--chaos", "sdc", "--faults", "1", "--first-fault-after", "2", "--run-dir", str(run_dir),
-                             "--timeout", "300"],
+                             "--timeout", "300", "--", "--step-sleep", "0.06"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                             cwd=tmp_path, env={**env, "COLUMNS": "200"})
     try:
