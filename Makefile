@@ -11,7 +11,7 @@ venv: $(STAMP)
 # torch/torchvision are pinned here (not in pyproject) to the wheels this
 # project is tested with; pyproject declares looser ranges for users elsewhere.
 # pip byte-compiles what it installs on one core; compiled after, on every core, the
-# venv takes ~60 s instead of ~73 (2 cores). The bytecode is needed: where
+# venv takes ~65 s instead of ~73 (2 cores). The bytecode is needed: where
 # PYTHONDONTWRITEBYTECODE is set, each process would compile torch again. compileall's
 # errors are files for other Pythons (torch's py312_intrinsics.py), which pip skips too.
 SITE := $(VENV)/lib/python3.11/site-packages
