@@ -11,7 +11,8 @@ lines after the newest snapshot, i.e. steps that will be redone anyway.
 
 :func:`check_ledger` reads a ledger back. Steps redone after a restore supersede the
 rolled-back records: for each step number the record of the latest incarnation to write
-it counts, once. It is a plain function so the chaos soak can reuse it.
+it counts, once; so does the newer round's record of a step an older round's frozen rank 0
+committed late (:func:`late_commits`). It is a plain function so the chaos soak can reuse it.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def check_ledger(
         return LedgerReport(["ledger is empty"], 0, [], [])
     incarnations = list(dict.fromkeys(r["incarnation"] for r in rows))
     violations += split_brain(rows)
+    late = late_commits(rows)
+    rows = [r for i, r in enumerate(rows) if i not in late]  # superseded by the newer round's line of that step
     if final_step is None:
         final_step = max(int(r["step"]) for r in rows if r["incarnation"] == rows[-1]["incarnation"])
     latest = {s: r for s, r in effective_steps(rows).items() if s <= final_step}
@@ -168,21 +171,56 @@ def split_brain(rows: Iterable[dict[str, Any]]) -> list[str]:
 
     Every group commits under the snapshot directory's fence, so the file order is the
     commit order and the rounds in it never go back; a line that does means two groups
-    committed steps for one job at once. Lines without a round (no ``elastic agent``
-    round, or an older ledger) are not judged.
+    committed steps for one job at once. One exception, a **late commit**
+    (:func:`late_commits`), is not a split brain. Lines without a round (no ``elastic
+    agent`` round, or an older ledger) are not judged.
     """
+    rows = list(rows)
+    late = late_commits(rows)
     found: list[str] = []
     newest: dict[str, Any] | None = None
-    for row in rows:
+    for i, row in enumerate(rows):
         if "round" not in row:
             continue
-        if newest is not None and int(row["round"]) < int(newest["round"]):
+        if newest is not None and int(row["round"]) < int(newest["round"]) and i not in late:
             found.append(f"split brain: step {row['step']} committed by round {row['round']} "
                          f"(incarnation {row['incarnation']}) after round {newest['round']} had committed step "
                          f"{newest['step']}: two groups committed steps at once")
         if newest is None or int(row["round"]) >= int(newest["round"]):
             newest = row
     return found
+
+
+def late_commits(rows: Sequence[dict[str, Any]]) -> set[int]:
+    """Indices of the lines an older round's rank 0 completed after a newer round's line,
+    each the one commit the fence had admitted before the newer round raised it.
+
+    The raise goes on without a frozen holder's lock (:mod:`checkpoints.fence`), so a rank 0
+    frozen inside its commit writes that one line when it thaws, and is refused from the
+    next on. Its step was trained by its group, and the newer round, which took over from
+    that group's survivors, records the same step itself (before the late line or, after a
+    rollback, when it trains it again). So a line is late, and is superseded rather than a
+    split brain, when it is the only line its incarnation wrote after a newer round's, and
+    a newer round's line records the same step with the same samples. Anything more (a
+    second line, another step, other samples) is two groups committing at once."""
+    after: dict[str, list[int]] = {}  # incarnation -> its lines written after a newer round's line
+    newest = -1
+    for i, row in enumerate(rows):
+        if "round" not in row:
+            continue
+        r = int(row["round"])
+        if r < newest:
+            after.setdefault(str(row["incarnation"]), []).append(i)
+        newest = max(newest, r)
+    late: set[int] = set()
+    for lines in after.values():
+        if len(lines) != 1:
+            continue
+        row = rows[lines[0]]
+        if any("round" in other and int(other["round"]) > int(row["round"]) and other["step"] == row["step"]
+               and other.get("samples") == row.get("samples") for other in rows):
+            late.add(lines[0])
+    return late
 
 
 def _some(items: list[int], limit: int = 10) -> str:

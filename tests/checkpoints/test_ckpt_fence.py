@@ -17,6 +17,8 @@ import pytest
 from checkpoints import Fence, FenceToken, SnapshotFencedError, SnapshotStore
 from checkpoints.fence import LOCK_NAME, LOCK_WAIT_S
 from ckpt_testutil import state_for
+from elastic.ledger import Ledger, check_ledger, read_ledger
+from elastic.snapshots import last_ledger_step
 from tests.support.waiting import wait_until
 
 RUN = "job1"
@@ -130,6 +132,59 @@ def test_a_process_frozen_inside_a_commit_does_not_stall_the_next_rounds_raise(t
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+FROZEN_RANK0 = textwrap.dedent("""
+    import os, signal, sys
+    from checkpoints import Fence, FenceToken, SnapshotFencedError
+    from elastic.ledger import Ledger
+    fence, ledger, token = Fence(sys.argv[1]), Ledger(sys.argv[2], incarnation="old"), FenceToken("job", 1)
+    for step in (1, 2, 3, 4):
+        ids = [2 * step - 2, 2 * step - 1]  # a global batch of 2 (the test's new rank 0 takes the same)
+        try:
+            with fence.holding(token):  # what Snapshots._write_line does for each committed step
+                if step == 3:
+                    print("holding", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)  # its node frozen inside step 3's commit
+                ledger.record(epoch=0, step=step, world_size=2, samples=ids, resumed_from=0, round_number=1)
+        except SnapshotFencedError:
+            print(f"refused step {step}", flush=True)
+            break
+""")
+
+
+@pytest.mark.slow  # starts a process and SIGSTOPs it
+def test_a_rank_0_frozen_inside_its_ledger_commit_leaves_no_split_brain(tmp_path: Path) -> None:
+    """The ledger's side of the frozen commit above. Seen under load in test_freeze_host: the frozen old rank 0 completed its admitted
+    line of a step the new rank 0 had recorded meanwhile, and the checker called it a
+    split brain. It is the one late commit the fence allows; its next one is refused."""
+    root, path = tmp_path / "snapshots", tmp_path / "ledger.jsonl"
+    root.mkdir()
+    fence = Fence(root, key=None)
+    fence.raise_to(FenceToken("job", 1))
+    child = _frozen_holder(FROZEN_RANK0, str(root), str(path))
+    try:
+        fence.raise_to(FenceToken("job", 2))  # the survivors' round: goes on without the frozen holder's lock
+        new = Ledger(path, incarnation="new")
+        for step in range(1, 7):
+            ids = [2 * step - 2, 2 * step - 1]
+            if step > last_ledger_step(path):  # Snapshots.catch_up, then the steps the new round trains
+                with fence.holding(FenceToken("job", 2)):
+                    new.record(epoch=0, step=step, world_size=2, samples=ids, resumed_from=2, round_number=2)
+            if step == 4:
+                os.kill(child.pid, signal.SIGCONT)
+                out, _ = child.communicate(timeout=30)
+                assert out.strip() == "refused step 4", out
+        new.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    steps = [(r["round"], r["step"]) for r in read_ledger(path)]
+    assert steps[:4] == [(1, 1), (1, 2), (2, 3), (2, 4)] and (1, 3) in steps[4:], steps  # the late line is there
+    report = check_ledger(path, 12, expect_epochs=1)
+    assert report.ok, report.violations
+    assert report.steps == 6
 
 
 @pytest.mark.slow  # starts a process and SIGSTOPs it

@@ -1,10 +1,12 @@
-"""check_ledger: redone steps count once; gaps, repeats and losses are reported."""
+"""check_ledger: redone steps count once; gaps, repeats, losses and split brains are reported."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from elastic.ledger import Ledger, check_ledger
+import pytest
+
+from elastic.ledger import Ledger, check_ledger, read_ledger
 from elastic.sampler import ElasticSampler
 
 
@@ -72,3 +74,57 @@ def test_rounds_that_only_rise_are_no_split_brain(tmp_path: Path) -> None:
         sampler.advance(len(ids))
     ledger.close()
     assert not [v for v in check_ledger(path, 10).violations if v.startswith("split brain")]
+
+
+def _rounds(path: Path, lines: list[tuple[str, int, int]], *, other_samples: int | None = None) -> None:
+    """``lines``: (incarnation, round, step) in file order; every step's samples are the
+    sampler's for that step (``other_samples``: that step's line of the older round differs)."""
+    batches = {}
+    sampler = ElasticSampler(12, seed=5)
+    for step in range(1, 7):
+        batches[step] = sampler.global_batch(2)
+        sampler.advance(2)
+    writers: dict[str, Ledger] = {}
+    for incarnation, round_number, step in lines:
+        ids = batches[step]
+        if step == other_samples and round_number == min(r for _, r, _ in lines):
+            ids = [(i + 1) % 12 for i in ids]
+        writer = writers.setdefault(incarnation, Ledger(path, incarnation=incarnation))
+        writer.record(epoch=0, step=step, world_size=2, samples=ids, resumed_from=0, round_number=round_number)
+    for writer in writers.values():
+        writer.close()
+
+
+def _split(path: Path) -> list[str]:
+    return [v for v in check_ledger(path, 12).violations if v.startswith("split brain")]
+
+
+def test_the_one_commit_admitted_before_a_raise_may_land_late_and_is_superseded(tmp_path: Path) -> None:
+    """A rank 0 frozen inside its commit of step 3 completes that one line after the new
+    round's rank 0 recorded steps 3 and 4 itself (before it, or when it trains step 3 again)."""
+    path = tmp_path / "ledger.jsonl"
+    _rounds(path, [("old", 5, 1), ("old", 5, 2), ("new", 6, 3), ("new", 6, 4), ("old", 5, 3), ("new", 6, 5),
+                   ("new", 6, 6)])
+    report = check_ledger(path, 12, expect_epochs=1)
+    assert report.ok, report.violations
+    assert report.steps == 6
+    again = tmp_path / "again.jsonl"  # the new round rolled back to step 2 and trains step 3 after the late line
+    _rounds(again, [("old", 5, 1), ("old", 5, 2), ("new", 6, 2), ("old", 5, 3), ("new", 6, 3), ("new", 6, 4),
+                    ("new", 6, 5), ("new", 6, 6)])
+    assert check_ledger(again, 12, expect_epochs=1).ok
+
+
+@pytest.mark.parametrize("lines, other", [
+    pytest.param([("old", 5, 1), ("old", 5, 2), ("new", 6, 3), ("old", 5, 3), ("old", 5, 4), ("new", 6, 4)], None,
+                 id="a second line after the raise"),
+    pytest.param([("old", 5, 1), ("old", 5, 2), ("new", 6, 3), ("old", 5, 4), ("new", 6, 5), ("new", 6, 6)], None,
+                 id="a step the newer round never records"),
+    pytest.param([("old", 5, 1), ("old", 5, 2), ("new", 6, 3), ("old", 5, 3), ("new", 6, 4)], 3,
+                 id="other samples than the newer round's line"),
+])
+def test_anything_more_than_that_one_late_line_is_a_split_brain(tmp_path: Path, lines: list[tuple[str, int, int]],
+                                                                 other: int | None) -> None:
+    path = tmp_path / "ledger.jsonl"
+    _rounds(path, lines, other_samples=other)
+    assert _split(path), read_ledger(path)
+
