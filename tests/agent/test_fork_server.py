@@ -63,14 +63,18 @@ def shared() -> Iterator[ForkServer]:
 
 
 @pytest.fixture
-def server() -> Iterator[ForkServer]:
-    """A template of the test's own, for those that kill or close it."""
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ForkServer]:
+    """A template of the test's own, for those that kill or close it. It preloads numpy, not
+    torch: what these tests check is its life and death, the same for any import, and a
+    template's torch import is the suite's dearest start (the shared template's tests and
+    the agent-forked one check that torch is preloaded)."""
+    monkeypatch.setenv("ELASTIC_WARM_IMPORTS", "numpy")
     yield from _closed_after()
 
 
 def ready(server: ForkServer) -> None:
     server.fill()
-    wait_until(lambda: server.ready_count() == server.size, 120, "the template to finish importing torch")
+    wait_until(lambda: server.ready_count() == server.size, 120, "the template to finish its imports")
 
 
 def template_pid(server: ForkServer) -> int:
