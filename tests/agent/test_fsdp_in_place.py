@@ -47,7 +47,7 @@ from tests.elastic.inplace.support import read_rows
 
 FORM_TIMEOUT = 150
 DATASET = 360  # 30 steps an epoch at 12 a step: every loss lands in the first (step 13 here, quiet), few steps follow
-SPARE_DATASET = 360  # 30 an epoch: a spare's admission (step 11), eight steps with it and a double loss (by step 20, loaded too) fit in the first
+SPARE_DATASET = 360  # 30 an epoch: admission (step 11), 8 steps and a double loss (by 21, loaded) fit in the first
 RESTART_DATASET = 240  # 20 steps an epoch: a kill between the first two snapshots (every 8) fits in the first
 LEASE_TTL = 5  # a kill is seen at once (the connection resets): the lease only has to outlast a loaded machine
 
