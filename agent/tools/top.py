@@ -97,7 +97,10 @@ def render(view: JobView, run_id: str, note: str = "") -> Group:
             table.add_row(node.node, "-", node.state, *["-"] * 9, node.note or node.error or "no live ranks",
                           style="cyan" if node.state == SPARE else "yellow")  # a spare is ready, not in trouble
         for r in node.ranks:
-            flag = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else node.note
+            # the node's note first: a node kept out is named for why, even if its last pace
+            # still flags it a straggler (its row is stale, and the keep-out is the news)
+            straggler = f"straggler {r.straggler_ratio:.2f}×" if r.straggler and r.straggler_ratio else ""
+            flag = " · ".join(part for part in (node.note, straggler) if part)
             table.add_row(r.node, r.rank, r.state, fmt_count(r.steps), fmt_rate(r.samples_per_s, ""),
                           fmt_seconds(r.step_p50), fmt_seconds(r.step_p99), fmt_seconds(r.compute_s),
                           fmt_seconds(r.allreduce_s_per_step),

@@ -101,6 +101,28 @@ def test_a_spare_shows_in_the_title_and_its_row_says_what_it_is_for() -> None:
     assert build_view({"a": scrapes["a"]}, {}).spares == ()
 
 
+def test_a_node_kept_out_is_named_for_why_even_while_its_last_pace_flags_it_a_straggler() -> None:
+    """Seen under load: a node kept out (unreachable) whose last scrape still made it the
+    straggler showed only "straggler 1.74x", and the keep-out's back-off was not said."""
+    a = StandinNode({0: 0.08}, world_size=3)
+    b = StandinNode({1: 0.08}, world_size=3)
+    c = StandinNode({2: 0.4}, world_size=3)
+    for n in (a, b, c):
+        n.step(5)
+    before = {name: scrape(name, n, 100.0) for name, n in (("a", a), ("b", b), ("c", c))}
+    for n in (a, b, c):
+        n.step(20)
+    after = {name: scrape(name, n, 102.0) for name, n in (("a", a), ("b", b))}
+    after["c"] = NodeScrape("c", "kept_out", 102.0, Exposition.parse(c.exposition()),
+                            note="kept out: back-off 5 s (strike 1); cannot reach a, b")
+    view = build_view(after, before)
+    assert view.stragglers == ("c/2",)
+    console = Console(width=300, record=True)
+    console.print(render(view, "r1"))
+    row = next(line for line in console.export_text().splitlines() if line.startswith("│ c "))
+    assert "kept out: back-off 5 s (strike 1); cannot reach a, b · straggler" in row, row
+
+
 def test_formatting() -> None:
     assert fmt_seconds(0.0754) == "75.4 ms" and fmt_seconds(None) == "-" and fmt_seconds(4000) == "66.7 min"
     assert fmt_rate(600e6, "B/s") == "600.00 MB/s" and fmt_rate(1280.0) == "1.28k/s"
