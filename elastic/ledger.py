@@ -125,8 +125,8 @@ def check_ledger(
     if not rows:
         return LedgerReport(["ledger is empty"], 0, [], [])
     incarnations = list(dict.fromkeys(r["incarnation"] for r in rows))
-    violations += split_brain(rows)
     late = late_commits(rows)
+    violations += split_brain(rows, late)
     rows = [r for i, r in enumerate(rows) if i not in late]  # superseded by the newer round's line of that step
     if final_step is None:
         final_step = max(int(r["step"]) for r in rows if r["incarnation"] == rows[-1]["incarnation"])
@@ -166,26 +166,33 @@ def check_ledger(
     return LedgerReport(violations, len(latest), completed, incarnations)
 
 
-def split_brain(rows: Iterable[dict[str, Any]]) -> list[str]:
+def split_brain(rows: Iterable[dict[str, Any]], late: set[int] | None = None) -> list[str]:
     """Lines committed by a group of an older round after a newer round's group committed.
 
     Every group commits under the snapshot directory's fence, so the file order is the
     commit order and the rounds in it never go back; a line that does means two groups
     committed steps for one job at once. One exception, a **late commit**
-    (:func:`late_commits`), is not a split brain. Lines without a round (no ``elastic
-    agent`` round, or an older ledger) are not judged.
+    (:func:`late_commits`; ``late``: those already found), is not a split brain. Lines
+    without a round (no ``elastic agent`` round, or an older ledger) are not judged.
     """
     rows = list(rows)
-    late = late_commits(rows)
-    found: list[str] = []
+    late = late_commits(rows) if late is None else late
+    return [f"split brain: step {rows[i]['step']} committed by round {rows[i]['round']} "
+            f"(incarnation {rows[i]['incarnation']}) after round {newest['round']} had committed step "
+            f"{newest['step']}: two groups committed steps at once"
+            for i, newest in _behind(rows) if i not in late]
+
+
+def _behind(rows: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Each line of an older round than a line before it: its index, and the newest round's
+    line it came after."""
+    found: list[tuple[int, dict[str, Any]]] = []
     newest: dict[str, Any] | None = None
     for i, row in enumerate(rows):
         if "round" not in row:
             continue
-        if newest is not None and int(row["round"]) < int(newest["round"]) and i not in late:
-            found.append(f"split brain: step {row['step']} committed by round {row['round']} "
-                         f"(incarnation {row['incarnation']}) after round {newest['round']} had committed step "
-                         f"{newest['step']}: two groups committed steps at once")
+        if newest is not None and int(row["round"]) < int(newest["round"]):
+            found.append((i, newest))
         if newest is None or int(row["round"]) >= int(newest["round"]):
             newest = row
     return found
@@ -204,14 +211,8 @@ def late_commits(rows: Sequence[dict[str, Any]]) -> set[int]:
     a newer round's line records the same step with the same samples. Anything more (a
     second line, another step, other samples) is two groups committing at once."""
     after: dict[str, list[int]] = {}  # incarnation -> its lines written after a newer round's line
-    newest = -1
-    for i, row in enumerate(rows):
-        if "round" not in row:
-            continue
-        r = int(row["round"])
-        if r < newest:
-            after.setdefault(str(row["incarnation"]), []).append(i)
-        newest = max(newest, r)
+    for i, _ in _behind(rows):
+        after.setdefault(str(rows[i]["incarnation"]), []).append(i)
     late: set[int] = set()
     for lines in after.values():
         if len(lines) != 1:
