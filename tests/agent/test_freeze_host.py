@@ -54,7 +54,7 @@ _CLOSED = re.compile(r"round (\d+) closed in [0-9.]+ s: rank \d+ of (\d+) \(([^)
 
 def bound(took: float, survivors: list[Node], since: dict[str, int]) -> float:
     """:data:`BOUND_S`, or :data:`CONNECT_BOUND_S` if a survivor's gloo connect to the frozen
-    host timed out after ``since`` (each node's log length when it froze). gloo writes that
+    host timed out after ``since`` (each node's log length just after it froze). gloo writes that
     line from its own thread, up to a second after the worker went on: a step later than
     :data:`BOUND_S` waits up to 5 s for it."""
     def caught() -> bool:
@@ -140,10 +140,10 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     wait_until(closed_with_joiner, 120, f"the round that takes {joiner.name} back", interval=0.002,
                on_timeout=logs(*group))
     host = next(n for n in group if n.name == found[0].group(3).split(", ")[0])
-    survivors = [n for n in group if n is not host]
-    since = {n.name: len(n.log_path.read_text()) for n in survivors}
     host.freeze()
     frozen_at = time.time()
+    survivors = [n for n in group if n is not host]
+    since = {n.name: len(n.log_path.read_text()) for n in survivors}  # gloo's timeout, if any, comes seconds later
     join_round = int(found[0].group(1))
     stale = {r["pid"] for r in rows(host, tmp_path)}
     took = first_step_without(host, survivors, tmp_path, frozen_at, 2, join_round)
@@ -179,10 +179,10 @@ def test_the_host_of_a_round_that_takes_a_node_back_frozen_as_it_closes(
     victim.kill()
     wait_until(closed_without_victim, 60, f"the round without {victim.name}", interval=0.002, on_timeout=logs(*pair))
     host = next(n for n in pair if n.name == found[0].group(3).split(", ")[0])
-    last = next(n for n in pair if n is not host)
-    since = {last.name: len(last.log_path.read_text())}
     host.freeze()
     frozen_at = time.time()
+    last = next(n for n in pair if n is not host)
+    since = {last.name: len(last.log_path.read_text())}
     failure_round = int(found[0].group(1))
     took = first_step_without(host, [last], tmp_path, frozen_at, 1, failure_round)
     assert took <= bound(took, [last], since), f"first step without the host frozen in a join {took:.2f} s after it froze\n{logs(last)()}"

@@ -155,9 +155,10 @@ FROZEN_RANK0 = textwrap.dedent("""
 
 @pytest.mark.slow  # starts a process and SIGSTOPs it
 def test_a_rank_0_frozen_inside_its_ledger_commit_leaves_no_split_brain(tmp_path: Path) -> None:
-    """The ledger's side of the frozen commit above. Seen under load in test_freeze_host: the frozen old rank 0 completed its admitted
-    line of a step the new rank 0 had recorded meanwhile, and the checker called it a
-    split brain. It is the one late commit the fence allows; its next one is refused."""
+    """The ledger's side of the frozen commit above. Seen under load in test_freeze_host:
+    the frozen old rank 0 completed its admitted line of a step the new rank 0 had recorded
+    meanwhile, and the checker called it a split brain. It is the one late commit the fence
+    allows; its next one is refused."""
     root, path = tmp_path / "snapshots", tmp_path / "ledger.jsonl"
     root.mkdir()
     fence = Fence(root, key=None)

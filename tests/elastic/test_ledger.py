@@ -127,4 +127,3 @@ def test_anything_more_than_that_one_late_line_is_a_split_brain(tmp_path: Path, 
     path = tmp_path / "ledger.jsonl"
     _rounds(path, lines, other_samples=other)
     assert _split(path), read_ledger(path)
-
