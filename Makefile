@@ -10,16 +10,17 @@ venv: $(STAMP)
 
 # torch/torchvision are pinned here (not in pyproject) to the wheels this
 # project is tested with; pyproject declares looser ranges for users elsewhere.
-# pip byte-compiles what it installs on one core; compiled after, on every core, the
-# venv takes ~65 s instead of ~73 (2 cores). torch is compiled while pip installs the
-# rest (one core each): 65-70 s instead of 77-82 (2026-12-03). The bytecode is needed: where
+# pip installs one wheel at a time on one core; torch's CUDA build is a dozen wheels (2.7 GB).
+# deploy/venv_install.py resolves them once with pip, then runs one pip per core on its share:
+# 34 s instead of 48 (2026-12-03, 2 cores). pip byte-compiles on one core: torch is compiled on
+# every core while pip installs the rest, the others after. The bytecode is needed: where
 # PYTHONDONTWRITEBYTECODE is set, each process would compile torch again. compileall's
 # errors are files for other Pythons (torch's py312_intrinsics.py), which pip skips too.
 SITE := $(VENV)/lib/python3.11/site-packages
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
+	$(PY) deploy/venv_install.py torch==2.14.1 torchvision==0.29.1
 	$(PY) -m compileall -q -j0 $(SITE)/torch $(SITE)/torchvision >/dev/null 2>&1 & \
 	  $(PY) -m pip install -q --no-compile -e '.[dev]'; status=$$?; wait; exit $$status
 	$(PY) -m compileall -q -j0 $(SITE) >/dev/null || true
