@@ -26,11 +26,19 @@ from tests.support.metrics_url import metrics_url
 TINY = ["--step-time", "0.05", "--progress", "{progress}"]
 FORM_TIMEOUT = 120  # cold torch imports on a loaded 2-core machine
 LEASE_TTL = 2
+# The etcd outage test's lease: a node whose keep-alives fail must hear from its peer that
+# they fail too between ttl/4 + slack after its own first failure and its deadline, a TTL
+# less ttl/4 after its last confirmation (agent/rendezvous/lease_clock.py). At 2 s that
+# window is about 0.4 s, and once in a whole-suite run the peer's keep-alive thread ran that
+# late: it still "reached etcd", and the node stopped its workers as cut off. At 4 s the
+# window is 0.75 s; the 10 s outage still outlasts the lease more than twice.
+OUTAGE_LEASE_TTL = 4
 
 
-def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, **kw: object) -> Node:
+def start(nodes: Callable[..., Node], name: str, etcd: EmbeddedEtcd, run_id: str, lease_ttl: float = LEASE_TTL,
+          **kw: object) -> Node:
     kw.setdefault("module_args", TINY)
-    agent_args = ["--lease-ttl", str(LEASE_TTL), *kw.pop("agent_args", [])]
+    agent_args = ["--lease-ttl", str(lease_ttl), *kw.pop("agent_args", [])]
     return nodes(name=name, endpoint=etcd.endpoint, run_id=run_id, metrics_port=AUTO_METRICS_PORT,
                  agent_args=agent_args, **kw)
 
@@ -130,7 +138,7 @@ def test_frozen_node_is_written_off_within_the_lease_ttl_and_rejoins_after_thawi
 def test_an_etcd_outage_of_ten_seconds_does_not_disturb_training(
     etcd_server: EmbeddedEtcd, run_id: str, nodes: Callable[..., Node]
 ) -> None:
-    a, b = pair(nodes, etcd_server, run_id)
+    a, b = pair(nodes, etcd_server, run_id, lease_ttl=OUTAGE_LEASE_TTL)
     round_before = a.steps_at(2)[-1]["round"]
     restarts_before = {n.name: restarts(n) for n in (a, b)}  # formation may have cost a scale-up
     stopped_at = time.time()
