@@ -12,7 +12,7 @@ venv: $(STAMP)
 # project is tested with; pyproject declares looser ranges for users elsewhere.
 # pip installs one wheel at a time on one core; torch's CUDA build is a dozen wheels (2.7 GB).
 # deploy/venv_install.py resolves them once with pip, then runs one pip per core on its share:
-# 34 s instead of 48 (2026-12-03, 2 cores). pip byte-compiles on one core: torch is compiled on
+# 29 s instead of 39-40 (2026-12-03, 2 cores; docs/BENCHMARKS.md). pip byte-compiles on one core: torch is compiled on
 # every core while pip installs the rest, the others after. The bytecode is needed: where
 # PYTHONDONTWRITEBYTECODE is set, each process would compile torch again. compileall's
 # errors are files for other Pythons (torch's py312_intrinsics.py), which pip skips too.

@@ -76,8 +76,10 @@ def main(argv: list[str]) -> int:
         print("usage: venv_install.py REQUIREMENT... [-- PIP_OPTIONS]", file=sys.stderr)
         return 2
     wheels = resolve(requirements, options)
-    if not wheels:
+    if wheels is None:
         return subprocess.run([*PIP, *options, *requirements], check=False).returncode
+    if not wheels:
+        return 0  # every requirement is already installed
     cores = len(os.sched_getaffinity(0))
     running = [subprocess.Popen([*PIP, "--no-deps", *options, *(w.url for w in group)])
                for group in shares(wheels, cores)]
