@@ -14,7 +14,7 @@ from agent.etcd import EmbeddedEtcd, EtcdClient
 from tests.support.netns import NodeNetwork, unavailable_reason
 from tests.support.nodes import TorchrunNode
 from tests.support.s3server import SeaweedS3
-from tests.support.schedule import HeavyTogether, file_of
+from tests.support.schedule import HeavyTogether, file_of, file_seconds, longest_first
 from tests.support.secure_etcd import SecureEtcd, start_secure_etcd
 
 _run_ids = itertools.count()
@@ -50,8 +50,9 @@ FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 # loadfile (module fixtures stay shared), except these files, the heaviest of three or more
 # real nodes, which are one unit together (tests/support/schedule.py). They run one after
 # another on one worker, about a third of the suite's time, while the other two take every
-# other file, slow ones first. Two of them at once put eight nodes' torch imports on 2
-# cores, and every timeout in both tests became a race. The multi-node files that mostly
+# other file, slow ones first, the longest first (tests/support/file_seconds.json). Two of
+# them at once put eight nodes' torch imports on 2 cores, and every timeout in both tests
+# became a race. The multi-node files that mostly
 # wait (an etcd outage, a partition, a lease running out) are left to the other workers.
 # Only the schedule depends on this list: a file missing from it runs on the others.
 HEAVY_FILES = (
@@ -70,13 +71,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     slow_files = {file_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    seconds = file_seconds()
 
-    def weight(item: pytest.Item) -> tuple[int, bool]:
+    def weight(item: pytest.Item) -> tuple[int, bool, float]:
         path = file_of(item.nodeid)
         heavy = HEAVY_FILES.index(path) if path in HEAVY_FILES else len(HEAVY_FILES)
-        return heavy, path not in slow_files
+        return heavy, path not in slow_files, longest_first(path, seconds)
 
-    items.sort(key=weight)  # stable: within a file, and among the other files, collection order
+    items.sort(key=weight)  # stable: within a file, and among files of equal weight, collection order
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
