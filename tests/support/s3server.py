@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY = "elastic-test"
 SECRET_KEY = "elastic-test-secret-0123456789"
@@ -99,22 +100,24 @@ class SeaweedS3:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
+        import botocore.config
+
+        # one client for every probe: a new boto3 session loads S3's service model again
+        # (0.1 s of CPU each, every 0.2 s of a start that takes seconds)
+        probe = self.client(botocore.config.Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=3))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.proc = None
                 return False
-            if self._answers():
+            if self._answers(probe):
                 return True
             time.sleep(0.2)
         self.stop()
         return False
 
-    def _answers(self) -> bool:
-        import botocore.config
-
+    def _answers(self, c: Any) -> bool:
         try:
-            c = self.client(botocore.config.Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=3))
             name = "readiness-probe"
             c.create_bucket(Bucket=name) if name not in [b["Name"] for b in c.list_buckets()["Buckets"]] else None
             c.put_object(Bucket=name, Key="probe", Body=b"ok")
