@@ -19,6 +19,10 @@ from tests.support.secure_etcd import TRAINER_PASSWORD, SecureEtcd
 from tests.support.waiting import wait_until
 
 TINY = ["--step-time", "0.05", "--progress", "{progress}"]
+# A kill is seen at once (the connection resets): the lease only has to outlast a loaded
+# machine. At 2 s, beside two busy processes, agent a's keep-alives starved for 2 s while the
+# intruder started, a's lease lapsed and the new round it made read as the intruder's doing.
+LEASE_TTL = 5
 
 
 def secure_node(nodes: Callable[..., Node], secure_etcd: SecureEtcd, run_id: str, name: str, key_file: Path) -> Node:
@@ -26,7 +30,7 @@ def secure_node(nodes: Callable[..., Node], secure_etcd: SecureEtcd, run_id: str
     conf = {"cacert": str(certs / "ca.pem"), "cert": str(certs / "trainer.pem"),
             "key": str(certs / "trainer-key.pem"), "user": "trainer"}
     return nodes(name=name, endpoint=secure_etcd.server.endpoint, run_id=run_id, module_args=TINY, rdzv_conf=conf,
-                 metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", "2"],
+                 metrics_port=AUTO_METRICS_PORT, agent_args=["--lease-ttl", str(LEASE_TTL)],
                  env={"ELASTIC_ETCD_PASSWORD": TRAINER_PASSWORD, "ELASTIC_RDZV_HMAC_KEY_FILE": str(key_file)})
 
 
