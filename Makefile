@@ -48,6 +48,8 @@ $(STAMP): $(INSTALLED)
 # before, which ran the same suite in 13:54-14:10 (docs/BENCHMARKS.md, issue 50's eighth stop).
 # 14:45-16:29 for 1693 tests (2026-12-03, ninth stop: 16:00-17:53 in all, the venv 65-70 s of it).
 # 13:13-15:02 for 1697 tests (2026-12-03, tenth stop: 15:14-16:32 in all; docs/BENCHMARKS.md).
+# 12:07-13:35 for 1700 tests (2026-12-03, eleventh stop: 13:28-15:15 in all, the files longest
+# first, 13-18 s less before pytest; docs/BENCHMARKS.md).
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) no process
 # writes bytecode, so each of the suite's interpreter starts (agents, CLIs, torchrun) would
 # compile the project's modules again (~0.2 s of CPU each); compiled once, they all read it.

@@ -52,8 +52,8 @@ FAST_ONLY_ENV = "ELASTIC_TESTS_FAST_ONLY"
 # another on one worker, about a third of the suite's time, while the other two take every
 # other file, slow ones first, the longest first (tests/support/file_seconds.json). Two of
 # them at once put eight nodes' torch imports on 2 cores, and every timeout in both tests
-# became a race. The multi-node files that mostly
-# wait (an etcd outage, a partition, a lease running out) are left to the other workers.
+# became a race. The multi-node files that mostly wait (an etcd outage, a partition, a lease
+# running out) are left to the other workers.
 # Only the schedule depends on this list: a file missing from it runs on the others.
 HEAVY_FILES = (
     "tests/agent/test_demo.py",

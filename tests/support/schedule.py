@@ -20,9 +20,9 @@ from xdist.scheduler import LoadFileScheduling
 
 HEAVY = "heavy"
 # Each file's summed test seconds in a whole-suite run: the longest files go out first, so
-# that the last ones handed out are short and no worker is left with a long file while the
-# others stand idle; and the quick etcd-only files, which mostly wait, no longer start the
-# run together on two workers. Only the order depends on it; refresh it with
+# that the last ones handed out are short and no worker is left with a long file at the end.
+# (The suite's packing, pytest's time per summed test-second, measured the same as in path
+# order: docs/BENCHMARKS.md.) Only the order depends on it; refresh it with
 # ``python -m tests.support.schedule JUNIT_XML > tests/support/file_seconds.json``.
 SECONDS_FILE = Path(__file__).with_name("file_seconds.json")
 
