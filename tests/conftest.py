@@ -71,12 +71,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     slow_files = {file_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
-    seconds = file_seconds()
+    by_seconds = longest_first(file_seconds())
 
     def weight(item: pytest.Item) -> tuple[int, bool, float]:
         path = file_of(item.nodeid)
         heavy = HEAVY_FILES.index(path) if path in HEAVY_FILES else len(HEAVY_FILES)
-        return heavy, path not in slow_files, longest_first(path, seconds)
+        return heavy, path not in slow_files, by_seconds(path)
 
     items.sort(key=weight)  # stable: within a file, and among files of equal weight, collection order
 

@@ -37,9 +37,9 @@ def test_the_recorded_seconds_name_only_test_files_that_exist() -> None:
 
 def test_the_longest_file_goes_first_and_a_new_one_counts_as_the_median() -> None:
     seconds = {"tests/a.py": 100.0, "tests/b.py": 2.0, "tests/c.py": 10.0}
-    order = sorted(["tests/b.py", "tests/c.py", "tests/a.py", "tests/new.py"], key=lambda p: longest_first(p, seconds))
+    order = sorted(["tests/b.py", "tests/c.py", "tests/a.py", "tests/new.py"], key=longest_first(seconds))
     assert order == ["tests/a.py", "tests/c.py", "tests/new.py", "tests/b.py"]  # stable: new after c, both 10 s
-    assert longest_first("tests/x.py", {}) == 0.0
+    assert longest_first({})("tests/x.py") == 0.0
 
 
 def test_seconds_are_summed_per_file_from_a_junit_report(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import statistics
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from xdist.scheduler import LoadFileScheduling
 
@@ -37,11 +37,12 @@ def file_seconds(path: Path = SECONDS_FILE) -> dict[str, float]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def longest_first(path: str, seconds: Mapping[str, float]) -> float:
-    """A sort key: minus ``path``'s recorded seconds; a file not recorded yet (a new one)
-    counts as the median file, so it neither jumps the queue nor waits for the end."""
+def longest_first(seconds: Mapping[str, float]) -> Callable[[str], float]:
+    """A sort key over file paths: minus a file's recorded seconds; a file not recorded yet (a
+    new one) counts as the median file, so it neither jumps the queue nor waits for the end.
+    The median is taken once, not per test."""
     default = statistics.median(seconds.values()) if seconds else 0.0
-    return -seconds.get(path, default)
+    return lambda path: -seconds.get(path, default)
 
 
 def seconds_from_junit(junit: Path, root: Path) -> dict[str, float]:
