@@ -50,6 +50,8 @@ $(STAMP): $(INSTALLED)
 # 13:13-15:02 for 1697 tests (2026-12-03, tenth stop: 15:14-16:32 in all; docs/BENCHMARKS.md).
 # 12:07-13:35 for 1700 tests (2026-12-03, eleventh stop: 13:28-15:15 in all, the files longest
 # first, 13-18 s less before pytest; docs/BENCHMARKS.md).
+# 10:57-11:56 for 1700 tests (2026-12-03, twelfth stop: 11:42-13:51 in all, three quiet greens
+# in a row; 15:46 in all beside two busy processes, green).
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) no process
 # writes bytecode, so each of the suite's interpreter starts (agents, CLIs, torchrun) would
 # compile the project's modules again (~0.2 s of CPU each); compiled once, they all read it.
